@@ -1,0 +1,215 @@
+// xmix._C: the small Python surface of the compiled half. Raw pointers and sizes in, no
+// libtorch: the torch glue lives in python/xmix/ops.py.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstddef>
+#include <stdexcept>
+#include <string>
+
+#include "xmix/control.h"
+#include "xmix/custom.h"
+#include "xmix/site.h"
+
+#if defined(XMIX_WITH_CUDA)
+#include <cuda_runtime.h>
+#endif
+
+namespace py = pybind11;
+using namespace xmix;
+
+namespace {
+
+const ControlBlock& cb_at(uint64_t p) { return *reinterpret_cast<const ControlBlock*>(p); }
+void* vp(uint64_t p) { return reinterpret_cast<void*>(static_cast<uintptr_t>(p)); }
+
+const OpDesc& op_at(const ControlBlock& cb, int32_t site, int32_t op_index) {
+  if (site < 0 || site >= cb.n_sites) throw std::out_of_range("xmix: site id out of range");
+  const int32_t count = ptr<const int32_t>(cb.site_count)[site];
+  if (op_index < 0 || op_index >= count) throw std::out_of_range("xmix: op index out of range");
+  return ptr<const OpDesc>(cb.ops)[ptr<const int32_t>(cb.site_first)[site] + op_index];
+}
+
+bool cuda_available() {
+#if defined(XMIX_WITH_CUDA)
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky "no driver" error
+    return false;
+  }
+  return n > 0;
+#else
+  return false;
+#endif
+}
+
+std::string cuda_status() {
+#if defined(XMIX_WITH_CUDA)
+  int n = 0;
+  cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return std::string("built with CUDA; no usable GPU: ") + cudaGetErrorString(e);
+  }
+  return "built with CUDA; " + std::to_string(n) + " GPU(s)";
+#else
+  return "built without CUDA (no toolkit at build time)";
+#endif
+}
+
+#if defined(XMIX_WITH_CUDA)
+void check(int err, const char* what) {
+  if (err != 0) {
+    throw std::runtime_error(std::string("xmix: ") + what + " failed: " +
+                             cudaGetErrorString(static_cast<cudaError_t>(err)));
+  }
+}
+#endif
+
+#define FIELD(T, f) d[#f] = offsetof(T, f)
+
+py::dict control_layout() {
+  py::dict d;
+  FIELD(ControlBlock, max_tokens); FIELD(ControlBlock, max_slots); FIELD(ControlBlock, max_apps);
+  FIELD(ControlBlock, n_params); FIELD(ControlBlock, n_channels); FIELD(ControlBlock, n_sites);
+  FIELD(ControlBlock, vec_state_width); FIELD(ControlBlock, vocab_words);
+  FIELD(ControlBlock, n_tokens); FIELD(ControlBlock, n_rows);
+  FIELD(ControlBlock, tok_slot); FIELD(ControlBlock, tok_pos); FIELD(ControlBlock, tok_flags);
+  FIELD(ControlBlock, tok_row);
+  FIELD(ControlBlock, row_slot); FIELD(ControlBlock, row_tok_start); FIELD(ControlBlock, row_n_tok);
+  FIELD(ControlBlock, row_reset); FIELD(ControlBlock, row_n_prompt); FIELD(ControlBlock, row_done);
+  FIELD(ControlBlock, slot_apps); FIELD(ControlBlock, slot_params); FIELD(ControlBlock, slot_span);
+  FIELD(ControlBlock, read_state); FIELD(ControlBlock, vec_state); FIELD(ControlBlock, counters);
+  FIELD(ControlBlock, app_mode); FIELD(ControlBlock, site_first); FIELD(ControlBlock, site_count);
+  FIELD(ControlBlock, ops); FIELD(ControlBlock, cond_code); FIELD(ControlBlock, tokset_bits);
+  FIELD(ControlBlock, span_def); FIELD(ControlBlock, n_spans); FIELD(ControlBlock, n_token_sets);
+  FIELD(ControlBlock, results); FIELD(ControlBlock, capture); FIELD(ControlBlock, capture_size);
+  d["__size__"] = sizeof(ControlBlock);
+  return d;
+}
+
+py::dict op_layout() {
+  py::dict d;
+  FIELD(OpDesc, kind); FIELD(OpDesc, app); FIELD(OpDesc, cond_begin); FIELD(OpDesc, cond_len);
+  FIELD(OpDesc, param_base); FIELD(OpDesc, channel); FIELD(OpDesc, state_base); FIELD(OpDesc, n);
+  FIELD(OpDesc, m); FIELD(OpDesc, flags); FIELD(OpDesc, a0); FIELD(OpDesc, a1); FIELD(OpDesc, a2);
+  FIELD(OpDesc, fn); FIELD(OpDesc, capture_offset);
+  d["__size__"] = sizeof(OpDesc);
+  return d;
+}
+#undef FIELD
+
+py::dict constants() {
+  py::dict d;
+  d["DT_F32"] = int(DT_F32); d["DT_BF16"] = int(DT_BF16); d["DT_F16"] = int(DT_F16);
+  d["SITES_PER_LAYER"] = kSitesPerLayer;
+  d["SITE_RESIDUAL_PRE"] = int(SITE_RESIDUAL_PRE); d["SITE_ATTENTION_POST"] = int(SITE_ATTENTION_POST);
+  d["SITE_RESIDUAL_MID"] = int(SITE_RESIDUAL_MID); d["SITE_ROUTER_LOGITS"] = int(SITE_ROUTER_LOGITS);
+  d["SITE_MLP_POST"] = int(SITE_MLP_POST); d["SITE_RESIDUAL_POST"] = int(SITE_RESIDUAL_POST);
+  d["OP_PROBE"] = int(OP_PROBE); d["OP_CAPTURE"] = int(OP_CAPTURE); d["OP_COSINE"] = int(OP_COSINE);
+  d["OP_DISTANCE"] = int(OP_DISTANCE); d["OP_ADD"] = int(OP_ADD); d["OP_ABLATE"] = int(OP_ABLATE);
+  d["OP_AFFINE"] = int(OP_AFFINE); d["OP_CLAMP"] = int(OP_CLAMP); d["OP_ROUTER"] = int(OP_ROUTER);
+  d["OP_CUSTOM"] = int(OP_CUSTOM);
+  d["TF_VALID"] = int(TF_VALID); d["TF_PROMPT"] = int(TF_PROMPT);
+  d["TF_GENERATED"] = int(TF_GENERATED); d["TF_LAST"] = int(TF_LAST);
+  d["TOKEN_SET_BIT0"] = kTokenSetBit0; d["MAX_TOKEN_SETS"] = kMaxTokenSets;
+  d["SPAN_BIT0"] = kSpanBit0; d["MAX_SPANS"] = kMaxSpans;
+  d["C_TRUE"] = int(C_TRUE); d["C_FLAG"] = int(C_FLAG); d["C_GATE"] = int(C_GATE);
+  d["C_LATCH"] = int(C_LATCH); d["C_AND"] = int(C_AND); d["C_OR"] = int(C_OR); d["C_NOT"] = int(C_NOT);
+  d["CMP_GE"] = int(CMP_GE); d["CMP_GT"] = int(CMP_GT); d["CMP_LE"] = int(CMP_LE);
+  d["CMP_LT"] = int(CMP_LT); d["CMP_EQ"] = int(CMP_EQ); d["CMP_NE"] = int(CMP_NE);
+  d["RED_MEAN"] = int(RED_MEAN); d["RED_LAST"] = int(RED_LAST);
+  d["MAX_COND_STACK"] = kMaxCondStack; d["READ_STATE_WIDTH"] = kReadStateWidth;
+  d["MODE_OFF"] = int(MODE_OFF); d["MODE_REQUEST"] = int(MODE_REQUEST); d["MODE_ALL"] = int(MODE_ALL);
+  return d;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "xmix compiled kernels: CPU twins always, CUDA twins when built with a toolkit";
+  m.def("cuda_available", &cuda_available, "True when built with CUDA and a GPU is usable");
+  m.def("built_with_cuda", []() {
+#if defined(XMIX_WITH_CUDA)
+    return true;
+#else
+    return false;
+#endif
+  });
+  m.def("cuda_status", &cuda_status);
+  m.def("control_layout", &control_layout);
+  m.def("op_layout", &op_layout);
+  m.def("constants", &constants);
+
+  using G = py::call_guard<py::gil_scoped_release>;
+  m.def("run_site_cpu", [](uint64_t cb, int32_t site, uint64_t h, uint64_t r, int32_t n_rows,
+                           int32_t d, int64_t sh, int64_t sr, int32_t dtype) {
+          run_site_cpu(cb_at(cb), site, vp(h), vp(r), n_rows, d, sh, sr, dtype);
+        }, G());
+  m.def("run_op_cpu", [](uint64_t cb, int32_t site, int32_t op_index, uint64_t h, uint64_t r,
+                         int32_t n_rows, int32_t d, int64_t sh, int64_t sr, int32_t dtype) {
+          run_op_cpu(cb_at(cb), op_at(cb_at(cb), site, op_index), vp(h), vp(r), n_rows, d, sh, sr, dtype);
+        });
+  m.def("run_prologue_cpu", [](uint64_t cb, uint64_t ids, int32_t ids_dtype) {
+          run_prologue_cpu(cb_at(cb), vp(ids), ids_dtype);
+        }, G());
+  m.def("op_any_selected_cpu", [](uint64_t cb, int32_t site, int32_t op_index) {
+          return op_any_selected_cpu(cb_at(cb), op_at(cb_at(cb), site, op_index));
+        });
+  m.def("load_custom_cpu", [](const std::string& lib, const std::string& sym) {
+          std::string err;
+          uint64_t fn = load_custom_cpu(lib, sym, &err);
+          if (!fn) throw std::runtime_error(err);
+          return fn;
+        });
+
+#if defined(XMIX_WITH_CUDA)
+  m.def("launch_site_anchor", [](uint64_t cb, int32_t site, uint64_t h, uint64_t r, int32_t n_rows,
+                                 int32_t d, int64_t sh, int64_t sr, int32_t dtype, uint64_t stream) {
+          check(launch_site_anchor(reinterpret_cast<const ControlBlock*>(cb), site, vp(h), vp(r),
+                                   n_rows, d, sh, sr, dtype, vp(stream)), "site anchor launch");
+        });
+  m.def("launch_op", [](uint64_t cb, int32_t site, int32_t op_index, uint64_t h, uint64_t r,
+                        int32_t n_rows, int32_t d, int64_t sh, int64_t sr, int32_t dtype, uint64_t stream) {
+          check(launch_op(reinterpret_cast<const ControlBlock*>(cb), site, op_index, vp(h), vp(r),
+                          n_rows, d, sh, sr, dtype, vp(stream)), "op launch");
+        });
+  m.def("launch_prologue", [](uint64_t cb, uint64_t ids, int32_t ids_dtype, int32_t max_rows,
+                              uint64_t stream) {
+          check(launch_prologue(reinterpret_cast<const ControlBlock*>(cb), vp(ids), ids_dtype,
+                                max_rows, vp(stream)), "prologue launch");
+        });
+  m.def("launch_gate", [](uint64_t cb, int32_t site, int32_t op_index, int32_t n_rows,
+                          uint64_t handle, uint64_t stream) {
+          check(launch_gate(reinterpret_cast<const ControlBlock*>(cb), site, op_index, n_rows, handle,
+                            vp(stream)), "gate launch");
+        });
+  m.def("launch_custom", [](uint64_t cb, int32_t site, int32_t op_index, uint64_t kernel,
+                            uint64_t h, uint64_t r, int64_t sh, int64_t sr, int32_t n_rows, int32_t d,
+                            int32_t dtype, int32_t n_params, uint64_t tok_slot, uint64_t tok_pos,
+                            uint64_t slot_params, int32_t param_base, uint64_t artifact,
+                            int32_t artifact_numel, uint64_t select, uint64_t out, uint64_t stream) {
+          xmix_custom_args a{};
+          a.h = vp(h); a.r = vp(r); a.stride_h = sh; a.stride_r = sr; a.n_rows = n_rows; a.d = d;
+          a.dtype = dtype; a.n_params = n_params;
+          a.tok_slot = static_cast<const int32_t*>(vp(tok_slot));
+          a.tok_pos = static_cast<const int32_t*>(vp(tok_pos));
+          a.slot_params = static_cast<const float*>(vp(slot_params));
+          a.param_base = param_base;
+          a.artifact = static_cast<const float*>(vp(artifact));
+          a.artifact_numel = artifact_numel;
+          check(launch_custom(reinterpret_cast<const ControlBlock*>(cb), site, op_index, kernel, &a,
+                              static_cast<uint8_t*>(vp(select)), static_cast<float*>(vp(out)),
+                              vp(stream)), "custom kernel launch");
+        });
+  m.def("load_custom_cuda", [](py::bytes image, const std::string& name) {
+          std::string img = image;
+          uint64_t k = 0;
+          check(load_custom_cuda(img.data(), name.c_str(), &k), "loading custom CUDA kernel");
+          return k;
+        });
+  m.def("anchor_kernel_symbol", []() { return reinterpret_cast<uint64_t>(anchor_kernel_symbol()); });
+  m.def("op_kernel_symbol", []() { return reinterpret_cast<uint64_t>(op_kernel_symbol()); });
+  m.def("gate_kernel_symbol", []() { return reinterpret_cast<uint64_t>(gate_kernel_symbol()); });
+#endif
+}

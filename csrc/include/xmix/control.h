@@ -1,0 +1,313 @@
+// The control block: the one data structure that the host, the CPU kernels and the CUDA
+// kernels share. It lives in device memory at a fixed address for the engine's life, so a
+// CUDA graph captured once stays valid while apps are deployed, switched and re-parameterised:
+// all of that is a write into this memory between steps.
+//
+// Layout rules: plain old data only, 8-byte aligned, pointers stored as uint64 so the host
+// (Python packs this struct from field offsets exported by _C) and the device agree.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <cmath>
+
+#if defined(__CUDACC__)
+#define XMIX_HD __host__ __device__ __forceinline__
+#else
+#define XMIX_HD inline
+#endif
+
+namespace xmix {
+
+enum DType : int32_t { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
+
+// Hook surface. A site id is layer * kSitesPerLayer + kind; final.post is n_layers *
+// kSitesPerLayer. Kinds are numbered in forward order inside a decoder layer.
+enum SiteKind : int32_t {
+  SITE_RESIDUAL_PRE = 0,
+  SITE_ATTENTION_POST = 1,
+  SITE_RESIDUAL_MID = 2,
+  SITE_ROUTER_LOGITS = 3,
+  SITE_MLP_POST = 4,
+  SITE_RESIDUAL_POST = 5,
+};
+constexpr int32_t kSitesPerLayer = 6;
+
+enum OpKind : int32_t {
+  OP_NONE = 0,
+  // reads: write one float per token into their result channel (NaN where they did not run)
+  OP_PROBE = 1,     // sigmoid(w . x + b)
+  OP_CAPTURE = 2,   // x[dim_begin:dim_begin+n] copied to the capture buffer; channel = 1
+  OP_COSINE = 3,    // CAST: cos(m, tanh(P m)), m = mean of x over the request's prompt
+  OP_DISTANCE = 4,  // min_k ||x - mu_k||
+  // writes: change the stream (hidden + residual) by changing hidden only
+  OP_ADD = 16,      // x += s * v
+  OP_ABLATE = 17,   // x -= (x . r) r          (r unit norm, normalised at deploy)
+  OP_AFFINE = 18,   // x <- A (x - mu_s) + mu_t
+  OP_CLAMP = 19,    // p = x . u; x += (clamp(p, lo, hi) - p) u   (u unit norm)
+  OP_ROUTER = 20,   // router logits: log-softmax, forced on = max + delta, off = min - delta
+  OP_CUSTOM = 32,   // user kernel with the CustomArgs ABI (custom.h)
+};
+
+XMIX_HD bool op_is_read(int32_t kind) { return kind >= OP_PROBE && kind <= OP_DISTANCE; }
+
+// Per-token flags. The host writes the low byte every step; the prologue ORs in token-set
+// and span bits computed from the input ids on the device.
+enum TokenFlag : uint32_t {
+  TF_VALID = 1u << 0,      // a real token (padding rows have no flags at all)
+  TF_PROMPT = 1u << 1,     // position < prompt length
+  TF_GENERATED = 1u << 2,  // a sampled token fed back in
+  TF_LAST = 1u << 3,       // this token's logits are sampled this step ("last_token")
+};
+constexpr int32_t kTokenSetBit0 = 8;   // bits 8..23: token sets
+constexpr int32_t kMaxTokenSets = 16;
+constexpr int32_t kSpanBit0 = 24;      // bits 24..31: spans
+constexpr int32_t kMaxSpans = 8;
+
+// Condition programs: postfix code over a bool stack, 4 int32 words per instruction.
+enum CondOp : int32_t {
+  C_TRUE = 0,
+  C_FLAG = 1,   // a = flag bit index                          push (flags >> a) & 1
+  C_GATE = 2,   // a = result channel, b = cmp, c = param      push results[t][a] cmp p[c]
+  C_LATCH = 3,  // a = result channel, b = cmp | reduce << 8, c = param
+                //   push reduce(prompt values of a) cmp p[c], decided at the last prompt
+                //   token; false before that
+  C_AND = 4,
+  C_OR = 5,
+  C_NOT = 6,
+};
+enum Cmp : int32_t { CMP_GE = 0, CMP_GT = 1, CMP_LE = 2, CMP_LT = 3, CMP_EQ = 4, CMP_NE = 5 };
+enum Reduce : int32_t { RED_MEAN = 0, RED_LAST = 1 };
+constexpr int32_t kMaxCondStack = 16;
+
+// Read-state per (slot, channel): sum and count of the read over the request's prompt
+// tokens, and its value at the last prompt token (NaN until then).
+constexpr int32_t kReadStateWidth = 3;  // sum, count, last
+
+// Modes of an app (deployment level).
+enum AppMode : int32_t { MODE_OFF = 0, MODE_REQUEST = 1, MODE_ALL = 2 };
+
+// One op at one site. Artifacts are fp32 device arrays owned by the host-side app record.
+struct OpDesc {
+  int32_t kind;
+  int32_t app;          // app index: bit in slot_apps, entry in app_mode
+  int32_t cond_begin;   // first instruction in cond_code, -1 = always
+  int32_t cond_len;
+  int32_t param_base;   // first of this op's scalars in each slot's param row
+  int32_t channel;      // result channel for reads, -1 for writes
+  int32_t state_base;   // offset into vec_state per slot (cosine), -1 if none
+  int32_t n;            // probe/add/...: d; distance: K; router: n experts; capture: width
+  int32_t m;            // capture: first dimension captured; custom: artifact numel (low)
+  int32_t flags;        // op-specific bits
+  uint64_t a0;          // weight / vector / direction / A / mask / centroids
+  uint64_t a1;          // mu_s
+  uint64_t a2;          // mu_t
+  uint64_t fn;          // OP_CUSTOM: CPU function pointer (host) or kernel handle (CUDA)
+  uint64_t capture_offset;  // OP_CAPTURE: float offset of this op's block in capture buffer
+};
+static_assert(sizeof(OpDesc) % 8 == 0, "OpDesc must stay 8-byte aligned");
+
+// Scalar params of each op kind, at param_base + index in the slot's param row.
+enum ParamIndex : int32_t {
+  P_PROBE_BIAS = 0,
+  P_ADD_SCALE = 0,
+  P_CLAMP_LO = 0, P_CLAMP_HI = 1,
+  P_ROUTER_DELTA = 0,
+  P_COSINE_UNUSED = 0,
+  P_AFFINE_UNUSED = 0,
+};
+
+struct ControlBlock {
+  // capacities (fixed for the engine's life)
+  int32_t max_tokens;     // T: rows of the per-token arrays
+  int32_t max_slots;      // S: concurrently running requests
+  int32_t max_apps;       // <= 64 (slot_apps is a bitmask)
+  int32_t n_params;       // P: floats per slot param row
+  int32_t n_channels;     // R: scalar result channels
+  int32_t n_sites;
+  int32_t vec_state_width;  // floats per slot of vector state (cosine running sums)
+  int32_t vocab_words;      // uint32 words per token-set bitmap
+  // per step (host written before the forward)
+  int32_t n_tokens;       // real tokens this step (rows >= n_tokens are padding)
+  int32_t n_rows;         // scheduled requests this step
+  uint64_t tok_slot;      // int32[T]   slot of each token, -1 = padding
+  uint64_t tok_pos;       // int32[T]   position in its request
+  uint64_t tok_flags;     // uint32[T]  TokenFlag | set bits | span bits
+  uint64_t tok_row;       // int32[T]   scheduled-request row of each token, -1 = padding
+  uint64_t row_slot;      // int32[S]   per scheduled request: slot,
+  uint64_t row_tok_start; // int32[S]   first token row,
+  uint64_t row_n_tok;     // int32[S]   number of tokens,
+  uint64_t row_reset;     // int32[S]   1 when the request starts at position 0 this step
+  uint64_t row_n_prompt;  // int32[S]   prompt tokens of this request among its tokens here
+  uint64_t row_done;      // int32[S]   1 when this step processes the last prompt token
+  // per slot (host written at admission and on control changes)
+  uint64_t slot_apps;     // uint64[S]  bit a = request uses app a
+  uint64_t slot_params;   // float[S*P]
+  uint64_t slot_span;     // uint32[S]  span state bits
+  uint64_t read_state;    // float[S*R*kReadStateWidth]
+  uint64_t vec_state;     // float[S*vec_state_width]
+  uint64_t counters;      // int32[S*R]  per step arrival counters (CUDA last-block pattern)
+  // apps, programs, sets
+  uint64_t app_mode;      // int32[max_apps]
+  uint64_t site_first;    // int32[n_sites]
+  uint64_t site_count;    // int32[n_sites]
+  uint64_t ops;           // OpDesc[]
+  uint64_t cond_code;     // int32[4 * n]
+  uint64_t tokset_bits;   // uint32[kMaxTokenSets * vocab_words]
+  uint64_t span_def;      // int32[kMaxSpans * 2]: open set, close set (-1 = unused)
+  int32_t n_spans;
+  int32_t n_token_sets;
+  // outputs
+  uint64_t results;       // float[T*R]
+  uint64_t capture;       // float[capture_size]
+  int64_t capture_size;
+};
+static_assert(sizeof(ControlBlock) % 8 == 0, "ControlBlock must stay 8-byte aligned");
+
+template <typename T>
+XMIX_HD T* ptr(uint64_t p) { return reinterpret_cast<T*>(static_cast<uintptr_t>(p)); }
+
+// ---------------------------------------------------------------- scalar conversions
+// Round-to-nearest-even, the same as torch's .to(bfloat16 / float16).
+XMIX_HD float bits_to_float(uint32_t u) {
+  union { uint32_t u; float f; } c; c.u = u; return c.f;
+}
+XMIX_HD uint32_t float_to_bits(float f) {
+  union { uint32_t u; float f; } c; c.f = f; return c.u;
+}
+XMIX_HD float bf16_to_float(uint16_t b) { return bits_to_float(static_cast<uint32_t>(b) << 16); }
+XMIX_HD uint16_t float_to_bf16(float f) {
+  uint32_t u = float_to_bits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+XMIX_HD float f16_to_float(uint16_t h) {
+  uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+  uint32_t u;
+  if (exp == 0) {
+    if (man == 0) {
+      u = sign;
+    } else {  // subnormal: renormalise
+      int e = -1;
+      do { ++e; man <<= 1; } while ((man & 0x400u) == 0);
+      u = sign | static_cast<uint32_t>(127 - 15 - e) << 23 | (man & 0x3ffu) << 13;
+    }
+  } else if (exp == 31) {
+    u = sign | 0x7f800000u | man << 13;
+  } else {
+    u = sign | (exp + 112u) << 23 | man << 13;
+  }
+  return bits_to_float(u);
+}
+XMIX_HD uint16_t float_to_f16(float f) {
+  uint32_t u = float_to_bits(f);
+  uint32_t sign = (u >> 16) & 0x8000u;
+  uint32_t a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);  // NaN
+  if (a >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u); // overflow -> inf
+  if (a < 0x38800000u) {  // result is subnormal or zero
+    if (a < 0x33000000u) return static_cast<uint16_t>(sign);  // rounds to zero
+    uint32_t e = a >> 23;
+    uint32_t man = (a & 0x7fffffu) | 0x800000u;
+    uint32_t shift = 126u - e;  // 14 + (113 - e) - 1
+    uint32_t half = man >> shift;
+    uint32_t rem = man & ((1u << shift) - 1u);
+    uint32_t mid = 1u << (shift - 1u);
+    if (rem > mid || (rem == mid && (half & 1u))) ++half;
+    return static_cast<uint16_t>(sign | half);
+  }
+  uint32_t r = a + 0xfffu + ((a >> 13) & 1u);  // round mantissa to 10 bits, nearest even
+  return static_cast<uint16_t>(sign | ((r - 0x38000000u) >> 13));
+}
+
+XMIX_HD float load(const void* base, int64_t i, int32_t dtype) {
+  if (dtype == DT_F32) return static_cast<const float*>(base)[i];
+  uint16_t b = static_cast<const uint16_t*>(base)[i];
+  return dtype == DT_BF16 ? bf16_to_float(b) : f16_to_float(b);
+}
+XMIX_HD void store(void* base, int64_t i, int32_t dtype, float v) {
+  if (dtype == DT_F32) { static_cast<float*>(base)[i] = v; return; }
+  static_cast<uint16_t*>(base)[i] = dtype == DT_BF16 ? float_to_bf16(v) : float_to_f16(v);
+}
+XMIX_HD int32_t dtype_size(int32_t dtype) { return dtype == DT_F32 ? 4 : 2; }
+
+// ---------------------------------------------------------------- conditions
+XMIX_HD bool compare(float v, int32_t cmp, float t) {
+  switch (cmp) {
+    case CMP_GE: return v >= t;
+    case CMP_GT: return v > t;
+    case CMP_LE: return v <= t;
+    case CMP_LT: return v < t;
+    case CMP_EQ: return v == t;
+    default: return v != t && v == v;  // NaN (read did not run) is never "not equal"
+  }
+}
+
+XMIX_HD bool app_active(const ControlBlock& cb, int32_t app, int32_t slot) {
+  int32_t mode = ptr<const int32_t>(cb.app_mode)[app];
+  if (mode == MODE_ALL) return true;
+  if (mode == MODE_OFF) return false;
+  return (ptr<const uint64_t>(cb.slot_apps)[slot] >> app) & 1ull;
+}
+
+// A latch is decided once the request's last prompt token has been read: at that token
+// (in later sites of the same forward pass) and at every generated token after it.
+XMIX_HD bool latch_decided(uint32_t flags) {
+  return (flags & TF_GENERATED) || ((flags & TF_PROMPT) && (flags & TF_LAST));
+}
+
+XMIX_HD bool eval_cond(const ControlBlock& cb, const OpDesc& op, int32_t t, int32_t slot) {
+  if (op.cond_begin < 0 || op.cond_len == 0) return true;
+  const int32_t* code = ptr<const int32_t>(cb.cond_code) + 4 * op.cond_begin;
+  const uint32_t flags = ptr<const uint32_t>(cb.tok_flags)[t];
+  const float* params = ptr<const float>(cb.slot_params) + static_cast<int64_t>(slot) * cb.n_params;
+  bool st[kMaxCondStack];
+  int32_t sp = 0;
+  for (int32_t i = 0; i < op.cond_len; ++i) {
+    const int32_t o = code[4 * i], a = code[4 * i + 1], b = code[4 * i + 2], c = code[4 * i + 3];
+    switch (o) {
+      case C_TRUE: st[sp++] = true; break;
+      case C_FLAG: st[sp++] = (flags >> a) & 1u; break;
+      case C_GATE: {
+        float v = ptr<const float>(cb.results)[static_cast<int64_t>(t) * cb.n_channels + a];
+        st[sp++] = compare(v, b, params[c]);
+        break;
+      }
+      case C_LATCH: {
+        bool v = false;
+        if (latch_decided(flags)) {
+          const float* s = ptr<const float>(cb.read_state) +
+              (static_cast<int64_t>(slot) * cb.n_channels + a) * kReadStateWidth;
+          const int32_t reduce = b >> 8;
+          if (reduce == RED_LAST) v = compare(s[2], b & 0xff, params[c]);
+          else if (s[1] > 0.f) v = compare(s[0] / s[1], b & 0xff, params[c]);
+        }
+        st[sp++] = v;
+        break;
+      }
+      case C_AND: { bool y = st[--sp]; st[sp - 1] = st[sp - 1] && y; break; }
+      case C_OR: { bool y = st[--sp]; st[sp - 1] = st[sp - 1] || y; break; }
+      case C_NOT: st[sp - 1] = !st[sp - 1]; break;
+      default: return false;
+    }
+  }
+  return sp == 1 && st[0];
+}
+
+// Whether op applies to token t: a real token, its request uses the app, the condition holds.
+XMIX_HD bool op_selects(const ControlBlock& cb, const OpDesc& op, int32_t t, int32_t* slot_out) {
+  const int32_t slot = ptr<const int32_t>(cb.tok_slot)[t];
+  *slot_out = slot;
+  if (slot < 0 || t >= cb.n_tokens) return false;
+  if (!app_active(cb, op.app, slot)) return false;
+  return eval_cond(cb, op, t, slot);
+}
+
+XMIX_HD const float* slot_params_row(const ControlBlock& cb, int32_t slot) {
+  return ptr<const float>(cb.slot_params) + static_cast<int64_t>(slot) * cb.n_params;
+}
+
+// expf (not __expf) on both sides: one semantics for the two twins.
+XMIX_HD float sigmoid(float z) { return 1.f / (1.f + expf(-z)); }
+
+}  // namespace xmix

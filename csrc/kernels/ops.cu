@@ -1,0 +1,513 @@
+// CUDA twins of the built-in primitives and the kernels that run them: the site anchor (all
+// ops of a site, self-dispatching from the control block), the per-op kernel a graph splice
+// uses, the gate kernel that sets an IF conditional node, and the per-step prologue.
+//
+// One block per token row. Formulas and accumulation order per element match ops_cpu.cpp;
+// dot products are reduced across the block (fp32), so sums differ from the CPU only by
+// reassociation. Cross-token state (latch sums, CAST running means) uses atomics; the CAST
+// value is computed by the last block of a request to arrive (threadfence reduction).
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "xmix/control.h"
+#include "xmix/custom.h"
+#include "xmix/site.h"
+
+namespace xmix {
+namespace {
+
+constexpr int kThreads = 256;
+
+__device__ __forceinline__ float nan_f() { return __int_as_float(0x7fc00000); }
+
+__device__ float block_sum(float v, float* red) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  __syncthreads();
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  float total = 0.f;
+  if (threadIdx.x < 32) {
+    total = threadIdx.x < (blockDim.x >> 5) ? red[threadIdx.x] : 0.f;
+    for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
+    if (threadIdx.x == 0) red[32] = total;
+  }
+  __syncthreads();
+  return red[32];
+}
+
+__device__ float block_max(float v, float* red) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  __syncthreads();
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    float m = threadIdx.x < (blockDim.x >> 5) ? red[threadIdx.x] : -INFINITY;
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    if (threadIdx.x == 0) red[32] = m;
+  }
+  __syncthreads();
+  return red[32];
+}
+
+__device__ float block_min(float v, float* red) { return -block_max(-v, red); }
+
+struct DRow {
+  char* h;
+  const char* r;
+  int32_t d;
+  int32_t dtype;
+  __device__ float x(int32_t i) const {
+    float v = load(h, i, dtype);
+    return r ? v + load(r, i, dtype) : v;
+  }
+  __device__ float hid(int32_t i) const { return load(h, i, dtype); }
+  __device__ float res(int32_t i) const { return r ? load(r, i, dtype) : 0.f; }
+  __device__ void set_h(int32_t i, float v) const { store(h, i, dtype, v); }
+};
+
+__device__ float dot_x(const DRow& row, const float* w, float* red) {
+  float acc = 0.f;
+  for (int32_t i = threadIdx.x; i < row.d; i += blockDim.x) acc += row.x(i) * w[i];
+  return block_sum(acc, red);
+}
+
+__device__ void note_read(const ControlBlock& cb, int32_t channel, int32_t slot,
+                          uint32_t flags, float v) {
+  if (!(flags & TF_PROMPT)) return;
+  float* s = ptr<float>(cb.read_state) +
+             (static_cast<int64_t>(slot) * cb.n_channels + channel) * kReadStateWidth;
+  atomicAdd(&s[0], v);
+  atomicAdd(&s[1], 1.f);
+  if (flags & TF_LAST) s[2] = v;
+}
+
+__device__ float cosine_of_mean(const float* sum, float count, const OpDesc& op, int32_t d,
+                                float* red) {
+  const float* v = ptr<const float>(op.a0);
+  const float inv_vv = ptr<const float>(op.a1)[0];
+  float vm = 0.f;
+  for (int32_t i = threadIdx.x; i < d; i += blockDim.x) vm += v[i] * (sum[i] / count);
+  const float a = block_sum(vm, red) * inv_vv;
+  float mu = 0.f, mm = 0.f, uu = 0.f;
+  for (int32_t i = threadIdx.x; i < d; i += blockDim.x) {
+    const float m = sum[i] / count;
+    const float u = tanhf(a * v[i]);
+    mu += m * u;
+    mm += m * m;
+    uu += u * u;
+  }
+  mu = block_sum(mu, red);
+  mm = block_sum(mm, red);
+  uu = block_sum(uu, red);
+  const float den = sqrtf(mm) * sqrtf(uu);
+  return den > 0.f ? mu / den : 0.f;
+}
+
+// One op on the token row of this block. All threads of the block call it.
+__device__ void run_op_row(const ControlBlock& cb, const OpDesc& op, int32_t t, void* h,
+                           const void* r, int32_t d, int64_t sh, int64_t sr, int32_t dtype,
+                           float* red, float* xs) {
+  __shared__ int32_t s_sel, s_slot;
+  if (threadIdx.x == 0) {
+    int32_t slot;
+    s_sel = op_selects(cb, op, t, &slot) ? 1 : 0;
+    s_slot = slot;
+  }
+  __syncthreads();
+  const bool sel = s_sel != 0;
+  const int32_t slot = s_slot;
+  const int64_t es = dtype_size(dtype);
+  DRow row{static_cast<char*>(h) + t * sh * es,
+           r ? static_cast<const char*>(r) + t * sr * es : nullptr, d, dtype};
+  const uint32_t flags = ptr<const uint32_t>(cb.tok_flags)[t];
+  const float* p = slot >= 0 ? slot_params_row(cb, slot) : nullptr;
+  float* results = ptr<float>(cb.results);
+  const int64_t res_i = static_cast<int64_t>(t) * cb.n_channels + op.channel;
+
+  switch (op.kind) {
+    case OP_PROBE: {
+      float v = nan_f();
+      if (sel) v = sigmoid(dot_x(row, ptr<const float>(op.a0), red) + p[op.param_base + P_PROBE_BIAS]);
+      if (threadIdx.x == 0) {
+        results[res_i] = v;
+        if (sel) note_read(cb, op.channel, slot, flags, v);
+      }
+      break;
+    }
+    case OP_DISTANCE: {
+      float v = nan_f();
+      if (sel) {
+        const float* mu = ptr<const float>(op.a0);
+        float best = INFINITY;
+        for (int32_t k = 0; k < op.n; ++k) {
+          float acc = 0.f;
+          for (int32_t i = threadIdx.x; i < d; i += blockDim.x) {
+            const float e = row.x(i) - mu[static_cast<int64_t>(k) * d + i];
+            acc += e * e;
+          }
+          best = fminf(best, sqrtf(block_sum(acc, red)));
+        }
+        v = best;
+      }
+      if (threadIdx.x == 0) {
+        results[res_i] = v;
+        if (sel) note_read(cb, op.channel, slot, flags, v);
+      }
+      break;
+    }
+    case OP_CAPTURE: {
+      if (sel) {
+        float* dst = ptr<float>(cb.capture) + op.capture_offset + static_cast<int64_t>(t) * op.n;
+        for (int32_t i = threadIdx.x; i < op.n; i += blockDim.x) dst[i] = row.x(op.m + i);
+      }
+      if (threadIdx.x == 0) {
+        results[res_i] = sel ? 1.f : nan_f();
+        if (sel) note_read(cb, op.channel, slot, flags, 1.f);
+      }
+      break;
+    }
+    case OP_COSINE: {
+      // Every block writes its own NaN first; the last block of the request to arrive
+      // writes the value at the last prompt token row (see file comment).
+      if (threadIdx.x == 0) results[res_i] = nan_f();
+      if (slot < 0 || t >= cb.n_tokens || !app_active(cb, op.app, slot) || !(flags & TF_PROMPT))
+        break;
+      float* st = ptr<float>(cb.vec_state) + static_cast<int64_t>(slot) * cb.vec_state_width +
+                  op.state_base;
+      if (sel) {
+        for (int32_t i = threadIdx.x; i < d; i += blockDim.x) atomicAdd(&st[i], row.x(i));
+        if (threadIdx.x == 0) atomicAdd(&st[d], 1.f);
+      }
+      __threadfence();
+      __shared__ int32_t s_last;
+      const int32_t rw = ptr<const int32_t>(cb.tok_row)[t];
+      if (threadIdx.x == 0) {
+        int32_t* counter = ptr<int32_t>(cb.counters) + static_cast<int64_t>(slot) * cb.n_channels + op.channel;
+        const int32_t expected = ptr<const int32_t>(cb.row_n_prompt)[rw];
+        s_last = atomicAdd(counter, 1) == expected - 1;
+        if (s_last) *counter = 0;
+      }
+      __syncthreads();
+      if (s_last) {
+        __threadfence();
+        if (ptr<const int32_t>(cb.row_done)[rw] && st[d] > 0.f) {
+          const float v = cosine_of_mean(st, st[d], op, d, red);
+          if (threadIdx.x == 0) {
+            const int32_t t_last = ptr<const int32_t>(cb.row_tok_start)[rw] +
+                                   ptr<const int32_t>(cb.row_n_prompt)[rw] - 1;
+            results[static_cast<int64_t>(t_last) * cb.n_channels + op.channel] = v;
+            note_read(cb, op.channel, slot, TF_PROMPT | TF_LAST, v);
+          }
+        }
+      }
+      break;
+    }
+    case OP_ADD: {
+      if (!sel) break;
+      const float* v = ptr<const float>(op.a0);
+      const float s = p[op.param_base + P_ADD_SCALE];
+      for (int32_t i = threadIdx.x; i < d; i += blockDim.x) row.set_h(i, row.hid(i) + s * v[i]);
+      break;
+    }
+    case OP_ABLATE: {
+      if (!sel) break;
+      const float* u = ptr<const float>(op.a0);
+      const float proj = dot_x(row, u, red);
+      for (int32_t i = threadIdx.x; i < d; i += blockDim.x) row.set_h(i, row.hid(i) - proj * u[i]);
+      break;
+    }
+    case OP_CLAMP: {
+      if (!sel) break;
+      const float* u = ptr<const float>(op.a0);
+      const float proj = dot_x(row, u, red);
+      const float lo = p[op.param_base + P_CLAMP_LO], hi = p[op.param_base + P_CLAMP_HI];
+      const float delta = fminf(fmaxf(proj, lo), hi) - proj;
+      for (int32_t i = threadIdx.x; i < d; i += blockDim.x) row.set_h(i, row.hid(i) + delta * u[i]);
+      break;
+    }
+    case OP_AFFINE: {
+      if (!sel) break;
+      const float* A = ptr<const float>(op.a0);
+      const float* mus = ptr<const float>(op.a1);
+      const float* mut = ptr<const float>(op.a2);
+      for (int32_t j = threadIdx.x; j < d; j += blockDim.x) xs[j] = row.x(j) - mus[j];
+      __syncthreads();
+      // One warp per output element; every x is in shared memory before h is written.
+      const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+      float* outs = xs + d;
+      for (int32_t i = warp; i < d; i += n_warps) {
+        const float* a = A + static_cast<int64_t>(i) * d;
+        float acc = 0.f;
+        for (int32_t j = lane; j < d; j += 32) acc += a[j] * xs[j];
+        for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+        if (lane == 0) outs[i] = acc + mut[i];
+      }
+      __syncthreads();
+      for (int32_t i = threadIdx.x; i < d; i += blockDim.x) row.set_h(i, outs[i] - row.res(i));
+      break;
+    }
+    case OP_ROUTER: {
+      if (!sel) break;
+      const float* mask = ptr<const float>(op.a0);
+      const float delta = p[op.param_base + P_ROUTER_DELTA];
+      float m = -INFINITY;
+      for (int32_t e = threadIdx.x; e < d; e += blockDim.x) m = fmaxf(m, row.hid(e));
+      const float mx = block_max(m, red);
+      float se = 0.f;
+      for (int32_t e = threadIdx.x; e < d; e += blockDim.x) se += expf(row.hid(e) - mx);
+      const float lse = mx + logf(block_sum(se, red));
+      float lmax = -INFINITY, lmin = INFINITY;
+      for (int32_t e = threadIdx.x; e < d; e += blockDim.x) {
+        const float l = row.hid(e) - lse;
+        lmax = fmaxf(lmax, l);
+        lmin = fminf(lmin, l);
+      }
+      lmax = block_max(lmax, red);
+      lmin = block_min(lmin, red);
+      // Each thread rewrites only the experts it read, after every reduction is done.
+      for (int32_t e = threadIdx.x; e < d; e += blockDim.x) {
+        float l = row.hid(e) - lse;
+        if (mask[e] > 0.f) l = lmax + delta;
+        else if (mask[e] < 0.f) l = lmin - delta;
+        row.set_h(e, l);
+      }
+      break;
+    }
+    default:
+      break;  // OP_CUSTOM runs as its own launch (launch_custom)
+  }
+  __syncthreads();
+}
+
+__device__ void off_op_row(const ControlBlock& cb, const OpDesc& op, int32_t t) {
+  if (op.channel >= 0 && threadIdx.x == 0)
+    ptr<float>(cb.results)[static_cast<int64_t>(t) * cb.n_channels + op.channel] = nan_f();
+}
+
+__global__ void __launch_bounds__(kThreads)
+xmix_site_anchor(const ControlBlock* __restrict__ cbp, int32_t site, void* h, const void* r,
+                 int32_t d, int64_t sh, int64_t sr, int32_t dtype) {
+  extern __shared__ float xs[];
+  __shared__ float red[33];
+  const ControlBlock& cb = *cbp;
+  const int32_t t = blockIdx.x;
+  if (site < 0 || site >= cb.n_sites || t >= cb.max_tokens) return;
+  const int32_t first = ptr<const int32_t>(cb.site_first)[site];
+  const int32_t count = ptr<const int32_t>(cb.site_count)[site];
+  const OpDesc* ops = ptr<const OpDesc>(cb.ops);
+  for (int32_t k = 0; k < count; ++k) {
+    const OpDesc& op = ops[first + k];
+    if (op.kind == OP_CUSTOM) continue;
+    if (ptr<const int32_t>(cb.app_mode)[op.app] == MODE_OFF) {
+      off_op_row(cb, op, t);
+      continue;
+    }
+    run_op_row(cb, op, t, h, r, d, sh, sr, dtype, red, xs);
+  }
+}
+
+__global__ void __launch_bounds__(kThreads)
+xmix_op_kernel(const ControlBlock* __restrict__ cbp, int32_t site, int32_t op_index, void* h,
+               const void* r, int32_t d, int64_t sh, int64_t sr, int32_t dtype) {
+  extern __shared__ float xs[];
+  __shared__ float red[33];
+  const ControlBlock& cb = *cbp;
+  const int32_t t = blockIdx.x;
+  if (t >= cb.max_tokens) return;
+  const OpDesc& op =
+      ptr<const OpDesc>(cb.ops)[ptr<const int32_t>(cb.site_first)[site] + op_index];
+  if (ptr<const int32_t>(cb.app_mode)[op.app] == MODE_OFF) {
+    off_op_row(cb, op, t);
+    return;
+  }
+  run_op_row(cb, op, t, h, r, d, sh, sr, dtype, red, xs);
+}
+
+// One block: whether any token is selected; a single thread sets the handle (concurrent
+// cudaGraphSetConditional calls are undefined behaviour).
+__global__ void xmix_gate_kernel(const ControlBlock* __restrict__ cbp, int32_t site,
+                                 int32_t op_index, int32_t n_rows,
+                                 cudaGraphConditionalHandle handle) {
+  const ControlBlock& cb = *cbp;
+  const OpDesc& op =
+      ptr<const OpDesc>(cb.ops)[ptr<const int32_t>(cb.site_first)[site] + op_index];
+  int any = 0;
+  if (ptr<const int32_t>(cb.app_mode)[op.app] != MODE_OFF) {
+    for (int32_t t = threadIdx.x; t < n_rows && !any; t += blockDim.x) {
+      int32_t slot;
+      any = op_selects(cb, op, t, &slot) ? 1 : 0;
+    }
+  }
+  any = __syncthreads_or(any);
+  if (threadIdx.x == 0) cudaGraphSetConditional(handle, any ? 1u : 0u);
+}
+
+// Prologue: per-slot resets, then one thread per scheduled request walks its tokens in
+// order (span state is sequential within a request).
+__global__ void xmix_prologue_reset(const ControlBlock* __restrict__ cbp) {
+  const ControlBlock& cb = *cbp;
+  const int32_t row = blockIdx.x;
+  if (row >= cb.n_rows || !ptr<const int32_t>(cb.row_reset)[row]) return;
+  const int32_t slot = ptr<const int32_t>(cb.row_slot)[row];
+  if (threadIdx.x == 0) ptr<uint32_t>(cb.slot_span)[slot] = 0;
+  float* rs = ptr<float>(cb.read_state) + static_cast<int64_t>(slot) * cb.n_channels * kReadStateWidth;
+  for (int32_t c = threadIdx.x; c < cb.n_channels; c += blockDim.x) {
+    rs[c * kReadStateWidth + 0] = 0.f;
+    rs[c * kReadStateWidth + 1] = 0.f;
+    rs[c * kReadStateWidth + 2] = nan_f();
+  }
+  float* vs = ptr<float>(cb.vec_state) + static_cast<int64_t>(slot) * cb.vec_state_width;
+  for (int32_t i = threadIdx.x; i < cb.vec_state_width; i += blockDim.x) vs[i] = 0.f;
+}
+
+__global__ void xmix_prologue_tokens(const ControlBlock* __restrict__ cbp, const void* ids,
+                                     int32_t ids_dtype) {
+  const ControlBlock& cb = *cbp;
+  const int32_t row = blockIdx.x * blockDim.x + threadIdx.x;
+  if (row >= cb.n_rows) return;
+  const int32_t slot = ptr<const int32_t>(cb.row_slot)[row];
+  const int32_t start = ptr<const int32_t>(cb.row_tok_start)[row];
+  const int32_t n = ptr<const int32_t>(cb.row_n_tok)[row];
+  uint32_t* flags = ptr<uint32_t>(cb.tok_flags);
+  const uint32_t* sets = ptr<const uint32_t>(cb.tokset_bits);
+  const int32_t* span_def = ptr<const int32_t>(cb.span_def);
+  const int64_t vocab = static_cast<int64_t>(cb.vocab_words) * 32;
+  uint32_t state = ptr<uint32_t>(cb.slot_span)[slot];
+  for (int32_t t = start; t < start + n; ++t) {
+    const int64_t id = ids_dtype == 8 ? static_cast<const int64_t*>(ids)[t]
+                                      : static_cast<const int32_t*>(ids)[t];
+    uint32_t f = flags[t];
+    if (id >= 0 && id < vocab) {
+      for (int32_t s = 0; s < cb.n_token_sets; ++s)
+        if ((sets[static_cast<int64_t>(s) * cb.vocab_words + (id >> 5)] >> (id & 31)) & 1u)
+          f |= 1u << (kTokenSetBit0 + s);
+    }
+    for (int32_t k = 0; k < cb.n_spans; ++k) {
+      const int32_t open = span_def[2 * k], close = span_def[2 * k + 1];
+      if (open >= 0 && ((f >> (kTokenSetBit0 + open)) & 1u)) state |= 1u << k;
+      if (close >= 0 && ((f >> (kTokenSetBit0 + close)) & 1u)) state &= ~(1u << k);
+      if ((state >> k) & 1u) f |= 1u << (kSpanBit0 + k);
+    }
+    flags[t] = f;
+  }
+  ptr<uint32_t>(cb.slot_span)[slot] = state;
+}
+
+// Custom ops: a select kernel materialises the mask, the user kernel runs, a finish kernel
+// turns its per-row output into the result channel and latch state.
+__global__ void xmix_custom_select(const ControlBlock* __restrict__ cbp, int32_t site,
+                                   int32_t op_index, int32_t n_rows, uint8_t* select,
+                                   float* out) {
+  const ControlBlock& cb = *cbp;
+  const OpDesc& op =
+      ptr<const OpDesc>(cb.ops)[ptr<const int32_t>(cb.site_first)[site] + op_index];
+  const int32_t t = blockIdx.x * blockDim.x + threadIdx.x;
+  if (t >= n_rows) return;
+  int32_t slot;
+  const bool mode_on = ptr<const int32_t>(cb.app_mode)[op.app] != MODE_OFF;
+  select[t] = mode_on && op_selects(cb, op, t, &slot) ? 1 : 0;
+  out[t] = nan_f();
+}
+
+__global__ void xmix_custom_finish(const ControlBlock* __restrict__ cbp, int32_t site,
+                                   int32_t op_index, int32_t n_rows, const uint8_t* select,
+                                   const float* out) {
+  const ControlBlock& cb = *cbp;
+  const OpDesc& op =
+      ptr<const OpDesc>(cb.ops)[ptr<const int32_t>(cb.site_first)[site] + op_index];
+  const int32_t t = blockIdx.x * blockDim.x + threadIdx.x;
+  if (t >= n_rows || op.channel < 0) return;
+  const float v = select[t] ? out[t] : nan_f();
+  ptr<float>(cb.results)[static_cast<int64_t>(t) * cb.n_channels + op.channel] = v;
+  if (select[t] && v == v)
+    note_read(cb, op.channel, ptr<const int32_t>(cb.tok_slot)[t], ptr<const uint32_t>(cb.tok_flags)[t], v);
+}
+
+size_t smem_bytes(int32_t d) { return static_cast<size_t>(2 * d) * sizeof(float); }
+
+int prepare_smem(const void* kernel, int32_t d) {
+  const size_t bytes = smem_bytes(d);
+  if (bytes <= 48 * 1024) return 0;
+  return static_cast<int>(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               static_cast<int>(bytes)));
+}
+
+}  // namespace
+
+int launch_site_anchor(const ControlBlock* cb, int32_t site, void* h, const void* r,
+                       int32_t n_rows, int32_t d, int64_t stride_h, int64_t stride_r,
+                       int32_t dtype, void* stream) {
+  if (n_rows <= 0) return 0;
+  if (int e = prepare_smem(reinterpret_cast<const void*>(&xmix_site_anchor), d)) return e;
+  xmix_site_anchor<<<n_rows, kThreads, smem_bytes(d), static_cast<cudaStream_t>(stream)>>>(
+      cb, site, h, r, d, stride_h, stride_r, dtype);
+  return static_cast<int>(cudaGetLastError());
+}
+
+int launch_op(const ControlBlock* cb, int32_t site, int32_t op_index, void* h, const void* r,
+              int32_t n_rows, int32_t d, int64_t stride_h, int64_t stride_r, int32_t dtype,
+              void* stream) {
+  if (n_rows <= 0) return 0;
+  if (int e = prepare_smem(reinterpret_cast<const void*>(&xmix_op_kernel), d)) return e;
+  xmix_op_kernel<<<n_rows, kThreads, smem_bytes(d), static_cast<cudaStream_t>(stream)>>>(
+      cb, site, op_index, h, r, d, stride_h, stride_r, dtype);
+  return static_cast<int>(cudaGetLastError());
+}
+
+int launch_gate(const ControlBlock* cb, int32_t site, int32_t op_index, int32_t n_rows,
+                uint64_t cond_handle, void* stream) {
+  xmix_gate_kernel<<<1, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      cb, site, op_index, n_rows, static_cast<cudaGraphConditionalHandle>(cond_handle));
+  return static_cast<int>(cudaGetLastError());
+}
+
+int launch_prologue(const ControlBlock* cb, const void* input_ids, int32_t ids_dtype,
+                    int32_t max_rows, void* stream) {
+  if (max_rows <= 0) return 0;
+  auto s = static_cast<cudaStream_t>(stream);
+  xmix_prologue_reset<<<max_rows, 128, 0, s>>>(cb);
+  xmix_prologue_tokens<<<(max_rows + 127) / 128, 128, 0, s>>>(cb, input_ids, ids_dtype);
+  return static_cast<int>(cudaGetLastError());
+}
+
+int launch_custom(const ControlBlock* cb, int32_t site, int32_t op_index, uint64_t kernel,
+                  const xmix_custom_args* host_args, uint8_t* select_scratch,
+                  float* out_scratch, void* stream) {
+  const int32_t n_rows = host_args->n_rows;
+  if (n_rows <= 0) return 0;
+  auto s = static_cast<cudaStream_t>(stream);
+  const int blocks = (n_rows + 255) / 256;
+  xmix_custom_select<<<blocks, 256, 0, s>>>(cb, site, op_index, n_rows, select_scratch, out_scratch);
+  xmix_custom_args args = *host_args;
+  args.select = select_scratch;
+  args.out = out_scratch;
+  void* params[] = {&args};
+  cudaError_t e = cudaLaunchKernel(reinterpret_cast<const void*>(static_cast<uintptr_t>(kernel)),
+                                   dim3(n_rows), dim3(kThreads), params, 0, s);
+  if (e != cudaSuccess) return static_cast<int>(e);
+  xmix_custom_finish<<<blocks, 256, 0, s>>>(cb, site, op_index, n_rows, select_scratch, out_scratch);
+  return static_cast<int>(cudaGetLastError());
+}
+
+int load_custom_cuda(const void* image, const char* name, uint64_t* kernel) {
+  cudaLibrary_t lib;
+  cudaError_t e = cudaLibraryLoadData(&lib, image, nullptr, nullptr, 0, nullptr, nullptr, 0);
+  if (e != cudaSuccess) return static_cast<int>(e);
+  cudaKernel_t k;
+  e = cudaLibraryGetKernel(&k, lib, name);
+  if (e != cudaSuccess) return static_cast<int>(e);
+  // Launched through cudaLaunchKernel with the handle cast to a function pointer, as the
+  // runtime documents for context-less kernels.
+  *kernel = reinterpret_cast<uint64_t>(k);
+  return 0;
+}
+
+const void* anchor_kernel_symbol() { return reinterpret_cast<const void*>(&xmix_site_anchor); }
+const void* op_kernel_symbol() { return reinterpret_cast<const void*>(&xmix_op_kernel); }
+const void* gate_kernel_symbol() { return reinterpret_cast<const void*>(&xmix_gate_kernel); }
+
+}  // namespace xmix

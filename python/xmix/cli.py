@@ -1,0 +1,37 @@
+"""The `xmix` command line: serve, models, derive, demo."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _cmd_models(argv: list[str]) -> int:
+    from xmix.models.tiny import main as models_main
+
+    return models_main(argv)
+
+
+COMMANDS = {
+    "models": (_cmd_models, "make the embedded tiny models (tiny-llama, tiny-qwen3, tiny-mixtral, all)"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        parser = argparse.ArgumentParser(prog="xmix", description="serving-native MI apps for vLLM")
+        parser.add_argument("command", choices=sorted(COMMANDS))
+        lines = "\n".join(f"  {name:8s} {help_}" for name, (_, help_) in sorted(COMMANDS.items()))
+        parser.epilog = "commands:\n" + lines
+        parser.formatter_class = argparse.RawDescriptionHelpFormatter
+        if argv and argv[0] not in ("-h", "--help"):
+            parser.error(f"unknown command {argv[0]!r}")
+        parser.print_help()
+        return 0 if argv else 2
+    fn, _ = COMMANDS[argv[0]]
+    return int(fn(argv[1:]) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
