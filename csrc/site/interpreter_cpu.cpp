@@ -12,8 +12,12 @@ void run_site_cpu(const ControlBlock& cb, int32_t site, void* h, const void* r, 
   const int32_t first = ptr<const int32_t>(cb.site_first)[site];
   const int32_t count = ptr<const int32_t>(cb.site_count)[site];
   const OpDesc* ops = ptr<const OpDesc>(cb.ops);
+  // Built-in ops in site order, then custom kernels (on the GPU they are separate launches
+  // after the anchor; the CPU keeps the same order).
+  for (int32_t pass = 0; pass < 2; ++pass)
   for (int32_t k = 0; k < count; ++k) {
     const OpDesc& op = ops[first + k];
+    if ((op.kind == OP_CUSTOM) != (pass == 1)) continue;
     if (ptr<const int32_t>(cb.app_mode)[op.app] == MODE_OFF) {
       // An app switched off still owns its result channel: it reports nothing this step.
       if (op.channel >= 0) {

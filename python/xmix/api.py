@@ -1,0 +1,395 @@
+"""The public app API: declare reads, writes and conditional writes at the hook surface.
+
+    app = xmix.App("guarded_steer")
+    app.read("probe", weight=w, bias=0.0).layers([18]).submodule("residual.post").named("p18")
+    app.write("add", vector=v, scale=4.0).layers([22]).submodule("attention.post") \\
+       .cond(when="token_in(trigger)", gate="p18 >= 0")
+    app.token_set("trigger", strings=["\\n\\n"])
+    app.save("guarded_steer.xmix"); xmix.App.load("guarded_steer.xmix")
+
+An app is a description; nothing runs until it is deployed against a model
+(``xmix.lowering.lower``), which checks it against the model and turns it into site programs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from xmix import conditions
+from xmix.catalog import KERNELS
+from xmix.hooks import SITE_NAMES
+
+FORMAT = "xmix.app/1"
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]{0,63}$")
+_OP_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+
+
+class AppError(ValueError):
+    """An app that cannot be built, saved, loaded or deployed; the message names the place."""
+
+
+def _check_name(kind: str, name: Any, pattern=_NAME) -> str:
+    if not isinstance(name, str) or not pattern.match(name):
+        raise AppError(f"{kind} name {name!r} is not valid (letters, digits, '_' ; at most 64)")
+    return name
+
+
+@dataclass
+class TokenSet:
+    name: str
+    ids: list[int] | None = None          # token ids
+    strings: list[str] | None = None      # strings that must each be exactly one token
+    contains: list[str] | None = None     # every vocab token whose text contains one of these
+
+    def to_json(self) -> dict:
+        return {k: v for k, v in (("name", self.name), ("ids", self.ids), ("strings", self.strings),
+                                  ("contains", self.contains)) if v is not None}
+
+
+@dataclass
+class CustomKernel:
+    """A user kernel with the xmix_custom_args ABI. Only loadable from local files."""
+
+    primitive: str                        # "read" or "write"
+    cpu_library: str | None = None        # shared library exporting cpu_symbol
+    cpu_symbol: str | None = None
+    cuda_source: str | None = None        # CUDA C++ compiled with nvcc at deploy
+    cuda_fatbin: str | None = None        # or a prebuilt fatbin / cubin file
+    cuda_symbol: str | None = None
+    params: dict[str, float] = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if v is not None}
+
+
+class Op:
+    """One read or write of an app; the builder methods return the op for chaining."""
+
+    def __init__(self, app: "App", primitive: str, kernel: str, artifacts: dict[str, torch.Tensor],
+                 params: dict[str, float], options: dict[str, Any], custom: CustomKernel | None):
+        self.app = app
+        self.primitive = primitive
+        self.kernel = kernel
+        self.artifacts = artifacts
+        self.params = params
+        self.options = options
+        self.custom = custom
+        self.layer_spec: Any = None
+        self.site: str | None = None
+        self.name: str | None = None
+        self.cond_expr: str | None = None
+        self.cond_when: str | None = None
+        self.cond_gate: str | None = None
+
+    # -- builder ---------------------------------------------------------------------------
+    def layers(self, layers) -> "Op":
+        if isinstance(layers, str):
+            if layers != "all":
+                raise AppError(f"app {self.app.name!r}, op {self.label}: layers must be a list, "
+                               f"a range or 'all', got {layers!r}")
+            self.layer_spec = "all"
+        elif isinstance(layers, int) and not isinstance(layers, bool):
+            self.layer_spec = [layers]
+        else:
+            try:
+                lst = list(layers)
+            except TypeError:
+                raise AppError(f"app {self.app.name!r}, op {self.label}: layers must be a list, "
+                               f"a range or 'all', got {layers!r}") from None
+            if not lst or not all(isinstance(l, int) and not isinstance(l, bool) for l in lst):
+                raise AppError(f"app {self.app.name!r}, op {self.label}: layers must be a "
+                               f"non-empty list of ints, got {layers!r}")
+            if len(set(lst)) != len(lst):
+                raise AppError(f"app {self.app.name!r}, op {self.label}: layer listed twice in {lst}")
+            self.layer_spec = lst
+        return self
+
+    def submodule(self, site: str) -> "Op":
+        if site not in SITE_NAMES:
+            raise AppError(f"app {self.app.name!r}, op {self.label}: unknown site {site!r}; "
+                           f"the hook surface is {', '.join(SITE_NAMES)}")
+        self.site = site
+        return self
+
+    def named(self, name: str) -> "Op":
+        _check_name(f"app {self.app.name!r}: op", name, _OP_NAME)
+        for other in self.app.ops:
+            if other is not self and other.name == name:
+                raise AppError(f"app {self.app.name!r}: two ops are named {name!r}")
+        self.name = name
+        return self
+
+    def cond(self, expr: str | None = None, *, when: str | None = None, gate: str | None = None) -> "Op":
+        try:
+            conditions.combine(expr, when, gate)
+        except conditions.ConditionError as e:
+            raise AppError(f"app {self.app.name!r}, op {self.label}: {e}") from None
+        self.cond_expr, self.cond_when, self.cond_gate = expr, when, gate
+        return self
+
+    # -- helpers ---------------------------------------------------------------------------
+    @property
+    def label(self) -> str:
+        idx = self.app.ops.index(self) if self in self.app.ops else len(self.app.ops)
+        return repr(self.name) if self.name else f"#{idx} ({self.primitive} {self.kernel!r})"
+
+    @property
+    def result_name(self) -> str:
+        return self.name or self.kernel
+
+    def condition(self):
+        return conditions.combine(self.cond_expr, self.cond_when, self.cond_gate)
+
+    def to_json(self, index: int) -> dict:
+        d: dict[str, Any] = {
+            "primitive": self.primitive,
+            "kernel": self.kernel,
+            "site": self.site,
+            "layers": self.layer_spec,
+            "params": self.params,
+            "artifacts": {k: f"op{index}.{k}" for k in self.artifacts},
+        }
+        if self.name:
+            d["name"] = self.name
+        if self.options:
+            d["options"] = self.options
+        if self.custom:
+            d["custom"] = self.custom.to_json()
+        cond = {k: v for k, v in (("expr", self.cond_expr), ("when", self.cond_when),
+                                  ("gate", self.cond_gate)) if v is not None}
+        if cond:
+            d["cond"] = cond
+        return d
+
+
+def _as_artifact(app: str, what: str, name: str, value) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        t = value.detach().cpu()
+    else:
+        try:
+            t = torch.as_tensor(value)
+        except Exception:
+            raise AppError(f"app {app!r}, {what}: artifact {name!r} is not a tensor") from None
+    if t.dtype == torch.bool or not (t.is_floating_point() or t.dtype in (torch.int8, torch.int16, torch.int32, torch.int64)):
+        raise AppError(f"app {app!r}, {what}: artifact {name!r} has dtype {t.dtype}; "
+                       f"expected a float tensor")
+    return t.contiguous()
+
+
+def _as_param(app: str, what: str, name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise AppError(f"app {app!r}, {what}: parameter {name!r} must be a number, got {value!r}")
+    v = float(value)
+    if math.isnan(v):
+        raise AppError(f"app {app!r}, {what}: parameter {name!r} is NaN")
+    return v
+
+
+class App:
+    """A named MI app: reads, writes and conditional writes, with their artifacts."""
+
+    def __init__(self, name: str, *, metadata: dict[str, Any] | None = None):
+        self.name = _check_name("app", name)
+        self.ops: list[Op] = []
+        self.token_sets: dict[str, TokenSet] = {}
+        self.app_params: dict[str, float] = {}
+        self.metadata: dict[str, Any] = dict(metadata or {})
+
+    def __repr__(self) -> str:
+        return f"App({self.name!r}, {len(self.ops)} ops)"
+
+    def _op(self, primitive: str, kernel: str, kwargs: dict) -> Op:
+        what = f"{primitive}({kernel!r})"
+        if kernel not in KERNELS:
+            raise AppError(f"app {self.name!r}, {what}: unknown kernel {kernel!r}; built-in "
+                           f"kernels are {', '.join(sorted(KERNELS))}")
+        spec = KERNELS[kernel]
+        if spec.primitive not in (primitive, "either"):
+            raise AppError(f"app {self.name!r}, {what}: {kernel!r} is a {spec.primitive} kernel")
+        kwargs = dict(kwargs)
+        custom = None
+        artifacts: dict[str, torch.Tensor] = {}
+        params: dict[str, float] = {}
+        options: dict[str, Any] = {}
+        if kernel == "custom":
+            custom = CustomKernel(primitive=primitive, **{k: kwargs.pop(k) for k in list(kwargs)
+                                  if k in ("cpu_library", "cpu_symbol", "cuda_source", "cuda_fatbin", "cuda_symbol")})
+            if "artifact" in kwargs:
+                artifacts["artifact"] = _as_artifact(self.name, what, "artifact", kwargs.pop("artifact"))
+            for k, v in dict(kwargs.pop("params", {}) or {}).items():
+                params[k] = _as_param(self.name, what, k, v)
+            custom.params = dict(params)
+        else:
+            for a in spec.artifacts:
+                if a not in kwargs:
+                    raise AppError(f"app {self.name!r}, {what}: missing artifact {a!r} "
+                                   f"({spec.artifacts[a]})")
+                artifacts[a] = _as_artifact(self.name, what, a, kwargs.pop(a))
+            for p, pspec in spec.params.items():
+                if p in kwargs:
+                    v = kwargs.pop(p)
+                    params[p] = pspec.default if v is None else _as_param(self.name, what, p, v)
+            if kernel == "capture" and "dims" in kwargs:
+                dims = kwargs.pop("dims")
+                if dims is not None:
+                    if (not isinstance(dims, (list, tuple)) or len(dims) != 2
+                            or not all(isinstance(x, int) for x in dims) or not 0 <= dims[0] < dims[1]):
+                        raise AppError(f"app {self.name!r}, {what}: dims must be (start, stop) "
+                                       f"with 0 <= start < stop, got {dims!r}")
+                    options["dims"] = [int(dims[0]), int(dims[1])]
+        if kwargs:
+            raise AppError(f"app {self.name!r}, {what}: unknown argument(s) {', '.join(sorted(kwargs))}; "
+                           f"{kernel!r} takes artifacts {list(spec.artifacts)} and params "
+                           f"{list(spec.params)}")
+        op = Op(self, primitive, kernel, artifacts, params, options, custom)
+        self.ops.append(op)
+        return op
+
+    def read(self, kernel: str, **kwargs) -> Op:
+        """Read the activation at a site: probe, capture, cosine, distance (or custom)."""
+        return self._op("read", kernel, kwargs)
+
+    def write(self, kernel: str, **kwargs) -> Op:
+        """Change the activation at a site: add, ablate, affine, clamp, router (or custom)."""
+        return self._op("write", kernel, kwargs)
+
+    def token_set(self, name: str, ids=None, strings=None, contains=None) -> "App":
+        """A set of token ids for conditions: ids, single-token strings (resolved with the
+        tokenizer at deploy), or every token whose text contains a substring."""
+        _check_name(f"app {self.name!r}: token set", name, _OP_NAME)
+        if name in self.token_sets:
+            raise AppError(f"app {self.name!r}: token set {name!r} declared twice")
+        if ids is None and strings is None and contains is None:
+            raise AppError(f"app {self.name!r}: token set {name!r} needs ids, strings or contains")
+        if ids is not None:
+            if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+                raise AppError(f"app {self.name!r}: token set {name!r}: ids must be non-negative ints")
+            ids = [int(i) for i in ids]
+        for what, lst in (("strings", strings), ("contains", contains)):
+            if lst is not None and (isinstance(lst, str) or not all(isinstance(s, str) and s for s in lst)):
+                raise AppError(f"app {self.name!r}: token set {name!r}: {what} must be a list "
+                               f"of non-empty strings")
+        self.token_sets[name] = TokenSet(name, ids, list(strings) if strings is not None else None,
+                                         list(contains) if contains is not None else None)
+        return self
+
+    def param(self, name: str, default: float) -> "App":
+        """An app-level scalar usable in conditions (``gate="p18 >= theta"``), per request."""
+        _check_name(f"app {self.name!r}: parameter", name, _OP_NAME)
+        self.app_params[name] = _as_param(self.name, "param()", name, default)
+        return self
+
+    # -- serialisation: one safetensors file, the JSON spec in its metadata ---------------
+    def spec(self) -> dict:
+        return {
+            "format": FORMAT,
+            "name": self.name,
+            "metadata": self.metadata,
+            "params": self.app_params,
+            "token_sets": [s.to_json() for s in self.token_sets.values()],
+            "ops": [op.to_json(i) for i, op in enumerate(self.ops)],
+        }
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {f"op{i}.{k}": t for i, op in enumerate(self.ops) for k, t in op.artifacts.items()}
+
+    def to_bytes(self) -> bytes:
+        from safetensors.torch import save
+
+        return save(self.tensors(), metadata={"xmix.spec": json.dumps(self.spec(), sort_keys=True)})
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.write_bytes(self.to_bytes())
+        return path
+
+    @staticmethod
+    def load(path: str | Path) -> "App":
+        path = Path(path)
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            raise AppError(f"cannot read app file {str(path)!r}: {e.strerror}") from None
+        return App.from_bytes(data, source=str(path), allow_custom=True)
+
+    @staticmethod
+    def from_bytes(data: bytes, source: str = "<bytes>", allow_custom: bool = False) -> "App":
+        """Parse an app file. ``allow_custom=False`` (the network path) refuses apps that
+        would load code (custom kernels)."""
+        from safetensors import SafetensorError
+        from safetensors.torch import load
+
+        if len(data) < 8:
+            raise AppError(f"{source}: not an xmix app file (too short for safetensors)")
+        try:
+            hlen = int.from_bytes(data[:8], "little")
+            if hlen <= 0 or hlen > len(data) - 8:
+                raise AppError(f"{source}: not an xmix app file (bad safetensors header length)")
+            header = json.loads(data[8:8 + hlen])
+            tensors = load(data)
+        except AppError:
+            raise
+        except (SafetensorError, ValueError, UnicodeDecodeError) as e:
+            raise AppError(f"{source}: not an xmix app file ({e})") from None
+        meta = header.get("__metadata__") or {}
+        if "xmix.spec" not in meta:
+            raise AppError(f"{source}: safetensors file without an xmix spec (metadata 'xmix.spec')")
+        try:
+            spec = json.loads(meta["xmix.spec"])
+        except json.JSONDecodeError as e:
+            raise AppError(f"{source}: the xmix spec is not valid JSON ({e})") from None
+        return App.from_spec(spec, tensors, source=source, allow_custom=allow_custom)
+
+    @staticmethod
+    def from_spec(spec: dict, tensors: dict[str, torch.Tensor], source: str = "<spec>",
+                  allow_custom: bool = False) -> "App":
+        if not isinstance(spec, dict) or spec.get("format") != FORMAT:
+            raise AppError(f"{source}: unknown app format {spec.get('format') if isinstance(spec, dict) else spec!r}; "
+                           f"expected {FORMAT!r}")
+        try:
+            app = App(spec["name"], metadata=spec.get("metadata") or {})
+            for k, v in (spec.get("params") or {}).items():
+                app.param(k, v)
+            for ts in spec.get("token_sets") or []:
+                app.token_set(ts["name"], ids=ts.get("ids"), strings=ts.get("strings"),
+                              contains=ts.get("contains"))
+            for i, o in enumerate(spec.get("ops") or []):
+                kwargs: dict[str, Any] = {}
+                for a, key in (o.get("artifacts") or {}).items():
+                    if key not in tensors:
+                        raise AppError(f"{source}: op #{i} names artifact {key!r} that the file "
+                                       f"does not contain")
+                    kwargs[a] = tensors[key]
+                if o["kernel"] == "custom":
+                    if not allow_custom:
+                        raise AppError(f"{source}: op #{i} is a custom kernel; apps with custom "
+                                       f"kernels load code and are only accepted from local files "
+                                       f"(xmix serve --app), never over the network")
+                    c = dict(o.get("custom") or {})
+                    c.pop("primitive", None)
+                    kwargs.update(c)
+                else:
+                    kwargs.update(o.get("params") or {})
+                    kwargs.update(o.get("options") or {})
+                op = app._op(o["primitive"], o["kernel"], kwargs)
+                if o.get("layers") is not None:
+                    op.layers(o["layers"])
+                if o.get("site") is not None:
+                    op.submodule(o["site"])
+                if o.get("name"):
+                    op.named(o["name"])
+                cond = o.get("cond") or {}
+                if cond:
+                    op.cond(cond.get("expr"), when=cond.get("when"), gate=cond.get("gate"))
+        except AppError:
+            raise
+        except (KeyError, TypeError, AttributeError) as e:
+            raise AppError(f"{source}: malformed app spec ({type(e).__name__}: {e})") from None
+        return app

@@ -1,0 +1,258 @@
+"""The condition language of ``.cond(...)``.
+
+    cond    := or
+    or      := and ("or" and)*
+    and     := unary ("and" unary)*
+    unary   := "not" unary | "(" cond ")" | atom
+    atom    := "all" | "prompt" | "generated" | "last_token"
+             | "token_in(" SET ")"
+             | "in_span(" OPEN_SET "," CLOSE_SET ")"     # tokens from the opener up to,
+                                                         # not including, the closer
+             | READ CMP value                           # per-token gate on an earlier read
+             | ("prompt_mean" | "prompt_last") "(" READ ")" CMP value
+                                                         # request-level latch over the prompt
+    CMP     := ">=" | ">" | "<=" | "<" | "==" | "!="
+    value   := NUMBER | PARAM                            # PARAM: a name declared by app.param()
+
+``last_token`` is every token whose logits are sampled this step: the last prompt token and
+every generated token. A latch is decided at the request's last prompt token and holds for
+every later token; before that it is false. ``READ`` names a read of the same app (``name``,
+or ``name.<layer>`` for a read placed on several layers).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+FLAGS = ("all", "prompt", "generated", "last_token")
+CMPS = (">=", ">", "<=", "<", "==", "!=")
+REDUCES = ("prompt_mean", "prompt_last")
+
+
+class ConditionError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Flag:
+    name: str
+
+
+@dataclass(frozen=True)
+class TokenIn:
+    set: str
+
+
+@dataclass(frozen=True)
+class InSpan:
+    open: str
+    close: str
+
+
+@dataclass(frozen=True)
+class Gate:
+    read: str
+    cmp: str
+    value: float | str
+
+
+@dataclass(frozen=True)
+class Latch:
+    reduce: str  # "prompt_mean" | "prompt_last"
+    read: str
+    cmp: str
+    value: float | str
+
+
+@dataclass(frozen=True)
+class And:
+    a: object
+    b: object
+
+
+@dataclass(frozen=True)
+class Or:
+    a: object
+    b: object
+
+
+@dataclass(frozen=True)
+class Not:
+    a: object
+
+
+Node = Flag | TokenIn | InSpan | Gate | Latch | And | Or | Not
+
+_TOKEN = re.compile(
+    r"\s*(?:(?P<num>[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)"
+    r"|(?P<cmp>>=|<=|==|!=|>|<)"
+    r"|(?P<name>[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z0-9_]+)*)"
+    r"|(?P<punct>[(),]))"
+)
+
+
+def _lex(text: str) -> list[tuple[str, str]]:
+    out, pos = [], 0
+    text = text.strip()
+    while pos < len(text):
+        m = _TOKEN.match(text, pos)
+        if not m or m.end() == pos:
+            raise ConditionError(f"cannot read condition {text!r} at {text[pos:]!r}")
+        kind = m.lastgroup
+        out.append((kind, m.group(kind)))
+        pos = m.end()
+        while pos < len(text) and text[pos].isspace():
+            pos += 1
+    return out
+
+
+class _Parser:
+    def __init__(self, text: str):
+        self.text = text
+        self.toks = _lex(text)
+        self.i = 0
+
+    def peek(self):
+        return self.toks[self.i] if self.i < len(self.toks) else (None, None)
+
+    def take(self, kind=None, value=None):
+        k, v = self.peek()
+        if k is None or (kind and k != kind) or (value is not None and v != value):
+            want = value or kind or "more input"
+            got = v if v is not None else "end of condition"
+            raise ConditionError(f"in condition {self.text!r}: expected {want}, got {got!r}")
+        self.i += 1
+        return v
+
+    def parse(self) -> Node:
+        if not self.toks:
+            raise ConditionError("empty condition")
+        node = self.or_()
+        if self.i != len(self.toks):
+            raise ConditionError(f"in condition {self.text!r}: unexpected {self.peek()[1]!r}")
+        return node
+
+    def or_(self):
+        node = self.and_()
+        while self.peek() == ("name", "or"):
+            self.i += 1
+            node = Or(node, self.and_())
+        return node
+
+    def and_(self):
+        node = self.unary()
+        while self.peek() == ("name", "and"):
+            self.i += 1
+            node = And(node, self.unary())
+        return node
+
+    def unary(self):
+        k, v = self.peek()
+        if (k, v) == ("name", "not"):
+            self.i += 1
+            return Not(self.unary())
+        if (k, v) == ("punct", "("):
+            self.i += 1
+            node = self.or_()
+            self.take("punct", ")")
+            return node
+        return self.atom()
+
+    def value(self):
+        k, v = self.peek()
+        if k == "num":
+            self.i += 1
+            return float(v)
+        if k == "name":
+            self.i += 1
+            return v
+        raise ConditionError(f"in condition {self.text!r}: expected a number or parameter name")
+
+    def atom(self):
+        name = self.take("name")
+        if name in ("and", "or", "not"):
+            raise ConditionError(f"in condition {self.text!r}: misplaced {name!r}")
+        if name in FLAGS:
+            return Flag(name)
+        if name == "token_in":
+            self.take("punct", "(")
+            s = self.take("name")
+            self.take("punct", ")")
+            return TokenIn(s)
+        if name == "in_span":
+            self.take("punct", "(")
+            a = self.take("name")
+            self.take("punct", ",")
+            b = self.take("name")
+            self.take("punct", ")")
+            return InSpan(a, b)
+        if name in REDUCES:
+            self.take("punct", "(")
+            read = self.take("name")
+            self.take("punct", ")")
+            cmp = self.take("cmp")
+            return Latch(name, read, cmp, self.value())
+        if self.peek()[0] == "cmp":
+            cmp = self.take("cmp")
+            return Gate(name, cmp, self.value())
+        if self.peek() == ("punct", "("):
+            raise ConditionError(f"in condition {self.text!r}: unknown function {name!r}")
+        raise ConditionError(
+            f"in condition {self.text!r}: {name!r} is not a condition; use one of "
+            f"{', '.join(FLAGS)}, token_in(set), in_span(open, close), READ >= value, "
+            f"prompt_mean(READ) >= value, prompt_last(READ) >= value")
+
+
+def parse(text: str) -> Node:
+    if not isinstance(text, str):
+        raise ConditionError(f"a condition must be a string, got {type(text).__name__}")
+    return _Parser(text).parse()
+
+
+def combine(expr: str | None, when: str | None, gate: str | None) -> Node | None:
+    """``.cond(expr, when=, gate=)``: all given parts must hold."""
+    parts = [parse(p) for p in (expr, when, gate) if p is not None]
+    if not parts:
+        return None
+    node = parts[0]
+    for p in parts[1:]:
+        node = And(node, p)
+    return node
+
+
+def walk(node: Node):
+    yield node
+    if isinstance(node, (And, Or)):
+        yield from walk(node.a)
+        yield from walk(node.b)
+    elif isinstance(node, Not):
+        yield from walk(node.a)
+
+
+def to_text(node: Node) -> str:
+    if isinstance(node, Flag):
+        return node.name
+    if isinstance(node, TokenIn):
+        return f"token_in({node.set})"
+    if isinstance(node, InSpan):
+        return f"in_span({node.open}, {node.close})"
+    if isinstance(node, Gate):
+        return f"{node.read} {node.cmp} {node.value!r}" if isinstance(node.value, float) else f"{node.read} {node.cmp} {node.value}"
+    if isinstance(node, Latch):
+        v = repr(node.value) if isinstance(node.value, float) else node.value
+        return f"{node.reduce}({node.read}) {node.cmp} {v}"
+    if isinstance(node, And):
+        return f"({to_text(node.a)} and {to_text(node.b)})"
+    if isinstance(node, Or):
+        return f"({to_text(node.a)} or {to_text(node.b)})"
+    return f"not {to_text(node.a)}"
+
+
+def stack_depth(node: Node) -> int:
+    """Bool-stack depth the postfix program of node needs."""
+    if isinstance(node, (And, Or)):
+        return max(stack_depth(node.a), 1 + stack_depth(node.b))
+    if isinstance(node, Not):
+        return stack_depth(node.a)
+    return 1

@@ -1,0 +1,771 @@
+"""The control block on the Python side: fixed-address buffers, their layout for _C, and the
+host operations between steps (install/remove apps, modes, request slots, per-step maps,
+draining results).
+
+Every buffer is allocated once, at its capacity, on the engine's device; deploys and
+parameter changes rewrite contents, never addresses, so captured CUDA graphs stay valid.
+On a CPU engine the host views are the buffers themselves; on a GPU each buffer has a pinned
+host mirror and changes are copied on the current stream before the next forward.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import shutil
+import subprocess
+import tempfile
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from xmix import _C
+from xmix import conditions as C
+from xmix.catalog import FLT_MAX, KERNELS
+from xmix.hooks import ModelShape, n_sites
+from xmix.lowering import DeployError, LoweredApp, LoweredOp
+
+logger = logging.getLogger("xmix")
+
+K = _C.constants()
+CTRL_LAYOUT = _C.control_layout()
+OP_LAYOUT = _C.op_layout()
+OP_SIZE = OP_LAYOUT["__size__"]
+MODES = {"off": K["MODE_OFF"], "request": K["MODE_REQUEST"], "all": K["MODE_ALL"]}
+CMP_CODES = {">=": K["CMP_GE"], ">": K["CMP_GT"], "<=": K["CMP_LE"], "<": K["CMP_LT"],
+             "==": K["CMP_EQ"], "!=": K["CMP_NE"]}
+FLAG_BITS = {"prompt": 1, "generated": 2, "last_token": 3}
+_INT32_FIELDS = {"max_tokens", "max_slots", "max_apps", "n_params", "n_channels", "n_sites",
+                 "vec_state_width", "vocab_words", "n_tokens", "n_rows", "n_spans", "n_token_sets"}
+_INT32_OP_FIELDS = {"kind", "app", "cond_begin", "cond_len", "param_base", "channel",
+                    "state_base", "n", "m", "flags"}
+
+
+class RequestError(ValueError):
+    """A per-request xmix control that cannot be honoured; the message says why."""
+
+
+@dataclass
+class Capacity:
+    """Fixed sizes of the control block, chosen at engine start."""
+
+    max_tokens: int = 8192        # rows per step (vLLM's max_num_batched_tokens)
+    max_slots: int = 256          # concurrently running requests (max_num_seqs)
+    max_apps: int = 64
+    max_params: int = 4096
+    max_channels: int = 256
+    max_ops: int = 4096
+    max_cond: int = 4096          # condition instructions
+    vec_state_floats: int = 0     # per slot; 0 = 4 * (hidden + 1)
+    capture_floats: int = 1 << 22  # 16 MiB of captured vectors per step
+
+
+@dataclass
+class InstalledApp:
+    lowered: LoweredApp
+    index: int                    # bit in slot_apps
+    seq: int                      # deployment order
+    mode: str
+    param_base: int
+    param_cols: list["ParamCol"]
+    channels: dict[str, int]      # read key -> channel
+    token_sets: dict[str, int]    # set name -> global set index
+    spans: dict[tuple[str, str], int]
+    state: dict[int, int]         # id(LoweredOp) -> vec_state offset
+    captures: dict[int, int]      # id(LoweredOp) -> capture offset (floats)
+    artifacts: list[torch.Tensor] = field(default_factory=list)  # device copies (kept alive)
+    custom_fns: dict[int, int] = field(default_factory=dict)     # id(LoweredOp) -> fn
+
+    @property
+    def name(self) -> str:
+        return self.lowered.name
+
+    def defaults(self) -> dict[str, float]:
+        return {c.name if c.op is None else f"{c.op}.{c.name}": c.default
+                for c in self.param_cols if c.public}
+
+
+@dataclass
+class ParamCol:
+    name: str
+    op: str | None          # None: app-level parameter
+    default: float
+    public: bool = True     # False: a constant of a condition
+    lo: float = -FLT_MAX
+    hi: float = FLT_MAX
+
+
+def _np_view(t: torch.Tensor) -> np.ndarray:
+    return t.numpy()
+
+
+class ControlBlock:
+    def __init__(self, shape: ModelShape, device: torch.device | str = "cpu",
+                 capacity: Capacity | None = None):
+        self.shape = shape
+        self.device = torch.device(device)
+        self.cap = cap = capacity or Capacity()
+        if cap.max_apps > 64:
+            raise ValueError("max_apps is at most 64 (slot_apps is a 64-bit mask)")
+        self.n_sites = n_sites(shape.n_layers)
+        self.vec_width = cap.vec_state_floats or 4 * (shape.hidden_size + 1)
+        self.vocab_words = (shape.vocab_size + 31) // 32
+        self.lock = threading.RLock()
+        self.on_gpu = self.device.type == "cuda"
+        T, S, A, P, R = cap.max_tokens, cap.max_slots, cap.max_apps, cap.max_params, cap.max_channels
+        i32, f32 = torch.int32, torch.float32
+        spec = {
+            "tok_slot": (T, i32), "tok_pos": (T, i32), "tok_flags": (T, i32), "tok_row": (T, i32),
+            "row_slot": (S, i32), "row_tok_start": (S, i32), "row_n_tok": (S, i32),
+            "row_reset": (S, i32), "row_n_prompt": (S, i32), "row_done": (S, i32),
+            "slot_apps": (S, torch.int64), "slot_params": (S * P, f32), "slot_span": (S, i32),
+            "read_state": (S * R * K["READ_STATE_WIDTH"], f32), "vec_state": (S * self.vec_width, f32),
+            "counters": (S * R, i32), "app_mode": (A, i32), "site_first": (self.n_sites, i32),
+            "site_count": (self.n_sites, i32), "ops": (cap.max_ops * OP_SIZE, torch.uint8),
+            "cond_code": (cap.max_cond * 4, i32),
+            "tokset_bits": (K["MAX_TOKEN_SETS"] * self.vocab_words, i32),
+            "span_def": (K["MAX_SPANS"] * 2, i32), "results": (T * R, f32),
+            "capture": (max(cap.capture_floats, 1), f32),
+        }
+        self.dev: dict[str, torch.Tensor] = {}
+        self.host: dict[str, np.ndarray] = {}
+        self._host_t: dict[str, torch.Tensor] = {}
+        for name, (n, dt) in spec.items():
+            t = torch.zeros(n, dtype=dt, device=self.device)
+            self.dev[name] = t
+            if self.on_gpu:
+                h = torch.zeros(n, dtype=dt, pin_memory=True)
+                self._host_t[name] = h
+                self.host[name] = _np_view(h)
+            else:
+                self.host[name] = _np_view(t)
+        self.host["tok_slot"][:] = -1
+        self.host["tok_row"][:] = -1
+        self.host["span_def"][:] = -1
+        self.host["read_state"].reshape(-1, K["READ_STATE_WIDTH"])[:, 2] = np.nan
+        self.host["results"][:] = np.nan
+        self.block = torch.zeros(CTRL_LAYOUT["__size__"], dtype=torch.uint8, device=self.device)
+        self._block_host = torch.zeros(CTRL_LAYOUT["__size__"], dtype=torch.uint8,
+                                       pin_memory=self.on_gpu)
+        self.apps: dict[str, InstalledApp] = {}
+        self._seq = 0
+        self._param_used = np.zeros(P, dtype=bool)
+        self._chan_used = np.zeros(R, dtype=bool)
+        self._set_used = [False] * K["MAX_TOKEN_SETS"]
+        self._span_used = [False] * K["MAX_SPANS"]
+        self._state_used = np.zeros(self.vec_width, dtype=bool)
+        self._capture_used = np.zeros(max(cap.capture_floats, 1), dtype=bool)
+        self.slots: dict[str, int] = {}
+        self.slot_req: dict[int, "SlotState"] = {}
+        self._free_slots = list(range(S - 1, -1, -1))
+        self.site_app_mask = np.zeros(self.n_sites, dtype=np.uint64)
+        self.site_active = np.zeros(self.n_sites, dtype=bool)  # this step
+        self.n_ops = 0
+        self.n_cond = 0
+        self.graph_hook = None           # set by the CUDA-graph capture hook
+        self._site_custom: dict[int, list[tuple[int, InstalledApp, LoweredOp]]] = {}
+        if self.on_gpu:
+            self._custom_select = torch.zeros(cap.max_tokens, dtype=torch.uint8, device=self.device)
+            self._custom_out = torch.zeros(cap.max_tokens, dtype=torch.float32, device=self.device)
+        self._write_header(n_tokens=0, n_rows=0)
+        self._sync_all()
+
+    # ------------------------------------------------------------------ low level
+    @property
+    def ptr(self) -> int:
+        return self.block.data_ptr()
+
+    def _write_header(self, **fields) -> None:
+        hb = self._block_host.numpy()
+        values = {
+            "max_tokens": self.cap.max_tokens, "max_slots": self.cap.max_slots,
+            "max_apps": self.cap.max_apps, "n_params": self.cap.max_params,
+            "n_channels": self.cap.max_channels, "n_sites": self.n_sites,
+            "vec_state_width": self.vec_width, "vocab_words": self.vocab_words,
+            "n_spans": sum(self._span_used) and (max(i for i, u in enumerate(self._span_used) if u) + 1),
+            "n_token_sets": sum(self._set_used) and (max(i for i, u in enumerate(self._set_used) if u) + 1),
+            "capture_size": self.cap.capture_floats,
+        }
+        for name, t in self.dev.items():
+            values[name] = t.data_ptr()
+        values.update(fields)
+        for name, v in values.items():
+            off = CTRL_LAYOUT[name]
+            if name in _INT32_FIELDS:
+                hb[off:off + 4] = np.frombuffer(np.int32(v).tobytes(), dtype=np.uint8)
+            else:
+                hb[off:off + 8] = np.frombuffer(np.int64(v).tobytes(), dtype=np.uint8)
+        self._header_cache = values
+
+    def _set_step_header(self, n_tokens: int, n_rows: int) -> None:
+        hb = self._block_host.numpy()
+        hb[CTRL_LAYOUT["n_tokens"]:CTRL_LAYOUT["n_tokens"] + 4] = np.frombuffer(np.int32(n_tokens).tobytes(), np.uint8)
+        hb[CTRL_LAYOUT["n_rows"]:CTRL_LAYOUT["n_rows"] + 4] = np.frombuffer(np.int32(n_rows).tobytes(), np.uint8)
+
+    def _sync(self, *names: str, rows: int | None = None) -> None:
+        """Host -> device for the named buffers (no-op on CPU), ordered on the current stream."""
+        if not self.on_gpu:
+            return
+        for n in names:
+            src, dst = self._host_t[n], self.dev[n]
+            if rows is not None:
+                src, dst = src[:rows], dst[:rows]
+            dst.copy_(src, non_blocking=True)
+
+    def _sync_block(self) -> None:
+        if self.on_gpu:
+            self.block.copy_(self._block_host, non_blocking=True)
+        else:
+            self.block.copy_(self._block_host)
+
+    def _sync_all(self) -> None:
+        self._sync(*self.dev)
+        self._sync_block()
+
+    # ------------------------------------------------------------------ apps
+    def install(self, lowered: LoweredApp, mode: str = "request") -> InstalledApp:
+        """Place a lowered app; nothing is changed when this raises (nothing half-deployed)."""
+        with self.lock:
+            if lowered.name in self.apps:
+                raise DeployError(f"app {lowered.name!r} is already deployed; undeploy it first "
+                                  f"or deploy under another name")
+            if mode not in MODES:
+                raise DeployError(f"app {lowered.name!r}: mode must be one of {list(MODES)}, got {mode!r}")
+            free_idx = [i for i in range(self.cap.max_apps)
+                        if i not in {a.index for a in self.apps.values()}]
+            if not free_idx:
+                raise DeployError(f"app {lowered.name!r}: {self.cap.max_apps} apps are deployed already")
+            index = free_idx[0]
+            claims: list[tuple[np.ndarray | list, list[int]]] = []
+            try:
+                inst = self._allocate(lowered, index, mode, claims)
+                inst.custom_fns = self._load_custom(lowered)
+            except Exception:
+                for arr, idxs in claims:  # roll back every allocation
+                    for i in idxs:
+                        arr[i] = False
+                raise
+            self.apps[lowered.name] = inst
+            self._seq += 1
+            self._rebuild()
+            # Requests already running see the app's defaults in their param rows.
+            for slot in self.slot_req:
+                self._write_slot_params(slot, inst)
+            self._sync("slot_params", "app_mode", "tokset_bits", "span_def")
+            return inst
+
+    def _take(self, used: np.ndarray | list, n: int, what: str, app: str, claims, contiguous=True) -> int:
+        if n == 0:
+            return 0
+        size = len(used)
+        run = 0
+        for i in range(size):
+            run = run + 1 if not used[i] else 0
+            if run == n:
+                start = i - n + 1
+                for j in range(start, start + n):
+                    used[j] = True
+                claims.append((used, list(range(start, start + n))))
+                return start
+        raise DeployError(f"app {app!r}: not enough room for {what} ({n} needed); raise the "
+                          f"xmix capacity or undeploy other apps")
+
+    def _allocate(self, lw: LoweredApp, index: int, mode: str, claims) -> InstalledApp:
+        name = lw.name
+        # params: app params, then each op's params, then constants used by conditions
+        cols: list[ParamCol] = []
+        for p, v in lw.app_params.items():
+            cols.append(ParamCol(p, None, v))
+        op_param_col: dict[int, int] = {}
+        for o in lw.ops:
+            op_param_col[id(o)] = len(cols)
+            for p, v in o.params:
+                spec = KERNELS[o.kernel].params.get(p)
+                cols.append(ParamCol(p, o.name or f"#{o.op_index}", v, True,
+                                     spec.lo if spec else -FLT_MAX, spec.hi if spec else FLT_MAX))
+        consts: dict[float, int] = {}
+        for o in lw.ops:
+            for node in C.walk(o.cond) if o.cond is not None else ():
+                if isinstance(node, (C.Gate, C.Latch)) and isinstance(node.value, float):
+                    if node.value not in consts:
+                        consts[node.value] = len(cols)
+                        cols.append(ParamCol(f"__const{len(consts)}", None, node.value, False))
+        base = self._take(self._param_used, len(cols), "parameters", name, claims)
+        channels = {}
+        for key in lw.reads:
+            channels[key] = self._take(self._chan_used, 1, "result channels", name, claims)
+        sets = {}
+        for s in lw.token_sets:
+            sets[s] = self._take(self._set_used, 1, "token sets (16 in all)", name, claims)
+        spans = {}
+        for sp in lw.spans:
+            spans[sp] = self._take(self._span_used, 1, "spans (8 in all)", name, claims)
+        state, captures = {}, {}
+        for o in lw.ops:
+            if o.state_width:
+                state[id(o)] = self._take(self._state_used, o.state_width, "per-request vector state", name, claims)
+            if o.capture_width:
+                captures[id(o)] = self._take(self._capture_used, o.capture_width * self.cap.max_tokens,
+                                             "capture buffer", name, claims)
+        inst = InstalledApp(lowered=lw, index=index, seq=self._seq, mode=mode, param_base=base,
+                            param_cols=cols, channels=channels, token_sets=sets, spans=spans,
+                            state=state, captures=captures)
+        inst._op_param_col = op_param_col  # type: ignore[attr-defined]
+        inst._consts = consts  # type: ignore[attr-defined]
+        for o in lw.ops:
+            for k, t in o.artifacts.items():
+                inst.artifacts.append(t)
+        inst._dev_artifacts = {  # type: ignore[attr-defined]
+            (id(o), k): t.to(self.device, torch.float32).contiguous()
+            for o in lw.ops for k, t in o.artifacts.items()}
+        return inst
+
+    def _load_custom(self, lw: LoweredApp) -> dict[int, int]:
+        fns: dict[int, int] = {}
+        for o in lw.ops:
+            if o.kernel != "custom":
+                continue
+            ck = o.custom
+            if self.on_gpu:
+                fns[id(o)] = _load_custom_cuda(lw.name, o, ck)
+            else:
+                if not ck.cpu_library or not ck.cpu_symbol:
+                    raise DeployError(f"app {lw.name!r}, op {o.label}: a custom kernel on a CPU engine "
+                                      f"needs cpu_library and cpu_symbol")
+                try:
+                    fns[id(o)] = _C.load_custom_cpu(str(ck.cpu_library), ck.cpu_symbol)
+                except RuntimeError as e:
+                    raise DeployError(f"app {lw.name!r}, op {o.label}: {e}") from None
+        return fns
+
+    def remove(self, name: str) -> None:
+        with self.lock:
+            inst = self.apps.pop(name, None)
+            if inst is None:
+                raise DeployError(f"app {name!r} is not deployed")
+            cols = len(inst.param_cols)
+            self._param_used[inst.param_base:inst.param_base + cols] = False
+            for c in inst.channels.values():
+                self._chan_used[c] = False
+            for s in inst.token_sets.values():
+                self._set_used[s] = False
+            for s in inst.spans.values():
+                self._span_used[s] = False
+            for o in inst.lowered.ops:
+                if id(o) in inst.state:
+                    b = inst.state[id(o)]
+                    self._state_used[b:b + o.state_width] = False
+                if id(o) in inst.captures:
+                    b = inst.captures[id(o)]
+                    self._capture_used[b:b + o.capture_width * self.cap.max_tokens] = False
+            bit = np.int64(1) << np.int64(inst.index)
+            self.host["slot_apps"][:] &= ~bit
+            for st in self.slot_req.values():
+                st.apps.discard(name)
+            self.host["app_mode"][inst.index] = K["MODE_OFF"]
+            self._rebuild()
+            self._sync("slot_apps", "app_mode")
+
+    def set_mode(self, name: str, mode: str) -> None:
+        with self.lock:
+            if name not in self.apps:
+                raise DeployError(f"app {name!r} is not deployed")
+            if mode not in MODES:
+                raise DeployError(f"mode must be one of {list(MODES)}, got {mode!r}")
+            inst = self.apps[name]
+            inst.mode = mode
+            self.host["app_mode"][inst.index] = MODES[mode]
+            self._sync("app_mode")
+
+    def set_params(self, name: str, params: dict[str, Any]) -> None:
+        """Change an app's defaults; running requests that did not override a parameter see
+        the new value from the next step."""
+        with self.lock:
+            if name not in self.apps:
+                raise DeployError(f"app {name!r} is not deployed")
+            inst = self.apps[name]
+            cols = self._resolve_params(inst, params, who=f"app {name!r}")
+            for col, v in cols.items():
+                inst.param_cols[col].default = v
+            for slot in self.slot_req:
+                self._write_slot_params(slot, inst)
+            self._sync("slot_params")
+
+    def _resolve_params(self, inst: InstalledApp, params: Any, who: str) -> dict[int, float]:
+        """Map {"scale": 2.0, "op.scale": 1.0, "theta": 0.5} to this app's param columns.
+
+        A bare name is an app-level parameter if one has that name, else every op parameter
+        of that name; "op.param" names one op."""
+        if not isinstance(params, dict):
+            raise RequestError(f"{who}: params must be an object of name: number")
+        out: dict[int, float] = {}
+        cols = inst.param_cols
+        for key, v in params.items():
+            if not isinstance(key, str):
+                raise RequestError(f"{who}: parameter names must be strings, got {key!r}")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(float(v)):
+                raise RequestError(f"{who}: parameter {key!r} must be a finite number, got {v!r}")
+            if "." in key:
+                op, p = key.rsplit(".", 1)
+                hits = [i for i, c in enumerate(cols) if c.public and c.op == op and c.name == p]
+            else:
+                hits = [i for i, c in enumerate(cols) if c.public and c.op is None and c.name == key]
+                if not hits:
+                    hits = [i for i, c in enumerate(cols) if c.public and c.name == key]
+            if not hits:
+                raise RequestError(f"{who}: unknown parameter {key!r}; known: {sorted(inst.defaults())}")
+            for i in hits:
+                c = cols[i]
+                if not (c.lo <= float(v) <= c.hi):
+                    raise RequestError(f"{who}: parameter {key!r}={v} out of range [{c.lo}, {c.hi}]")
+                out[i] = float(v)
+        return out
+
+    def _write_slot_params(self, slot: int, inst: InstalledApp) -> None:
+        row = self.host["slot_params"][slot * self.cap.max_params:(slot + 1) * self.cap.max_params]
+        overrides = self.slot_req[slot].overrides.get(inst.name, {}) if slot in self.slot_req else {}
+        for i, c in enumerate(inst.param_cols):
+            row[inst.param_base + i] = overrides.get(i, c.default)
+
+    def _rebuild(self) -> None:
+        """Rewrite the site tables, op descriptors, condition code, sets and spans."""
+        per_site: list[list[tuple[InstalledApp, LoweredOp]]] = [[] for _ in range(self.n_sites)]
+        for inst in sorted(self.apps.values(), key=lambda a: a.seq):
+            for o in inst.lowered.ops:
+                per_site[o.site_id].append((inst, o))
+        ops_bytes = self.host["ops"]
+        cond = self.host["cond_code"]
+        n_ops = n_cond = 0
+        first = self.host["site_first"]
+        count = self.host["site_count"]
+        self.site_app_mask[:] = 0
+        self._site_ops = per_site
+        self._site_custom = {}
+        for s, lst in enumerate(per_site):
+            first[s] = n_ops
+            count[s] = len(lst)
+            for inst, o in lst:
+                if n_ops >= self.cap.max_ops:
+                    raise DeployError("too many ops deployed (max_ops)")
+                code = self._emit_cond(inst, o.cond) if o.cond is not None else []
+                if n_cond + len(code) // 4 > self.cap.max_cond:
+                    raise DeployError("too many condition instructions deployed (max_cond)")
+                cond[4 * n_cond:4 * n_cond + len(code)] = code
+                self._pack_op(ops_bytes, n_ops, inst, o, n_cond if code else -1, len(code) // 4)
+                if o.kernel == "custom":
+                    self._site_custom.setdefault(s, []).append((n_ops - first[s], inst, o))
+                n_cond += len(code) // 4
+                n_ops += 1
+                self.site_app_mask[s] |= np.uint64(1) << np.uint64(inst.index)
+        self.n_ops, self.n_cond = n_ops, n_cond
+        bits = self.host["tokset_bits"].view(np.uint32)
+        bits[:] = 0
+        self.host["span_def"][:] = -1
+        for inst in self.apps.values():
+            for sname, g in inst.token_sets.items():
+                ids = np.asarray(inst.lowered.token_sets[sname], dtype=np.int64)
+                row = bits[g * self.vocab_words:(g + 1) * self.vocab_words]
+                np.bitwise_or.at(row, ids >> 5, (np.uint32(1) << (ids & 31).astype(np.uint32)))
+            for (a, b), g in inst.spans.items():
+                self.host["span_def"][2 * g] = inst.token_sets[a]
+                self.host["span_def"][2 * g + 1] = inst.token_sets[b]
+            self.host["app_mode"][inst.index] = MODES[inst.mode]
+        self._write_header()
+        self._sync("ops", "cond_code", "site_first", "site_count", "tokset_bits", "span_def", "app_mode")
+        self._sync_block()
+
+    def _emit_cond(self, inst: InstalledApp, node) -> list[int]:
+        code: list[int] = []
+
+        def param_col(value) -> int:
+            if isinstance(value, float):
+                return inst.param_base + inst._consts[value]  # type: ignore[attr-defined]
+            for i, c in enumerate(inst.param_cols):
+                if c.name == value and c.op is None:
+                    return inst.param_base + i
+            raise DeployError(f"app {inst.name!r}: unknown parameter {value!r}")
+
+        def emit(n) -> None:
+            if isinstance(n, C.Flag):
+                if n.name == "all":
+                    code.extend([K["C_TRUE"], 0, 0, 0])
+                else:
+                    code.extend([K["C_FLAG"], FLAG_BITS[n.name], 0, 0])
+            elif isinstance(n, C.TokenIn):
+                code.extend([K["C_FLAG"], K["TOKEN_SET_BIT0"] + inst.token_sets[n.set], 0, 0])
+            elif isinstance(n, C.InSpan):
+                code.extend([K["C_FLAG"], K["SPAN_BIT0"] + inst.spans[(n.open, n.close)], 0, 0])
+            elif isinstance(n, C.Gate):
+                code.extend([K["C_GATE"], inst.channels[n.read], CMP_CODES[n.cmp], param_col(n.value)])
+            elif isinstance(n, C.Latch):
+                red = K["RED_MEAN"] if n.reduce == "prompt_mean" else K["RED_LAST"]
+                code.extend([K["C_LATCH"], inst.channels[n.read], CMP_CODES[n.cmp] | (red << 8),
+                              param_col(n.value)])
+            elif isinstance(n, C.Not):
+                emit(n.a)
+                code.extend([K["C_NOT"], 0, 0, 0])
+            else:
+                emit(n.a)
+                emit(n.b)
+                code.extend([K["C_AND"] if isinstance(n, C.And) else K["C_OR"], 0, 0, 0])
+
+        emit(node)
+        return code
+
+    def _pack_op(self, buf: np.ndarray, i: int, inst: InstalledApp, o: LoweredOp, cb: int, cl: int) -> None:
+        rec = np.zeros(OP_SIZE, dtype=np.uint8)
+        arts = inst._dev_artifacts  # type: ignore[attr-defined]
+        vals = {
+            "kind": K[KERNELS[o.kernel].code], "app": inst.index, "cond_begin": cb, "cond_len": cl,
+            "param_base": inst.param_base + inst._op_param_col[id(o)],  # type: ignore[attr-defined]
+            "channel": inst.channels.get(o.result_key, -1) if o.result_key else -1,
+            "state_base": inst.state.get(id(o), -1), "n": o.n, "m": o.m, "flags": 0,
+            "a0": arts[(id(o), "a0")].data_ptr() if (id(o), "a0") in arts else 0,
+            "a1": arts[(id(o), "a1")].data_ptr() if (id(o), "a1") in arts else 0,
+            "a2": arts[(id(o), "a2")].data_ptr() if (id(o), "a2") in arts else 0,
+            "fn": inst.custom_fns.get(id(o), 0),
+            "capture_offset": inst.captures.get(id(o), 0),
+        }
+        for name, v in vals.items():
+            off = OP_LAYOUT[name]
+            if name in _INT32_OP_FIELDS:
+                rec[off:off + 4] = np.frombuffer(np.int32(v).tobytes(), np.uint8)
+            else:
+                rec[off:off + 8] = np.frombuffer(np.uint64(v).tobytes(), np.uint8)
+        buf[i * OP_SIZE:(i + 1) * OP_SIZE] = rec
+
+    def launch_custom_ops(self, site: int, h, r, n, d, sh, sr, dt, stream) -> None:
+        """GPU: user kernels of a site, after its built-in ops (the anchor skips them)."""
+        for k, inst, o in self._site_custom.get(site, ()):
+            art = inst._dev_artifacts.get((id(o), "a0"))  # type: ignore[attr-defined]
+            _C.launch_custom(self.ptr, site, k, inst.custom_fns[id(o)], h.data_ptr(),
+                             r.data_ptr() if r is not None else 0, sh, sr, n, d, dt,
+                             self.cap.max_params, self.dev["tok_slot"].data_ptr(),
+                             self.dev["tok_pos"].data_ptr(), self.dev["slot_params"].data_ptr(),
+                             inst.param_base + inst._op_param_col[id(o)],  # type: ignore[attr-defined]
+                             art.data_ptr() if art is not None else 0,
+                             int(art.numel()) if art is not None else 0,
+                             self._custom_select.data_ptr(), self._custom_out.data_ptr(), stream)
+
+    # ------------------------------------------------------------------ requests
+    def admit(self, req_id: str, apps: list[str], params: dict[str, dict[str, Any]] | None = None,
+              prompt_len: int = 0) -> int:
+        """Give a request a slot: its app mask and its parameter row."""
+        with self.lock:
+            if req_id in self.slots:
+                return self.slots[req_id]
+            overrides: dict[str, dict[int, float]] = {}
+            for a in apps:
+                if a not in self.apps:
+                    raise RequestError(f"unknown app {a!r}; deployed: {sorted(self.apps)}")
+            for a, p in (params or {}).items():
+                if a not in self.apps:
+                    raise RequestError(f"params for unknown app {a!r}; deployed: {sorted(self.apps)}")
+                overrides[a] = self._resolve_params(self.apps[a], p, who=f"app {a!r}")
+            if not self._free_slots:
+                raise RequestError("no free xmix request slot (raise max_num_seqs capacity)")
+            slot = self._free_slots.pop()
+            st = SlotState(req_id=req_id, apps=set(apps), overrides=overrides, prompt_len=prompt_len)
+            self.slots[req_id] = slot
+            self.slot_req[slot] = st
+            mask = 0
+            for a in apps:
+                mask |= 1 << self.apps[a].index
+            self.host["slot_apps"][slot] = np.int64(np.uint64(mask).astype(np.int64))
+            for inst in self.apps.values():
+                self._write_slot_params(slot, inst)
+            return slot
+
+    def release(self, req_id: str) -> "SlotState | None":
+        with self.lock:
+            slot = self.slots.pop(req_id, None)
+            if slot is None:
+                return None
+            st = self.slot_req.pop(slot)
+            self.host["slot_apps"][slot] = 0
+            self._free_slots.append(slot)
+            return st
+
+    def effective_apps(self, slot: int) -> list[InstalledApp]:
+        st = self.slot_req[slot]
+        return [a for a in self.apps.values()
+                if a.mode == "all" or (a.mode == "request" and a.name in st.apps)]
+
+    # ------------------------------------------------------------------ per step
+    def begin_step(self, row_slots: np.ndarray, row_n_tok: np.ndarray, row_start_pos: np.ndarray,
+                   row_prompt_len: np.ndarray, n_rows_padded: int | None = None) -> None:
+        """Fill the per-token and per-row maps for one forward pass.
+
+        rows are the scheduled requests in batch order; their tokens are contiguous in the
+        batch. ``n_rows_padded`` is the padded token count of the forward (CUDA graphs); rows
+        beyond the real tokens are padding and stay inert.
+        """
+        h = self.host
+        n_req = len(row_slots)
+        n_tok = int(row_n_tok.sum()) if n_req else 0
+        T = self.cap.max_tokens
+        if n_tok > T or n_req > self.cap.max_slots:
+            raise RuntimeError(f"xmix: step of {n_tok} tokens / {n_req} requests exceeds capacity "
+                               f"({T} / {self.cap.max_slots})")
+        padded = max(n_tok, n_rows_padded or 0)
+        starts = np.zeros(n_req, dtype=np.int64)
+        if n_req:
+            starts[1:] = np.cumsum(row_n_tok)[:-1]
+        tok_row = np.repeat(np.arange(n_req, dtype=np.int32), row_n_tok)
+        offs = np.arange(n_tok, dtype=np.int64) - np.repeat(starts, row_n_tok)
+        pos = np.repeat(row_start_pos.astype(np.int64), row_n_tok) + offs
+        plen = np.repeat(row_prompt_len.astype(np.int64), row_n_tok)
+        end_pos = row_start_pos.astype(np.int64) + row_n_tok  # exclusive
+        last_of_row = np.zeros(n_tok, dtype=bool)
+        if n_req:
+            last_idx = starts + row_n_tok - 1
+            sampled = end_pos >= row_prompt_len  # partial prefill chunks sample nothing
+            last_of_row[last_idx[sampled & (row_n_tok > 0)]] = True
+        flags = np.full(n_tok, K["TF_VALID"], dtype=np.int32)
+        flags |= np.where(pos < plen, K["TF_PROMPT"], K["TF_GENERATED"]).astype(np.int32)
+        flags |= np.where(last_of_row, K["TF_LAST"], 0).astype(np.int32)
+        h["tok_slot"][:n_tok] = np.repeat(row_slots.astype(np.int32), row_n_tok)
+        h["tok_pos"][:n_tok] = pos
+        h["tok_flags"][:n_tok] = flags
+        h["tok_row"][:n_tok] = tok_row
+        if padded > n_tok:
+            h["tok_slot"][n_tok:padded] = -1
+            h["tok_row"][n_tok:padded] = -1
+            h["tok_flags"][n_tok:padded] = 0
+        h["row_slot"][:n_req] = row_slots
+        h["row_tok_start"][:n_req] = starts
+        h["row_n_tok"][:n_req] = row_n_tok
+        h["row_reset"][:n_req] = (row_start_pos == 0)
+        h["row_n_prompt"][:n_req] = np.clip(np.minimum(end_pos, row_prompt_len) - row_start_pos, 0, None)
+        h["row_done"][:n_req] = (row_start_pos < row_prompt_len) & (end_pos >= row_prompt_len)
+        self._set_step_header(n_tok, n_req)
+        self._sync("tok_slot", "tok_pos", "tok_flags", "tok_row", rows=max(padded, 1))
+        self._sync("row_slot", "row_tok_start", "row_n_tok", "row_reset", "row_n_prompt",
+                   "row_done", rows=max(n_req, 1))
+        self._sync("slot_apps", "slot_params")
+        self._sync_block()
+        # Which sites have work this step: apps in mode "all", plus the apps of the requests
+        # in the batch. A site with none is skipped without a launch.
+        active = np.uint64(0)
+        for inst in self.apps.values():
+            if inst.mode == "all":
+                active |= np.uint64(1) << np.uint64(inst.index)
+        if n_req:
+            active |= np.bitwise_or.reduce(h["slot_apps"][row_slots].view(np.uint64))
+        on = np.uint64(0)
+        for inst in self.apps.values():
+            if inst.mode != "off":
+                on |= np.uint64(1) << np.uint64(inst.index)
+        self.site_active = (self.site_app_mask & (active & on)) != 0
+        self.step_rows = (row_slots.copy(), starts.copy(), row_n_tok.copy())
+        self.step_tokens = n_tok
+        self.any_active = bool(self.site_active.any())
+        self._step_reads = bool(active & on) and any(
+            a.channels and ((np.uint64(1) << np.uint64(a.index)) & active & on) for a in self.apps.values())
+
+    def prologue(self, input_ids: torch.Tensor) -> None:
+        """Per-slot resets, token-set and span bits for this step (before the forward)."""
+        if not self.apps:
+            return
+        ids = input_ids.reshape(-1)
+        if self.on_gpu:
+            _C.launch_prologue(self.ptr, ids.data_ptr(), ids.element_size(), self.cap.max_slots,
+                               torch.cuda.current_stream(ids.device).cuda_stream)
+        else:
+            _C.run_prologue_cpu(self.ptr, ids.data_ptr(), ids.element_size())
+
+    def drain(self) -> dict[str, dict[str, dict[str, Any]]]:
+        """Read results of this step; returns {req_id: {app: {read: {positions, values}}}}.
+
+        Only rank 0 drains (hidden states are replicated across tensor-parallel ranks)."""
+        if not getattr(self, "_step_reads", False):
+            return {}
+        n_tok = self.step_tokens
+        R = self.cap.max_channels
+        if self.on_gpu:
+            res = self.dev["results"][: n_tok * R].view(n_tok, R).cpu().numpy()
+            cap_t = self.dev["capture"]
+        else:
+            res = self.host["results"][: n_tok * R].reshape(n_tok, R)
+            cap_t = self.dev["capture"]
+        pos = self.host["tok_pos"][:n_tok]
+        out: dict[str, dict[str, dict[str, Any]]] = {}
+        row_slots, starts, counts = self.step_rows
+        for slot, start, cnt in zip(row_slots.tolist(), starts.tolist(), counts.tolist()):
+            st = self.slot_req.get(slot)
+            if st is None:
+                continue
+            for inst in self.effective_apps(slot):
+                for key, ch in inst.channels.items():
+                    vals = res[start:start + cnt, ch]
+                    ok = ~np.isnan(vals)
+                    if not ok.any():
+                        continue
+                    idx = np.nonzero(ok)[0]
+                    entry = out.setdefault(st.req_id, {}).setdefault(inst.name, {}).setdefault(
+                        key, {"positions": [], "values": []})
+                    entry["positions"].extend(pos[start + idx].tolist())
+                    op = inst.lowered.reads[key]
+                    if op.kernel == "capture":
+                        base = inst.captures[id(op)]
+                        w = op.capture_width
+                        rows = [base + (start + int(i)) * w for i in idx]
+                        vecs = torch.stack([cap_t[b:b + w] for b in rows]).cpu().tolist()
+                        entry["values"].extend(vecs)
+                    else:
+                        entry["values"].extend(vals[idx].tolist())
+        return out
+
+    # ------------------------------------------------------------------ introspection
+    def describe(self) -> list[dict[str, Any]]:
+        out = []
+        for inst in sorted(self.apps.values(), key=lambda a: a.seq):
+            lw = inst.lowered
+            out.append({
+                "name": inst.name, "mode": inst.mode, "sites": lw.sites,
+                "reads": sorted(lw.reads), "params": inst.defaults(),
+                "writes": lw.writes, "stateful": lw.stateful,
+                "metadata": lw.app.metadata,
+            })
+        return out
+
+
+@dataclass
+class SlotState:
+    req_id: str
+    apps: set[str]
+    overrides: dict[str, dict[int, float]]
+    prompt_len: int = 0
+
+
+def _load_custom_cuda(app: str, o: LoweredOp, ck) -> int:
+    """Compile (nvcc) or read the user's fatbin and load it; returns the kernel handle."""
+    if not ck.cuda_symbol:
+        raise DeployError(f"app {app!r}, op {o.label}: a custom kernel on a GPU needs cuda_symbol")
+    if ck.cuda_fatbin:
+        image = Path(ck.cuda_fatbin).read_bytes()
+    elif ck.cuda_source:
+        nvcc = shutil.which("nvcc")
+        if nvcc is None:
+            raise DeployError(f"app {app!r}, op {o.label}: cuda_source needs nvcc on PATH to compile")
+        major, minor = torch.cuda.get_device_capability()
+        inc = Path(__file__).resolve().parent / "include"
+        with tempfile.TemporaryDirectory() as d:
+            src = Path(d) / "kernel.cu"
+            src.write_text(ck.cuda_source)
+            out = Path(d) / "kernel.fatbin"
+            cmd = [nvcc, "-fatbin", f"-arch=sm_{major}{minor}", "-I", str(inc), "-o", str(out), str(src)]
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            if r.returncode != 0:
+                raise DeployError(f"app {app!r}, op {o.label}: nvcc failed:\n{r.stderr[-2000:]}")
+            image = out.read_bytes()
+    else:
+        raise DeployError(f"app {app!r}, op {o.label}: a custom kernel on a GPU needs cuda_source or cuda_fatbin")
+    try:
+        return _C.load_custom_cuda(image, ck.cuda_symbol)
+    except (RuntimeError, AttributeError) as e:
+        raise DeployError(f"app {app!r}, op {o.label}: {e}") from None

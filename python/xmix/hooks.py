@@ -1,0 +1,74 @@
+"""The hook surface: site names, their order in the forward pass, and site ids.
+
+A site id is ``layer * SITES_PER_LAYER + kind``; ``final.post`` is ``n_layers *
+SITES_PER_LAYER``. Ids increase in forward order, which is what "a read that runs earlier"
+means. The numbering matches csrc/include/xmix/control.h (checked by tests/test_hooks.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SITES_PER_LAYER = 6
+
+# Per-layer sites in forward order, with whether the stream there is split as hidden +
+# residual (a read sees the sum, a write changes the sum).
+LAYER_SITES: dict[str, int] = {
+    "residual.pre": 0,     # stream entering layer l
+    "attention.post": 1,   # self-attention output after o_proj, before it joins the stream
+    "residual.mid": 2,     # stream between attention and MLP
+    "router.logits": 3,    # MoE router logits (MoE layers only)
+    "mlp.post": 4,         # MLP / MoE block output before it joins the stream
+    "residual.post": 5,    # stream leaving layer l
+}
+MODEL_SITES = ("final.post",)  # after the final norm
+SITE_NAMES = tuple(LAYER_SITES) + MODEL_SITES
+
+
+def site_id(submodule: str, layer: int | None, n_layers: int) -> int:
+    if submodule == "final.post":
+        return n_layers * SITES_PER_LAYER
+    return layer * SITES_PER_LAYER + LAYER_SITES[submodule]
+
+
+def site_name(sid: int, n_layers: int) -> str:
+    if sid == n_layers * SITES_PER_LAYER:
+        return "final.post"
+    layer, kind = divmod(sid, SITES_PER_LAYER)
+    name = next(n for n, k in LAYER_SITES.items() if k == kind)
+    return f"layers.{layer}.{name}"
+
+
+def n_sites(n_layers: int) -> int:
+    return n_layers * SITES_PER_LAYER + 1
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What deploy-time validation needs to know about the served model."""
+
+    n_layers: int
+    hidden_size: int
+    vocab_size: int
+    n_experts: int = 0                       # 0 for dense models
+    moe_layers: tuple[int, ...] = field(default=())
+    model_name: str = ""
+
+    @staticmethod
+    def from_hf_config(config, model_name: str = "") -> "ModelShape":
+        text = getattr(config, "text_config", None) or config
+        n_layers = int(text.num_hidden_layers)
+        n_experts = int(getattr(text, "num_local_experts", 0) or getattr(text, "num_experts", 0) or 0)
+        moe_layers: tuple[int, ...] = ()
+        if n_experts:
+            step = int(getattr(text, "decoder_sparse_step", 1) or 1)
+            dense = set(getattr(text, "mlp_only_layers", []) or [])
+            moe_layers = tuple(l for l in range(n_layers) if (l + 1) % step == 0 and l not in dense)
+        return ModelShape(
+            n_layers=n_layers,
+            hidden_size=int(text.hidden_size),
+            vocab_size=int(text.vocab_size),
+            n_experts=n_experts,
+            moe_layers=moe_layers,
+            model_name=model_name or str(getattr(config, "_name_or_path", "") or ""),
+        )

@@ -1,0 +1,368 @@
+"""Deploy-time lowering: check an app against a model and turn it into per-site ops.
+
+The result (``LoweredApp``) is engine independent: fp32 artifacts per (layer, site), each
+op's scalar parameters with defaults, resolved token sets and spans, and conditions whose
+references have been checked. ``xmix.control`` places it in the control block;
+``xmix.integrations.hf`` runs it with ``xmix.reference`` as the oracle.
+
+Order at a site: apps in deployment order, then ops in declaration order.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from xmix import conditions as C
+from xmix.api import App, AppError
+from xmix.catalog import CENTROIDS, EXPERTS, FLT_MAX, KERNELS, MAT_DD, VEC
+from xmix.hooks import LAYER_SITES, ModelShape, site_id
+
+
+class DeployError(AppError):
+    """An app that does not fit the model it is deployed on."""
+
+
+@dataclass
+class LoweredOp:
+    app: str
+    op_index: int                     # declaration index in the app
+    label: str
+    primitive: str
+    kernel: str
+    site: str                         # submodule name
+    layer: int | None
+    site_id: int
+    result_key: str | None            # reads: key under which results are reported
+    artifacts: dict[str, torch.Tensor]  # fp32, already per layer (a0, a1, a2 by kernel)
+    params: list[tuple[str, float]]   # (name, default), in the kernel's ParamIndex order
+    cond: Any                         # conditions.Node or None
+    n: int = 0
+    m: int = 0
+    state_width: int = 0              # floats of per-slot vector state (cosine)
+    capture_width: int = 0
+    custom: Any = None                # api.CustomKernel
+    name: str | None = None           # the op's .named() name, for per-op parameters
+
+    @property
+    def is_read(self) -> bool:
+        return self.primitive == "read"
+
+
+@dataclass
+class LoweredApp:
+    name: str
+    app: App
+    shape: ModelShape
+    ops: list[LoweredOp]                              # sorted by (site_id, op_index)
+    token_sets: dict[str, list[int]]                  # name -> sorted token ids
+    spans: list[tuple[str, str]]                      # (open set, close set)
+    app_params: dict[str, float]
+    reads: dict[str, LoweredOp] = field(default_factory=dict)
+
+    @property
+    def sites(self) -> list[str]:
+        from xmix.hooks import site_name
+
+        return sorted({site_name(o.site_id, self.shape.n_layers) for o in self.ops})
+
+    @property
+    def writes(self) -> bool:
+        return any(not o.is_read for o in self.ops)
+
+    @property
+    def stateful(self) -> bool:
+        """Needs every prompt token computed by this request (no prefix-cache reads)."""
+        if self.spans or any(o.kernel == "cosine" for o in self.ops):
+            return True
+        return any(isinstance(n, C.Latch) for o in self.ops if o.cond for n in C.walk(o.cond))
+
+    @property
+    def reads_prompt(self) -> bool:
+        return any(o.is_read for o in self.ops)
+
+    def param_names(self) -> set[str]:
+        names = set(self.app_params)
+        for o in self.ops:
+            for p, _ in o.params:
+                names.add(p)
+                if o.name:
+                    names.add(f"{o.name}.{p}")
+        return names
+
+
+def _fail(app: str, what: str, msg: str) -> DeployError:
+    return DeployError(f"app {app!r}, {what}: {msg}")
+
+
+def _check_finite(app: str, what: str, name: str, t: torch.Tensor) -> None:
+    if t.is_floating_point() and not torch.isfinite(t).all():
+        bad = (~torch.isfinite(t)).nonzero()[0].tolist()
+        raise _fail(app, what, f"artifact {name!r} contains NaN or Inf (first at index {bad})")
+
+
+def _per_layer(app: str, what: str, name: str, t: torch.Tensor, kind: str, layers: list[int | None],
+               shape: ModelShape) -> list[torch.Tensor]:
+    """Split an artifact into one fp32 tensor per layer, checking its shape against the model."""
+    d, L = shape.hidden_size, shape.n_layers
+    base_rank = {VEC: 1, EXPERTS: 1, MAT_DD: 2, CENTROIDS: 2}[kind]
+
+    def check_base(x: torch.Tensor) -> None:
+        if kind == VEC and tuple(x.shape) != (d,):
+            raise _fail(app, what, f"artifact {name!r} has shape {tuple(t.shape)}; expected "
+                                   f"[{d}] (hidden size) or [n_layers, {d}]")
+        if kind == MAT_DD and tuple(x.shape) != (d, d):
+            raise _fail(app, what, f"artifact {name!r} has shape {tuple(t.shape)}; expected [{d}, {d}]")
+        if kind == CENTROIDS and (x.dim() != 2 or x.shape[1] != d or x.shape[0] < 1):
+            raise _fail(app, what, f"artifact {name!r} has shape {tuple(t.shape)}; expected [k, {d}]")
+        if kind == EXPERTS:
+            if tuple(x.shape) != (shape.n_experts,):
+                raise _fail(app, what, f"artifact {name!r} has shape {tuple(t.shape)}; expected "
+                                       f"[{shape.n_experts}] (experts) or [n_layers, {shape.n_experts}]")
+
+    if t.dim() == base_rank:
+        check_base(t)
+        return [t.float()] * len(layers)
+    if t.dim() == base_rank + 1:
+        if layers == [None]:
+            raise _fail(app, what, f"artifact {name!r} has a layer dimension but the site is model level")
+        if t.shape[0] == L:
+            rows = [t[l] for l in layers]
+        elif t.shape[0] == len(layers):
+            rows = [t[i] for i in range(len(layers))]
+        else:
+            raise _fail(app, what, f"artifact {name!r} has {t.shape[0]} layer rows; expected "
+                                   f"{L} (one per model layer) or {len(layers)} (one per selected layer)")
+        for r in rows:
+            check_base(r)
+        return [r.float().contiguous() for r in rows]
+    raise _fail(app, what, f"artifact {name!r} has shape {tuple(t.shape)}; expected {kind}")
+
+
+def resolve_token_sets(app: App, shape: ModelShape, tokenizer) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for ts in app.token_sets.values():
+        ids: set[int] = set()
+        what = f"token set {ts.name!r}"
+        for i in ts.ids or []:
+            if i >= shape.vocab_size:
+                raise _fail(app.name, what, f"token id {i} is outside the vocabulary ({shape.vocab_size})")
+            ids.add(i)
+        if (ts.strings or ts.contains) and tokenizer is None:
+            raise _fail(app.name, what, "strings need the model's tokenizer, which is not available")
+        for s in ts.strings or []:
+            enc = tokenizer.encode(s, add_special_tokens=False)
+            if len(enc) != 1:
+                raise _fail(app.name, what, f"string {s!r} is {len(enc)} tokens {enc}, not one; "
+                                            f"use contains=[...] or ids=[...]")
+            ids.add(int(enc[0]))
+        if ts.contains:
+            n = min(len(tokenizer), shape.vocab_size)
+            for i in range(n):
+                text = tokenizer.decode([i])
+                if any(sub in text for sub in ts.contains):
+                    ids.add(i)
+            if not any(True for _ in ids):
+                raise _fail(app.name, what, f"no token of the vocabulary contains {ts.contains!r}")
+        out[ts.name] = sorted(ids)
+    return out
+
+
+def lower(app: App, shape: ModelShape, tokenizer=None) -> LoweredApp:
+    """Check ``app`` against ``shape`` and lower it. Raises DeployError naming app, op, field."""
+    name = app.name
+    token_sets = resolve_token_sets(app, shape, tokenizer)
+    ops: list[LoweredOp] = []
+    for idx, op in enumerate(app.ops):
+        what = f"op {op.label}"
+        spec = KERNELS[op.kernel]
+        if op.site is None:
+            raise _fail(name, what, "no site: call .submodule(...)")
+        if spec.sites is not None and op.site not in spec.sites:
+            raise _fail(name, what, f"kernel {op.kernel!r} only runs at {', '.join(spec.sites)}, not {op.site!r}")
+        if spec.sites is None and op.site == "router.logits" and op.kernel != "custom":
+            raise _fail(name, what, f"kernel {op.kernel!r} does not run on router logits")
+        if op.site == "final.post":
+            if op.layer_spec is not None:
+                raise _fail(name, what, "final.post is a model-level site; do not give .layers(...)")
+            layers: list[int | None] = [None]
+        else:
+            if op.layer_spec is None:
+                raise _fail(name, what, f"site {op.site!r} needs .layers(...)")
+            if op.site == "router.logits":
+                if not shape.n_experts:
+                    raise _fail(name, what, "router.logits needs a mixture-of-experts model; "
+                                            f"{shape.model_name or 'this model'} has no experts")
+                layers = list(shape.moe_layers) if op.layer_spec == "all" else list(op.layer_spec)
+                for l in layers:
+                    if l not in shape.moe_layers:
+                        raise _fail(name, what, f"layer {l} has no router (MoE layers: {list(shape.moe_layers)})")
+            else:
+                layers = list(range(shape.n_layers)) if op.layer_spec == "all" else list(op.layer_spec)
+            for l in layers:
+                if not 0 <= l < shape.n_layers:
+                    raise _fail(name, what, f"layer {l} out of range (model has {shape.n_layers} layers)")
+
+        for a, t in op.artifacts.items():
+            _check_finite(name, what, a, t)
+        for p, v in op.params.items():
+            pspec = spec.params.get(p)
+            if pspec and not (pspec.lo <= v <= pspec.hi):
+                raise _fail(name, what, f"parameter {p!r}={v} out of range [{pspec.lo}, {pspec.hi}]")
+
+        per_layer: dict[str, list[torch.Tensor]] = {}
+        kinds = dict(spec.artifacts)
+        if op.kernel == "custom" and "artifact" in op.artifacts:
+            per_layer["artifact"] = [op.artifacts["artifact"].float().reshape(-1).contiguous()] * len(layers)
+        for a, kind in kinds.items():
+            per_layer[a] = _per_layer(name, what, a, op.artifacts[a], kind, layers, shape)
+        if op.kernel == "router":
+            for m in per_layer["mask"]:
+                if not torch.isin(m, torch.tensor([-1.0, 0.0, 1.0])).all():
+                    raise _fail(name, what, "artifact 'mask' must hold only -1, 0 and 1")
+
+        if op.kernel == "custom":
+            params = [(p, v) for p, v in (op.custom.params or {}).items()]
+        else:
+            params = [(p, op.params.get(p, ps.default)) for p, ps in spec.params.items()]
+        if op.kernel == "clamp":
+            lo = dict(params)["min"]
+            hi = dict(params)["max"]
+            if lo > hi:
+                raise _fail(name, what, f"min ({lo}) is greater than max ({hi})")
+
+        multi = len(layers) > 1
+        for li, layer in enumerate(layers):
+            arts: dict[str, torch.Tensor] = {}
+            n = m = state = cap = 0
+            d = shape.hidden_size
+            if op.kernel in ("probe",):
+                arts["a0"] = per_layer["weight"][li]
+            elif op.kernel == "add":
+                arts["a0"] = per_layer["vector"][li]
+            elif op.kernel in ("ablate", "clamp"):
+                r = per_layer["direction"][li]
+                norm = float(r.norm())
+                if not norm > 0 or not math.isfinite(norm):
+                    raise _fail(name, what, "artifact 'direction' has zero norm")
+                arts["a0"] = (r / norm).contiguous()
+            elif op.kernel == "affine":
+                arts["a0"] = per_layer["matrix"][li]
+                arts["a1"] = per_layer["mu_s"][li]
+                arts["a2"] = per_layer["mu_t"][li]
+            elif op.kernel == "cosine":
+                v = per_layer["vector"][li]
+                vv = float(v.double().dot(v.double()))
+                if not vv > 0:
+                    raise _fail(name, what, "artifact 'vector' has zero norm")
+                arts["a0"] = v
+                arts["a1"] = torch.tensor([1.0 / vv], dtype=torch.float32)
+                state = d + 1
+            elif op.kernel == "distance":
+                arts["a0"] = per_layer["centroids"][li].reshape(-1).contiguous()
+                n = int(per_layer["centroids"][li].shape[0])
+            elif op.kernel == "router":
+                arts["a0"] = per_layer["mask"][li]
+                n = shape.n_experts
+            elif op.kernel == "capture":
+                lo_d, hi_d = op.options.get("dims", [0, d])
+                if hi_d > d:
+                    raise _fail(name, what, f"dims {op.options['dims']} exceed the hidden size {d}")
+                m, n = lo_d, hi_d - lo_d
+                cap = n
+            elif op.kernel == "custom":
+                if "artifact" in per_layer:
+                    arts["a0"] = per_layer["artifact"][li]
+                    m = int(arts["a0"].numel())
+            key = None
+            if op.primitive == "read":
+                key = f"{op.result_name}.{layer}" if multi else op.result_name
+            ops.append(LoweredOp(
+                app=name, op_index=idx, label=op.label, primitive=op.primitive, kernel=op.kernel,
+                site=op.site, layer=layer, site_id=site_id(op.site, layer, shape.n_layers),
+                result_key=key, artifacts=arts, params=list(params), cond=op.condition(),
+                n=n, m=m, state_width=state, capture_width=cap, custom=op.custom, name=op.name))
+
+    ops.sort(key=lambda o: (o.site_id, o.op_index))
+    reads: dict[str, LoweredOp] = {}
+    for o in ops:
+        if o.result_key is not None:
+            if o.result_key in reads:
+                raise _fail(name, f"op {o.label}", f"result name {o.result_key!r} is used twice")
+            reads[o.result_key] = o
+
+    spans: list[tuple[str, str]] = []
+    for o in ops:
+        if o.cond is None:
+            continue
+        what = f"op {o.label}"
+        if C.stack_depth(o.cond) > 16:
+            raise _fail(name, what, "condition is nested too deeply (more than 16 levels)")
+        for node in C.walk(o.cond):
+            if isinstance(node, C.TokenIn) and node.set not in token_sets:
+                raise _fail(name, what, f"unknown token set {node.set!r} (declare it with app.token_set)")
+            if isinstance(node, C.InSpan):
+                for s in (node.open, node.close):
+                    if s not in token_sets:
+                        raise _fail(name, what, f"unknown token set {s!r} in in_span")
+                if (node.open, node.close) not in spans:
+                    spans.append((node.open, node.close))
+            if isinstance(node, (C.Gate, C.Latch)):
+                if isinstance(node.value, str) and node.value not in app.app_params:
+                    raise _fail(name, what, f"unknown parameter {node.value!r} in condition "
+                                            f"(declare it with app.param)")
+    _check_gate_order(name, ops, reads)
+    lowered = LoweredApp(name=name, app=app, shape=shape, ops=ops, token_sets=token_sets,
+                         spans=spans, app_params=dict(app.app_params), reads=reads)
+    return lowered
+
+
+def _check_gate_order(app: str, ops: list[LoweredOp], reads: dict[str, LoweredOp]) -> None:
+    # Dependencies between ops (by position in the lowered list) through gates and latches.
+    deps: dict[int, list[tuple[int, str, bool]]] = {}
+    pos = {id(o): i for i, o in enumerate(ops)}
+    for i, o in enumerate(ops):
+        if o.cond is None:
+            continue
+        for node in C.walk(o.cond):
+            if not isinstance(node, (C.Gate, C.Latch)):
+                continue
+            src = reads.get(node.read)
+            if src is None:
+                multi = sorted(k for k in reads if k.startswith(node.read + "."))
+                hint = f"; it is on several layers, name one of {multi}" if multi else ""
+                raise _fail(app, f"op {o.label}", f"condition reads {node.read!r}, which is not a "
+                                                  f"read of this app{hint}")
+            deps.setdefault(i, []).append((pos[id(src)], node.read, isinstance(node, C.Latch)))
+    # A cycle first (it would also be "later"), then the forward-order rule.
+    state: dict[int, int] = {}
+
+    def visit(i: int, path: list[int]) -> None:
+        state[i] = 1
+        for j, rname, _ in deps.get(i, []):
+            if state.get(j) == 1:
+                cyc = " -> ".join(ops[k].label for k in path + [i, j])
+                raise _fail(app, f"op {ops[i].label}", f"conditions form a cycle: {cyc}")
+            if state.get(j) is None:
+                visit(j, path + [i])
+        state[i] = 2
+
+    for i in deps:
+        if state.get(i) is None:
+            visit(i, [])
+    for i, lst in deps.items():
+        o = ops[i]
+        for j, rname, latch in lst:
+            src = ops[j]
+            if latch:
+                if src.site_id >= o.site_id:
+                    raise _fail(app, f"op {o.label}", f"latch on {rname!r} at the same or a later "
+                                                      f"site; a latch must read an earlier site")
+            elif src.kernel == "cosine" and src.site_id >= o.site_id:
+                raise _fail(app, f"op {o.label}", f"gate on cosine read {rname!r} must be at a later site")
+            elif not (src.site_id < o.site_id or (src.site_id == o.site_id and src.op_index < o.op_index)):
+                raise _fail(app, f"op {o.label}", f"gate on {rname!r}, which runs later in the forward "
+                                                  f"pass; gates may only read earlier reads")

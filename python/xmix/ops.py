@@ -1,0 +1,90 @@
+"""The torch custom op behind every hook site: ``torch.ops.xmix.site(h, r, site_id)``.
+
+It mutates ``h`` in place (a write changes the stream ``h + r`` by changing ``h``) and
+returns nothing, so torch.compile sees one opaque in-place op per site. The op finds the
+process's control block (``set_control``) and runs the site program:
+
+- CPU: ``_C.run_site_cpu`` (skipped without a call into _C when no app of the batch has an
+  op at this site);
+- CUDA, eager: the site anchor kernel, skipped the same way;
+- CUDA, while a graph is being captured: always the anchor kernel (it dispatches itself from
+  the control block, so the captured graph is correct whatever is deployed later).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from xmix import _C
+
+_K = _C.constants()
+DTYPES = {torch.float32: _K["DT_F32"], torch.bfloat16: _K["DT_BF16"], torch.float16: _K["DT_F16"]}
+
+_CONTROL = None  # the process's ControlBlock (one engine per process)
+
+lib = torch.library.Library("xmix", "DEF")
+lib.define("site(Tensor(a!) h, Tensor? r, int site) -> ()")
+
+
+def set_control(cb) -> None:
+    global _CONTROL
+    _CONTROL = cb
+
+
+def get_control():
+    return _CONTROL
+
+
+def _args(h: torch.Tensor, r: torch.Tensor | None):
+    if h.dtype not in DTYPES:
+        raise TypeError(f"xmix: hook site on a {h.dtype} tensor; supported: fp32, bf16, fp16")
+    d = h.shape[-1]
+    n = h.numel() // d if d else 0
+    if h.stride(-1) != 1 or (h.dim() > 1 and h.stride(-2) != d and n > 1):
+        raise ValueError("xmix: hook site needs rows of contiguous elements")
+    sh = d if h.dim() == 1 else h.stride(-2)
+    if r is not None:
+        if r.shape != h.shape or r.dtype != h.dtype:
+            raise ValueError("xmix: residual must match hidden states in shape and dtype")
+        sr = d if r.dim() == 1 else r.stride(-2)
+        rp = r.data_ptr()
+    else:
+        sr, rp = 0, 0
+    return n, d, sh, sr, rp, DTYPES[h.dtype]
+
+
+def _site_cpu(h: torch.Tensor, r: torch.Tensor | None, site: int) -> None:
+    cb = _CONTROL
+    if cb is None or not cb.site_active[site]:
+        return
+    n, d, sh, sr, rp, dt = _args(h, r)
+    _C.run_site_cpu(cb.ptr, site, h.data_ptr(), rp, n, d, sh, sr, dt)
+
+
+def _site_cuda(h: torch.Tensor, r: torch.Tensor | None, site: int) -> None:
+    cb = _CONTROL
+    if cb is None:
+        return
+    capturing = torch.cuda.is_current_stream_capturing()
+    if not capturing and not cb.site_active[site]:
+        return
+    n, d, sh, sr, rp, dt = _args(h, r)
+    stream = torch.cuda.current_stream(h.device).cuda_stream
+    if capturing and cb.graph_hook is not None:
+        cb.graph_hook.note_anchor(site, h, r, n, d, sh, sr, dt)
+    _C.launch_site_anchor(cb.ptr, site, h.data_ptr(), rp, n, d, sh, sr, dt, stream)
+    if not capturing:
+        cb.launch_custom_ops(site, h, r, n, d, sh, sr, dt, stream)
+
+
+lib.impl("site", _site_cpu, "CPU")
+lib.impl("site", _site_cuda, "CUDA")
+
+
+@torch.library.register_fake("xmix::site", lib=lib)
+def _site_fake(h, r, site) -> None:
+    return None
+
+
+def site(h: torch.Tensor, r: torch.Tensor | None, site_id: int) -> None:
+    torch.ops.xmix.site(h, r, site_id)

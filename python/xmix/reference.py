@@ -1,0 +1,97 @@
+"""The semantics of every primitive and condition in plain PyTorch: the oracle in tests.
+
+Written for clarity, not speed; never used on the serving path. Activations at a site are
+``h`` (and ``r``, the residual, where the stream is split); the stream is ``x = h + r``
+computed in fp32. A write returns the new ``h`` in h's dtype; only rows selected by ``mask``
+change, the others are returned bit-identical.
+"""
+
+from __future__ import annotations
+
+import torch
+
+NAN = float("nan")
+
+
+def stream(h: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
+    x = h.float()
+    return x + r.float() if r is not None else x
+
+
+# ---------------------------------------------------------------------------- reads
+def probe(x: torch.Tensor, weight: torch.Tensor, bias: float) -> torch.Tensor:
+    """sigmoid(w . x + b) per row."""
+    return torch.sigmoid(x.float() @ weight.float() + bias)
+
+
+def distance(x: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
+    """min_k ||x - mu_k|| per row."""
+    diff = x.float()[:, None, :] - centroids.float()[None, :, :]
+    return diff.pow(2).sum(-1).sqrt().min(dim=1).values
+
+
+def cast_cosine(mean: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """CAST's condition score: cos(m, tanh(P m)) with P = v v^T / (v^T v)."""
+    v = v.float()
+    proj = v * (v @ mean.float()) / (v @ v)
+    u = torch.tanh(proj)
+    den = mean.float().norm() * u.norm()
+    return (mean.float() @ u) / den if den > 0 else torch.tensor(0.0)
+
+
+# ---------------------------------------------------------------------------- writes
+def add(h, r, mask, vector, scale):
+    new = h.float() + scale * vector.float()
+    return torch.where(mask[:, None], new.to(h.dtype), h)
+
+
+def ablate(h, r, mask, direction):
+    u = direction.float() / direction.float().norm()
+    proj = stream(h, r) @ u
+    new = h.float() - proj[:, None] * u
+    return torch.where(mask[:, None], new.to(h.dtype), h)
+
+
+def clamp(h, r, mask, direction, lo, hi):
+    u = direction.float() / direction.float().norm()
+    proj = stream(h, r) @ u
+    delta = proj.clamp(min=lo, max=hi) - proj
+    new = h.float() + delta[:, None] * u
+    return torch.where(mask[:, None], new.to(h.dtype), h)
+
+
+def affine(h, r, mask, matrix, mu_s, mu_t):
+    x = stream(h, r)
+    new_x = (x - mu_s.float()) @ matrix.float().T + mu_t.float()
+    new = new_x - (r.float() if r is not None else 0.0)
+    return torch.where(mask[:, None], new.to(h.dtype), h)
+
+
+def router(logits, mask, expert_mask, delta):
+    """SteerMoE: log-softmax over experts; forced-on experts get max + delta, forced-off
+    min - delta (max and min of the unmodified log-softmax), before the model's top-k."""
+    ls = torch.log_softmax(logits.float(), dim=-1)
+    lmax = ls.max(dim=-1, keepdim=True).values
+    lmin = ls.min(dim=-1, keepdim=True).values
+    em = expert_mask.float()[None, :].expand_as(ls)
+    new = torch.where(em > 0, lmax + delta, torch.where(em < 0, lmin - delta, ls))
+    return torch.where(mask[:, None], new.to(logits.dtype), logits)
+
+
+# ---------------------------------------------------------------------------- conditions
+def span_flags(ids: list[int], open_ids: set[int], close_ids: set[int], state: bool = False):
+    """In-span flag per token: the opener is inside, the closer is not. Returns (flags, state)."""
+    out = []
+    for t in ids:
+        if t in open_ids:
+            state = True
+        if t in close_ids:
+            state = False
+        out.append(state)
+    return out, state
+
+
+def compare(v: float, cmp: str, t: float) -> bool:
+    if v != v:  # the read did not run on this token
+        return False
+    return {">=": v >= t, ">": v > t, "<=": v <= t, "<": v < t, "==": v == t, "!=": v != t}[cmp]

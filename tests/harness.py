@@ -1,0 +1,69 @@
+"""Run one hook site of deployed apps outside any engine: the kernel tests' driver.
+
+A step is a list of requests, each (n_tokens, start_pos, prompt_len, apps); their tokens are
+contiguous rows of h in that order, as in vLLM's batches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from xmix import ops
+from xmix.control import Capacity, ControlBlock
+from xmix.hooks import ModelShape, site_id
+from xmix.lowering import lower
+
+SMALL = Capacity(max_tokens=64, max_slots=8, max_apps=8, max_params=64, max_channels=16,
+                 max_ops=64, max_cond=128, capture_floats=64 * 64)
+
+
+@dataclass
+class Req:
+    n: int
+    start: int
+    prompt_len: int
+    apps: tuple[str, ...] = ()
+    params: dict | None = None
+
+
+class Harness:
+    def __init__(self, shape: ModelShape, apps, device="cpu", tokenizer=None, capacity=SMALL):
+        self.shape = shape
+        self.device = torch.device(device)
+        self.cb = ControlBlock(shape, self.device, capacity)
+        self.lowered = {}
+        for app in apps:
+            lw = lower(app, shape, tokenizer)
+            self.cb.install(lw)
+            self.lowered[app.name] = lw
+        self.slots: dict[str, int] = {}
+
+    def step(self, reqs: dict[str, Req], input_ids: torch.Tensor | None = None, pad_to: int | None = None):
+        for name, q in reqs.items():
+            if name not in self.slots:
+                self.slots[name] = self.cb.admit(name, list(q.apps), q.params, q.prompt_len)
+        rows = list(reqs.values())
+        slots = np.array([self.slots[n] for n in reqs], dtype=np.int32)
+        self.cb.begin_step(slots, np.array([q.n for q in rows]), np.array([q.start for q in rows]),
+                           np.array([q.prompt_len for q in rows]), pad_to)
+        n_tok = sum(q.n for q in rows)
+        if input_ids is None:
+            input_ids = torch.zeros(max(n_tok, pad_to or 0), dtype=torch.int32)
+        self.cb.prologue(input_ids.to(self.device))
+        ops.set_control(self.cb)
+
+    def run(self, submodule: str, layer: int | None, h: torch.Tensor, r: torch.Tensor | None = None):
+        sid = site_id(submodule, layer, self.shape.n_layers)
+        torch.ops.xmix.site(h, r, sid)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def drain(self):
+        return self.cb.drain()
+
+    def finish(self, name: str):
+        self.cb.release(name)
+        self.slots.pop(name, None)
