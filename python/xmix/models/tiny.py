@@ -51,6 +51,7 @@ _COMMON = dict(
     head_dim=64,
     intermediate_size=512,
     max_position_embeddings=2048,
+    rope_theta=10000.0,  # pinned: the default differs between config classes
     rms_norm_eps=1e-5,
     tie_word_embeddings=False,
 )
