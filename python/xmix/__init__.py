@@ -1,3 +1,30 @@
-"""xmix: serving-native mechanistic-interpretability apps for vLLM."""
+"""xmix: serving-native mechanistic-interpretability apps for vLLM.
+
+    app = xmix.App("steer")
+    app.write("add", vector=v, scale=4.0).layers([2]).submodule("residual.post")
+    llm = xmix.LLM(model=path, apps=[app])
+    outs = llm.generate(prompts, SamplingParams(extra_args={"xmix": {"apps": ["steer"]}}))
+    xmix.results(outs[0])
+"""
+
+from xmix.api import App, AppError
+from xmix.lowering import DeployError
 
 __version__ = "0.1.0"
+__all__ = ["App", "AppError", "DeployError", "LLM", "results", "__version__"]
+
+
+def results(output) -> dict:
+    """Read results of a request: {app: {read: {"positions": [...], "values": [...]}}}."""
+    return getattr(output, "xmix", None) or {}
+
+
+def __getattr__(name):
+    # vLLM is imported only when the engine side is used.
+    if name == "LLM":
+        from xmix.integrations.vllm.llm import _make_llm_class
+
+        cls = _make_llm_class()
+        globals()["LLM"] = cls
+        return cls
+    raise AttributeError(name)

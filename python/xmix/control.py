@@ -85,8 +85,7 @@ class InstalledApp:
         return self.lowered.name
 
     def defaults(self) -> dict[str, float]:
-        return {c.name if c.op is None else f"{c.op}.{c.name}": c.default
-                for c in self.param_cols if c.public}
+        return {c.key: c.default for c in self.param_cols if c.public}
 
 
 @dataclass
@@ -97,6 +96,59 @@ class ParamCol:
     public: bool = True     # False: a constant of a condition
     lo: float = -FLT_MAX
     hi: float = FLT_MAX
+
+    @property
+    def key(self) -> str:
+        return self.name if self.op is None else f"{self.op}.{self.name}"
+
+
+def param_columns(lw: LoweredApp) -> list[ParamCol]:
+    """An app's columns in each request's parameter row: app params, each op's params in
+    lowered order, then the constants its conditions compare against."""
+    cols: list[ParamCol] = [ParamCol(p, None, v) for p, v in lw.app_params.items()]
+    for o in lw.ops:
+        for p, v in o.params:
+            spec = KERNELS[o.kernel].params.get(p)
+            cols.append(ParamCol(p, o.name or f"#{o.op_index}", v, True,
+                                 spec.lo if spec else -FLT_MAX, spec.hi if spec else FLT_MAX))
+    seen: set[float] = set()
+    for o in lw.ops:
+        for node in C.walk(o.cond) if o.cond is not None else ():
+            if isinstance(node, (C.Gate, C.Latch)) and isinstance(node.value, float) and node.value not in seen:
+                seen.add(node.value)
+                cols.append(ParamCol(f"__const{len(seen)}", None, node.value, False))
+    return cols
+
+
+def resolve_params(cols: list[ParamCol], params: Any, who: str) -> dict[int, float]:
+    """Map {"scale": 2.0, "op.scale": 1.0, "theta": 0.5} to column indices.
+
+    A bare name is an app-level parameter if one has that name, else every op parameter of
+    that name; "op.param" names one op."""
+    if not isinstance(params, dict):
+        raise RequestError(f"{who}: params must be an object of name: number")
+    out: dict[int, float] = {}
+    for key, v in params.items():
+        if not isinstance(key, str):
+            raise RequestError(f"{who}: parameter names must be strings, got {key!r}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(float(v)):
+            raise RequestError(f"{who}: parameter {key!r} must be a finite number, got {v!r}")
+        if "." in key:
+            op, p = key.rsplit(".", 1)
+            hits = [i for i, c in enumerate(cols) if c.public and c.op == op and c.name == p]
+        else:
+            hits = [i for i, c in enumerate(cols) if c.public and c.op is None and c.name == key]
+            if not hits:
+                hits = [i for i, c in enumerate(cols) if c.public and c.name == key]
+        if not hits:
+            known = sorted(c.key for c in cols if c.public)
+            raise RequestError(f"{who}: unknown parameter {key!r}; known: {known}")
+        for i in hits:
+            c = cols[i]
+            if not (c.lo <= float(v) <= c.hi):
+                raise RequestError(f"{who}: parameter {key!r}={v} out of range [{c.lo}, {c.hi}]")
+            out[i] = float(v)
+    return out
 
 
 def _np_view(t: torch.Tensor) -> np.ndarray:
@@ -277,23 +329,13 @@ class ControlBlock:
     def _allocate(self, lw: LoweredApp, index: int, mode: str, claims) -> InstalledApp:
         name = lw.name
         # params: app params, then each op's params, then constants used by conditions
-        cols: list[ParamCol] = []
-        for p, v in lw.app_params.items():
-            cols.append(ParamCol(p, None, v))
+        cols = param_columns(lw)
         op_param_col: dict[int, int] = {}
+        i = len(lw.app_params)
         for o in lw.ops:
-            op_param_col[id(o)] = len(cols)
-            for p, v in o.params:
-                spec = KERNELS[o.kernel].params.get(p)
-                cols.append(ParamCol(p, o.name or f"#{o.op_index}", v, True,
-                                     spec.lo if spec else -FLT_MAX, spec.hi if spec else FLT_MAX))
-        consts: dict[float, int] = {}
-        for o in lw.ops:
-            for node in C.walk(o.cond) if o.cond is not None else ():
-                if isinstance(node, (C.Gate, C.Latch)) and isinstance(node.value, float):
-                    if node.value not in consts:
-                        consts[node.value] = len(cols)
-                        cols.append(ParamCol(f"__const{len(consts)}", None, node.value, False))
+            op_param_col[id(o)] = i
+            i += len(o.params)
+        consts = {c.default: k for k, c in enumerate(cols) if not c.public}
         base = self._take(self._param_used, len(cols), "parameters", name, claims)
         channels = {}
         for key in lw.reads:
@@ -396,34 +438,7 @@ class ControlBlock:
             self._sync("slot_params")
 
     def _resolve_params(self, inst: InstalledApp, params: Any, who: str) -> dict[int, float]:
-        """Map {"scale": 2.0, "op.scale": 1.0, "theta": 0.5} to this app's param columns.
-
-        A bare name is an app-level parameter if one has that name, else every op parameter
-        of that name; "op.param" names one op."""
-        if not isinstance(params, dict):
-            raise RequestError(f"{who}: params must be an object of name: number")
-        out: dict[int, float] = {}
-        cols = inst.param_cols
-        for key, v in params.items():
-            if not isinstance(key, str):
-                raise RequestError(f"{who}: parameter names must be strings, got {key!r}")
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(float(v)):
-                raise RequestError(f"{who}: parameter {key!r} must be a finite number, got {v!r}")
-            if "." in key:
-                op, p = key.rsplit(".", 1)
-                hits = [i for i, c in enumerate(cols) if c.public and c.op == op and c.name == p]
-            else:
-                hits = [i for i, c in enumerate(cols) if c.public and c.op is None and c.name == key]
-                if not hits:
-                    hits = [i for i, c in enumerate(cols) if c.public and c.name == key]
-            if not hits:
-                raise RequestError(f"{who}: unknown parameter {key!r}; known: {sorted(inst.defaults())}")
-            for i in hits:
-                c = cols[i]
-                if not (c.lo <= float(v) <= c.hi):
-                    raise RequestError(f"{who}: parameter {key!r}={v} out of range [{c.lo}, {c.hi}]")
-                out[i] = float(v)
-        return out
+        return resolve_params(inst.param_cols, params, who)
 
     def _write_slot_params(self, slot: int, inst: InstalledApp) -> None:
         row = self.host["slot_params"][slot * self.cap.max_params:(slot + 1) * self.cap.max_params]
@@ -666,6 +681,15 @@ class ControlBlock:
         self.any_active = bool(self.site_active.any())
         self._step_reads = bool(active & on) and any(
             a.channels and ((np.uint64(1) << np.uint64(a.index)) & active & on) for a in self.apps.values())
+
+    def end_step(self) -> None:
+        """After the forward: an empty step, so forwards outside the runner's step (dummy
+        runs, graph captures) find every row inert."""
+        self._set_step_header(0, 0)
+        self._sync_block()
+        self.site_active[:] = False
+        self.any_active = False
+        self._step_reads = False
 
     def prologue(self, input_ids: torch.Tensor) -> None:
         """Per-slot resets, token-set and span bits for this step (before the forward)."""

@@ -1,0 +1,1 @@
+"""xmix inside vLLM: plugin (every process), worker side, engine core, frontend, server."""

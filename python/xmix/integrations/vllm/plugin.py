@@ -1,0 +1,60 @@
+"""The ``vllm.general_plugins`` entry point: vLLM calls ``register()`` in every process (the
+frontend, the engine core, each worker before it loads the model). It only patches classes,
+once per process, so loading it twice is harmless.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+logger = logging.getLogger("xmix")
+_lock = threading.Lock()
+_done = False
+
+
+def register() -> None:
+    global _done
+    with _lock:
+        if _done:
+            return
+        if os.environ.get("XMIX_DISABLE", "0") == "1":
+            logger.info("xmix: XMIX_DISABLE=1, plugin not loaded")
+            _done = True
+            return
+        _patch_all()
+        _done = True
+
+
+def _patch_all() -> None:
+    import xmix.ops  # noqa: F401  (the torch op must exist before any model is traced)
+
+    from vllm.outputs import RequestOutput
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine.input_processor import InputProcessor
+    from vllm.v1.engine.output_processor import OutputProcessor, RequestState
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    from . import engine_core, frontend, worker
+
+    worker.patch_model_runner(GPUModelRunner)
+    worker.patch_load_model(GPUModelRunner)
+    try:
+        from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+        worker.patch_load_model(CPUModelRunner)
+    except ImportError:  # a CUDA build without the CPU runner
+        pass
+    worker.patch_worker_base(WorkerBase)
+    engine_core.patch_scheduler(Scheduler)
+    frontend.patch_input_processor(InputProcessor)
+    frontend.patch_output_processor(OutputProcessor, RequestState, RequestOutput)
+    try:
+        from xmix import graphs
+
+        graphs.install_capture_hook()
+    except ImportError:
+        pass
+    logger.debug("xmix: vLLM patched in process %d", os.getpid())

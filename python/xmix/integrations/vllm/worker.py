@@ -1,0 +1,266 @@
+"""xmix inside a vLLM worker: the control block, per-step maps, results, control RPCs.
+
+Per step (model runner V1, which the CPU engine uses; all of it outside any graph):
+  execute_model     admit new requests into slots, release finished ones
+  _model_forward    before: fill token/row maps + prologue; after: drain reads (rank 0)
+  sample_tokens     hand the drained reads to the scheduler on the ModelRunnerOutput
+
+Control changes arrive as collective RPCs, which vLLM's engine core runs between steps, so
+every change takes effect at a step boundary.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from xmix import ops
+from xmix.api import App
+from xmix.control import Capacity, ControlBlock, RequestError
+from xmix.hooks import ModelShape
+from xmix.lowering import lower
+
+from .model_wrap import place_sites
+
+logger = logging.getLogger("xmix")
+
+RESULTS_ATTR = "xmix_results"
+
+
+def _tp_rank() -> int:
+    try:
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        return get_tensor_model_parallel_rank()
+    except Exception:
+        return 0
+
+
+class WorkerXmix:
+    """One per model runner (one engine per process)."""
+
+    def __init__(self, runner):
+        cfg = runner.vllm_config
+        hf = cfg.model_config.hf_config
+        self.shape = ModelShape.from_hf_config(hf, cfg.model_config.model)
+        sched = cfg.scheduler_config
+        cap = Capacity(max_tokens=max(int(sched.max_num_batched_tokens), 512),
+                       max_slots=max(int(sched.max_num_seqs), 1) + 8)
+        self.cb = ControlBlock(self.shape, runner.device, cap)
+        ops.set_control(self.cb)
+        self.sites = place_sites(runner.model, self.shape.n_layers)
+        self.rank0 = _tp_rank() == 0
+        self.pending: dict[str, dict] = {}
+        self.sched = None
+        self.stats = {"steps": 0, "steps_with_apps": 0, "admit_errors": 0}
+        logger.info("xmix: control block ready on %s (%d layers, d=%d, %d tokens x %d slots)",
+                    runner.device, self.shape.n_layers, self.shape.hidden_size,
+                    cap.max_tokens, cap.max_slots)
+
+    # ------------------------------------------------------------------ requests
+    def on_schedule(self, sched) -> None:
+        self.sched = sched
+        cb = self.cb
+        for rid in sched.finished_req_ids:
+            cb.release(rid)
+        for nr in sched.scheduled_new_reqs:
+            apps, params = [], {}
+            sp = nr.sampling_params
+            cfg = (sp.extra_args or {}).get("xmix") if sp is not None else None
+            if isinstance(cfg, dict):
+                apps = list(cfg.get("apps") or [])
+                params = dict(cfg.get("params") or {})
+            n_prompt = len(nr.prompt_token_ids) if nr.prompt_token_ids is not None else (
+                len(nr.prompt_embeds) if nr.prompt_embeds is not None else 0)
+            try:
+                cb.admit(nr.req_id, apps, params, n_prompt)
+            except RequestError as e:
+                # The frontend checked this request; an app undeployed since then is the only
+                # way here. The request goes on without the missing apps (the documented
+                # semantics of an undeploy while requests are in flight).
+                self.stats["admit_errors"] += 1
+                known = [a for a in apps if a in cb.apps]
+                logger.warning("xmix: request %s: %s; continuing with %s", nr.req_id, e, known)
+                cb.admit(nr.req_id, known, {a: p for a, p in params.items() if a in known}, n_prompt)
+
+    def before_forward(self, runner, input_ids: torch.Tensor | None) -> None:
+        cb = self.cb
+        sched, self.sched = self.sched, None
+        if sched is None or not cb.apps or input_ids is None:
+            cb.site_active[:] = False
+            return
+        ib = runner.input_batch
+        n = ib.num_reqs
+        req_ids = ib.req_ids[:n]
+        slots = np.empty(n, dtype=np.int32)
+        for i, rid in enumerate(req_ids):
+            slot = cb.slots.get(rid)
+            if slot is None:  # scheduled before the slot table existed (cannot happen in V1)
+                slot = cb.admit(rid, [], {}, int(ib.num_prompt_tokens[i]))
+            slots[i] = slot
+        n_tok = np.fromiter((sched.num_scheduled_tokens[r] for r in req_ids), dtype=np.int64, count=n)
+        start = ib.num_computed_tokens_cpu[:n].astype(np.int64)
+        plen = ib.num_prompt_tokens[:n].astype(np.int64)
+        cb.begin_step(slots, n_tok, start, plen, int(input_ids.shape[0]))
+        cb.prologue(input_ids)
+        self.stats["steps"] += 1
+        if cb.any_active:
+            self.stats["steps_with_apps"] += 1
+
+    def after_forward(self) -> None:
+        cb = self.cb
+        if not cb.apps:
+            return
+        if self.rank0:
+            for rid, apps in cb.drain().items():
+                merge_results(self.pending.setdefault(rid, {}), apps)
+        cb.end_step()
+
+    def take_results(self) -> dict[str, dict]:
+        out, self.pending = self.pending, {}
+        return out
+
+    # ------------------------------------------------------------------ control RPCs
+    def deploy(self, data: bytes, mode: str) -> dict[str, Any]:
+        app = App.from_bytes(data, source="deploy", allow_custom=True)
+        lowered = lower(app, self.shape, None)
+        inst = self.cb.install(lowered, mode)
+        return {"name": inst.name, "sites": lowered.sites}
+
+    def describe(self) -> list[dict]:
+        return self.cb.describe()
+
+
+def merge_results(into: dict, new: dict) -> dict:
+    """{app: {read: {positions, values}}}: extend in step order."""
+    for app, reads in new.items():
+        dst_app = into.setdefault(app, {})
+        for key, entry in reads.items():
+            dst = dst_app.setdefault(key, {"positions": [], "values": []})
+            dst["positions"].extend(entry["positions"])
+            dst["values"].extend(entry["values"])
+    return into
+
+
+# ---------------------------------------------------------------------- patches
+def _runner_xmix(runner) -> WorkerXmix | None:
+    return getattr(runner, "_xmix", None)
+
+
+def patch_model_runner(cls) -> None:
+    """Wrap the V1 GPUModelRunner (and so the CPU runner that subclasses it)."""
+    if getattr(cls, "_xmix_patched", False):
+        return
+
+    orig_execute = cls.execute_model
+    orig_forward = cls._model_forward
+    orig_sample = cls.sample_tokens
+
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        x = _runner_xmix(self)
+        if x is not None:
+            x.on_schedule(scheduler_output)
+        return orig_execute(self, scheduler_output, *args, **kwargs)
+
+    def _model_forward(self, input_ids=None, positions=None, *args, **kwargs):
+        x = _runner_xmix(self)
+        if x is None:
+            return orig_forward(self, input_ids, positions, *args, **kwargs)
+        x.before_forward(self, input_ids)
+        try:
+            return orig_forward(self, input_ids, positions, *args, **kwargs)
+        finally:
+            x.after_forward()
+
+    def sample_tokens(self, *args, **kwargs):
+        out = orig_sample(self, *args, **kwargs)
+        x = _runner_xmix(self)
+        if x is None or not x.pending or out is None:
+            return out
+        results = x.take_results()
+        if hasattr(out, "get_output") and not hasattr(out, "req_ids"):
+            orig_get = out.get_output
+
+            def get_output():
+                o = orig_get()
+                setattr(o, RESULTS_ATTR, results)
+                return o
+
+            out.get_output = get_output
+        else:
+            setattr(out, RESULTS_ATTR, results)
+        return out
+
+    cls.execute_model = execute_model
+    cls._model_forward = _model_forward
+    cls.sample_tokens = sample_tokens
+    cls._xmix_patched = True
+
+
+def patch_load_model(cls) -> None:
+    if "load_model" not in cls.__dict__ or cls.__dict__["load_model"].__dict__.get("_xmix"):
+        return
+    orig = cls.__dict__["load_model"]
+
+    def load_model(self, *args, **kwargs):
+        r = orig(self, *args, **kwargs)
+        if _runner_xmix(self) is None:
+            t0 = time.perf_counter()
+            self._xmix = WorkerXmix(self)
+            logger.info("xmix: attached to %s in %.2fs", type(self).__name__, time.perf_counter() - t0)
+        return r
+
+    load_model._xmix = True
+    cls.load_model = load_model
+
+
+def _wx(worker) -> WorkerXmix:
+    x = _runner_xmix(getattr(worker, "model_runner", None))
+    if x is None:
+        raise RuntimeError("xmix is not attached to this worker's model runner (model runner V1 "
+                           "with a Llama/Qwen3/Mixtral-style model is required)")
+    return x
+
+
+def xmix_deploy(self, data: bytes, mode: str = "request") -> dict:
+    return _wx(self).deploy(data, mode)
+
+
+def xmix_undeploy(self, name: str) -> None:
+    _wx(self).cb.remove(name)
+
+
+def xmix_undeploy_if_present(self, name: str) -> bool:
+    """Rollback of a failed deploy: remove the app where it got installed."""
+    x = _wx(self)
+    if name in x.cb.apps:
+        x.cb.remove(name)
+        return True
+    return False
+
+
+def xmix_set_mode(self, name: str, mode: str) -> None:
+    _wx(self).cb.set_mode(name, mode)
+
+
+def xmix_set_params(self, name: str, params: dict) -> None:
+    _wx(self).cb.set_params(name, params)
+
+
+def xmix_describe(self) -> dict:
+    x = _wx(self)
+    return {"apps": x.describe(), "sites": x.sites, "stats": dict(x.stats)}
+
+
+WORKER_METHODS = {f.__name__: f for f in (xmix_deploy, xmix_undeploy, xmix_undeploy_if_present,
+                                          xmix_set_mode, xmix_set_params, xmix_describe)}
+
+
+def patch_worker_base(cls) -> None:
+    for name, fn in WORKER_METHODS.items():
+        if not hasattr(cls, name):
+            setattr(cls, name, fn)
