@@ -216,7 +216,10 @@ def make_tiny_model(kind: str, out_dir: str | Path, seed: int = 0) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         _build_into(kind, tmp, seed)
-        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
+        # mkdtemp makes 0700 and safetensors writes 0600; others must read the cache.
+        os.chmod(tmp, 0o755)
+        for f in tmp.iterdir():
+            os.chmod(f, 0o644)
         if out.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
             os.replace(out, old / out.name)
