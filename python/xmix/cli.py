@@ -12,7 +12,14 @@ def _cmd_models(argv: list[str]) -> int:
     return models_main(argv)
 
 
+def _cmd_serve(argv: list[str]) -> int:
+    from xmix.integrations.vllm.server import serve_main
+
+    return serve_main(argv)
+
+
 COMMANDS = {
+    "serve": (_cmd_serve, "vllm serve with xmix: xmix serve MODEL --app PATH ... [vllm serve args]"),
     "models": (_cmd_models, "make the embedded tiny models (tiny-llama, tiny-qwen3, tiny-mixtral, all)"),
 }
 

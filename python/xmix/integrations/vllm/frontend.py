@@ -288,13 +288,13 @@ class Controller:
     between two steps: it takes effect at the next step boundary for requests in flight.
     """
 
-    def __init__(self, engine, rpc):
-        self.engine = engine
+    def __init__(self, input_processor, rpc):
+        """rpc(method, args) runs a worker method on every worker and returns their results."""
         self._rpc = rpc
-        cfg = engine.model_config
+        cfg = input_processor.vllm_config.model_config
         self.registry = Registry(ModelShape.from_hf_config(cfg.hf_config, cfg.model),
-                                 engine.get_tokenizer())
-        engine.input_processor._xmix_registry = self.registry
+                                 input_processor.tokenizer)
+        input_processor._xmix_registry = self.registry
 
     def deploy(self, app: App | str | Path | bytes, mode: str = "request", *,
                allow_custom: bool = True) -> dict:

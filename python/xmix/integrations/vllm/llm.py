@@ -17,7 +17,7 @@ def controller(llm) -> Controller:
         def rpc(method: str, args: tuple):
             return engine.collective_rpc(method, None, args, {})
 
-        ctl = Controller(engine, rpc)
+        ctl = Controller(engine.input_processor, rpc)
         llm.__dict__["_xmix_controller"] = ctl
     return ctl
 

@@ -52,6 +52,12 @@ def _patch_all() -> None:
     frontend.patch_input_processor(InputProcessor)
     frontend.patch_output_processor(OutputProcessor, RequestState, RequestOutput)
     try:
+        from . import server
+
+        server.patch_openai_serving()
+    except ImportError:  # vLLM without the OpenAI server extras
+        logger.debug("xmix: OpenAI serving not patched", exc_info=True)
+    try:
         from xmix import graphs
 
         graphs.install_capture_hook()

