@@ -180,7 +180,9 @@ def _as_artifact(app: str, what: str, name: str, value) -> torch.Tensor:
     if t.dtype == torch.bool or not (t.is_floating_point() or t.dtype in (torch.int8, torch.int16, torch.int32, torch.int64)):
         raise AppError(f"app {app!r}, {what}: artifact {name!r} has dtype {t.dtype}; "
                        f"expected a float tensor")
-    return t.contiguous()
+    # A private copy: the app must not change when the caller's tensor does, and safetensors
+    # refuses to save two artifacts that share memory.
+    return t.contiguous().clone()
 
 
 def _as_param(app: str, what: str, name: str, value) -> float:

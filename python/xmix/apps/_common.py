@@ -1,0 +1,145 @@
+"""Shared pieces of the app factories: the paper's models, argument checks, metadata."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from xmix.api import App, AppError
+from xmix.apps.derive import SCHEMAS, ArtifactError, validate_artifacts
+
+
+@dataclass(frozen=True)
+class PaperModel:
+    key: str
+    hf_id: str
+    n_layers: int
+    hidden_size: int
+    n_experts: int = 0
+    top_k: int = 0
+
+
+# The three models of the paper's evaluation (section 5).
+PAPER_MODELS: dict[str, PaperModel] = {
+    m.key: m
+    for m in (
+        PaperModel("llama-3.1-8b-instruct", "meta-llama/Llama-3.1-8B-Instruct", 32, 4096),
+        PaperModel("qwen3-8b", "Qwen/Qwen3-8B", 36, 4096),
+        PaperModel("mixtral-8x7b-instruct", "mistralai/Mixtral-8x7B-Instruct-v0.1", 32, 4096, 8, 2),
+    )
+}
+
+
+def paper_model(model: str | None) -> PaperModel | None:
+    """The paper model named by a key, a Hugging Face id or a local folder named like one."""
+    if not model:
+        return None
+    name = str(model).rstrip("/").lower()
+    base = name.rsplit("/", 1)[-1]
+    for m in PAPER_MODELS.values():
+        hf = m.hf_id.lower()
+        if name in (m.key, hf) or base in (m.key, hf.rsplit("/", 1)[-1]):
+            return m
+        # "Mixtral-8x7B-Instruct-v0.1" vs key "mixtral-8x7b-instruct"
+        if base.startswith(m.key):
+            return m
+    return None
+
+
+def model_defaults(table: dict[str, dict[str, Any]], model: str | None) -> dict[str, Any]:
+    m = paper_model(model)
+    return dict(table.get(m.key, {})) if m else {}
+
+
+def fail(app: str, msg: str) -> AppError:
+    return AppError(f"{app}: {msg}")
+
+
+def vector(app: str, what: str, value: Any, rank: tuple[int, ...] = (1,)) -> torch.Tensor:
+    """A float32 CPU tensor of one of the given ranks (artifacts are stored in fp32)."""
+    if value is None:
+        raise fail(app, f"{what} is required")
+    try:
+        t = torch.as_tensor(value)
+    except Exception:
+        raise fail(app, f"{what} is not a tensor ({type(value).__name__})") from None
+    if t.dtype == torch.bool or t.is_complex():
+        raise fail(app, f"{what} has dtype {t.dtype}; expected a real tensor")
+    if t.dim() not in rank:
+        raise fail(app, f"{what} has shape {list(t.shape)}; expected rank {' or '.join(map(str, rank))}")
+    t = t.detach().to("cpu", torch.float32).contiguous()
+    if not bool(torch.isfinite(t).all()):
+        raise fail(app, f"{what} contains NaN or Inf")
+    return t
+
+
+def number(app: str, what: str, value: Any, *, lo: float | None = None, strict_lo: bool = False) -> float:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise fail(app, f"{what} must be a finite number, got {value!r}")
+    v = float(value)
+    if lo is not None and (v < lo or (strict_lo and v == lo)):
+        raise fail(app, f"{what} must be {'>' if strict_lo else '>='} {lo}, got {v}")
+    return v
+
+
+def layer(app: str, what: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise fail(app, f"{what} must be a non-negative layer index, got {value!r}")
+    return int(value)
+
+
+def layer_list(app: str, what: str, value: Any) -> list[int]:
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = [value]
+    try:
+        out = list(value)
+    except TypeError:
+        raise fail(app, f"{what} must be a list or range of layer indices, got {value!r}") from None
+    if not out:
+        raise fail(app, f"{what} is empty")
+    out = [layer(app, what, v) for v in out]
+    if len(set(out)) != len(out):
+        raise fail(app, f"{what} lists a layer twice: {out}")
+    return out
+
+
+def check(app: str, artifacts: dict[str, Any], dims: dict[str, int] | None = None,
+          model: str | None = None) -> dict[str, int]:
+    """Validate against the app's schema; with a paper model, also its hidden size."""
+    dims = dict(dims or {})
+    m = paper_model(model)
+    if m and dims.get("d", m.hidden_size) != m.hidden_size:
+        raise fail(app, f"the artifacts have hidden size {dims['d']} but {m.hf_id} has "
+                        f"{m.hidden_size}")
+    try:
+        return validate_artifacts(app, artifacts, dims)
+    except ArtifactError as e:
+        raise fail(app, str(e)) from None
+
+
+def new_app(app: str, name: str | None, *, model: str | None, hidden_size: int | None, sites: list[str],
+            layers: Any, params: dict[str, Any], derivation: str,
+            extra: dict[str, Any] | None) -> App:
+    """An App with the metadata every factory records (JSON-serialisable values only)."""
+    schema = SCHEMAS[app]
+    m = paper_model(model)
+    meta: dict[str, Any] = {
+        "xmix_app": app,
+        "title": schema.title,
+        "source": dict(schema.source),
+        "model": m.hf_id if m else (str(model) if model else ""),
+        "hidden_size": int(hidden_size) if hidden_size is not None else (m.hidden_size if m else None),
+        "n_layers": m.n_layers if m else None,
+        "sites": list(sites),
+        "layers": layers,
+        "params": params,
+        "derivation": derivation,
+    }
+    if extra:
+        meta.update(extra)
+    return App(name or app, metadata=meta)
