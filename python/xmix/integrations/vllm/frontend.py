@@ -38,14 +38,26 @@ XMIX_KEY = "xmix"
 REQUEST_KEYS = {"apps", "params"}
 
 
-def _validation_error(msg: str, value: Any = None) -> Exception:
-    """vLLM's own validation error type (HTTP 400 on the server), when available."""
-    try:
-        from vllm.exceptions import VLLMValidationError
+_ERROR_CLASS = None
 
-        return VLLMValidationError(f"xmix: {msg}", parameter="vllm_xargs.xmix", value=value)
-    except Exception:  # pragma: no cover - older vLLM
-        return ValueError(f"xmix: {msg}")
+
+def _validation_error(msg: str, value: Any = None) -> Exception:
+    """A bad per-request control: vLLM's validation error (HTTP 400 on the server), and a
+    ValueError for offline callers."""
+    global _ERROR_CLASS
+    if _ERROR_CLASS is None:
+        try:
+            from vllm.exceptions import VLLMValidationError
+
+            class XmixValidationError(VLLMValidationError, ValueError):
+                pass
+        except ImportError:  # pragma: no cover - older vLLM
+            class XmixValidationError(ValueError):
+                def __init__(self, message, parameter=None, value=None):
+                    super().__init__(message)
+
+        _ERROR_CLASS = XmixValidationError
+    return _ERROR_CLASS(f"xmix: {msg}", parameter="vllm_xargs.xmix", value=value)
 
 
 @dataclass

@@ -20,8 +20,8 @@ def register() -> None:
         if _done:
             return
         if os.environ.get("XMIX_DISABLE", "0") == "1":
+            # Not marked done: a later call without the variable (in this process) patches.
             logger.info("xmix: XMIX_DISABLE=1, plugin not loaded")
-            _done = True
             return
         _patch_all()
         _done = True

@@ -1,0 +1,1 @@
+"""Engine integrations: ``hf`` (transformers, the research path and oracle) and ``vllm``."""

@@ -1,0 +1,635 @@
+"""Run xmix apps on a transformers model through PyTorch hooks: the research path and the
+oracle for the serving integration.
+
+    attachment = attach(model, [app], tokenizer=tok)
+    ids, reads = attachment.generate(prompt_ids, max_new_tokens=8, apps=["guarded_steer"])
+    attachment.detach()
+
+Only ``xmix.lowering`` (validation, per-layer fp32 artifacts, resolved token sets, op order)
+and ``xmix.reference`` (the math of every primitive) are shared with the engine. Conditions,
+token flags, spans, latches, request parameters and result reporting are implemented again
+here, in plain Python, from their documented semantics (xmix.conditions, xmix.reference,
+csrc/include/xmix/control.h), so that a disagreement between this module and the engine
+points at a bug instead of being reproduced by both.
+
+Semantics in short (one request at a time, batch size 1):
+
+- Sites, in forward order inside decoder layer l: residual.pre (the layer's input),
+  attention.post (self_attn output after o_proj), residual.mid (input of
+  post_attention_layernorm, which HF also keeps as ``residual``), router.logits (MoE router
+  logits before softmax / top-k), mlp.post (MLP or MoE block output), residual.post (the
+  layer's output); then final.post (output of the final norm). The stream at a site is the
+  tensor HF holds there; writes change it in place so that every later use sees the change.
+- At one site: apps in attachment order, then ops in declaration order; user (custom)
+  kernels of a site run after its built-in ops, as in the engine (on a GPU they are separate
+  launches after the site's anchor kernel).
+- Token flags per position p of a request with prompt length P: prompt (p < P), generated
+  (p >= P), last_token (its logits are sampled: the last prompt token and every generated
+  token fed back), token_in(set), in_span(open, close) (opener inclusive, closer exclusive,
+  state carried across forward passes), all.
+- A read that did not run on a token has no value there (NaN); a gate on it is false.
+- Latches are decided at the last prompt token (in later sites of that forward) and held
+  for every generated token; false before.
+"""
+
+from __future__ import annotations
+
+import copy
+import ctypes
+import math
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import torch
+import torch.nn.functional as F
+
+from xmix import conditions as C
+from xmix import reference as R
+from xmix.api import App
+from xmix.catalog import FLT_MAX, KERNELS
+from xmix.hooks import ModelShape, site_id
+from xmix.lowering import DeployError, LoweredApp, LoweredOp, lower
+
+MODES = ("off", "request", "all")
+NAN = float("nan")
+
+# Router modules whose forward this module knows how to reproduce around the hook.
+_ROUTERS = ("MixtralTopKRouter",)
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+class RequestError(ValueError):
+    """A request that cannot be run as asked (unknown app or parameter, bad value)."""
+
+
+def _f32(x: float) -> float:
+    # The engine keeps thresholds and parameters as fp32; comparing against the fp32-rounded
+    # value keeps a read that lands exactly on a threshold on the same side in both.
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+# ------------------------------------------------------------------------------ user kernels
+class _CustomArgs(ctypes.Structure):
+    """``xmix_custom_args`` of csrc/include/xmix/custom.h (the public ABI of user kernels)."""
+
+    _fields_ = [
+        ("h", ctypes.c_void_p), ("r", ctypes.c_void_p),
+        ("stride_h", ctypes.c_int64), ("stride_r", ctypes.c_int64),
+        ("n_rows", ctypes.c_int32), ("d", ctypes.c_int32), ("dtype", ctypes.c_int32),
+        ("n_params", ctypes.c_int32),
+        ("select", ctypes.c_void_p), ("tok_slot", ctypes.c_void_p), ("tok_pos", ctypes.c_void_p),
+        ("slot_params", ctypes.c_void_p),
+        ("param_base", ctypes.c_int32), ("artifact_numel", ctypes.c_int32),
+        ("artifact", ctypes.c_void_p), ("out", ctypes.c_void_p),
+    ]
+
+
+def _load_custom(app: str, op: LoweredOp):
+    ck = op.custom
+    if not ck or not ck.cpu_library or not ck.cpu_symbol:
+        raise DeployError(f"app {app!r}, op {op.label}: the transformers path runs user kernels on "
+                          f"the CPU and needs cpu_library and cpu_symbol")
+    try:
+        lib = ctypes.CDLL(str(ck.cpu_library))
+        fn = getattr(lib, ck.cpu_symbol)
+    except (OSError, AttributeError) as e:
+        raise DeployError(f"app {app!r}, op {op.label}: cannot load {ck.cpu_symbol!r} from "
+                          f"{ck.cpu_library!r}: {e}") from None
+    fn.argtypes = [ctypes.POINTER(_CustomArgs)]
+    fn.restype = None
+    return fn
+
+
+# ------------------------------------------------------------------------------ apps, requests
+@dataclass
+class _Attached:
+    lowered: LoweredApp
+    mode: str
+    custom_fns: dict[int, Any] = field(default_factory=dict)   # id(LoweredOp) -> ctypes fn
+
+    @property
+    def name(self) -> str:
+        return self.lowered.name
+
+
+def _op_key(op: LoweredOp) -> str:
+    # How "op.param" names an op in request parameters: its .named() name, else "#index".
+    return op.name or f"#{op.op_index}"
+
+
+def _param_range(op: LoweredOp, pname: str) -> tuple[float, float]:
+    spec = KERNELS[op.kernel].params.get(pname)
+    return (spec.lo, spec.hi) if spec else (-FLT_MAX, FLT_MAX)
+
+
+def _resolve_params(att: _Attached, given: Any) -> tuple[dict[str, float], dict[tuple[int, str], float]]:
+    """Request parameters of one app -> (app-level values, {(op_index, param): value}).
+
+    A bare name is the app-level parameter of that name if there is one, else every op
+    parameter of that name; "op.param" names one op (by its name, or "#index")."""
+    lw = att.lowered
+    who = f"app {lw.name!r}"
+    if not isinstance(given, dict):
+        raise RequestError(f"{who}: params must be a dict of name: number")
+    app_vals: dict[str, float] = {}
+    op_vals: dict[tuple[int, str], float] = {}
+    for key, v in given.items():
+        if not isinstance(key, str):
+            raise RequestError(f"{who}: parameter names must be strings, got {key!r}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(float(v)):
+            raise RequestError(f"{who}: parameter {key!r} must be a finite number, got {v!r}")
+        v = float(v)
+        targets: list[LoweredOp] = []
+        if "." in key:
+            opname, pname = key.rsplit(".", 1)
+            targets = [o for o in lw.ops if _op_key(o) == opname and pname in dict(o.params)]
+        elif key in lw.app_params:
+            app_vals[key] = v
+            continue
+        else:
+            pname = key
+            targets = [o for o in lw.ops if pname in dict(o.params)]
+        if not targets:
+            raise RequestError(f"{who}: unknown parameter {key!r}")
+        for o in targets:
+            lo, hi = _param_range(o, pname)
+            if not lo <= v <= hi:
+                raise RequestError(f"{who}: parameter {key!r}={v} out of range [{lo}, {hi}]")
+            op_vals[(o.op_index, pname)] = v
+    return app_vals, op_vals
+
+
+class Request:
+    """One request through an attachment: the prompt, its KV cache and its per-request state
+    (apps used, parameters, span state, latched read statistics, CAST sums, read results).
+
+    Drive it with ``prefill()`` then ``decode(token)`` per generated token, or use
+    ``Attachment.generate``."""
+
+    def __init__(self, attachment: "Attachment", prompt_ids: list[int], apps: list[str],
+                 params: dict[str, dict[str, float]]):
+        from transformers import DynamicCache
+
+        self.attachment = attachment
+        self.prompt = [int(t) for t in prompt_ids]
+        if not self.prompt:
+            raise RequestError("the prompt is empty")
+        self.apps = list(apps)
+        self.n_done = 0                      # positions processed so far
+        self.cache = DynamicCache(config=attachment.model.config)
+        self.app_params: dict[str, dict[str, float]] = {}
+        self.op_params: dict[str, dict[tuple[int, str], float]] = {}
+        for att in attachment.attached:
+            self.app_params[att.name] = dict(att.lowered.app_params)
+            self.op_params[att.name] = {}
+        for name, p in params.items():
+            av, ov = _resolve_params(attachment.by_name[name], p)
+            self.app_params[name].update(av)
+            self.op_params[name].update(ov)
+        self.spans: dict[tuple[str, str, str], bool] = {}          # (app, open, close) -> inside
+        # (app, read key) -> [sum, count, value at the last prompt token] over prompt tokens
+        self.read_stats: dict[tuple[str, str], list[float]] = {}
+        self.cast_sums: dict[tuple[str, str], list] = {}           # (app, key) -> [sum (fp64), count]
+        self.results: dict[str, dict[str, dict[str, list]]] = {}
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt)
+
+    def uses(self, att: _Attached) -> bool:
+        return att.mode == "all" or (att.mode == "request" and att.name in self.apps)
+
+    def param(self, att: _Attached, op: LoweredOp, pname: str) -> float:
+        default = dict(op.params)[pname]
+        return self.op_params[att.name].get((op.op_index, pname), default)
+
+    def prefill(self, chunk: int | None = None) -> torch.Tensor:
+        """Run the rest of the prompt, in forward passes of ``chunk`` tokens (all at once by
+        default); returns the logits of the last prompt token."""
+        if self.n_done >= self.prompt_len:
+            raise RequestError("the prompt has been processed already")
+        if chunk is not None and chunk < 1:
+            raise RequestError("chunk must be at least 1")
+        logits = None
+        while self.n_done < self.prompt_len:
+            end = self.prompt_len if chunk is None else min(self.prompt_len, self.n_done + chunk)
+            logits = self._forward(self.prompt[self.n_done:end])
+        return logits[-1]
+
+    def decode(self, token: int) -> torch.Tensor:
+        """Feed back one sampled token; returns its logits."""
+        if self.n_done < self.prompt_len:
+            raise RequestError("prefill the prompt first")
+        return self._forward([int(token)])[-1]
+
+    def _forward(self, ids: list[int]) -> torch.Tensor:
+        att = self.attachment
+        step = _Step(self, ids, start=self.n_done)
+        model = att.model
+        input_ids = torch.tensor([ids], dtype=torch.long, device=att.device)
+        att._step = step
+        try:
+            with torch.no_grad():
+                out = model(input_ids=input_ids, past_key_values=self.cache, use_cache=True)
+        finally:
+            att._step = None
+        self.n_done += len(ids)
+        return out.logits[0].float()
+
+    def record(self, app: str, key: str, pos: int, value: Any) -> None:
+        entry = self.results.setdefault(app, {}).setdefault(key, {"positions": [], "values": []})
+        entry["positions"].append(pos)
+        entry["values"].append(value)
+
+
+class _Step:
+    """One forward pass of a request: its tokens, their flags, and the values of every read
+    that ran in this pass (for per-token gates)."""
+
+    def __init__(self, req: Request, ids: list[int], start: int):
+        self.req = req
+        self.ids = ids
+        self.n = len(ids)
+        self.pos = [start + t for t in range(self.n)]
+        P = req.prompt_len
+        self.prompt = [p < P for p in self.pos]
+        self.generated = [p >= P for p in self.pos]
+        # Logits are sampled for the last token of a pass that reaches the end of the prompt.
+        sampled = start + self.n >= P
+        self.last = [sampled and t == self.n - 1 for t in range(self.n)]
+        self.values: dict[tuple[str, str], list[float]] = {}
+        self.span_flags: dict[tuple[str, str, str], list[bool]] = {}
+        # Spans are followed for every attached app, used or not, as the engine's prologue
+        # does: an app switched on in the middle of a request sees the right span state.
+        for att in req.attachment.attached:
+            lw = att.lowered
+            for open_, close in lw.spans:
+                k = (att.name, open_, close)
+                flags, state = R.span_flags(ids, set(lw.token_sets[open_]), set(lw.token_sets[close]),
+                                            req.spans.get(k, False))
+                self.span_flags[k] = flags
+                req.spans[k] = state
+
+    # -- conditions ---------------------------------------------------------------------
+    def threshold(self, att: _Attached, value: float | str) -> float:
+        v = self.req.app_params[att.name][value] if isinstance(value, str) else value
+        return _f32(float(v))
+
+    def holds(self, att: _Attached, node, t: int) -> bool:
+        if node is None:
+            return True
+        if isinstance(node, C.Flag):
+            return {"all": True, "prompt": self.prompt[t], "generated": self.generated[t],
+                    "last_token": self.last[t]}[node.name]
+        if isinstance(node, C.TokenIn):
+            return self.ids[t] in att.lowered.token_sets[node.set]
+        if isinstance(node, C.InSpan):
+            return self.span_flags[(att.name, node.open, node.close)][t]
+        if isinstance(node, C.Gate):
+            v = self.values.get((att.name, node.read), [NAN] * self.n)[t]
+            return R.compare(v, node.cmp, self.threshold(att, node.value))
+        if isinstance(node, C.Latch):
+            decided = self.generated[t] or (self.prompt[t] and self.last[t])
+            if not decided:
+                return False
+            s = self.req.read_stats.get((att.name, node.read))
+            if s is None:
+                return False
+            if node.reduce == "prompt_last":
+                v = s[2]
+            elif s[1] > 0:
+                v = s[0] / s[1]
+            else:
+                return False
+            return R.compare(v, node.cmp, self.threshold(att, node.value))
+        if isinstance(node, C.And):
+            return self.holds(att, node.a, t) and self.holds(att, node.b, t)
+        if isinstance(node, C.Or):
+            return self.holds(att, node.a, t) or self.holds(att, node.b, t)
+        if isinstance(node, C.Not):
+            return not self.holds(att, node.a, t)
+        raise TypeError(f"unknown condition node {node!r}")
+
+    # -- ops ----------------------------------------------------------------------------
+    def run_op(self, att: _Attached, op: LoweredOp, site: torch.Tensor) -> None:
+        rows = site.reshape(-1, site.shape[-1])
+        if rows.shape[0] != self.n:
+            raise RuntimeError(f"xmix: site {op.site} has {rows.shape[0]} rows for a pass of "
+                               f"{self.n} tokens (only batch size 1 is supported)")
+        if not self.req.uses(att):
+            return
+        mask_list = [self.holds(att, op.cond, t) for t in range(self.n)]
+        mask = torch.tensor(mask_list, dtype=torch.bool, device=rows.device)
+        arts = {k: v.to(rows.device) for k, v in op.artifacts.items()}
+        p = lambda name: self.req.param(att, op, name)  # noqa: E731
+        if op.kernel == "custom":
+            self._run_custom(att, op, site, rows, mask_list)
+            return
+        if op.is_read:
+            self._read(att, op, rows, mask, mask_list, arts, p)
+            return
+        if op.kernel == "add":
+            new = R.add(rows, None, mask, arts["a0"], p("scale"))
+        elif op.kernel == "ablate":
+            new = R.ablate(rows, None, mask, arts["a0"])
+        elif op.kernel == "clamp":
+            new = R.clamp(rows, None, mask, arts["a0"], p("min"), p("max"))
+        elif op.kernel == "affine":
+            new = R.affine(rows, None, mask, arts["a0"], arts["a1"], arts["a2"])
+        elif op.kernel == "router":
+            new = R.router(rows, mask, arts["a0"], p("delta"))
+        else:
+            raise DeployError(f"app {att.name!r}, op {op.label}: no oracle for kernel {op.kernel!r}")
+        site.copy_(new.reshape(site.shape))
+
+    def _read(self, att, op, rows, mask, mask_list, arts, p) -> None:
+        n = self.n
+        values = [NAN] * n          # the scalar a gate or latch sees
+        reported: dict[int, Any] = {}
+        if op.kernel == "probe":
+            v = R.probe(rows, arts["a0"], p("bias"))
+            for t in range(n):
+                if mask_list[t]:
+                    values[t] = reported[t] = float(v[t])
+        elif op.kernel == "distance":
+            v = R.distance(rows, arts["a0"].reshape(op.n, -1))
+            for t in range(n):
+                if mask_list[t]:
+                    values[t] = reported[t] = float(v[t])
+        elif op.kernel == "capture":
+            for t in range(n):
+                if mask_list[t]:
+                    # The engine's result channel holds 1.0 for a captured token; a gate
+                    # on a capture read therefore means "it was captured".
+                    values[t] = 1.0
+                    reported[t] = rows[t, op.m:op.m + op.n].float().cpu().tolist()
+        elif op.kernel == "cosine":
+            # CAST: mean of the stream over the prompt tokens where the condition holds;
+            # one value, at the last prompt token, once at least one token was summed.
+            acc = self.req.cast_sums.setdefault((att.name, op.result_key),
+                                                [torch.zeros(rows.shape[-1], dtype=torch.float64), 0])
+            for t in range(n):
+                if mask_list[t] and self.prompt[t]:
+                    acc[0] += rows[t].double().cpu()
+                    acc[1] += 1
+                if self.prompt[t] and self.last[t] and acc[1] > 0:
+                    mean = (acc[0] / acc[1]).float()
+                    values[t] = reported[t] = float(R.cast_cosine(mean, arts["a0"].cpu()))
+        else:
+            raise DeployError(f"app {att.name!r}, op {op.label}: no oracle for read {op.kernel!r}")
+        self._note_read(att, op, values, reported)
+
+    def _note_read(self, att, op, values: list[float], reported: dict[int, Any]) -> None:
+        self.values[(att.name, op.result_key)] = values
+        stats = self.req.read_stats.setdefault((att.name, op.result_key), [0.0, 0, NAN])
+        for t, v in enumerate(values):
+            if v != v or not self.prompt[t]:
+                continue
+            stats[0] += v
+            stats[1] += 1
+            if self.last[t]:
+                stats[2] = v
+        for t in sorted(reported):
+            self.req.record(att.name, op.result_key, self.pos[t], reported[t])
+
+    def _run_custom(self, att, op, site, rows, mask_list) -> None:
+        if rows.dtype not in _DTYPE_CODES:
+            raise RuntimeError(f"xmix: user kernel on a {rows.dtype} stream")
+        n, d = rows.shape
+        h = rows.detach().cpu().contiguous().clone()
+        select = torch.tensor(mask_list, dtype=torch.uint8)
+        slot = torch.zeros(n, dtype=torch.int32)
+        pos = torch.tensor(self.pos, dtype=torch.int32)
+        pnames = [k for k, _ in op.params]
+        prm = torch.tensor([self.req.param(att, op, k) for k in pnames] or [0.0], dtype=torch.float32)
+        art = op.artifacts.get("a0")
+        art = art.float().contiguous() if art is not None else None
+        out = torch.full((n,), NAN, dtype=torch.float32) if op.is_read else None
+        args = _CustomArgs(
+            h=h.data_ptr(), r=None, stride_h=d, stride_r=0, n_rows=n, d=d,
+            dtype=_DTYPE_CODES[rows.dtype], n_params=len(pnames), select=select.data_ptr(),
+            tok_slot=slot.data_ptr(), tok_pos=pos.data_ptr(), slot_params=prm.data_ptr(),
+            param_base=0, artifact_numel=int(art.numel()) if art is not None else 0,
+            artifact=art.data_ptr() if art is not None else None,
+            out=out.data_ptr() if out is not None else None)
+        att.custom_fns[id(op)](ctypes.byref(args))
+        if op.is_read:
+            values = [float(out[t]) if mask_list[t] else NAN for t in range(n)]
+            reported = {t: v for t, v in enumerate(values) if v == v}
+            self._note_read(att, op, values, reported)
+        else:
+            site.copy_(h.to(site.device).reshape(site.shape))
+
+
+# ------------------------------------------------------------------------------ attachment
+class Attachment:
+    """xmix apps attached to one transformers model; see ``attach``."""
+
+    def __init__(self, model, apps: Iterable[App], enabled: dict[str, str] | None = None,
+                 tokenizer=None):
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.shape = ModelShape.from_hf_config(model.config)
+        self.attached: list[_Attached] = []
+        self.by_name: dict[str, _Attached] = {}
+        enabled = dict(enabled or {})
+        for app in apps:
+            if app.name in self.by_name:
+                raise DeployError(f"app {app.name!r} is attached twice; attach it under another name")
+            lw = lower(app, self.shape, tokenizer)
+            att = _Attached(lw, "request")
+            for op in lw.ops:
+                if op.kernel == "custom":
+                    att.custom_fns[id(op)] = _load_custom(lw.name, op)
+            self.attached.append(att)
+            self.by_name[app.name] = att
+        for name, mode in enabled.items():
+            self.set_mode(name, mode)
+        self._step: _Step | None = None
+        self._detached = False
+        self._handles: list = []
+        self._patched: list[tuple[torch.nn.Module, Any]] = []
+        self._site_ops = self._order_sites()
+        try:
+            self._install()
+        except Exception:
+            self.detach()       # nothing half-attached
+            raise
+
+    # -- control ---------------------------------------------------------------------------
+    def set_mode(self, name: str, mode: str) -> None:
+        if name not in self.by_name:
+            raise DeployError(f"app {name!r} is not attached; attached: {sorted(self.by_name)}")
+        if mode not in MODES:
+            raise DeployError(f"app {name!r}: mode must be one of {list(MODES)}, got {mode!r}")
+        self.by_name[name].mode = mode
+
+    def _order_sites(self) -> dict[int, list[tuple[_Attached, LoweredOp]]]:
+        built_in: dict[int, list] = {}
+        custom: dict[int, list] = {}
+        for att in self.attached:
+            for op in att.lowered.ops:      # sorted by (site_id, op_index)
+                (custom if op.kernel == "custom" else built_in).setdefault(op.site_id, []).append((att, op))
+        return {s: built_in.get(s, []) + custom.get(s, []) for s in set(built_in) | set(custom)}
+
+    def _run_site(self, sid: int, tensor: torch.Tensor) -> None:
+        step = self._step
+        if step is None:        # the model called outside this attachment: hooks are inert
+            return
+        with torch.no_grad():
+            for att, op in self._site_ops.get(sid, ()):
+                step.run_op(att, op, tensor)
+
+    # -- hooks -----------------------------------------------------------------------------
+    def _install(self) -> None:
+        base = getattr(self.model, "model", self.model)
+        layers = getattr(base, "layers", None)
+        norm = getattr(base, "norm", None)
+        if layers is None or norm is None or len(layers) != self.shape.n_layers:
+            raise TypeError(f"xmix.integrations.hf: {type(self.model).__name__} does not look like a "
+                            f"decoder-only transformers model (model.model.layers / model.model.norm)")
+        L = self.shape.n_layers
+        wanted = set(self._site_ops)
+
+        def has(sub: str, layer: int | None) -> bool:
+            return site_id(sub, layer, L) in wanted
+
+        for l, layer in enumerate(layers):
+            for attr in ("self_attn", "post_attention_layernorm", "mlp"):
+                if not hasattr(layer, attr):
+                    raise TypeError(f"xmix.integrations.hf: decoder layer {l} has no {attr!r}")
+            sid = lambda sub, l=l: site_id(sub, l, L)  # noqa: E731
+            if has("residual.pre", l):
+                self._handles.append(layer.register_forward_pre_hook(
+                    self._pre_hook(sid("residual.pre")), with_kwargs=True))
+            if has("attention.post", l):
+                self._handles.append(layer.self_attn.register_forward_hook(self._out_hook(sid("attention.post"))))
+            if has("residual.mid", l):
+                # HF keeps this very tensor as `residual`; changing it in place changes both
+                # the MLP input and the stream the MLP output is added to.
+                self._handles.append(layer.post_attention_layernorm.register_forward_pre_hook(
+                    self._pre_hook(sid("residual.mid")), with_kwargs=True))
+            if has("router.logits", l):
+                self._patch_router(layer.mlp, sid("router.logits"), l)
+            if has("mlp.post", l):
+                self._handles.append(layer.mlp.register_forward_hook(self._out_hook(sid("mlp.post"))))
+            if has("residual.post", l):
+                self._handles.append(layer.register_forward_hook(self._out_hook(sid("residual.post"))))
+        if has("final.post", None):
+            self._handles.append(norm.register_forward_hook(self._out_hook(site_id("final.post", None, L))))
+
+    def _pre_hook(self, sid: int):
+        def hook(module, args, kwargs):
+            h = args[0] if args else kwargs["hidden_states"]
+            self._run_site(sid, h)
+            return None
+        return hook
+
+    def _out_hook(self, sid: int):
+        def hook(module, args, output):
+            h = output[0] if isinstance(output, tuple) else output
+            self._run_site(sid, h)
+            return None
+        return hook
+
+    def _patch_router(self, block: torch.nn.Module, sid: int, layer: int) -> None:
+        gate = getattr(block, "gate", None)
+        if gate is None or type(gate).__name__ not in _ROUTERS:
+            raise TypeError(f"xmix.integrations.hf: router.logits at layer {layer} needs one of "
+                            f"{_ROUTERS} as mlp.gate, found {type(gate).__name__}")
+        attachment = self
+
+        # HF computes logits, softmax, top-k and renormalisation in one forward; the site
+        # sits between the logits and the softmax. Everything after the hook is
+        # MixtralTopKRouter.forward of transformers 5.19, line for line.
+        def forward(hidden_states):
+            hidden_states = hidden_states.reshape(-1, gate.hidden_dim)
+            router_logits = F.linear(hidden_states, gate.weight)
+            attachment._run_site(sid, router_logits)
+            router_probs = torch.nn.functional.softmax(router_logits.float(), dim=-1)
+            router_top_value, router_indices = torch.topk(router_probs, gate.top_k, dim=-1)
+            router_top_value /= router_top_value.sum(dim=-1, keepdim=True)
+            router_scores = router_top_value
+            return router_logits, router_scores, router_indices
+
+        self._patched.append((gate, gate.__dict__.get("forward", _MISSING)))
+        gate.forward = forward
+
+    def detach(self) -> None:
+        """Remove every hook and patch; the model computes exactly what it did before."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        for module, prev in reversed(self._patched):
+            if prev is _MISSING:
+                del module.forward
+            else:
+                module.forward = prev
+        self._patched.clear()
+        self._site_ops = {}
+        self._detached = True
+
+    def __enter__(self) -> "Attachment":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.detach()
+
+    # -- requests --------------------------------------------------------------------------
+    def request(self, prompt_ids: list[int], apps: list[str] | None = None,
+                params: dict[str, dict[str, float]] | None = None) -> Request:
+        if self._detached:
+            raise RuntimeError("xmix: this attachment has been detached; attach the apps again")
+        apps = list(apps or [])
+        for a in apps:
+            if a not in self.by_name:
+                raise RequestError(f"unknown app {a!r}; attached: {sorted(self.by_name)}")
+        params = dict(params or {})
+        for a in params:
+            if a not in self.by_name:
+                raise RequestError(f"params for unknown app {a!r}; attached: {sorted(self.by_name)}")
+        return Request(self, prompt_ids, apps, params)
+
+    def forward(self, prompt_ids: list[int], apps: list[str] | None = None,
+                params: dict[str, dict[str, float]] | None = None,
+                chunk: int | None = None) -> tuple[torch.Tensor, dict]:
+        """The prompt pass alone: returns (logits of the last prompt token, read results)."""
+        req = self.request(prompt_ids, apps, params)
+        logits = req.prefill(chunk)
+        return logits, copy.deepcopy(req.results)
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, apps: list[str] | None = None,
+                 params: dict[str, dict[str, float]] | None = None, stop_at_eos: bool = False,
+                 chunk: int | None = None) -> tuple[list[int], dict]:
+        """Greedy decoding of one request with a KV cache: the prompt (in passes of ``chunk``
+        tokens, all at once by default), then one pass per generated token fed back. The
+        last generated token is never fed back. Returns (generated ids, read results)."""
+        if max_new_tokens < 1:
+            raise RequestError("max_new_tokens must be at least 1")
+        req = self.request(prompt_ids, apps, params)
+        eos = self.model.config.eos_token_id
+        eos = set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
+        logits = req.prefill(chunk)
+        out: list[int] = []
+        while True:
+            tok = int(torch.argmax(logits))
+            out.append(tok)
+            if len(out) >= max_new_tokens or (stop_at_eos and tok in eos):
+                break
+            logits = req.decode(tok)
+        return out, copy.deepcopy(req.results)
+
+
+_MISSING = object()
+
+
+def attach(model, apps: Iterable[App], enabled: dict[str, str] | None = None,
+           tokenizer=None) -> Attachment:
+    """Lower ``apps`` for ``model`` (LlamaForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM)
+    and hook them in. ``enabled``: app name -> "off" | "request" | "all" (default
+    "request": an app runs for the requests that list it)."""
+    return Attachment(model, list(apps), enabled, tokenizer)
+
+
+__all__ = ["attach", "Attachment", "Request", "RequestError"]

@@ -1,0 +1,82 @@
+"""Engines for the integration tests: one vLLM CPU engine per fixture, shut down with it."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+
+import torch
+
+ENGINE_KW = dict(dtype="float32", max_model_len=512, seed=0, gpu_memory_utilization=0.3,
+                 max_num_batched_tokens=64, max_num_seqs=32, enable_prefix_caching=True)
+
+PROMPTS = [
+    "The old lighthouse keeper climbed the stairs every evening",
+    "In the morning the market was full of",
+    "She opened the letter and read",
+    "Rivers carry water from the mountains to",
+    "The recipe asks for two cups of",
+    "Once upon a time there was a small village",
+    "The scientist looked at the results and",
+    "A quiet road led through the forest to",
+    "<think> The question is about the weather.\n\nFirst, look at the sky",
+    "Tomorrow we will travel by train to",
+    "The children played in the garden until",
+    "Numbers like seven and eleven are",
+    "He wrote a long story about a dragon who",
+    "The library keeps old maps of",
+    "Music filled the hall when",
+    "Every winter the lake freezes and",
+]
+
+
+def tokenize(tok, text: str) -> list[int]:
+    return tok.encode(text)  # with the BOS the tokenizer adds, as vLLM does
+
+
+def make_llm(path: str, with_xmix: bool = True, **overrides):
+    """An offline engine. ``with_xmix=False`` starts engine processes with the plugin off."""
+    import xmix
+
+    kw = {**ENGINE_KW, **overrides}
+    if with_xmix:
+        return xmix.LLM(model=path, **kw)
+    import vllm
+
+    old = os.environ.get("XMIX_DISABLE")
+    os.environ["XMIX_DISABLE"] = "1"  # the engine core and workers are spawned with this env
+    try:
+        return vllm.LLM(model=path, **kw)
+    finally:
+        if old is None:
+            os.environ.pop("XMIX_DISABLE", None)
+        else:
+            os.environ["XMIX_DISABLE"] = old
+
+
+def shutdown(llm) -> None:
+    with contextlib.suppress(Exception):
+        llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+def greedy(llm, prompt_ids: list[list[int]], max_tokens: int = 32, controls=None):
+    """Greedy generation from token ids; controls: one xmix dict (or None) per prompt."""
+    from vllm import SamplingParams
+
+    controls = controls or [None] * len(prompt_ids)
+    params = [SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                             extra_args={"xmix": c} if c is not None else None)
+              for c in controls]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False)
+    return outs
+
+
+def hf_model(path: str):
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    m.eval()
+    return m
