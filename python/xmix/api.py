@@ -120,6 +120,9 @@ class Op:
 
     def named(self, name: str) -> "Op":
         _check_name(f"app {self.app.name!r}: op", name, _OP_NAME)
+        if name in conditions.RESERVED:
+            raise AppError(f"app {self.app.name!r}: op name {name!r} is a word of the condition "
+                           f"language; a gate could not refer to it")
         for other in self.app.ops:
             if other is not self and other.name == name:
                 raise AppError(f"app {self.app.name!r}: two ops are named {name!r}")
@@ -188,7 +191,10 @@ def _as_artifact(app: str, what: str, name: str, value) -> torch.Tensor:
 def _as_param(app: str, what: str, name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise AppError(f"app {app!r}, {what}: parameter {name!r} must be a number, got {value!r}")
-    v = float(value)
+    try:
+        v = float(value)
+    except OverflowError:
+        raise AppError(f"app {app!r}, {what}: parameter {name!r} is too large for a float") from None
     if math.isnan(v):
         raise AppError(f"app {app!r}, {what}: parameter {name!r} is NaN")
     return v
@@ -242,7 +248,8 @@ class App:
                 dims = kwargs.pop("dims")
                 if dims is not None:
                     if (not isinstance(dims, (list, tuple)) or len(dims) != 2
-                            or not all(isinstance(x, int) for x in dims) or not 0 <= dims[0] < dims[1]):
+                            or not all(isinstance(x, int) and not isinstance(x, bool) for x in dims)
+                            or not 0 <= dims[0] < dims[1]):
                         raise AppError(f"app {self.name!r}, {what}: dims must be (start, stop) "
                                        f"with 0 <= start < stop, got {dims!r}")
                     options["dims"] = [int(dims[0]), int(dims[1])]
@@ -338,8 +345,12 @@ class App:
             tensors = load(data)
         except AppError:
             raise
+        except RecursionError:
+            raise AppError(f"{source}: not an xmix app file (header nested too deeply)") from None
         except (SafetensorError, ValueError, UnicodeDecodeError) as e:
             raise AppError(f"{source}: not an xmix app file ({e})") from None
+        if not isinstance(header, dict):
+            raise AppError(f"{source}: not an xmix app file (header is not an object)")
         meta = header.get("__metadata__") or {}
         if "xmix.spec" not in meta:
             raise AppError(f"{source}: safetensors file without an xmix spec (metadata 'xmix.spec')")
@@ -347,6 +358,8 @@ class App:
             spec = json.loads(meta["xmix.spec"])
         except json.JSONDecodeError as e:
             raise AppError(f"{source}: the xmix spec is not valid JSON ({e})") from None
+        except RecursionError:
+            raise AppError(f"{source}: the xmix spec is nested too deeply") from None
         return App.from_spec(spec, tensors, source=source, allow_custom=allow_custom)
 
     @staticmethod
@@ -392,6 +405,6 @@ class App:
                     op.cond(cond.get("expr"), when=cond.get("when"), gate=cond.get("gate"))
         except AppError:
             raise
-        except (KeyError, TypeError, AttributeError) as e:
+        except (KeyError, TypeError, AttributeError, ValueError, OverflowError, RecursionError) as e:
             raise AppError(f"{source}: malformed app spec ({type(e).__name__}: {e})") from None
         return app

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 FLAGS = ("all", "prompt", "generated", "last_token")
 CMPS = (">=", ">", "<=", "<", "==", "!=")
 REDUCES = ("prompt_mean", "prompt_last")
+RESERVED = frozenset(FLAGS + REDUCES + ("token_in", "in_span", "and", "or", "not"))
+MAX_DEPTH = 32  # nesting of parentheses / not; deeper texts are refused, not recursed into
 
 
 class ConditionError(ValueError):
@@ -112,6 +114,7 @@ class _Parser:
         self.text = text
         self.toks = _lex(text)
         self.i = 0
+        self.depth = 0
 
     def peek(self):
         return self.toks[self.i] if self.i < len(self.toks) else (None, None)
@@ -149,13 +152,17 @@ class _Parser:
 
     def unary(self):
         k, v = self.peek()
-        if (k, v) == ("name", "not"):
+        if (k, v) in (("name", "not"), ("punct", "(")):
+            self.depth += 1
+            if self.depth > MAX_DEPTH:
+                raise ConditionError(f"condition nested more than {MAX_DEPTH} levels deep")
             self.i += 1
-            return Not(self.unary())
-        if (k, v) == ("punct", "("):
-            self.i += 1
-            node = self.or_()
-            self.take("punct", ")")
+            if v == "not":
+                node = Not(self.unary())
+            else:
+                node = self.or_()
+                self.take("punct", ")")
+            self.depth -= 1
             return node
         return self.atom()
 
@@ -163,7 +170,10 @@ class _Parser:
         k, v = self.peek()
         if k == "num":
             self.i += 1
-            return float(v)
+            f = float(v)
+            if f in (float("inf"), float("-inf")):
+                raise ConditionError(f"in condition {self.text!r}: number {v} is out of range")
+            return f
         if k == "name":
             self.i += 1
             return v

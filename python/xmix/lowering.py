@@ -99,9 +99,11 @@ def _fail(app: str, what: str, msg: str) -> DeployError:
 
 
 def _check_finite(app: str, what: str, name: str, t: torch.Tensor) -> None:
-    if t.is_floating_point() and not torch.isfinite(t).all():
-        bad = (~torch.isfinite(t)).nonzero()[0].tolist()
-        raise _fail(app, what, f"artifact {name!r} contains NaN or Inf (first at index {bad})")
+    # Checked as the kernels will see it: in fp32 (a float64 1e39 is Inf there).
+    f = t.float()
+    if not torch.isfinite(f).all():
+        bad = (~torch.isfinite(f)).nonzero()[0].tolist()
+        raise _fail(app, what, f"artifact {name!r} contains NaN or Inf in fp32 (first at index {bad})")
 
 
 def _per_layer(app: str, what: str, name: str, t: torch.Tensor, kind: str, layers: list[int | None],
@@ -244,22 +246,24 @@ def lower(app: App, shape: ModelShape, tokenizer=None) -> LoweredApp:
             elif op.kernel == "add":
                 arts["a0"] = per_layer["vector"][li]
             elif op.kernel in ("ablate", "clamp"):
-                r = per_layer["direction"][li]
+                r = per_layer["direction"][li].double()
                 norm = float(r.norm())
-                if not norm > 0 or not math.isfinite(norm):
+                if not norm > 0:
                     raise _fail(name, what, "artifact 'direction' has zero norm")
-                arts["a0"] = (r / norm).contiguous()
+                arts["a0"] = (r / norm).float().contiguous()
             elif op.kernel == "affine":
                 arts["a0"] = per_layer["matrix"][li]
                 arts["a1"] = per_layer["mu_s"][li]
                 arts["a2"] = per_layer["mu_t"][li]
             elif op.kernel == "cosine":
-                v = per_layer["vector"][li]
-                vv = float(v.double().dot(v.double()))
-                if not vv > 0:
+                # P = v v^T / v^T v does not depend on |v|: store v / |v| (computed in
+                # float64, so tiny or huge vectors stay finite) and 1 / (v^T v) = 1.
+                v = per_layer["vector"][li].double()
+                norm = float(v.norm())
+                if not norm > 0:
                     raise _fail(name, what, "artifact 'vector' has zero norm")
-                arts["a0"] = v
-                arts["a1"] = torch.tensor([1.0 / vv], dtype=torch.float32)
+                arts["a0"] = (v / norm).float().contiguous()
+                arts["a1"] = torch.ones(1, dtype=torch.float32)
                 state = d + 1
             elif op.kernel == "distance":
                 arts["a0"] = per_layer["centroids"][li].reshape(-1).contiguous()
@@ -363,6 +367,9 @@ def _check_gate_order(app: str, ops: list[LoweredOp], reads: dict[str, LoweredOp
                                                       f"site; a latch must read an earlier site")
             elif src.kernel == "cosine" and src.site_id >= o.site_id:
                 raise _fail(app, f"op {o.label}", f"gate on cosine read {rname!r} must be at a later site")
+            elif src.kernel == "custom" and src.site_id >= o.site_id:
+                # user kernels run after a site's built-in ops
+                raise _fail(app, f"op {o.label}", f"gate on custom read {rname!r} must be at a later site")
             elif not (src.site_id < o.site_id or (src.site_id == o.site_id and src.op_index < o.op_index)):
                 raise _fail(app, f"op {o.label}", f"gate on {rname!r}, which runs later in the forward "
                                                   f"pass; gates may only read earlier reads")
