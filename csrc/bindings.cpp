@@ -18,6 +18,8 @@
 namespace py = pybind11;
 using namespace xmix;
 
+void register_graph_bindings(py::module_& m);  // csrc/graph/graph_bindings.cpp
+
 namespace {
 
 const ControlBlock& cb_at(uint64_t p) { return *reinterpret_cast<const ControlBlock*>(p); }
@@ -140,6 +142,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("control_layout", &control_layout);
   m.def("op_layout", &op_layout);
   m.def("constants", &constants);
+  register_graph_bindings(m);
 
   using G = py::call_guard<py::gil_scoped_release>;
   m.def("run_site_cpu", [](uint64_t cb, int32_t site, uint64_t h, uint64_t r, int32_t n_rows,

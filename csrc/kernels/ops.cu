@@ -310,6 +310,13 @@ xmix_site_anchor(const ControlBlock* __restrict__ cbp, int32_t site, void* h, co
   }
 }
 
+// A spliced node names its op by (site, index); a graph that was not re-planned after the
+// site's op list shrank must read nothing past the list.
+__device__ __forceinline__ bool op_in_range(const ControlBlock& cb, int32_t site, int32_t op_index) {
+  return site >= 0 && site < cb.n_sites && op_index >= 0 &&
+         op_index < ptr<const int32_t>(cb.site_count)[site];
+}
+
 __global__ void __launch_bounds__(kThreads)
 xmix_op_kernel(const ControlBlock* __restrict__ cbp, int32_t site, int32_t op_index, void* h,
                const void* r, int32_t d, int64_t sh, int64_t sr, int32_t dtype) {
@@ -317,7 +324,7 @@ xmix_op_kernel(const ControlBlock* __restrict__ cbp, int32_t site, int32_t op_in
   __shared__ float red[33];
   const ControlBlock& cb = *cbp;
   const int32_t t = blockIdx.x;
-  if (t >= cb.max_tokens) return;
+  if (t >= cb.max_tokens || !op_in_range(cb, site, op_index)) return;
   const OpDesc& op =
       ptr<const OpDesc>(cb.ops)[ptr<const int32_t>(cb.site_first)[site] + op_index];
   if (ptr<const int32_t>(cb.app_mode)[op.app] == MODE_OFF) {
@@ -333,6 +340,10 @@ __global__ void xmix_gate_kernel(const ControlBlock* __restrict__ cbp, int32_t s
                                  int32_t op_index, int32_t n_rows,
                                  cudaGraphConditionalHandle handle) {
   const ControlBlock& cb = *cbp;
+  if (!op_in_range(cb, site, op_index)) {
+    if (threadIdx.x == 0) cudaGraphSetConditional(handle, 0u);
+    return;
+  }
   const OpDesc& op =
       ptr<const OpDesc>(cb.ops)[ptr<const int32_t>(cb.site_first)[site] + op_index];
   int any = 0;
@@ -403,10 +414,15 @@ __global__ void xmix_custom_select(const ControlBlock* __restrict__ cbp, int32_t
                                    int32_t op_index, int32_t n_rows, uint8_t* select,
                                    float* out) {
   const ControlBlock& cb = *cbp;
-  const OpDesc& op =
-      ptr<const OpDesc>(cb.ops)[ptr<const int32_t>(cb.site_first)[site] + op_index];
   const int32_t t = blockIdx.x * blockDim.x + threadIdx.x;
   if (t >= n_rows) return;
+  if (!op_in_range(cb, site, op_index)) {
+    select[t] = 0;
+    out[t] = nan_f();
+    return;
+  }
+  const OpDesc& op =
+      ptr<const OpDesc>(cb.ops)[ptr<const int32_t>(cb.site_first)[site] + op_index];
   int32_t slot;
   const bool mode_on = ptr<const int32_t>(cb.app_mode)[op.app] != MODE_OFF;
   select[t] = mode_on && op_selects(cb, op, t, &slot) ? 1 : 0;
@@ -417,10 +433,11 @@ __global__ void xmix_custom_finish(const ControlBlock* __restrict__ cbp, int32_t
                                    int32_t op_index, int32_t n_rows, const uint8_t* select,
                                    const float* out) {
   const ControlBlock& cb = *cbp;
+  const int32_t t = blockIdx.x * blockDim.x + threadIdx.x;
+  if (t >= n_rows || !op_in_range(cb, site, op_index)) return;
   const OpDesc& op =
       ptr<const OpDesc>(cb.ops)[ptr<const int32_t>(cb.site_first)[site] + op_index];
-  const int32_t t = blockIdx.x * blockDim.x + threadIdx.x;
-  if (t >= n_rows || op.channel < 0) return;
+  if (op.channel < 0) return;
   const float v = select[t] ? out[t] : nan_f();
   ptr<float>(cb.results)[static_cast<int64_t>(t) * cb.n_channels + op.channel] = v;
   if (select[t] && v == v)
@@ -509,5 +526,8 @@ int load_custom_cuda(const void* image, const char* name, uint64_t* kernel) {
 const void* anchor_kernel_symbol() { return reinterpret_cast<const void*>(&xmix_site_anchor); }
 const void* op_kernel_symbol() { return reinterpret_cast<const void*>(&xmix_op_kernel); }
 const void* gate_kernel_symbol() { return reinterpret_cast<const void*>(&xmix_gate_kernel); }
+// For the graph applier (csrc/graph/applier.cu), which splices custom ops as kernel nodes.
+const void* custom_select_kernel_symbol() { return reinterpret_cast<const void*>(&xmix_custom_select); }
+const void* custom_finish_kernel_symbol() { return reinterpret_cast<const void*>(&xmix_custom_finish); }
 
 }  // namespace xmix

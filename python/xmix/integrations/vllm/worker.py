@@ -89,6 +89,11 @@ class WorkerXmix:
 
     def before_forward(self, runner, input_ids: torch.Tensor | None) -> None:
         cb = self.cb
+        if cb.on_gpu:
+            # Kept CUDA graphs follow deploys and mode changes before the next replay.
+            from xmix import graphs
+
+            graphs.ensure_current(cb)
         sched, self.sched = self.sched, None
         if sched is None or not cb.apps or input_ids is None:
             cb.site_active[:] = False

@@ -1,0 +1,101 @@
+"""Throughput of vanilla vLLM vs xmix on the CPU engine, measured side by side in one run.
+
+Configurations (same engine settings, tiny Llama, greedy, fixed output length):
+  vanilla        vLLM with the xmix plugin off
+  unused         xmix with apps deployed (a steering app, a probe, an all-layer ablation),
+                 no request uses them
+  steer-1layer   xmix, every request uses one single-layer steering app
+  probe-1layer   xmix, every request uses one single-layer probe (results returned)
+
+Rounds are interleaved (vanilla, unused, steer, probe, vanilla, ...) so that machine noise
+hits every configuration alike; the table gives the median tokens/s per configuration and the
+ratio of medians to vanilla. This is a benchmark, not a test: nothing here asserts.
+
+    python bench/cpu_overhead.py [--prompts 64] [--tokens 64] [--rounds 5] [--model tiny-llama]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="tiny-llama")
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+
+    import torch
+    from vllm import SamplingParams
+
+    import xmix
+    from xmix.models.tiny import tiny_model_path
+
+    path = str(tiny_model_path(args.model))
+    kw = dict(dtype="float32", max_model_len=512, seed=0, gpu_memory_utilization=0.3)
+
+    os.environ["XMIX_DISABLE"] = "1"
+    import vllm
+
+    vanilla = vllm.LLM(model=path, **kw)
+    del os.environ["XMIX_DISABLE"]
+    llm = xmix.LLM(model=path, **kw)
+    d = llm.llm_engine.model_config.hf_config.hidden_size
+    g = torch.Generator().manual_seed(0)
+    steer = xmix.App("steer")
+    steer.write("add", vector=torch.randn(d, generator=g), scale=1.0).layers([1]).submodule("residual.post")
+    probe = xmix.App("probe")
+    probe.read("probe", weight=torch.randn(d, generator=g) / 16).layers([2]).submodule("residual.post")
+    ablate = xmix.App("ablate")
+    r = torch.randn(d, generator=g)
+    for site in ("residual.pre", "attention.post", "mlp.post"):
+        ablate.write("ablate", direction=r).layers("all").submodule(site)
+    for a in (steer, probe, ablate):
+        llm.xmix.deploy(a)
+
+    prompts = [{"prompt_token_ids": [1] + [(7 * i + 13 * j) % 400 + 3 for j in range(24)]}
+               for i in range(args.prompts)]
+
+    def sp(apps):
+        return SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True,
+                              extra_args={"xmix": {"apps": apps}} if apps else None)
+
+    configs = {
+        "vanilla": (vanilla, sp(None)),
+        "unused": (llm, sp(None)),
+        "steer-1layer": (llm, sp(["steer"])),
+        "probe-1layer": (llm, sp(["probe"])),
+    }
+    # warm-up (compilation, allocator) once per configuration
+    for eng, p in configs.values():
+        eng.generate(prompts[:8], p, use_tqdm=False)
+    tps: dict[str, list[float]] = {k: [] for k in configs}
+    for _ in range(args.rounds):
+        for name, (eng, p) in configs.items():
+            t0 = time.perf_counter()
+            outs = eng.generate(prompts, p, use_tqdm=False)
+            dt = time.perf_counter() - t0
+            n = sum(len(o.outputs[0].token_ids) for o in outs)
+            tps[name].append(n / dt)
+
+    base = statistics.median(tps["vanilla"])
+    print(f"\nmachine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+          f"torch {torch.__version__}, vLLM {vllm.__version__}")
+    print(f"workload: {args.model}, {args.prompts} prompts x {args.tokens} tokens, greedy, "
+          f"{args.rounds} interleaved rounds\n")
+    print(f"{'configuration':16s} {'median tok/s':>13s} {'ratio':>7s}   rounds (tok/s)")
+    for name, vals in tps.items():
+        med = statistics.median(vals)
+        print(f"{name:16s} {med:13.1f} {med / base:7.3f}   " + ", ".join(f"{v:.0f}" for v in vals))
+
+
+if __name__ == "__main__":
+    main()

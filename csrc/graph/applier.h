@@ -1,0 +1,71 @@
+// The CUDA side of graph interposition: reads a kept cudaGraph_t into the IR, performs a
+// planner's Plan on it, and switches spliced nodes in an executable graph. Handles cross
+// this interface as uint64 so the Python bindings need no CUDA header.
+//
+// Ownership: the cudaGraph_t and every cudaGraphExec_t belong to torch.cuda.CUDAGraph (the
+// caller); every node and conditional handle xmix adds belongs to that graph and dies with
+// it. A GraphPatch therefore owns no CUDA object and its destructor makes no CUDA call; it
+// holds the bookkeeping (node handles per (graph, anchor, op)) and must not outlive the
+// graph's use. Compiled only with a CUDA toolkit (XMIX_WITH_CUDA).
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "ir.h"
+
+namespace xmix::graph {
+
+// True when the driver runs IF conditional nodes set from the device (CUDA >= 12.3).
+bool conditionals_supported();
+
+class GraphPatch {
+ public:
+  explicit GraphPatch(uint64_t graph);
+  ~GraphPatch();
+  GraphPatch(const GraphPatch&) = delete;
+  GraphPatch& operator=(const GraphPatch&) = delete;
+
+  uint64_t graph() const;
+
+  // The template graph as IR: node ids stay stable across calls; the nodes xmix spliced, the
+  // bodies of its IF nodes and the exec states it set come from the bookkeeping.
+  Graph read();
+
+  // Performs `plan` (planned on what read() returned) on the template graph. With exec != 0
+  // and a plan that needs no re-instantiation, the executable graph is updated in place
+  // (cudaGraphExecKernelNodeSetParams, cudaGraphNodeSetEnabled). Returns
+  // plan.needs_instantiate: the caller then instantiates and calls bind(). On a CUDA error
+  // the template is put back as captured (spliced nodes removed, anchors enabled) and the
+  // error is thrown.
+  bool apply(const Plan& plan, uint64_t exec);
+
+  // Pushes every recorded exec state (anchors off, ops per app mode) into a freshly
+  // instantiated executable graph.
+  void bind(uint64_t exec);
+
+  // Switches every spliced node of one app on or off in `exec`; returns the nodes touched.
+  int set_app_enabled(uint64_t exec, int32_t app, bool enabled);
+
+  // Re-sends the kernel parameters of the app's top-level spliced nodes to `exec`
+  // (cudaGraphExecKernelNodeSetParams); returns the nodes updated.
+  int refresh_app_params(uint64_t exec, int32_t app);
+
+  // Empty when read() matches `expected` structurally (planner.h describe()), else both
+  // descriptions.
+  std::string verify(const Graph& expected);
+
+  int32_t n_segments() const;
+  int32_t n_parked() const;  // IF nodes kept with an empty body (see applier.cu)
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// NVTX ranges in the "xmix" domain (no-ops unless a tool such as Nsight is attached).
+void nvtx_push(const std::string& message);
+void nvtx_pop();
+void nvtx_mark(const std::string& message);
+
+}  // namespace xmix::graph

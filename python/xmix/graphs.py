@@ -1,0 +1,618 @@
+"""CUDA graph interposition: keep the graphs vLLM captures, splice per-op kernel nodes in place
+of the self-dispatching site anchors, and switch them between steps.
+
+What runs when (docs/cuda_graphs.md has the full design):
+
+- capture: ``torch.ops.xmix.site`` launches one anchor kernel per site; the graph is an
+  ``XmixCUDAGraph`` (a ``torch.cuda.CUDAGraph`` with ``keep_graph=True``) and counts them.
+- right after capture (``capture_end``): ``_C.graph`` reads the cudaGraph_t, the planner
+  decides the splice against the control block's site program, the applier performs it,
+  then the graph is instantiated and the exec states are pushed (anchors off, op nodes on
+  for apps whose mode is not "off").
+- between steps, never while a graph runs:
+  ``set_app_enabled`` / ``set_mode``  -> cudaGraphNodeSetEnabled on the app's nodes;
+  ``on_apps_changed`` (after deploy/undeploy) -> re-plan; re-instantiate only where the
+  topology changed, else cudaGraphExecKernelNodeSetParams in place;
+  ``ensure_current`` -> the same, only when the control block's op list changed (O(1) else).
+  Scalar parameters and built-in artifacts live in the control block: changing them needs
+  no graph update at all.
+
+A graph the planner cannot handle keeps its anchors, which are correct on their own: it
+is logged and counted (``stats()["fallback"]``), never wrong. ``XMIX_GRAPH_PATCH=0``
+turns patching off (every graph keeps its anchors). ``XMIX_GRAPH_VERIFY=1`` reads every
+patched graph back and compares it with the plan.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import os
+import threading
+import types
+import weakref
+from typing import Any, Iterator
+
+from xmix import _C
+from xmix import conditions as C
+
+logger = logging.getLogger("xmix.graphs")
+G = _C.graph
+
+# vLLM modules that construct torch.cuda.CUDAGraph for model graphs: CUDAGraphWrapper
+# (model runner V1, piecewise and full), CudaGraphManager (model runner V2), the breakable
+# piecewise capture and the micro-batch wrapper.
+VLLM_CAPTURE_MODULES = (
+    "vllm.compilation.cuda_graph",
+    "vllm.v1.worker.gpu.cudagraph_utils",
+    "vllm.compilation.breakable_cudagraph",
+    "vllm.v1.worker.gpu_ubatch_wrapper",
+)
+
+_STATS_KEYS = (
+    "captured",          # graphs captured through XmixCUDAGraph
+    "plain",             # ... with no anchor in them (nothing to do)
+    "patched",           # ... spliced (anchors off, per-op nodes)
+    "fallback",          # ... the planner could not handle: anchors kept
+    "disabled",          # ... left alone because XMIX_GRAPH_PATCH=0
+    "errors",            # patch attempts that raised (graph put back as captured)
+    "replans",           # graphs re-planned by on_apps_changed
+    "reinstantiated",    # ... that needed a new executable graph
+    "updated_in_place",  # ... updated with node params / enabled states only
+    "toggled_nodes",     # cudaGraphNodeSetEnabled calls from set_app_enabled
+    "unhooked_anchors",  # anchors captured into a graph xmix does not keep
+)
+_stats = dict.fromkeys(_STATS_KEYS, 0)
+_lock = threading.RLock()
+_capturing: list[Any] = []           # XmixCUDAGraph instances between capture_begin/_end
+_registry: "weakref.WeakSet[Any]" = weakref.WeakSet()  # graphs with anchors (patched or not)
+_planned: "weakref.WeakKeyDictionary[Any, tuple]" = weakref.WeakKeyDictionary()
+_graph_cls: type | None = None
+_installed: dict[str, Any] = {}      # module name -> the module's original `torch`
+_warned_unhooked = False
+
+
+def stats() -> dict[str, int]:
+    with _lock:
+        return dict(_stats)
+
+
+def reset_stats() -> None:
+    with _lock:
+        for k in _stats:
+            _stats[k] = 0
+
+
+def _count(key: str, n: int = 1) -> None:
+    with _lock:
+        _stats[key] += n
+
+
+def patching_enabled() -> bool:
+    return os.environ.get("XMIX_GRAPH_PATCH", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _verify() -> bool:
+    return os.environ.get("XMIX_GRAPH_VERIFY", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def cuda_patching_available() -> str | None:
+    """None when graphs can be patched here, else why not."""
+    if not _C.built_with_cuda():
+        return "xmix._C was built without CUDA"
+    if not hasattr(G, "GraphPatch"):
+        return "xmix._C has no graph applier"
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    if not _C.cuda_available():
+        return f"xmix._C cannot use the GPU: {_C.cuda_status()}"
+    for attr in ("raw_cuda_graph", "raw_cuda_graph_exec", "instantiate"):
+        if not hasattr(torch.cuda.CUDAGraph, attr):
+            return f"torch {torch.__version__} has no CUDAGraph.{attr} (needs keep_graph support)"
+    return None
+
+
+@contextlib.contextmanager
+def nvtx_range(message: str) -> Iterator[None]:
+    """An NVTX range in the "xmix" domain (Nsight); free when no tool is attached."""
+    push = getattr(G, "nvtx_push", None)
+    if push is None:
+        yield
+        return
+    push(message)
+    try:
+        yield
+    finally:
+        G.nvtx_pop()
+
+
+# ---------------------------------------------------------------- the site program
+def is_gated(op) -> bool:
+    """Whether a lowered op gets an IF conditional node: a write whose condition reads an
+    activation (a gate on an earlier read, or a request latch). Those are often false for a
+    whole batch, so skipping the op's launch pays. Token conditions (prompt, last_token,
+    token sets, spans) hold for some token of almost every batch: a gate kernel there would
+    cost a launch and save none. Reads are never wrapped: an unselected read must still write
+    NaN to its result rows, or a later gate and the drain would see stale values."""
+    if op.primitive != "write" or op.cond is None:
+        return False
+    return any(isinstance(n, (C.Gate, C.Latch)) for n in C.walk(op.cond))
+
+
+def _custom_args(cb, inst, o) -> Any:
+    a = G.CustomArgs()
+    a.kernel = int(inst.custom_fns.get(id(o), 0))
+    a.tok_slot = cb.dev["tok_slot"].data_ptr()
+    a.tok_pos = cb.dev["tok_pos"].data_ptr()
+    a.slot_params = cb.dev["slot_params"].data_ptr()
+    a.n_params = cb.cap.max_params
+    a.param_base = inst.param_base + inst._op_param_col[id(o)]
+    art = inst._dev_artifacts.get((id(o), "a0"))
+    a.artifact = art.data_ptr() if art is not None else 0
+    a.artifact_numel = int(art.numel()) if art is not None else 0
+    sel = getattr(cb, "_custom_select", None)
+    out = getattr(cb, "_custom_out", None)
+    a.select = sel.data_ptr() if sel is not None else 0
+    a.out = out.data_ptr() if out is not None else 0
+    return a
+
+
+def program_for(cb, expected_anchors: int = -1, use_conditionals: bool | None = None):
+    """The planner's view of the control block: per site, its ops in order with (app,
+    enabled = mode is not "off", gated, custom)."""
+    if use_conditionals is None:
+        use_conditionals = bool(getattr(G, "conditionals_supported", lambda: False)())
+    ops = []
+    for site, lst in enumerate(getattr(cb, "_site_ops", None) or ()):
+        for k, (inst, o) in enumerate(lst):
+            custom = o.kernel == "custom"
+            spec = G.OpSpec(site, k, inst.index, enabled=inst.mode != "off", gated=is_gated(o),
+                            custom=custom)
+            if custom:
+                spec.custom_args = _custom_args(cb, inst, o)
+            ops.append(spec)
+    return G.Program(cb.ptr, cb.n_sites, ops, expected_anchors, use_conditionals)
+
+
+def _fingerprint(cb) -> tuple:
+    return (id(getattr(cb, "_site_ops", None)),
+            tuple(sorted((a.index, a.mode) for a in cb.apps.values())))
+
+
+# ---------------------------------------------------------------- capture-time notes
+class _Recorder:
+    """``cb.graph_hook``: xmix.ops calls note_anchor for every anchor launched while a
+    stream is capturing. The count lets the patcher check that it found every anchor."""
+
+    def note_anchor(self, site, h, r, n, d, sh, sr, dt) -> None:
+        global _warned_unhooked
+        with _lock:
+            cap = list(_capturing)
+            if len(cap) == 1:
+                cap[0]._xmix_anchors += 1
+                return
+            if len(cap) > 1:
+                for g in cap:  # cannot tell which capture this anchor went to
+                    g._xmix_counted = False
+                return
+            _stats["unhooked_anchors"] += 1
+            warn = not _warned_unhooked
+            _warned_unhooked = True
+        if warn:
+            logger.warning("xmix: a hook site was captured into a CUDA graph that xmix does not "
+                           "keep (was install_capture_hook() called before capture?); such "
+                           "graphs run their self-dispatching anchors: correct, not free")
+
+
+RECORDER = _Recorder()
+
+
+def _begin_capture(g) -> None:
+    from xmix import ops
+
+    g._xmix_anchors = 0
+    g._xmix_counted = True
+    cb = ops.get_control()
+    if cb is not None:
+        cb.graph_hook = RECORDER
+    with _lock:
+        _capturing.append(g)
+
+
+def _end_capture(g) -> None:
+    with _lock:
+        if g in _capturing:
+            _capturing.remove(g)
+
+
+def _exec_of(g) -> int:
+    try:
+        return int(g.raw_cuda_graph_exec())
+    except RuntimeError:
+        return 0
+
+
+def _after_capture(g) -> None:
+    """Patch a freshly captured graph, then instantiate it (keep_graph defers that to us)."""
+    from xmix import ops
+
+    _count("captured")
+    cb = ops.get_control()
+    expected = g._xmix_anchors if g._xmix_counted else -1
+    if cb is None or expected == 0:
+        _count("plain")
+        g._xmix_state = "plain"
+        g.instantiate()
+        return
+    if not patching_enabled():
+        _count("disabled")
+        g._xmix_state = "disabled"
+        g.instantiate()
+        return
+    with nvtx_range(f"xmix.capture patch ({expected} anchors)"):
+        state = _patch_new(g, cb, expected)
+    g._xmix_state = state
+    if state != "plain":
+        with _lock:
+            _registry.add(g)
+    _instantiate_or_fall_back(g)
+
+
+def _patch_new(g, cb, expected: int) -> str:
+    try:
+        rec = G.GraphPatch(int(g.raw_cuda_graph()))
+    except Exception as e:  # noqa: BLE001 - any failure leaves the captured graph as it is
+        _count("errors")
+        _count("fallback")
+        logger.warning("xmix: cannot keep this CUDA graph (%s); its anchors stay", e)
+        return "fallback"
+    g._xmix = rec
+    g._xmix_expected = expected
+    g._xmix_cb = cb.ptr
+    try:
+        plan, _ = _update(rec, program_for(cb, expected), 0)
+    except Exception as e:  # noqa: BLE001 - the applier put the graph back as captured
+        if "could not be put back" in str(e):
+            raise  # the template is half-edited: instantiating it would be wrong
+        _count("errors")
+        _count("fallback")
+        logger.warning("xmix: patching a CUDA graph failed, its anchors stay: %s", e)
+        return "fallback"
+    if plan.n_anchors == 0 and not plan.splices:
+        g._xmix = None
+        _count("plain")
+        return "plain"
+    if plan.fallback:
+        _count("fallback")
+        logger.warning("xmix: CUDA graph with %d anchors not patched: %s (anchors stay; "
+                       "correct, not free)", plan.n_anchors, plan.reason)
+        return "fallback"
+    _count("patched")
+    logger.debug("xmix: patched CUDA graph: %d anchors, %d op nodes", plan.n_anchors, len(plan.add))
+    return "patched"
+
+
+def _update(rec, prog, exec_: int):
+    """read -> plan -> apply; with XMIX_GRAPH_VERIFY a graph that does not read back as
+    planned is put back as captured (returns the fallback plan)."""
+    plan, needs, mismatch = rec.update(prog, exec_, _verify())
+    if not mismatch:
+        return plan, needs
+    _count("errors")
+    logger.error("xmix: patched graph does not match its plan; putting it back as captured:\n%s",
+                 mismatch)
+    fb = G.fallback_plan(rec.read(), "the graph read back differs from the plan")
+    rec.apply(fb, 0)
+    return fb, True
+
+
+def _instantiate_or_fall_back(g) -> None:
+    """Instantiate a freshly patched graph; if the driver refuses the spliced graph, put it
+    back as captured and instantiate that (first instantiation only: torch has no exec yet,
+    so a second attempt is safe)."""
+    try:
+        _instantiate(g)
+        return
+    except RuntimeError as e:
+        rec = getattr(g, "_xmix", None)
+        if rec is None:
+            raise
+        _count("errors")
+        logger.error("xmix: instantiating a patched CUDA graph failed (%s); its anchors stay", e)
+    rec.apply(G.fallback_plan(rec.read(), "instantiation of the patched graph failed"), 0)
+    if g._xmix_state == "patched":
+        _count("patched", -1)
+        _count("fallback")
+    g._xmix_state = "fallback"
+    _instantiate(g)
+
+
+def _bind(g) -> None:
+    rec = getattr(g, "_xmix", None)
+    if rec is not None:
+        rec.bind(int(g.raw_cuda_graph_exec()))
+
+
+def _instantiate(g) -> None:
+    """Instantiate and push the exec states (XmixCUDAGraph.instantiate binds by itself)."""
+    g.instantiate()
+    if _graph_cls is None or not isinstance(g, _graph_cls):
+        _bind(g)
+
+
+def _make_graph_class(base: type) -> type:
+    class XmixCUDAGraph(base):  # type: ignore[misc, valid-type]
+        """A torch.cuda.CUDAGraph that keeps its cudaGraph_t (keep_graph=True, whatever the
+        caller asks) and patches it at the end of capture."""
+
+        def __new__(cls, keep_graph: bool = True, *args, **kwargs):
+            return super().__new__(cls, True)
+
+        def __init__(self, keep_graph: bool = True, *args, **kwargs):
+            super().__init__(True)
+            self._xmix = None
+            self._xmix_state = "new"
+            self._xmix_anchors = 0
+            self._xmix_counted = True
+            self._xmix_expected = -1
+            self._xmix_cb = None
+
+        def capture_begin(self, *args, **kwargs):
+            _begin_capture(self)
+            try:
+                return super().capture_begin(*args, **kwargs)
+            except BaseException:
+                _end_capture(self)
+                raise
+
+        def capture_end(self):
+            try:
+                super().capture_end()
+            finally:
+                _end_capture(self)
+            _after_capture(self)
+
+        def instantiate(self):
+            super().instantiate()
+            _bind(self)
+
+        def reset(self):
+            with _lock:
+                _registry.discard(self)
+            self._xmix = None
+            return super().reset()
+
+        @property
+        def xmix_state(self) -> str:
+            """new | plain | patched | fallback | disabled"""
+            return self._xmix_state
+
+        def xmix_ir(self):
+            """The patched graph as IR (None when xmix does not manage it)."""
+            return self._xmix.read() if self._xmix is not None else None
+
+    return XmixCUDAGraph
+
+
+def graph_class() -> type | None:
+    """The keep-graph CUDAGraph subclass, or None where graphs cannot be patched."""
+    global _graph_cls
+    if _graph_cls is None:
+        why = cuda_patching_available()
+        if why is not None:
+            logger.info("xmix: CUDA graph patching unavailable: %s", why)
+            return None
+        import torch
+
+        _graph_cls = _make_graph_class(torch.cuda.CUDAGraph)
+    return _graph_cls
+
+
+def patch(graph) -> str:
+    """Patch a graph captured outside the hook (a keep_graph=True torch.cuda.CUDAGraph that
+    is not yet instantiated, or an XmixCUDAGraph): returns its state."""
+    from xmix import ops
+
+    cb = ops.get_control()
+    if cb is None:
+        return "plain"
+    if not patching_enabled():
+        _count("disabled")
+        return "disabled"
+    state = _patch_new(graph, cb, getattr(graph, "_xmix_expected", -1))
+    graph._xmix_state = state
+    if state != "plain":
+        with _lock:
+            _registry.add(graph)
+    _instantiate_or_fall_back(graph)
+    return graph._xmix_state
+
+
+def kept_graphs(cb=None) -> list:
+    """Graphs xmix manages (patched or fallen back), optionally only those planned against
+    one control block."""
+    with _lock:
+        return [g for g in _registry if getattr(g, "_xmix", None) is not None
+                and (cb is None or getattr(g, "_xmix_cb", None) == cb.ptr)]
+
+
+# ---------------------------------------------------------------- between steps
+def on_apps_changed(cb) -> dict[str, int]:
+    """After install/remove on the control block: re-plan every kept graph. Graphs whose
+    splice shapes did not change are updated in place; the others are re-spliced and
+    re-instantiated (no recapture). Waits for the device first: re-instantiation destroys
+    executable graphs, and a graph with IF nodes may have only one instance."""
+    import torch
+
+    graphs = kept_graphs(cb)
+    out = {"graphs": len(graphs), "reinstantiated": 0, "in_place": 0, "fallback": 0, "errors": 0}
+    _planned[cb] = _fingerprint(cb)
+    if not graphs:
+        return out
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    prog = program_for(cb)
+    with nvtx_range(f"xmix.replan {len(graphs)} graphs"):
+        for g in graphs:
+            prog.expected_anchors = getattr(g, "_xmix_expected", -1)
+            _count("replans")
+            try:
+                plan, needs = _update(g._xmix, prog, _exec_of(g))
+            except Exception as e:
+                if "could not be put back" in str(e):
+                    raise  # the template is half-edited: replaying it would be wrong
+                logger.warning("xmix: re-planning a CUDA graph failed, its anchors run: %s", e)
+                _count("errors")
+                out["errors"] += 1
+                g._xmix_state = "fallback"
+                _instantiate(g)
+                continue
+            if plan.fallback:
+                out["fallback"] += 1
+                g._xmix_state = "fallback"
+            else:
+                g._xmix_state = "patched"
+            if needs:
+                _instantiate(g)
+                out["reinstantiated"] += 1
+                _count("reinstantiated")
+            else:
+                out["in_place"] += 1
+                _count("updated_in_place")
+    return out
+
+
+def set_app_enabled(cb, app_index: int, enabled: bool) -> int:
+    """Switch one app's spliced nodes in every kept executable graph; returns the number of
+    nodes set. Correctness never depends on it (the kernels read the app's mode from the
+    control block); it is what makes an app that is off cost nothing."""
+    if not 0 <= app_index < cb.cap.max_apps:
+        raise ValueError(f"app index {app_index} out of range")
+    n = 0
+    with nvtx_range(f"xmix.toggle app {app_index} {'on' if enabled else 'off'}"):
+        for g in kept_graphs(cb):
+            exec_ = _exec_of(g)
+            n += g._xmix.set_app_enabled(exec_, app_index, bool(enabled))
+    _count("toggled_nodes", n)
+    return n
+
+
+def set_mode(cb, name: str, mode: str) -> int:
+    """cb.set_mode plus the matching node switch in every kept graph."""
+    cb.set_mode(name, mode)
+    inst = cb.apps[name]
+    with nvtx_range(f"xmix.mode {name}={mode}"):
+        n = set_app_enabled(cb, inst.index, mode != "off")
+    prev = _planned.get(cb)
+    if prev is not None and prev[0] == id(getattr(cb, "_site_ops", None)):
+        _planned[cb] = _fingerprint(cb)
+    return n
+
+
+def refresh_params(cb, app_index: int) -> int:
+    """Re-send the kernel parameters of an app's top-level spliced nodes to every executable
+    graph (cudaGraphExecKernelNodeSetParams). Built-in ops read their parameters and
+    artifacts from the control block, so this is only needed when node arguments changed
+    outside a re-plan; on_apps_changed already re-points what moved."""
+    n = 0
+    for g in kept_graphs(cb):
+        exec_ = _exec_of(g)
+        if exec_:
+            n += g._xmix.refresh_app_params(exec_, app_index)
+    return n
+
+
+def ensure_current(cb) -> bool:
+    """Call once per step before replaying graphs: re-plans when the control block's op list
+    changed since the last plan (stale op nodes would run the wrong ops), and switches nodes
+    when app modes changed. O(number of apps) when nothing changed. True if it did work."""
+    fp = _fingerprint(cb)
+    prev = _planned.get(cb)
+    if prev == fp:
+        return False
+    if prev is None or prev[0] != fp[0]:
+        on_apps_changed(cb)
+        return True
+    old = dict(prev[1])
+    for index, mode in fp[1]:
+        if old.get(index) != mode:
+            set_app_enabled(cb, index, mode != "off")
+    _planned[cb] = fp
+    return True
+
+
+# ---------------------------------------------------------------- hooking vLLM
+class _ModuleView(types.ModuleType):
+    """A stand-in for a module as seen from one importer: a few names replaced, every other
+    attribute read through to the real module (and cached)."""
+
+    def __init__(self, real: types.ModuleType, overrides: dict[str, Any]):
+        super().__init__(real.__name__, real.__doc__)
+        self.__dict__["_xmix_real"] = real
+        self.__dict__.update(overrides)
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self.__dict__["_xmix_real"], name)
+        if not name.startswith("__"):
+            self.__dict__[name] = value
+        return value
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self.__dict__["_xmix_real"], name, value)
+        self.__dict__.pop(name, None)
+
+
+def _torch_view(real_torch, graph_cls: type) -> types.ModuleType:
+    cuda = _ModuleView(real_torch.cuda, {"CUDAGraph": graph_cls})
+    return _ModuleView(real_torch, {"cuda": cuda})
+
+
+def _redirect(module_names, graph_cls: type) -> list[str]:
+    """Make `torch.cuda.CUDAGraph` mean graph_cls inside the named modules only."""
+    done = []
+    for name in module_names:
+        if name in _installed:
+            done.append(name)
+            continue
+        try:
+            mod = importlib.import_module(name)
+        except Exception as e:  # noqa: BLE001 - a module this vLLM does not have
+            logger.debug("xmix: %s not importable (%s); not hooked", name, e)
+            continue
+        real = getattr(mod, "torch", None)
+        if real is None or not hasattr(real, "cuda"):
+            continue
+        _installed[name] = real
+        mod.torch = _torch_view(real, graph_cls)
+        done.append(name)
+    return done
+
+
+def install_capture_hook() -> bool:
+    """Make vLLM's CUDA-graph capture sites build XmixCUDAGraph. Call it from the vLLM plugin
+    in every worker process before the model runner captures graphs (the general plugin's
+    register() runs early enough); idempotent. A no-op returning False where graphs cannot
+    be patched (CPU, torch without keep_graph, xmix._C without CUDA) or vLLM is absent."""
+    with _lock:
+        cls = graph_class()
+        if cls is None:
+            return False
+        try:
+            importlib.import_module("vllm")
+        except ImportError:
+            return False
+        hooked = _redirect(VLLM_CAPTURE_MODULES, cls)
+    if hooked:
+        logger.info("xmix: CUDA graph capture hooked in %s", ", ".join(hooked))
+    return bool(hooked)
+
+
+def uninstall_capture_hook() -> None:
+    with _lock:
+        for name, real in list(_installed.items()):
+            mod = importlib.import_module(name)
+            mod.torch = real
+            del _installed[name]

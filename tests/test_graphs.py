@@ -1,0 +1,580 @@
+"""CUDA graph interposition (xmix.graphs, xmix._C.graph).
+
+CPU: the planner through the bindings on hand-built graph IR, the site program derived from
+a real control block, the capture-time anchor count, the vLLM capture-site redirection and
+the switches. GPU (marked ``gpu``): capture a small decoder in an XmixCUDAGraph, patch it and
+check every state against eager execution.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from xmix import _C, graphs, ops
+from xmix import conditions as C
+from xmix.api import App
+from xmix.hooks import ModelShape, site_id
+
+from harness import Harness, Req
+
+G = _C.graph
+CB = 0x7F0000001000
+
+
+def anchor(nid, site, rows=8, cb=CB):
+    return G.Node(nid, G.NodeType.Kernel, G.Role.Anchor, anchor=G.AnchorArgs(cb, site, rows))
+
+
+def line(*sites, cb=CB):
+    """n0 -> A(site0) -> n2 -> A(site1) -> ... -> last"""
+    nodes, edges, nid = [G.Node(0)], [], 1
+    for s in sites:
+        nodes.append(anchor(nid, s, cb=cb))
+        nodes.append(G.Node(nid + 1))
+        edges += [G.Edge(nid - 1, nid), G.Edge(nid, nid + 1)]
+        nid += 2
+    return G.Graph(nodes, edges)
+
+
+# ---------------------------------------------------------------- planner via bindings
+def test_planner_splices_one_op_per_anchor_and_disables_anchors():
+    g = line(3, 4)
+    prog = G.Program(CB, 16, [G.OpSpec(3, 0, 0), G.OpSpec(4, 0, 1), G.OpSpec(4, 1, 2)])
+    plan = G.plan(g, prog)
+    assert not plan.fallback and plan.needs_instantiate and plan.n_anchors == 2
+    after = G.apply(g, plan)
+    assert set(G.edge_list(after)) == {
+        "n0->n1", "n1->n2", "n2->n3", "n3->n4",
+        "n0->op@1.0", "op@1.0->n2",
+        "n2->op@3.0", "op@3.0->op@3.1", "op@3.1->n4",
+    }
+    states = {n.id: n.enabled for n in after.nodes}
+    assert states[1] is False and states[3] is False
+    assert [s.app for s in after.splices[1].segments] == [1, 2]
+    # planning again against the same program is a no-op; an empty program undoes it
+    assert G.plan(after, prog).is_noop()
+    undone = G.apply(after, G.plan(after, G.Program(CB, 16)))
+    assert G.edge_list(undone) == G.edge_list(g)
+
+
+def test_planner_gated_custom_op_goes_inside_an_if_body():
+    g = line(2)
+    args = G.CustomArgs()
+    args.kernel, args.select, args.out = 0xBEEF, 0x10, 0x20
+    prog = G.Program(CB, 16, [G.OpSpec(2, 0, 5, gated=True, custom=True, custom_args=args)])
+    after = G.apply(g, G.plan(g, prog))
+    seg = after.splices[0].segments[0]
+    assert after.find(seg.cond).type == G.NodeType.Conditional
+    for nid in (seg.sel, seg.user, seg.fin):
+        assert after.find(nid).parent == seg.cond
+    assert set(G.edge_list(after)) == {"n0->n1", "n1->n2", "n0->gate@1.0", "gate@1.0->if@1.0",
+                                       "if@1.0->n2", "sel@1.0->user@1.0", "user@1.0->fin@1.0"}
+
+
+def test_planner_keeps_pdl_data_out_of_the_chain_only():
+    g = line(1)
+    g.edges = [G.Edge(0, 1, G.EdgeData(1, 0, 1)), G.Edge(1, 2, G.EdgeData(1, 0, 1))]
+    after = G.apply(g, G.plan(g, G.Program(CB, 16, [G.OpSpec(1, 0, 0)])))
+    assert set(G.edge_list(after)) == {"n0->n1[1,0,1]", "n1->n2[1,0,1]", "n0->op@1.0",
+                                       "op@1.0->n2[1,0,1]"}
+
+
+def test_planner_falls_back_on_a_foreign_control_block_and_bad_programs_raise():
+    g = line(1)
+    plan = G.plan(g, G.Program(CB + 8, 16, [G.OpSpec(1, 0, 0)]))
+    assert plan.fallback and "control block" in plan.reason
+    assert [(t.node, t.enabled) for t in plan.enable] == [(1, True)]
+    with pytest.raises(ValueError):
+        G.plan(g, G.Program(CB, 16, [G.OpSpec(1, 0, 0), G.OpSpec(1, 0, 1)]))
+
+
+# ---------------------------------------------------------------- the site program
+SHAPE = ModelShape(n_layers=2, hidden_size=16, vocab_size=64)
+
+
+def _apps():
+    g = torch.Generator().manual_seed(0)
+    steer = App("steer")
+    steer.write("add", vector=torch.randn(16, generator=g), scale=2.0).layers([0, 1]) \
+         .submodule("residual.pre").cond("last_token")
+    gated = App("gated")
+    gated.param("theta", 0.5)
+    gated.read("probe", weight=torch.randn(16, generator=g), bias=0.0).layers([0]) \
+         .submodule("residual.pre").named("p")
+    gated.read("probe", weight=torch.randn(16, generator=g), bias=0.0).layers([0]) \
+         .submodule("mlp.post").named("q").cond("p >= theta")           # a gated read: no IF
+    gated.write("add", vector=torch.randn(16, generator=g), scale=1.0).layers([1]) \
+         .submodule("mlp.post").cond("p >= theta")                      # gated write: IF
+    gated.write("ablate", direction=torch.randn(16, generator=g)).layers([1]) \
+         .submodule("residual.pre").cond("prompt_mean(p) >= 0.1 and generated")  # latch: IF
+    return steer, gated
+
+
+def test_program_follows_the_control_block_site_lists():
+    hs = Harness(SHAPE, list(_apps()), "cpu")
+    cb = hs.cb
+    prog = graphs.program_for(cb, use_conditionals=True)
+    got = [(o.site, o.op_index, o.app, o.enabled, o.gated, o.custom) for o in prog.ops]
+    steer, gated = cb.apps["steer"].index, cb.apps["gated"].index
+    pre0, pre1 = site_id("residual.pre", 0, 2), site_id("residual.pre", 1, 2)
+    mlp0, mlp1 = site_id("mlp.post", 0, 2), site_id("mlp.post", 1, 2)
+    assert got == [
+        (pre0, 0, steer, True, False, False),
+        (pre0, 1, gated, True, False, False),    # probe p
+        (mlp0, 0, gated, True, False, False),    # probe q, gated read: never wrapped
+        (pre1, 0, steer, True, False, False),
+        (pre1, 1, gated, True, True, False),     # latched ablate
+        (mlp1, 0, gated, True, True, False),     # gated add
+    ]
+    assert prog.cb == cb.ptr and prog.n_sites == cb.n_sites
+    cb.set_mode("gated", "off")
+    assert [o.enabled for o in graphs.program_for(cb).ops] == [True, False, False, True, False, False]
+
+    # the planner on a graph holding one anchor per used site, in forward order
+    sites = [pre0, mlp0, pre1, mlp1]
+    g = line(*sites, cb=cb.ptr)
+    prog = graphs.program_for(cb, expected_anchors=4, use_conditionals=True)
+    plan = G.plan(g, prog)
+    assert not plan.fallback, plan.reason
+    after = G.apply(g, plan)
+    shapes = {sp.anchor: [(s.op_index, s.gated) for s in sp.segments] for sp in after.splices}
+    assert shapes == {1: [(0, False), (1, False)], 3: [(0, False)], 5: [(0, False), (1, True)],
+                      7: [(0, True)]}
+    # without conditional nodes the gated writes become plain op nodes
+    plain = G.apply(g, G.plan(g, graphs.program_for(cb, use_conditionals=False)))
+    assert not any(n.type == G.NodeType.Conditional for n in plain.nodes)
+
+
+@pytest.mark.parametrize("cond,primitive,gated", [
+    (None, "write", False),
+    ("last_token", "write", False),
+    ("token_in(s) or prompt", "write", False),
+    ("p >= 0.5", "write", True),
+    ("not (p < 0.5) and last_token", "write", True),
+    ("prompt_last(p) > 1", "write", True),
+    ("p >= 0.5", "read", False),
+])
+def test_is_gated(cond, primitive, gated):
+    op = types.SimpleNamespace(primitive=primitive, cond=C.parse(cond) if cond else None)
+    assert graphs.is_gated(op) is gated
+
+
+# ---------------------------------------------------------------- capture-time notes and switches
+def test_recorder_counts_anchors_of_the_capture_under_way():
+    hs = Harness(SHAPE, [], "cpu")
+    prev = ops.get_control()
+    ops.set_control(hs.cb)
+    graphs.reset_stats()
+    a, b = types.SimpleNamespace(), types.SimpleNamespace()
+    try:
+        graphs._begin_capture(a)
+        assert hs.cb.graph_hook is graphs.RECORDER
+        for _ in range(3):
+            hs.cb.graph_hook.note_anchor(0, None, None, 1, 16, 16, 0, 0)
+        assert a._xmix_anchors == 3 and a._xmix_counted
+        graphs._begin_capture(b)  # two captures at once: the count is not trusted
+        graphs.RECORDER.note_anchor(1, None, None, 1, 16, 16, 0, 0)
+        assert not a._xmix_counted and not b._xmix_counted
+        graphs._end_capture(b)
+        graphs._end_capture(a)
+        graphs.RECORDER.note_anchor(2, None, None, 1, 16, 16, 0, 0)
+        assert graphs.stats()["unhooked_anchors"] == 1
+    finally:
+        graphs._end_capture(a)
+        graphs._end_capture(b)
+        ops.set_control(prev)
+
+
+def test_patch_switch_env(monkeypatch):
+    monkeypatch.delenv("XMIX_GRAPH_PATCH", raising=False)
+    assert graphs.patching_enabled()
+    for v in ("0", "off", "False"):
+        monkeypatch.setenv("XMIX_GRAPH_PATCH", v)
+        assert not graphs.patching_enabled()
+    monkeypatch.setenv("XMIX_GRAPH_PATCH", "1")
+    assert graphs.patching_enabled()
+
+
+def test_ensure_current_replans_on_deploys_and_switches_on_modes(monkeypatch):
+    steer, gated = _apps()
+    hs = Harness(SHAPE, [steer], "cpu")
+    cb = hs.cb
+    calls = []
+    monkeypatch.setattr(graphs, "on_apps_changed",
+                        lambda c: (calls.append("replan"), graphs._planned.__setitem__(c, graphs._fingerprint(c))))
+    monkeypatch.setattr(graphs, "set_app_enabled", lambda c, i, on: calls.append(("toggle", i, on)) or 0)
+    assert graphs.ensure_current(cb) and calls == ["replan"]
+    assert not graphs.ensure_current(cb)
+    from xmix.lowering import lower
+
+    cb.install(lower(gated, SHAPE))
+    assert graphs.ensure_current(cb) and calls[-1] == "replan"
+    cb.set_mode("steer", "off")
+    assert graphs.ensure_current(cb)
+    assert calls[-1] == ("toggle", cb.apps["steer"].index, False)
+    assert not graphs.ensure_current(cb)
+
+
+def test_install_capture_hook_is_a_noop_without_a_gpu():
+    if graphs.cuda_patching_available() is None:
+        pytest.skip("this machine can patch graphs: the no-op path is for CPU machines")
+    assert graphs.install_capture_hook() is False
+    assert graphs._installed == {}
+
+
+def test_redirect_swaps_cudagraph_in_vllm_capture_modules_only():
+    pytest.importorskip("vllm")
+    cuda_graph = importlib.import_module("vllm.compilation.cuda_graph")
+
+    class Fake:
+        pass
+
+    real_torch = cuda_graph.torch
+    assert real_torch is torch
+    try:
+        hooked = graphs._redirect(graphs.VLLM_CAPTURE_MODULES, Fake)
+        assert "vllm.compilation.cuda_graph" in hooked
+        for name in hooked:
+            mod = importlib.import_module(name)
+            assert mod.torch.cuda.CUDAGraph is Fake
+            assert mod.torch.cuda.graph is torch.cuda.graph
+            assert mod.torch.Tensor is torch.Tensor
+            assert mod.torch.cuda.is_available is torch.cuda.is_available
+        assert torch.cuda.CUDAGraph is not Fake  # nobody else sees it
+        assert graphs._redirect(graphs.VLLM_CAPTURE_MODULES, Fake) == hooked  # idempotent
+    finally:
+        graphs.uninstall_capture_hook()
+    assert cuda_graph.torch is torch and graphs._installed == {}
+
+
+# ---------------------------------------------------------------- orchestration, simulated
+class SimPatch:
+    """Stands in for _C.graph.GraphPatch: the graph is IR and edits are the planner's own
+    apply(), so xmix.graphs' capture/re-plan/toggle logic runs without a GPU."""
+
+    graphs: dict[int, object] = {}
+    mismatch = ""
+
+    def __init__(self, graph_ptr):
+        self.ir = SimPatch.graphs[graph_ptr]
+        self.bound = []
+
+    def read(self):
+        return self.ir
+
+    def update(self, prog, exec_, verify):
+        plan = G.plan(self.ir, prog)
+        self.ir = G.apply(self.ir, plan)
+        return plan, plan.needs_instantiate, SimPatch.mismatch if verify else ""
+
+    def apply(self, plan, exec_):
+        self.ir = G.apply(self.ir, plan)
+        return plan.needs_instantiate
+
+    def bind(self, exec_):
+        self.bound.append(exec_)
+
+    def set_app_enabled(self, exec_, app, on):
+        return sum(1 for sp in self.ir.splices for s in sp.segments if s.app == app)
+
+
+class SimGraph:
+    """The parts of torch.cuda.CUDAGraph(keep_graph=True) that xmix.graphs uses."""
+
+    def __init__(self, ptr, fail_instantiate=0):
+        self.ptr, self.execs, self.fail = ptr, 0, fail_instantiate
+
+    def raw_cuda_graph(self):
+        return self.ptr
+
+    def raw_cuda_graph_exec(self):
+        if not self.execs:
+            raise RuntimeError("no exec")
+        return 1000 * self.ptr + self.execs
+
+    def instantiate(self):
+        if self.fail:
+            self.fail -= 1
+            raise RuntimeError("cudaGraphInstantiate: invalid value")
+        self.execs += 1
+
+
+@pytest.fixture
+def sim(monkeypatch):
+    hs = Harness(SHAPE, [], "cpu")
+    fake = {k: getattr(G, k) for k in dir(G) if not k.startswith("_")}
+    fake["GraphPatch"] = SimPatch
+    monkeypatch.setattr(graphs, "G", types.SimpleNamespace(**fake))
+    prev = ops.get_control()
+    ops.set_control(hs.cb)
+    graphs.reset_stats()
+    SimPatch.mismatch = ""
+    yield hs
+    ops.set_control(prev)
+    with graphs._lock:
+        graphs._registry.clear()
+
+
+def _sim_capture(hs, ptr, sites, fail_instantiate=0, verify=False, monkeypatch=None):
+    SimPatch.graphs[ptr] = line(*sites, cb=hs.cb.ptr)
+    g = SimGraph(ptr, fail_instantiate)
+    graphs._begin_capture(g)
+    for s in sites:
+        hs.cb.graph_hook.note_anchor(s, None, None, 8, 16, 16, 0, 0)
+    graphs._end_capture(g)
+    graphs._after_capture(g)
+    return g
+
+
+def test_orchestration_capture_replan_toggle(sim):
+    hs = sim
+    steer, gated = _apps()
+    from xmix.lowering import lower
+
+    pre0, pre1 = site_id("residual.pre", 0, 2), site_id("residual.pre", 1, 2)
+    g = _sim_capture(hs, 1, [pre0, pre1])
+    plain = _sim_capture(hs, 2, [])
+    assert g._xmix_state == "patched" and g.execs == 1 and g._xmix.bound == [1001]
+    assert plain._xmix_state == "plain" and plain not in graphs.kept_graphs()
+    assert graphs.kept_graphs(hs.cb) == [g]
+    assert not g._xmix.ir.splices  # nothing deployed: anchors off, nothing added
+
+    hs.cb.install(lower(steer, SHAPE))
+    out = graphs.on_apps_changed(hs.cb)
+    assert out == {"graphs": 1, "reinstantiated": 1, "in_place": 0, "fallback": 0, "errors": 0}
+    assert g.execs == 2 and g._xmix.bound[-1] == 1002
+    assert [len(sp.segments) for sp in g._xmix.ir.splices] == [1, 1]
+    assert not graphs.ensure_current(hs.cb)  # planned for this op list already
+
+    # a mode change is a switch, not a re-plan
+    assert graphs.set_mode(hs.cb, "steer", "off") == 2
+    assert not graphs.ensure_current(hs.cb)
+    assert graphs.stats()["toggled_nodes"] == 2
+
+    # a deploy through ensure_current: re-planned once, then nothing to do
+    hs.cb.install(lower(gated, SHAPE))
+    assert graphs.ensure_current(hs.cb)
+    assert g.execs == 3
+    assert not graphs.ensure_current(hs.cb)
+    # same program again: updated in place, no new exec
+    assert graphs.on_apps_changed(hs.cb)["in_place"] == 1 and g.execs == 3
+
+
+def test_orchestration_fallbacks(sim, monkeypatch):
+    hs = sim
+    pre0 = site_id("residual.pre", 0, 2)
+    # the anchors noted while capturing do not match the graph: anchors stay
+    SimPatch.graphs[3] = line(pre0, pre0, cb=hs.cb.ptr)
+    g = SimGraph(3)
+    graphs._begin_capture(g)
+    hs.cb.graph_hook.note_anchor(pre0, None, None, 8, 16, 16, 0, 0)
+    graphs._end_capture(g)
+    graphs._after_capture(g)
+    assert g._xmix_state == "fallback" and graphs.stats()["fallback"] == 1
+    assert all(t.enabled for t in G.plan(g._xmix.ir, graphs.program_for(hs.cb, 1)).enable)
+
+    # the driver refuses the patched graph: put back as captured, instantiated again
+    g2 = _sim_capture(hs, 4, [pre0], fail_instantiate=1)
+    assert g2._xmix_state == "fallback" and g2.execs == 1
+    assert graphs.stats()["errors"] == 1
+
+    # read-back mismatch under XMIX_GRAPH_VERIFY: put back as captured
+    monkeypatch.setenv("XMIX_GRAPH_VERIFY", "1")
+    SimPatch.mismatch = "expected: ... read back: ..."
+    from xmix.lowering import lower
+
+    hs.cb.install(lower(_apps()[0], SHAPE))
+    g3 = _sim_capture(hs, 5, [pre0])
+    assert g3._xmix_state == "fallback" and not g3._xmix.ir.splices
+    assert graphs.stats()["errors"] == 2
+
+    # XMIX_GRAPH_PATCH=0: nothing is kept
+    monkeypatch.setenv("XMIX_GRAPH_PATCH", "0")
+    g4 = _sim_capture(hs, 6, [pre0])
+    assert g4._xmix_state == "disabled" and g4 not in graphs.kept_graphs()
+
+
+# ---------------------------------------------------------------- GPU: capture, patch, compare
+GD, GL = 64, 2
+GSHAPE = ModelShape(n_layers=GL, hidden_size=GD, vocab_size=128)
+
+
+class TinyDecoder:
+    """Two layers in vLLM's hidden + residual form with xmix sites; plain torch."""
+
+    def __init__(self, dtype=torch.float32):
+        g = torch.Generator().manual_seed(0)
+        self.w = [(torch.randn(GD, GD, generator=g) / GD ** 0.5).to("cuda", dtype) for _ in range(2 * GL)]
+
+    def __call__(self, x):
+        h, r = x.clone(), torch.zeros_like(x)
+        for layer in range(GL):
+            torch.ops.xmix.site(h, r, site_id("residual.pre", layer, GL))
+            r = h + r
+            h = torch.tanh(r @ self.w[2 * layer])
+            torch.ops.xmix.site(h, None, site_id("attention.post", layer, GL))
+            r = h + r
+            h = torch.tanh(r @ self.w[2 * layer + 1])
+            torch.ops.xmix.site(h, None, site_id("mlp.post", layer, GL))
+        return h + r
+
+
+def _gpu_apps():
+    g = torch.Generator().manual_seed(1)
+    steer = App("steer")
+    steer.write("add", vector=torch.randn(GD, generator=g), scale=0.5).layers([0]) \
+         .submodule("residual.pre").cond("last_token")
+    abl = App("abl")
+    abl.write("ablate", direction=torch.randn(GD, generator=g)).layers("all").submodule("mlp.post")
+    gate = App("gate")
+    gate.param("theta", 0.5)
+    gate.read("probe", weight=torch.randn(GD, generator=g), bias=0.0).layers([0]) \
+        .submodule("residual.pre").named("p")
+    gate.write("add", vector=torch.randn(GD, generator=g), scale=1.0).layers([1]) \
+        .submodule("attention.post").cond("p >= theta")
+    return steer, abl, gate
+
+
+STEP = {"a": Req(3, 0, 3, ("steer", "abl")), "b": Req(1, 7, 4, ("steer", "abl")),
+        "c": Req(2, 0, 2, ())}
+N = 8  # rows in the graph: 6 tokens + 2 padding
+
+
+@pytest.fixture
+def gpu_env():
+    prev = ops.get_control()
+    graphs.reset_stats()
+    yield
+    ops.set_control(prev)
+
+
+def _capture(model, x):
+    cls = graphs.graph_class()
+    assert cls is not None, graphs.cuda_patching_available()
+    model(x)  # warm-up outside capture
+    torch.cuda.synchronize()
+    g = cls()
+    with torch.cuda.graph(g):
+        out = model(x)
+    return g, out
+
+
+def _eager(hs, model, x):
+    hs.step(STEP, pad_to=N)
+    y = model(x)
+    torch.cuda.synchronize()
+    return y.clone(), hs.cb.dev["results"].clone()
+
+
+def _replay(hs, g, out):
+    hs.step(STEP, pad_to=N)
+    g.replay()
+    torch.cuda.synchronize()
+    return out.clone(), hs.cb.dev["results"].clone()
+
+
+def _roles(g):
+    ir = g.xmix_ir()
+    count = {}
+    for n in ir.nodes:
+        count[n.role] = count.get(n.role, 0) + (1 if n.enabled else 0)
+    return ir, count
+
+
+@pytest.mark.gpu
+def test_gpu_patched_graph_matches_eager_in_every_state(gpu_env, monkeypatch):
+    monkeypatch.setenv("XMIX_GRAPH_VERIFY", "1")
+    steer, abl, gate = _gpu_apps()
+    hs = Harness(GSHAPE, [steer, abl], "cuda")
+    model = TinyDecoder()
+    x = torch.randn(N, GD, generator=torch.Generator().manual_seed(2)).cuda()
+    hs.step(STEP, pad_to=N)
+    g, out = _capture(model, x)
+    assert g.xmix_state == "patched", graphs.stats()
+    ir, count = _roles(g)
+    assert count.get(G.Role.Anchor, 0) == 0, "every anchor is disabled"
+    assert count[G.Role.Op] == 1 + GL  # steer at L0, ablate at each layer
+    assert graphs.stats()["errors"] == 0
+
+    def check():
+        y_e, r_e = _eager(hs, model, x)
+        y_g, r_g = _replay(hs, g, out)
+        torch.testing.assert_close(y_g, y_e, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(r_g, r_e, rtol=1e-4, atol=1e-5, equal_nan=True)
+        return y_g
+
+    with_apps = check()
+    # switching an app off disables its nodes; the result is the app-less one
+    assert graphs.set_mode(hs.cb, "steer", "off") == 1
+    off = check()
+    assert not torch.equal(off, with_apps)
+    assert graphs.set_mode(hs.cb, "steer", "request") == 1
+    torch.testing.assert_close(check(), with_apps)
+
+    # deploy after capture: re-splice and re-instantiate, no recapture
+    from xmix.lowering import lower
+
+    hs.cb.install(lower(gate, GSHAPE), mode="all")
+    summary = graphs.on_apps_changed(hs.cb)
+    assert summary["reinstantiated"] == 1 and summary["errors"] == 0
+    ir, count = _roles(g)
+    # + the probe, + the gated add (its op node sits in the IF body)
+    assert count[G.Role.Gate] == 1 and count[G.Role.Op] == 1 + GL + 2
+    ifs = [n.id for n in ir.nodes if n.type == G.NodeType.Conditional]
+    assert len(ifs) == 1
+    assert [n.role for n in ir.nodes if n.parent == ifs[0]] == [G.Role.Op]
+    # the IF gate false for every token (sigmoid < 2), then true for some: theta = the
+    # median of this step's probe values over the real tokens
+    hs.cb.set_params("gate", {"theta": 2.0})
+    off_gate = check()
+    ch = hs.cb.apps["gate"].channels["p"]
+    R = hs.cb.cap.max_channels
+    p = hs.cb.dev["results"].view(-1, R)[:6, ch].cpu()
+    assert not torch.isnan(p).any()
+    theta = float(p.median())
+    hs.cb.set_params("gate", {"theta": theta})
+    some_selected = check()
+    sel = p >= theta
+    assert sel.any() and not sel.all()
+    # rows are independent in this model: exactly the selected tokens' outputs move
+    changed = (some_selected[:6] != off_gate[:6]).any(dim=1).cpu()
+    assert torch.equal(changed, sel), (changed, sel)
+
+    # undeploy everything: the template is the captured graph again
+    for name in ("steer", "abl", "gate"):
+        hs.cb.remove(name)
+    graphs.on_apps_changed(hs.cb)
+    ir = g.xmix_ir()
+    assert not ir.splices
+    assert all(n.role in (G.Role.Foreign, G.Role.Anchor) for n in ir.nodes)
+    check()
+
+
+@pytest.mark.gpu
+def test_gpu_patching_off_keeps_anchors_and_stays_correct(gpu_env, monkeypatch):
+    monkeypatch.setenv("XMIX_GRAPH_PATCH", "0")
+    steer, abl, _ = _gpu_apps()
+    hs = Harness(GSHAPE, [steer, abl], "cuda")
+    model = TinyDecoder()
+    x = torch.randn(N, GD, generator=torch.Generator().manual_seed(3)).cuda()
+    hs.step(STEP, pad_to=N)
+    g, out = _capture(model, x)
+    assert g.xmix_state == "disabled" and graphs.stats()["disabled"] == 1
+    y_e, _ = _eager(hs, model, x)
+    y_g, _ = _replay(hs, g, out)
+    torch.testing.assert_close(y_g, y_e, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_gpu_graph_without_sites_is_plain(gpu_env):
+    hs = Harness(GSHAPE, [], "cuda")
+    hs.step(STEP, pad_to=N)
+    w = torch.randn(GD, GD, device="cuda")
+    g, out = _capture(lambda x: torch.tanh(x @ w), torch.randn(N, GD, device="cuda"))
+    assert g.xmix_state == "plain" and g not in graphs.kept_graphs()
