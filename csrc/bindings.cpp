@@ -159,6 +159,15 @@ PYBIND11_MODULE(_C, m) {
   m.def("op_any_selected_cpu", [](uint64_t cb, int32_t site, int32_t op_index) {
           return op_any_selected_cpu(cb_at(cb), op_at(cb_at(cb), site, op_index));
         });
+  m.def("fill_step_maps", [](int32_t n_req, uint64_t slots, uint64_t n_tok, uint64_t start,
+                             uint64_t plen, int32_t padded, py::dict out) {
+          StepRows in{n_req, static_cast<const int32_t*>(vp(slots)), static_cast<const int64_t*>(vp(n_tok)),
+                      static_cast<const int64_t*>(vp(start)), static_cast<const int64_t*>(vp(plen)), padded};
+          auto p = [&](const char* k) { return static_cast<int32_t*>(vp(out[k].cast<uint64_t>())); };
+          StepMaps o{p("tok_slot"), p("tok_pos"), p("tok_flags"), p("tok_row"), p("row_slot"),
+                     p("row_tok_start"), p("row_n_tok"), p("row_reset"), p("row_n_prompt"), p("row_done")};
+          return fill_step_maps(in, o);
+        }, "Per-token flags and maps of one step into the given host arrays (by pointer)");
   m.def("load_custom_cpu", [](const std::string& lib, const std::string& sym) {
           std::string err;
           uint64_t fn = load_custom_cpu(lib, sym, &err);

@@ -215,7 +215,15 @@ class ControlBlock:
         self.slot_req: dict[int, "SlotState"] = {}
         self._free_slots = list(range(S - 1, -1, -1))
         self.site_app_mask = np.zeros(self.n_sites, dtype=np.uint64)
-        self.site_active = np.zeros(self.n_sites, dtype=bool)  # this step
+        self._no_site = np.zeros(self.n_sites, dtype=bool)
+        self.site_active = self._no_site  # this step
+        self.any_active = False
+        self._step_reads = False
+        self._n_app_slots = 0
+        self._all_mask = self._on_mask = self._read_mask = self._span_mask = 0
+        self._map_ptrs = {k: self.host[k].ctypes.data for k in (
+            "tok_slot", "tok_pos", "tok_flags", "tok_row", "row_slot", "row_tok_start",
+            "row_n_tok", "row_reset", "row_n_prompt", "row_done")}
         self.n_ops = 0
         self.n_cond = 0
         self.graph_hook = None           # set by the CUDA-graph capture hook
@@ -406,6 +414,7 @@ class ControlBlock:
                     self._capture_used[b:b + o.capture_width * self.cap.max_tokens] = False
             bit = np.int64(1) << np.int64(inst.index)
             self.host["slot_apps"][:] &= ~bit
+            self._n_app_slots = int(np.count_nonzero(self.host["slot_apps"]))
             for st in self.slot_req.values():
                 st.apps.discard(name)
             self.host["app_mode"][inst.index] = K["MODE_OFF"]
@@ -422,6 +431,7 @@ class ControlBlock:
             inst.mode = mode
             self.host["app_mode"][inst.index] = MODES[mode]
             self._sync("app_mode")
+            self._refresh_masks()
 
     def set_params(self, name: str, params: dict[str, Any]) -> None:
         """Change an app's defaults; running requests that did not override a parameter see
@@ -492,6 +502,7 @@ class ControlBlock:
         self._write_header()
         self._sync("ops", "cond_code", "site_first", "site_count", "tokset_bits", "span_def", "app_mode")
         self._sync_block()
+        self._refresh_masks()
 
     def _emit_cond(self, inst: InstalledApp, node) -> list[int]:
         code: list[int] = []
@@ -590,10 +601,23 @@ class ControlBlock:
             mask = 0
             for a in apps:
                 mask |= 1 << self.apps[a].index
-            self.host["slot_apps"][slot] = np.int64(np.uint64(mask).astype(np.int64))
+            self.host["slot_apps"][slot] = np.uint64(mask).astype(np.int64)
+            self._n_app_slots += mask != 0
             for inst in self.apps.values():
                 self._write_slot_params(slot, inst)
+            self._reset_slot_state(slot)
             return slot
+
+    def _reset_slot_state(self, slot: int) -> None:
+        """A new request starts with empty latch sums, spans and CAST means, whatever the
+        previous occupant of its slot left (the prologue also resets a request that restarts
+        at position 0, e.g. after preemption)."""
+        R, W = self.cap.max_channels, K["READ_STATE_WIDTH"]
+        rs = self.dev["read_state"][slot * R * W:(slot + 1) * R * W].view(R, W)
+        rs[:, :2] = 0.0
+        rs[:, 2] = float("nan")
+        self.dev["vec_state"][slot * self.vec_width:(slot + 1) * self.vec_width] = 0.0
+        self.dev["slot_span"][slot] = 0
 
     def release(self, req_id: str) -> "SlotState | None":
         with self.lock:
@@ -601,6 +625,7 @@ class ControlBlock:
             if slot is None:
                 return None
             st = self.slot_req.pop(slot)
+            self._n_app_slots -= int(self.host["slot_apps"][slot] != 0)
             self.host["slot_apps"][slot] = 0
             self._free_slots.append(slot)
             return st
@@ -612,82 +637,77 @@ class ControlBlock:
 
     # ------------------------------------------------------------------ per step
     def begin_step(self, row_slots: np.ndarray, row_n_tok: np.ndarray, row_start_pos: np.ndarray,
-                   row_prompt_len: np.ndarray, n_rows_padded: int | None = None) -> None:
-        """Fill the per-token and per-row maps for one forward pass.
+                   row_prompt_len: np.ndarray, n_rows_padded: int | None = None) -> bool:
+        """Fill the per-token and per-row maps for one forward pass; False (and nothing
+        written) when no app can run this step.
 
         rows are the scheduled requests in batch order; their tokens are contiguous in the
         batch. ``n_rows_padded`` is the padded token count of the forward (CUDA graphs); rows
         beyond the real tokens are padding and stay inert.
         """
-        h = self.host
         n_req = len(row_slots)
-        n_tok = int(row_n_tok.sum()) if n_req else 0
-        T = self.cap.max_tokens
-        if n_tok > T or n_req > self.cap.max_slots:
-            raise RuntimeError(f"xmix: step of {n_tok} tokens / {n_req} requests exceeds capacity "
-                               f"({T} / {self.cap.max_slots})")
+        # Which apps run: those in mode "all" plus those of the batch's requests (not off).
+        active = self._all_mask
+        if self._n_app_slots and n_req:
+            active |= int(np.bitwise_or.reduce(self.host["slot_apps"][row_slots]))
+        active &= self._on_mask
+        if not active and not self._span_mask:
+            self.site_active = self._no_site
+            self.any_active = False
+            self._step_reads = False
+            return False
+        slots = np.ascontiguousarray(row_slots, dtype=np.int32)
+        n_tok_a = np.ascontiguousarray(row_n_tok, dtype=np.int64)
+        start = np.ascontiguousarray(row_start_pos, dtype=np.int64)
+        plen = np.ascontiguousarray(row_prompt_len, dtype=np.int64)
+        n_tok = int(n_tok_a.sum())
+        if n_tok > self.cap.max_tokens or n_req > self.cap.max_slots or (n_rows_padded or 0) > self.cap.max_tokens:
+            raise RuntimeError(f"xmix: step of {max(n_tok, n_rows_padded or 0)} rows / {n_req} requests "
+                               f"exceeds capacity ({self.cap.max_tokens} / {self.cap.max_slots})")
         padded = max(n_tok, n_rows_padded or 0)
-        starts = np.zeros(n_req, dtype=np.int64)
-        if n_req:
-            starts[1:] = np.cumsum(row_n_tok)[:-1]
-        tok_row = np.repeat(np.arange(n_req, dtype=np.int32), row_n_tok)
-        offs = np.arange(n_tok, dtype=np.int64) - np.repeat(starts, row_n_tok)
-        pos = np.repeat(row_start_pos.astype(np.int64), row_n_tok) + offs
-        plen = np.repeat(row_prompt_len.astype(np.int64), row_n_tok)
-        end_pos = row_start_pos.astype(np.int64) + row_n_tok  # exclusive
-        last_of_row = np.zeros(n_tok, dtype=bool)
-        if n_req:
-            last_idx = starts + row_n_tok - 1
-            sampled = end_pos >= row_prompt_len  # partial prefill chunks sample nothing
-            last_of_row[last_idx[sampled & (row_n_tok > 0)]] = True
-        flags = np.full(n_tok, K["TF_VALID"], dtype=np.int32)
-        flags |= np.where(pos < plen, K["TF_PROMPT"], K["TF_GENERATED"]).astype(np.int32)
-        flags |= np.where(last_of_row, K["TF_LAST"], 0).astype(np.int32)
-        h["tok_slot"][:n_tok] = np.repeat(row_slots.astype(np.int32), row_n_tok)
-        h["tok_pos"][:n_tok] = pos
-        h["tok_flags"][:n_tok] = flags
-        h["tok_row"][:n_tok] = tok_row
-        if padded > n_tok:
-            h["tok_slot"][n_tok:padded] = -1
-            h["tok_row"][n_tok:padded] = -1
-            h["tok_flags"][n_tok:padded] = 0
-        h["row_slot"][:n_req] = row_slots
-        h["row_tok_start"][:n_req] = starts
-        h["row_n_tok"][:n_req] = row_n_tok
-        h["row_reset"][:n_req] = (row_start_pos == 0)
-        h["row_n_prompt"][:n_req] = np.clip(np.minimum(end_pos, row_prompt_len) - row_start_pos, 0, None)
-        h["row_done"][:n_req] = (row_start_pos < row_prompt_len) & (end_pos >= row_prompt_len)
+        _C.fill_step_maps(n_req, slots.ctypes.data, n_tok_a.ctypes.data, start.ctypes.data,
+                          plen.ctypes.data, padded, self._map_ptrs)
         self._set_step_header(n_tok, n_req)
         self._sync("tok_slot", "tok_pos", "tok_flags", "tok_row", rows=max(padded, 1))
         self._sync("row_slot", "row_tok_start", "row_n_tok", "row_reset", "row_n_prompt",
                    "row_done", rows=max(n_req, 1))
         self._sync("slot_apps", "slot_params")
         self._sync_block()
-        # Which sites have work this step: apps in mode "all", plus the apps of the requests
-        # in the batch. A site with none is skipped without a launch.
-        active = np.uint64(0)
-        for inst in self.apps.values():
-            if inst.mode == "all":
-                active |= np.uint64(1) << np.uint64(inst.index)
-        if n_req:
-            active |= np.bitwise_or.reduce(h["slot_apps"][row_slots].view(np.uint64))
-        on = np.uint64(0)
-        for inst in self.apps.values():
-            if inst.mode != "off":
-                on |= np.uint64(1) << np.uint64(inst.index)
-        self.site_active = (self.site_app_mask & (active & on)) != 0
-        self.step_rows = (row_slots.copy(), starts.copy(), row_n_tok.copy())
+        self.site_active = (self.site_app_mask & np.uint64(active)) != 0
+        self.step_rows = (slots, n_req)
         self.step_tokens = n_tok
-        self.any_active = bool(self.site_active.any())
-        self._step_reads = bool(active & on) and any(
-            a.channels and ((np.uint64(1) << np.uint64(a.index)) & active & on) for a in self.apps.values())
+        self.step_active = active
+        self.any_active = bool(active)
+        self._step_reads = bool(active & self._read_mask)
+        return True
+
+    def could_run(self) -> bool:
+        """Whether any app could run in a step (cheap; before the step's maps are built)."""
+        return bool(((self._all_mask | (self._on_mask if self._n_app_slots else 0)) & self._on_mask)
+                    or self._span_mask)
+
+    def _refresh_masks(self) -> None:
+        """Bitmasks of apps by mode and kind, kept current on every control change so the
+        per-step path is a few integer operations."""
+        self._all_mask = self._on_mask = self._read_mask = self._span_mask = 0
+        for inst in self.apps.values():
+            bit = 1 << inst.index
+            if inst.mode == "all":
+                self._all_mask |= bit
+            if inst.mode != "off":
+                self._on_mask |= bit
+            if inst.channels:
+                self._read_mask |= bit
+            if inst.spans:
+                self._span_mask |= bit
 
     def end_step(self) -> None:
         """After the forward: an empty step, so forwards outside the runner's step (dummy
         runs, graph captures) find every row inert."""
-        self._set_step_header(0, 0)
-        self._sync_block()
-        self.site_active[:] = False
+        if self.any_active or self._span_mask:
+            self._set_step_header(0, 0)
+            self._sync_block()
+        self.site_active = self._no_site
         self.any_active = False
         self._step_reads = False
 
@@ -706,42 +726,47 @@ class ControlBlock:
         """Read results of this step; returns {req_id: {app: {read: {positions, values}}}}.
 
         Only rank 0 drains (hidden states are replicated across tensor-parallel ranks)."""
-        if not getattr(self, "_step_reads", False):
+        if not self._step_reads:
             return {}
         n_tok = self.step_tokens
         R = self.cap.max_channels
         if self.on_gpu:
             res = self.dev["results"][: n_tok * R].view(n_tok, R).cpu().numpy()
-            cap_t = self.dev["capture"]
         else:
             res = self.host["results"][: n_tok * R].reshape(n_tok, R)
-            cap_t = self.dev["capture"]
         pos = self.host["tok_pos"][:n_tok]
+        rows = self.host["tok_row"][:n_tok]
+        slots, _ = self.step_rows
         out: dict[str, dict[str, dict[str, Any]]] = {}
-        row_slots, starts, counts = self.step_rows
-        for slot, start, cnt in zip(row_slots.tolist(), starts.tolist(), counts.tolist()):
-            st = self.slot_req.get(slot)
-            if st is None:
+        for inst in self.apps.values():
+            if not (self.step_active >> inst.index) & 1 or not inst.channels:
                 continue
-            for inst in self.effective_apps(slot):
-                for key, ch in inst.channels.items():
-                    vals = res[start:start + cnt, ch]
-                    ok = ~np.isnan(vals)
-                    if not ok.any():
+            for key, ch in inst.channels.items():
+                col = res[:, ch]
+                idx = np.flatnonzero(~np.isnan(col))
+                if not len(idx):
+                    continue
+                # tokens of one request are contiguous: split the hits at row changes
+                r = rows[idx]
+                cuts = np.flatnonzero(np.diff(r)) + 1
+                bounds = [0, *cuts.tolist(), len(idx)]
+                p_list = pos[idx].tolist()
+                op = inst.lowered.reads[key]
+                if op.kernel == "capture":
+                    base, w = inst.captures[id(op)], op.capture_width
+                    cap = self.dev["capture"][base:base + self.cap.max_tokens * w].view(-1, w)
+                    v_list = cap[torch.as_tensor(idx)].cpu().tolist()
+                else:
+                    v_list = col[idx].tolist()
+                for j in range(len(bounds) - 1):
+                    b0, b1 = bounds[j], bounds[j + 1]
+                    st = self.slot_req.get(int(slots[r[b0]]))
+                    if st is None:
                         continue
-                    idx = np.nonzero(ok)[0]
-                    entry = out.setdefault(st.req_id, {}).setdefault(inst.name, {}).setdefault(
+                    e = out.setdefault(st.req_id, {}).setdefault(inst.name, {}).setdefault(
                         key, {"positions": [], "values": []})
-                    entry["positions"].extend(pos[start + idx].tolist())
-                    op = inst.lowered.reads[key]
-                    if op.kernel == "capture":
-                        base = inst.captures[id(op)]
-                        w = op.capture_width
-                        rows = [base + (start + int(i)) * w for i in idx]
-                        vecs = torch.stack([cap_t[b:b + w] for b in rows]).cpu().tolist()
-                        entry["values"].extend(vecs)
-                    else:
-                        entry["values"].extend(vals[idx].tolist())
+                    e["positions"].extend(p_list[b0:b1])
+                    e["values"].extend(v_list[b0:b1])
         return out
 
     # ------------------------------------------------------------------ introspection

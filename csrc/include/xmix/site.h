@@ -9,6 +9,23 @@
 
 namespace xmix {
 
+// The scheduled requests of one step (batch order; each request's tokens are contiguous).
+struct StepRows {
+  int32_t n_req;
+  const int32_t* slots;
+  const int64_t* n_tok;
+  const int64_t* start_pos;   // position of the request's first token in this step
+  const int64_t* prompt_len;
+  int32_t padded;             // rows of the forward (>= tokens; CUDA-graph padding)
+};
+// Where fill_step_maps writes (host arrays of the control block layout).
+struct StepMaps {
+  int32_t *tok_slot, *tok_pos, *tok_flags, *tok_row;
+  int32_t *row_slot, *row_tok_start, *row_n_tok, *row_reset, *row_n_prompt, *row_done;
+};
+// Per-token flags and maps of one step; returns the number of real tokens.
+int32_t fill_step_maps(const StepRows& in, StepMaps& out);
+
 // One hook site on the CPU: every op of the site, in order, on rows [0, n_rows) of h (+ r).
 void run_site_cpu(const ControlBlock& cb, int32_t site, void* h, const void* r, int32_t n_rows,
                   int32_t d, int64_t stride_h, int64_t stride_r, int32_t dtype);

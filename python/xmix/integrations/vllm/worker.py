@@ -98,6 +98,11 @@ class WorkerXmix:
         if sched is None or not cb.apps or input_ids is None:
             cb.site_active[:] = False
             return
+        if not cb.could_run():
+            # No request holds an app, none is in mode "all", no spans to follow: this step
+            # pays nothing more.
+            self.stats["steps"] += 1
+            return
         ib = runner.input_batch
         n = ib.num_reqs
         req_ids = ib.req_ids[:n]
@@ -110,15 +115,14 @@ class WorkerXmix:
         n_tok = np.fromiter((sched.num_scheduled_tokens[r] for r in req_ids), dtype=np.int64, count=n)
         start = ib.num_computed_tokens_cpu[:n].astype(np.int64)
         plen = ib.num_prompt_tokens[:n].astype(np.int64)
-        cb.begin_step(slots, n_tok, start, plen, int(input_ids.shape[0]))
-        cb.prologue(input_ids)
         self.stats["steps"] += 1
-        if cb.any_active:
+        if cb.begin_step(slots, n_tok, start, plen, int(input_ids.shape[0])):
+            cb.prologue(input_ids)
             self.stats["steps_with_apps"] += 1
 
     def after_forward(self) -> None:
         cb = self.cb
-        if not cb.apps:
+        if not cb.any_active and not cb._span_mask:
             return
         if self.rank0:
             for rid, apps in cb.drain().items():
