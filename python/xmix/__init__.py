@@ -11,12 +11,23 @@ from xmix.api import App, AppError
 from xmix.lowering import DeployError
 
 __version__ = "0.1.0"
-__all__ = ["App", "AppError", "DeployError", "LLM", "results", "__version__"]
+__all__ = ["App", "AppError", "DeployError", "LLM", "custom_include_dir", "results", "__version__"]
 
 
 def results(output) -> dict:
     """Read results of a request: {app: {read: {"positions": [...], "values": [...]}}}."""
     return getattr(output, "xmix", None) or {}
+
+
+def custom_include_dir() -> str:
+    """Include directory for user kernels: ``#include "xmix/custom.h"`` (the fixed ABI)."""
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    for cand in (here / "include", here.parent.parent / "csrc" / "include"):
+        if (cand / "xmix" / "custom.h").is_file():
+            return str(cand)
+    raise FileNotFoundError("xmix/custom.h not found next to the package or in the source tree")
 
 
 def __getattr__(name):

@@ -802,7 +802,9 @@ def _load_custom_cuda(app: str, o: LoweredOp, ck) -> int:
         if nvcc is None:
             raise DeployError(f"app {app!r}, op {o.label}: cuda_source needs nvcc on PATH to compile")
         major, minor = torch.cuda.get_device_capability()
-        inc = Path(__file__).resolve().parent / "include"
+        from xmix import custom_include_dir
+
+        inc = custom_include_dir()
         with tempfile.TemporaryDirectory() as d:
             src = Path(d) / "kernel.cu"
             src.write_text(ck.cuda_source)

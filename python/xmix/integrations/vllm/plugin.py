@@ -47,6 +47,13 @@ def _patch_all() -> None:
         worker.patch_load_model(CPUModelRunner)
     except ImportError:  # a CUDA build without the CPU runner
         pass
+    try:
+        from vllm.v1.worker.gpu.model_runner import GPUModelRunner as GPUModelRunnerV2
+
+        worker.patch_model_runner_v2(GPUModelRunnerV2)
+        worker.patch_load_model(GPUModelRunnerV2)
+    except ImportError:  # a vLLM without model runner V2
+        logger.debug("xmix: model runner V2 not found", exc_info=True)
     worker.patch_worker_base(WorkerBase)
     engine_core.patch_scheduler(Scheduler)
     frontend.patch_input_processor(InputProcessor)

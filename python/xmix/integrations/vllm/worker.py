@@ -12,6 +12,7 @@ every change takes effect at a step boundary.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
@@ -63,19 +64,29 @@ class WorkerXmix:
 
     # ------------------------------------------------------------------ requests
     def on_schedule(self, sched) -> None:
+        """V1: before the step; finished requests leave, new ones get slots."""
         self.sched = sched
+        self.release(sched.finished_req_ids)
+        self.admit_new(sched.scheduled_new_reqs)
+
+    def release(self, req_ids) -> None:
+        for rid in req_ids:
+            self.cb.release(rid)
+
+    def admit_new(self, new_reqs) -> None:
         cb = self.cb
-        for rid in sched.finished_req_ids:
-            cb.release(rid)
-        for nr in sched.scheduled_new_reqs:
+        for nr in new_reqs:
             apps, params = [], {}
             sp = nr.sampling_params
             cfg = (sp.extra_args or {}).get("xmix") if sp is not None else None
             if isinstance(cfg, dict):
                 apps = list(cfg.get("apps") or [])
                 params = dict(cfg.get("params") or {})
-            n_prompt = len(nr.prompt_token_ids) if nr.prompt_token_ids is not None else (
-                len(nr.prompt_embeds) if nr.prompt_embeds is not None else 0)
+            n_prompt = getattr(nr, "prompt_len", None)
+            if not isinstance(n_prompt, int):
+                n_prompt = len(nr.prompt_token_ids) if nr.prompt_token_ids is not None else (
+                    len(nr.prompt_embeds) if nr.prompt_embeds is not None else 0)
+            cb.release(nr.req_id)  # a resumed request (V2 re-adds preempted ones) starts over
             try:
                 cb.admit(nr.req_id, apps, params, n_prompt)
             except RequestError as e:
@@ -88,35 +99,43 @@ class WorkerXmix:
                 cb.admit(nr.req_id, known, {a: p for a, p in params.items() if a in known}, n_prompt)
 
     def before_forward(self, runner, input_ids: torch.Tensor | None) -> None:
+        """V1: the runner's persistent input batch describes this step."""
+        sched, self.sched = self.sched, None
+        if sched is None or input_ids is None:
+            self.begin(None, None, None, None, None, 0)
+            return
+        ib = runner.input_batch
+        n = ib.num_reqs
+        req_ids = ib.req_ids[:n]
+        n_tok = np.fromiter((sched.num_scheduled_tokens[r] for r in req_ids), dtype=np.int64, count=n)
+        self.begin(req_ids, n_tok, ib.num_computed_tokens_cpu[:n], ib.num_prompt_tokens[:n],
+                   input_ids, int(input_ids.shape[0]))
+
+    def begin(self, req_ids, n_tok, start, plen, input_ids, padded: int) -> None:
+        """Per-step maps and prologue for the scheduled requests (batch order). ``plen`` may
+        be None: the prompt lengths recorded at admission are used."""
         cb = self.cb
         if cb.on_gpu:
             # Kept CUDA graphs follow deploys and mode changes before the next replay.
             from xmix import graphs
 
             graphs.ensure_current(cb)
-        sched, self.sched = self.sched, None
-        if sched is None or not cb.apps or input_ids is None:
-            cb.site_active[:] = False
-            return
-        if not cb.could_run():
-            # No request holds an app, none is in mode "all", no spans to follow: this step
+        self.stats["steps"] += 1
+        if req_ids is None or not cb.apps or not cb.could_run():
+            # No request holds an app, none is in mode "all", no span to follow: this step
             # pays nothing more.
-            self.stats["steps"] += 1
+            cb.site_active = cb._no_site
             return
-        ib = runner.input_batch
-        n = ib.num_reqs
-        req_ids = ib.req_ids[:n]
+        n = len(req_ids)
         slots = np.empty(n, dtype=np.int32)
         for i, rid in enumerate(req_ids):
             slot = cb.slots.get(rid)
-            if slot is None:  # scheduled before the slot table existed (cannot happen in V1)
-                slot = cb.admit(rid, [], {}, int(ib.num_prompt_tokens[i]))
+            if slot is None:  # not admitted through the scheduler output: no apps
+                slot = cb.admit(rid, [], {}, int(plen[i]) if plen is not None else 0)
             slots[i] = slot
-        n_tok = np.fromiter((sched.num_scheduled_tokens[r] for r in req_ids), dtype=np.int64, count=n)
-        start = ib.num_computed_tokens_cpu[:n].astype(np.int64)
-        plen = ib.num_prompt_tokens[:n].astype(np.int64)
-        self.stats["steps"] += 1
-        if cb.begin_step(slots, n_tok, start, plen, int(input_ids.shape[0])):
+        if plen is None:
+            plen = np.fromiter((cb.slot_req[s].prompt_len for s in slots.tolist()), dtype=np.int64, count=n)
+        if cb.begin_step(slots, np.asarray(n_tok), np.asarray(start), np.asarray(plen), padded):
             cb.prologue(input_ids)
             self.stats["steps_with_apps"] += 1
 
@@ -186,28 +205,103 @@ def patch_model_runner(cls) -> None:
             x.after_forward()
 
     def sample_tokens(self, *args, **kwargs):
-        out = orig_sample(self, *args, **kwargs)
-        x = _runner_xmix(self)
-        if x is None or not x.pending or out is None:
-            return out
-        results = x.take_results()
-        if hasattr(out, "get_output") and not hasattr(out, "req_ids"):
-            orig_get = out.get_output
-
-            def get_output():
-                o = orig_get()
-                setattr(o, RESULTS_ATTR, results)
-                return o
-
-            out.get_output = get_output
-        else:
-            setattr(out, RESULTS_ATTR, results)
-        return out
+        return _attach_results(self, orig_sample(self, *args, **kwargs))
 
     cls.execute_model = execute_model
     cls._model_forward = _model_forward
     cls.sample_tokens = sample_tokens
     cls._xmix_patched = True
+
+
+def _attach_results(self, out):
+    x = _runner_xmix(self)
+    if x is None or not x.pending or out is None:
+        return out
+    results = x.take_results()
+    if hasattr(out, "get_output") and not hasattr(out, "req_ids"):
+        orig_get = out.get_output
+
+        def get_output():
+            o = orig_get()
+            setattr(o, RESULTS_ATTR, results)
+            return o
+
+        out.get_output = get_output
+    else:
+        setattr(out, RESULTS_ATTR, results)
+    return out
+
+
+def patch_model_runner_v2(cls) -> None:
+    """Model runner V2 (vllm/v1/worker/gpu/model_runner.py). Its FULL CUDA graphs replay
+    without the model's Python forward, so the per-step maps are written right after
+    ``prepare_inputs`` (the step's InputBatch: requests, token counts, computed tokens,
+    input ids on the device), before the forward or replay on the same stream. Written
+    against vLLM 0.32's source; the CPU engine runs V1, so this path has not run here."""
+    if getattr(cls, "_xmix_patched", False):
+        return
+    orig_finish = cls.finish_requests
+    orig_add = cls.add_requests
+    orig_prepare = cls.prepare_inputs
+    orig_execute = cls.execute_model
+    orig_sample = cls.sample_tokens
+
+    def finish_requests(self, scheduler_output):
+        orig_finish(self, scheduler_output)
+        x = _runner_xmix(self)
+        if x is not None:
+            x.release(scheduler_output.finished_req_ids)
+            # V2 drops preempted requests and adds them again when they resume.
+            x.release(scheduler_output.preempted_req_ids or ())
+
+    def add_requests(self, scheduler_output):
+        orig_add(self, scheduler_output)
+        x = _runner_xmix(self)
+        if x is not None:
+            x.admit_new(scheduler_output.scheduled_new_reqs)
+
+    def prepare_inputs(self, scheduler_output, *args, **kwargs):
+        ib = orig_prepare(self, scheduler_output, *args, **kwargs)
+        x = _runner_xmix(self)
+        if x is not None:
+            n = ib.num_reqs
+            x.begin(ib.req_ids[:n], ib.num_scheduled_tokens[:n], ib.num_computed_tokens_np[:n], None,
+                    ib.input_ids, int(ib.num_tokens_after_padding))
+        return ib
+
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        try:
+            return orig_execute(self, scheduler_output, *args, **kwargs)
+        finally:
+            x = _runner_xmix(self)
+            if x is not None and not kwargs.get("dummy_run", False):
+                x.after_forward()
+
+    def sample_tokens(self, *args, **kwargs):
+        return _attach_results(self, orig_sample(self, *args, **kwargs))
+
+    cls.finish_requests = finish_requests
+    cls.add_requests = add_requests
+    cls.prepare_inputs = prepare_inputs
+    cls.execute_model = execute_model
+    cls.sample_tokens = sample_tokens
+    cls._xmix_patched = True
+
+
+SITES_VERSION = "xmix-sites-1"
+
+
+def _key_compile_cache(vllm_config) -> None:
+    """vLLM reuses compiled graphs across starts keyed by its config hash, and checks only
+    that the traced source files did not change, not which were traced. Without a key of
+    its own, an xmix engine could load a graph compiled without hook sites (apps would
+    silently not run) and a plain engine one compiled with them. The hook sites are a factor
+    of the config hash through additional_config, set here, before torch.compile runs."""
+    extra = vllm_config.additional_config
+    if isinstance(extra, dict):
+        extra["xmix"] = SITES_VERSION
+    else:  # a platform-specific config object: do not share compiled graphs at all
+        os.environ["VLLM_DISABLE_COMPILE_CACHE"] = "1"
 
 
 def patch_load_model(cls) -> None:
@@ -218,6 +312,7 @@ def patch_load_model(cls) -> None:
     def load_model(self, *args, **kwargs):
         r = orig(self, *args, **kwargs)
         if _runner_xmix(self) is None:
+            _key_compile_cache(self.vllm_config)
             t0 = time.perf_counter()
             self._xmix = WorkerXmix(self)
             logger.info("xmix: attached to %s in %.2fs", type(self).__name__, time.perf_counter() - t0)
@@ -230,8 +325,8 @@ def patch_load_model(cls) -> None:
 def _wx(worker) -> WorkerXmix:
     x = _runner_xmix(getattr(worker, "model_runner", None))
     if x is None:
-        raise RuntimeError("xmix is not attached to this worker's model runner (model runner V1 "
-                           "with a Llama/Qwen3/Mixtral-style model is required)")
+        raise RuntimeError("xmix is not attached to this worker's model runner (a Llama/Qwen3/"
+                           "Mixtral-style decoder is required)")
     return x
 
 
