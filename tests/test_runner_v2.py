@@ -52,7 +52,8 @@ def _worker(apps) -> WorkerXmix:
     for a in apps:
         x.cb.install(lower(a, SHAPE))
     x.rank0, x.pending, x.sched = True, {}, None
-    x.stats = {"steps": 0, "steps_with_apps": 0, "admit_errors": 0}
+    x.stats = {"steps": 0, "steps_with_apps": 0, "admit_errors": 0, "restarts": 0}
+    x._started = np.zeros(SMALL.max_slots, dtype=bool)
     ops.set_control(x.cb)
     return x
 

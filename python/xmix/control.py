@@ -763,6 +763,15 @@ class ControlBlock:
                     st = self.slot_req.get(int(slots[r[b0]]))
                     if st is None:
                         continue
+                    # A preempted request recomputes positions it already reported (with the
+                    # same values): report each position once.
+                    done = st.reported.get((inst.name, key), -1)
+                    if p_list[b0] <= done:
+                        while b0 < b1 and p_list[b0] <= done:
+                            b0 += 1
+                        if b0 == b1:
+                            continue
+                    st.reported[(inst.name, key)] = p_list[b1 - 1]
                     e = out.setdefault(st.req_id, {}).setdefault(inst.name, {}).setdefault(
                         key, {"positions": [], "values": []})
                     e["positions"].extend(p_list[b0:b1])
@@ -789,6 +798,7 @@ class SlotState:
     apps: set[str]
     overrides: dict[str, dict[int, float]]
     prompt_len: int = 0
+    reported: dict = field(default_factory=dict)  # (app, read) -> last position reported
 
 
 def _load_custom_cuda(app: str, o: LoweredOp, ck) -> int:

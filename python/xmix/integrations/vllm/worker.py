@@ -57,7 +57,8 @@ class WorkerXmix:
         self.rank0 = _tp_rank() == 0
         self.pending: dict[str, dict] = {}
         self.sched = None
-        self.stats = {"steps": 0, "steps_with_apps": 0, "admit_errors": 0}
+        self.stats = {"steps": 0, "steps_with_apps": 0, "admit_errors": 0, "restarts": 0}
+        self._started = np.zeros(cap.max_slots, dtype=bool)
         logger.info("xmix: control block ready on %s (%d layers, d=%d, %d tokens x %d slots)",
                     runner.device, self.shape.n_layers, self.shape.hidden_size,
                     cap.max_tokens, cap.max_slots)
@@ -88,7 +89,7 @@ class WorkerXmix:
                     len(nr.prompt_embeds) if nr.prompt_embeds is not None else 0)
             cb.release(nr.req_id)  # a resumed request (V2 re-adds preempted ones) starts over
             try:
-                cb.admit(nr.req_id, apps, params, n_prompt)
+                self._started[cb.admit(nr.req_id, apps, params, n_prompt)] = False
             except RequestError as e:
                 # The frontend checked this request; an app undeployed since then is the only
                 # way here. The request goes on without the missing apps (the documented
@@ -96,7 +97,8 @@ class WorkerXmix:
                 self.stats["admit_errors"] += 1
                 known = [a for a in apps if a in cb.apps]
                 logger.warning("xmix: request %s: %s; continuing with %s", nr.req_id, e, known)
-                cb.admit(nr.req_id, known, {a: p for a, p in params.items() if a in known}, n_prompt)
+                slot = cb.admit(nr.req_id, known, {a: p for a, p in params.items() if a in known}, n_prompt)
+                self._started[slot] = False
 
     def before_forward(self, runner, input_ids: torch.Tensor | None) -> None:
         """V1: the runner's persistent input batch describes this step."""
@@ -135,7 +137,14 @@ class WorkerXmix:
             slots[i] = slot
         if plen is None:
             plen = np.fromiter((cb.slot_req[s].prompt_len for s in slots.tolist()), dtype=np.int64, count=n)
-        if cb.begin_step(slots, np.asarray(n_tok), np.asarray(start), np.asarray(plen), padded):
+        start = np.asarray(start)
+        # A request seen before that starts again at position 0 was preempted and recomputes
+        # (the prologue resets its state); counted for the operator.
+        again = self._started[slots] & (start == 0)
+        if again.any():
+            self.stats["restarts"] += int(again.sum())
+        self._started[slots] = True
+        if cb.begin_step(slots, np.asarray(n_tok), start, np.asarray(plen), padded):
             cb.prologue(input_ids)
             self.stats["steps_with_apps"] += 1
 

@@ -1,0 +1,50 @@
+"""Slots follow requests through preemption: a KV cache far too small for the batch makes
+vLLM preempt and recompute requests; requests with reads, latches and spans still match the
+oracle, and requests without apps still match each other across runs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import xmix
+from xmix.hooks import ModelShape
+from xmix.models.tiny import tiny_model_path
+
+from engine_util import PROMPTS, greedy, hf_model, make_llm, shutdown, tokenize
+from test_engine import assert_reads_match, build_apps
+
+pytestmark = pytest.mark.engine
+
+
+def test_preempted_requests_keep_their_apps():
+    from transformers import AutoConfig, AutoTokenizer
+
+    from xmix.integrations.hf import attach
+
+    path = str(tiny_model_path("tiny-llama"))
+    tok = AutoTokenizer.from_pretrained(path)
+    shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(path))
+    apps = build_apps(shape, tok)
+    # 6 blocks of 32 tokens for 8 requests of ~60 tokens each: preemption is certain
+    llm = make_llm(path, num_gpu_blocks_override=6, block_size=32, max_num_seqs=8, max_model_len=128)
+    try:
+        for a in apps:
+            llm.xmix.deploy(a)
+        ids = [tokenize(tok, p) for p in PROMPTS[:8]]
+        controls = [{"apps": ["probe"]}, {"apps": ["latch"], "params": {"latch": {"theta": 0.0}}},
+                    {"apps": ["span"]}, None, {"apps": ["steer", "probe"]}, {"apps": ["guarded"]},
+                    {"apps": ["capture"]}, {"apps": ["ablate"]}]
+        outs = greedy(llm, ids, 40, controls)
+        restarts = sum(s["stats"]["restarts"] for s in llm.xmix.status())
+        assert restarts > 0, "the test must preempt"
+        model = hf_model(path)
+        with attach(model, apps, tokenizer=tok) as oracle:
+            for i, (out, ctl) in enumerate(zip(outs, controls)):
+                o_toks, o_res = oracle.generate(ids[i], 40, apps=(ctl or {}).get("apps", []),
+                                                params=(ctl or {}).get("params"))
+                assert list(out.outputs[0].token_ids) == o_toks, f"request {i} ({ctl})"
+                assert_reads_match(xmix.results(out), o_res, f"request {i} ({ctl})")
+    finally:
+        shutdown(llm)
