@@ -154,6 +154,16 @@ def test_openai_client_and_steering(server):
     assert van.choices[0].text != st.choices[0].text
 
 
+def test_metrics_on_vllms_endpoint(server):
+    complete(server, control={"apps": ["probe"]})
+    complete(server, control={"apps": ["nope"]})
+    text = server["client"].get("/metrics").text
+    assert any(l.startswith("vllm:xmix_app_requests_total{") and 'app="probe"' in l
+               for l in text.splitlines())
+    assert "vllm:xmix_rejected_requests_total" in text
+    assert "vllm:xmix_apps_deployed" in text
+
+
 def test_bad_requests_are_rejected_and_serving_continues(server):
     cases = [
         ({"apps": ["nope"]}, None, "unknown app"),

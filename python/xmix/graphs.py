@@ -37,7 +37,7 @@ from typing import Any, Iterator
 from xmix import _C
 from xmix import conditions as C
 
-logger = logging.getLogger("xmix.graphs")
+logger = logging.getLogger("vllm.xmix.graphs")
 G = _C.graph
 
 # vLLM modules that construct torch.cuda.CUDAGraph for model graphs: CUDAGraphWrapper

@@ -32,7 +32,7 @@ from xmix.control import MODES, RequestError, param_columns, resolve_params
 from xmix.hooks import ModelShape
 from xmix.lowering import DeployError, LoweredApp, lower
 
-logger = logging.getLogger("xmix")
+logger = logging.getLogger("vllm.xmix")  # vLLM's handlers and format apply
 
 XMIX_KEY = "xmix"
 REQUEST_KEYS = {"apps", "params"}
@@ -80,6 +80,9 @@ class Registry:
     """The frontend's record of deployed apps; the source of truth for admission."""
 
     def __init__(self, shape: ModelShape, tokenizer=None):
+        from . import metrics
+
+        self.metrics = metrics.get()
         self.shape = shape
         self.tokenizer = tokenizer
         self.apps: dict[str, Deployed] = {}
@@ -98,6 +101,11 @@ class Registry:
         spec["token_sets"] = [{"name": n, "ids": ids} for n, ids in lowered.token_sets.items()]
         resolved = App.from_spec(spec, app.tensors(), source=f"app {app.name!r}", allow_custom=True)
         return lowered, resolved.to_bytes()
+
+    def changed(self, kind: str) -> None:
+        self.count("changes", kind=kind)
+        if self.metrics:
+            self.metrics["deployed"].labels(model_name=self.shape.model_name).set(len(self.apps))
 
     def add(self, app: App, lowered: LoweredApp, mode: str) -> Deployed:
         with self.lock:
@@ -130,10 +138,22 @@ class Registry:
             return [d.describe() for d in sorted(self.apps.values(), key=lambda d: d.version)]
 
     # ------------------------------------------------------------------ request side
+    def count(self, name: str, n: float = 1, **labels) -> None:
+        if self.metrics:
+            self.metrics[name].labels(model_name=self.shape.model_name, **labels).inc(n)
+
     def admit(self, raw: Any) -> tuple[dict | None, str | None, bool]:
         """(canonical control, cache-salt suffix, skip prefix-cache reads) for one request."""
         with self.lock:
-            cfg = self._parse(raw)
+            try:
+                cfg = self._parse(raw)
+            except ValueError:
+                self.count("rejected")
+                raise
+            if cfg and cfg["apps"]:
+                self.count("requests")
+                for a in cfg["apps"]:
+                    self.count("app_requests", app=a)
             apps = cfg["apps"] if cfg else []
             effective = [self.apps[a] for a in apps] + [
                 d for n, d in self.apps.items() if d.mode == "all" and n not in apps]
@@ -323,12 +343,15 @@ class Controller:
             except Exception:  # pragma: no cover - the engine is gone
                 logger.exception("xmix: rollback of %s failed", app.name)
             raise DeployError(f"deploying app {app.name!r} failed on a worker: {_root(e)}") from None
-        return self.registry.add(app, lowered, mode).describe()
+        info = self.registry.add(app, lowered, mode).describe()
+        self.registry.changed("deploy")
+        return info
 
     def undeploy(self, name: str) -> None:
         self.registry.get(name)
         self._rpc("xmix_undeploy", (name,))
         self.registry.remove(name)
+        self.registry.changed("undeploy")
 
     def set_mode(self, name: str, mode: str) -> None:
         d = self.registry.get(name)
@@ -336,12 +359,14 @@ class Controller:
             raise DeployError(f"mode must be one of {list(MODES)}, got {mode!r}")
         self._rpc("xmix_set_mode", (name, mode))
         d.mode = mode
+        self.registry.changed("mode")
 
     def set_params(self, name: str, params: dict) -> None:
         d = self.registry.get(name)
         new = self.registry.check_params(name, params)
         self._rpc("xmix_set_params", (name, params))
         d.defaults.update(new)
+        self.registry.changed("params")
 
     def apps(self) -> list[dict]:
         return self.registry.describe()

@@ -23,7 +23,7 @@ from torch import nn
 import xmix.ops  # noqa: F401  (registers torch.ops.xmix.site)
 from xmix.hooks import LAYER_SITES, SITES_PER_LAYER
 
-logger = logging.getLogger("xmix")
+logger = logging.getLogger("vllm.xmix")  # vLLM's handlers and format apply
 
 _site = torch.ops.xmix.site
 MLP_NAMES = ("mlp", "block_sparse_moe", "feed_forward")

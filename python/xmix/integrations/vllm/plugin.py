@@ -9,7 +9,7 @@ import logging
 import os
 import threading
 
-logger = logging.getLogger("xmix")
+logger = logging.getLogger("vllm.xmix")  # vLLM's handlers and format apply
 _lock = threading.Lock()
 _done = False
 

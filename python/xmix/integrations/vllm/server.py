@@ -36,7 +36,7 @@ from xmix.lowering import DeployError
 
 from .frontend import Controller, XMIX_KEY
 
-logger = logging.getLogger("xmix")
+logger = logging.getLogger("vllm.xmix")  # vLLM's handlers and format apply
 
 APPS_ENV = "XMIX_SERVE_APPS"
 MAX_APP_BYTES = int(os.environ.get("XMIX_MAX_APP_BYTES", str(1 << 30)))

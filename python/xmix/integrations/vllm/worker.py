@@ -27,7 +27,7 @@ from xmix.lowering import lower
 
 from .model_wrap import place_sites
 
-logger = logging.getLogger("xmix")
+logger = logging.getLogger("vllm.xmix")  # vLLM's handlers and format apply
 
 RESULTS_ATTR = "xmix_results"
 
