@@ -35,11 +35,16 @@ def tokenize(tok, text: str) -> list[int]:
     return tok.encode(text)  # with the BOS the tokenizer adds, as vLLM does
 
 
-def make_llm(path: str, with_xmix: bool = True, **overrides):
-    """An offline engine. ``with_xmix=False`` starts engine processes with the plugin off."""
+def make_llm(path: str, with_xmix: bool = True, plain: bool = False, **overrides):
+    """An offline engine. ``with_xmix=False`` starts engine processes with the plugin off;
+    ``plain=True`` builds a plain ``vllm.LLM`` and relies on the entry-point plugin alone."""
     import xmix
 
     kw = {**ENGINE_KW, **overrides}
+    if with_xmix and plain:
+        import vllm
+
+        return vllm.LLM(model=path, **kw)
     if with_xmix:
         return xmix.LLM(model=path, **kw)
     import vllm

@@ -23,11 +23,8 @@ def controller(llm) -> Controller:
 
 
 def _make_llm_class():
-    register()
+    register()  # also gives every vllm.LLM its .xmix property
     import vllm
-
-    if not isinstance(getattr(vllm.LLM, "xmix", None), property):
-        vllm.LLM.xmix = property(controller, doc="xmix control plane (deploy, modes, params)")
 
     class LLM(vllm.LLM):
         """``vllm.LLM`` plus ``apps=[App | path, ...]`` deployed at start (mode "request")."""

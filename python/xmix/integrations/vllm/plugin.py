@@ -58,6 +58,13 @@ def _patch_all() -> None:
     engine_core.patch_scheduler(Scheduler)
     frontend.patch_input_processor(InputProcessor)
     frontend.patch_output_processor(OutputProcessor, RequestState, RequestOutput)
+    from vllm.entrypoints.llm import LLM
+
+    from .llm import controller
+
+    if not isinstance(getattr(LLM, "xmix", None), property):
+        # llm.xmix on any offline vllm.LLM: deploy, modes, params, status
+        LLM.xmix = property(controller, doc="xmix control plane (deploy, modes, params)")
     try:
         from . import server
 
