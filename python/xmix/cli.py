@@ -18,9 +18,17 @@ def _cmd_serve(argv: list[str]) -> int:
     return serve_main(argv)
 
 
+def _cmd_derive(argv: list[str]) -> int:
+    from xmix.apps.derive_cli import main as derive_main
+
+    return derive_main(argv)
+
+
 COMMANDS = {
     "serve": (_cmd_serve, "vllm serve with xmix: xmix serve MODEL --app PATH ... [vllm serve args]"),
     "models": (_cmd_models, "make the embedded tiny models (tiny-llama, tiny-qwen3, tiny-mixtral, all)"),
+    "derive": (_cmd_derive, "derive an app's artifacts from prompt files: "
+                            "xmix derive APP --model M --positive F --negative F"),
 }
 
 

@@ -207,8 +207,8 @@ class ControlBlock:
         self._seq = 0
         self._param_used = np.zeros(P, dtype=bool)
         self._chan_used = np.zeros(R, dtype=bool)
-        self._set_used = [False] * K["MAX_TOKEN_SETS"]
-        self._span_used = [False] * K["MAX_SPANS"]
+        self._set_used = np.zeros(K["MAX_TOKEN_SETS"], dtype=bool)
+        self._span_used = np.zeros(K["MAX_SPANS"], dtype=bool)
         self._state_used = np.zeros(self.vec_width, dtype=bool)
         self._capture_used = np.zeros(max(cap.capture_floats, 1), dtype=bool)
         self.slots: dict[str, int] = {}
@@ -246,8 +246,8 @@ class ControlBlock:
             "max_apps": self.cap.max_apps, "n_params": self.cap.max_params,
             "n_channels": self.cap.max_channels, "n_sites": self.n_sites,
             "vec_state_width": self.vec_width, "vocab_words": self.vocab_words,
-            "n_spans": sum(self._span_used) and (max(i for i, u in enumerate(self._span_used) if u) + 1),
-            "n_token_sets": sum(self._set_used) and (max(i for i, u in enumerate(self._set_used) if u) + 1),
+            "n_spans": int(np.flatnonzero(self._span_used).max() + 1) if self._span_used.any() else 0,
+            "n_token_sets": int(np.flatnonzero(self._set_used).max() + 1) if self._set_used.any() else 0,
             "capture_size": self.cap.capture_floats,
         }
         for name, t in self.dev.items():
@@ -300,14 +300,13 @@ class ControlBlock:
             if not free_idx:
                 raise DeployError(f"app {lowered.name!r}: {self.cap.max_apps} apps are deployed already")
             index = free_idx[0]
-            claims: list[tuple[np.ndarray | list, list[int]]] = []
+            claims: list[tuple[np.ndarray, slice]] = []
             try:
                 inst = self._allocate(lowered, index, mode, claims)
                 inst.custom_fns = self._load_custom(lowered)
             except Exception:
-                for arr, idxs in claims:  # roll back every allocation
-                    for i in idxs:
-                        arr[i] = False
+                for arr, where in claims:  # roll back every allocation
+                    arr[where] = False
                 raise
             self.apps[lowered.name] = inst
             self._seq += 1
@@ -318,18 +317,18 @@ class ControlBlock:
             self._sync("slot_params", "app_mode", "tokset_bits", "span_def")
             return inst
 
-    def _take(self, used: np.ndarray | list, n: int, what: str, app: str, claims, contiguous=True) -> int:
+    def _take(self, used: np.ndarray, n: int, what: str, app: str, claims) -> int:
+        """First fit of n contiguous free entries; recorded in claims for rollback."""
         if n == 0:
             return 0
-        size = len(used)
-        run = 0
-        for i in range(size):
-            run = run + 1 if not used[i] else 0
-            if run == n:
-                start = i - n + 1
-                for j in range(start, start + n):
-                    used[j] = True
-                claims.append((used, list(range(start, start + n))))
+        if n <= len(used):
+            # window sums of the used flags: a window summing to 0 is free
+            cs = np.concatenate(([0], np.cumsum(used, dtype=np.int64)))
+            free = np.flatnonzero(cs[n:] - cs[:-n] == 0)
+            if len(free):
+                start = int(free[0])
+                used[start:start + n] = True
+                claims.append((used, slice(start, start + n)))
                 return start
         raise DeployError(f"app {app!r}: not enough room for {what} ({n} needed); raise the "
                           f"xmix capacity or undeploy other apps")
