@@ -103,7 +103,7 @@ class WorkerXmix:
     def before_forward(self, runner, input_ids: torch.Tensor | None) -> None:
         """V1: the runner's persistent input batch describes this step."""
         sched, self.sched = self.sched, None
-        if sched is None or input_ids is None:
+        if sched is None or input_ids is None or not self.cb.could_run():
             self.begin(None, None, None, None, None, 0)
             return
         ib = runner.input_batch
