@@ -94,7 +94,8 @@ def test_v2_adapter_maps_and_results():
     out = runner.sample_tokens()
     res = getattr(out, RESULTS_ATTR)
     assert res == {"a": {"k": {"p": {"positions": [2], "values": [0.5]}}}}
-    # preemption in V2: the request is finished and re-added; its slot starts over
+    # preemption in V2: the request is dropped (its slot freed, its record kept) and added
+    # again when it resumes; positions it reported are not reported twice
     sched2 = NS(finished_req_ids=set(), preempted_req_ids={"a"}, scheduled_new_reqs=[])
     runner.finish_requests(sched2)
     assert "a" not in cb.slots
@@ -102,6 +103,14 @@ def test_v2_adapter_maps_and_results():
     runner.finish_requests(sched3)
     runner.add_requests(sched3)
     assert "a" in cb.slots and "b" not in cb.slots
+    assert runner._xmix.stats["restarts"] == 1
+    ib2 = NS(num_reqs=1, req_ids=["a"], num_scheduled_tokens=np.array([3], np.int32),
+             num_computed_tokens_np=np.array([0], np.int32),
+             input_ids=torch.tensor([1, 2, 3, 0], dtype=torch.int32), num_tokens_after_padding=4)
+    runner.prepare_inputs(sched3, ib2, None, 0)
+    torch.ops.xmix.site(torch.zeros(4, D), None, site_id("residual.pre", 1, SHAPE.n_layers))
+    runner.execute_model(sched3)
+    assert runner._xmix.pending == {}  # position 2 was reported before the preemption
     # a dummy run (graph capture, profiling) drains nothing and leaves every row inert
     runner.execute_model(sched3, dummy_run=True)
     assert runner._xmix.pending == {}

@@ -214,6 +214,7 @@ class ControlBlock:
         self.slots: dict[str, int] = {}
         self.slot_req: dict[int, "SlotState"] = {}
         self._free_slots = list(range(S - 1, -1, -1))
+        self._suspended: dict[str, SlotState] = {}
         self.site_app_mask = np.zeros(self.n_sites, dtype=np.uint64)
         self._no_site = np.zeros(self.n_sites, dtype=bool)
         self.site_active = self._no_site  # this step
@@ -591,21 +592,40 @@ class ControlBlock:
                 if a not in self.apps:
                     raise RequestError(f"params for unknown app {a!r}; deployed: {sorted(self.apps)}")
                 overrides[a] = self._resolve_params(self.apps[a], p, who=f"app {a!r}")
-            if not self._free_slots:
-                raise RequestError("no free xmix request slot (raise max_num_seqs capacity)")
-            slot = self._free_slots.pop()
             st = SlotState(req_id=req_id, apps=set(apps), overrides=overrides, prompt_len=prompt_len)
-            self.slots[req_id] = slot
-            self.slot_req[slot] = st
-            mask = 0
-            for a in apps:
-                mask |= 1 << self.apps[a].index
-            self.host["slot_apps"][slot] = np.uint64(mask).astype(np.int64)
-            self._n_app_slots += mask != 0
-            for inst in self.apps.values():
-                self._write_slot_params(slot, inst)
-            self._reset_slot_state(slot)
-            return slot
+            return self._occupy(st)
+
+    def _occupy(self, st: "SlotState") -> int:
+        if not self._free_slots:
+            raise RequestError("no free xmix request slot (more running requests than max_num_seqs)")
+        slot = self._free_slots.pop()
+        self.slots[st.req_id] = slot
+        self.slot_req[slot] = st
+        st.apps &= set(self.apps)  # an app undeployed while the request waited
+        mask = 0
+        for a in st.apps:
+            mask |= 1 << self.apps[a].index
+        self.host["slot_apps"][slot] = np.uint64(mask).astype(np.int64)
+        self._n_app_slots += mask != 0
+        for inst in self.apps.values():
+            self._write_slot_params(slot, inst)
+        self._reset_slot_state(slot)
+        return slot
+
+    def suspend(self, req_id: str) -> None:
+        """A preempted request gives its slot back and keeps its record (apps, parameters,
+        what it has reported): slots never outnumber the running requests."""
+        with self.lock:
+            st = self.release(req_id)
+            if st is not None:
+                self._suspended[req_id] = st
+
+    def resume(self, req_id: str) -> int | None:
+        """The slot of a request coming back after preemption (it recomputes, so its state
+        starts over), or None if it was never suspended."""
+        with self.lock:
+            st = self._suspended.pop(req_id, None)
+            return None if st is None else self._occupy(st)
 
     def _reset_slot_state(self, slot: int) -> None:
         """A new request starts with empty latch sums, spans and CAST means, whatever the
@@ -620,6 +640,7 @@ class ControlBlock:
 
     def release(self, req_id: str) -> "SlotState | None":
         with self.lock:
+            self._suspended.pop(req_id, None)
             slot = self.slots.pop(req_id, None)
             if slot is None:
                 return None

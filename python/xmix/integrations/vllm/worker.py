@@ -68,6 +68,8 @@ class WorkerXmix:
         """V1: before the step; finished requests leave, new ones get slots."""
         self.sched = sched
         self.release(sched.finished_req_ids)
+        for rid in getattr(sched, "preempted_req_ids", None) or ():
+            self.cb.suspend(rid)  # back in the waiting queue; resumed when scheduled again
         self.admit_new(sched.scheduled_new_reqs)
 
     def release(self, req_ids) -> None:
@@ -87,7 +89,11 @@ class WorkerXmix:
             if not isinstance(n_prompt, int):
                 n_prompt = len(nr.prompt_token_ids) if nr.prompt_token_ids is not None else (
                     len(nr.prompt_embeds) if nr.prompt_embeds is not None else 0)
-            cb.release(nr.req_id)  # a resumed request (V2 re-adds preempted ones) starts over
+            slot = cb.resume(nr.req_id)  # V2 adds a preempted request again when it resumes
+            if slot is not None:
+                self.stats["restarts"] += 1
+                self._started[slot] = False
+                continue
             try:
                 self._started[cb.admit(nr.req_id, apps, params, n_prompt)] = False
             except RequestError as e:
@@ -132,14 +138,19 @@ class WorkerXmix:
         slots = np.empty(n, dtype=np.int32)
         for i, rid in enumerate(req_ids):
             slot = cb.slots.get(rid)
-            if slot is None:  # not admitted through the scheduler output: no apps
-                slot = cb.admit(rid, [], {}, int(plen[i]) if plen is not None else 0)
+            if slot is None:
+                slot = cb.resume(rid)
+                if slot is not None:  # back from preemption: recomputes from its KV
+                    self.stats["restarts"] += 1
+                    self._started[slot] = False
+                else:  # not admitted through the scheduler output: no apps
+                    slot = cb.admit(rid, [], {}, int(plen[i]) if plen is not None else 0)
             slots[i] = slot
         if plen is None:
             plen = np.fromiter((cb.slot_req[s].prompt_len for s in slots.tolist()), dtype=np.int64, count=n)
         start = np.asarray(start)
-        # A request seen before that starts again at position 0 was preempted and recomputes
-        # (the prologue resets its state); counted for the operator.
+        # A request that starts again at position 0 without having been preempted (V1 keeps
+        # such a request's slot) recomputes too; the prologue resets its state.
         again = self._started[slots] & (start == 0)
         if again.any():
             self.stats["restarts"] += int(again.sum())
@@ -261,7 +272,8 @@ def patch_model_runner_v2(cls) -> None:
         if x is not None:
             x.release(scheduler_output.finished_req_ids)
             # V2 drops preempted requests and adds them again when they resume.
-            x.release(scheduler_output.preempted_req_ids or ())
+            for rid in scheduler_output.preempted_req_ids or ():
+                x.cb.suspend(rid)
 
     def add_requests(self, scheduler_output):
         orig_add(self, scheduler_output)
