@@ -155,6 +155,28 @@ def test_mixed_batch_matches_oracle(env):
     assert changed >= 3, "the writes in this batch should change several answers"
 
 
+def test_parallel_sampling_keeps_sequences_apart(env):
+    """n=3 sampled sequences of one prompt with a probe: every CompletionOutput carries the
+    reads of its own sequence (the oracle fed that sequence's tokens), the RequestOutput those
+    of outputs[0]."""
+    from vllm import SamplingParams
+
+    ids = env["ids"][1]
+    sp = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=8, ignore_eos=True,
+                        extra_args={"xmix": {"apps": ["probe"]}})
+    (out,) = env["llm"].generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)
+    assert [co.index for co in out.outputs] == [0, 1, 2]
+    seqs = {tuple(co.token_ids) for co in out.outputs}
+    assert len(seqs) > 1, "sampling at temperature 1 should give different sequences"
+    for co in out.outputs:
+        req = env["oracle"].request(ids, apps=["probe"])
+        req.prefill()
+        for t in list(co.token_ids)[:-1]:  # the last sampled token is never fed back
+            req.decode(t)
+        assert_reads_match(xmix.results(co), req.results, f"sequence {co.index}")
+    assert xmix.results(out) == xmix.results(out.outputs[0])
+
+
 def test_prefix_cache_is_isolated_and_reads_complete(env):
     llm, ids = env["llm"], env["ids"]
     p = ids[0]

@@ -144,6 +144,49 @@ def test_streaming_carries_the_same_results(server):
     np.testing.assert_allclose(merged["values"], full["xmix"]["probe"]["p2"]["values"], rtol=1e-6)
 
 
+def test_parallel_sampling_results_per_choice(server):
+    """n=2: each choice carries its own sequence's reads, the top level those of choice 0, and
+    a stream with the same seed gives each choice the same reads on its own chunks."""
+    body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 6, "temperature": 1.0,
+            "seed": 3, "n": 2, "vllm_xargs": {"xmix": json.dumps({"apps": ["probe"]})}}
+    full = server["client"].post("/v1/completions", json=body)
+    assert full.status_code == 200, full.text
+    full = full.json()
+    choices = sorted(full["choices"], key=lambda c: c["index"])
+    assert [c["index"] for c in choices] == [0, 1]
+    assert choices[0]["text"] != choices[1]["text"], "seeded sampling should differ per choice"
+    reads = [c["xmix"]["probe"]["p2"] for c in choices]
+    n_prompt = len(reads[0]["positions"]) - 5
+    for r in reads:
+        assert r["positions"] == list(range(n_prompt + 5))
+    # same prompt, so the same prompt reads; different tokens after it
+    np.testing.assert_allclose(reads[0]["values"][:n_prompt], reads[1]["values"][:n_prompt], rtol=1e-6)
+    assert reads[0]["values"][n_prompt:] != reads[1]["values"][n_prompt:]
+    assert full["xmix"] == choices[0]["xmix"]
+
+    got = {0: {"positions": [], "values": []}, 1: {"positions": [], "values": []}}
+    text = {0: "", 1: ""}
+    with server["client"].stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if not chunk.get("choices"):
+                continue
+            assert len(chunk["choices"]) == 1
+            i = chunk["choices"][0]["index"]
+            text[i] += chunk["choices"][0]["text"]
+            x = chunk.get("xmix")
+            if x:
+                got[i]["positions"] += x["probe"]["p2"]["positions"]
+                got[i]["values"] += x["probe"]["p2"]["values"]
+    for i in (0, 1):
+        assert text[i] == choices[i]["text"]
+        assert got[i]["positions"] == reads[i]["positions"]
+        np.testing.assert_allclose(got[i]["values"], reads[i]["values"], rtol=1e-6)
+
+
 def test_openai_client_and_steering(server):
     import openai
 

@@ -13,7 +13,8 @@ Per request, in ``InputProcessor.process_inputs`` (before the request reaches th
 
 Results come back per step inside ``EngineCoreOutput.kv_transfer_params["xmix"]`` (set by
 the engine core, engine_core.py); ``OutputProcessor.process_outputs`` takes them out before
-vLLM sees them and attaches them to the ``RequestOutput`` as ``.xmix``.
+vLLM sees them and attaches them as ``.xmix`` to each sequence's ``CompletionOutput`` and to
+the ``RequestOutput`` (the reads of its first sequence).
 """
 
 from __future__ import annotations
@@ -244,10 +245,14 @@ def patch_input_processor(cls) -> None:
 
 
 def patch_output_processor(out_cls, state_cls, request_output_cls) -> None:
+    """Results live on each CompletionOutput (``.xmix``: one sequence's reads, so ``n > 1``
+    keeps its sequences apart) and on the RequestOutput (``.xmix``: those of ``outputs[0]``,
+    the only sequence when ``n == 1``)."""
     if getattr(out_cls, "_xmix_patched", False):
         return
     orig_process = out_cls.process_outputs
     orig_make = state_cls.make_request_output
+    orig_new_completion = state_cls._new_completion_output
     orig_add = request_output_cls.add
 
     def process_outputs(self, engine_core_outputs, *args, **kwargs):
@@ -264,43 +269,60 @@ def patch_output_processor(out_cls, state_cls, request_output_cls) -> None:
                     merge_results(st.__dict__.setdefault("_xmix_new", {}), res)
         return orig_process(self, engine_core_outputs, *args, **kwargs)
 
-    def make_request_output(self, *args, **kwargs):
+    def take_results(state) -> dict:
+        # Results since the last output (DELTA) or all so far; steps that produced no output
+        # (FINAL_ONLY, stream_interval) keep accumulating in _xmix_new until one does.
         from vllm.sampling_params import RequestOutputKind
 
         from .worker import merge_results
 
+        new = state.__dict__.pop("_xmix_new", None)
+        if state.output_kind == RequestOutputKind.DELTA:
+            return new or {}
+        acc = state.__dict__.setdefault("_xmix_all", {})
+        if new:
+            merge_results(acc, new)
+        return copy.deepcopy(acc)
+
+    def _new_completion_output(self, *args, **kwargs):
+        co = orig_new_completion(self, *args, **kwargs)
+        co.xmix = take_results(self)
+        return co
+
+    def make_request_output(self, *args, **kwargs):
         out = orig_make(self, *args, **kwargs)
         if out is None:
             return out
-        new = self.__dict__.pop("_xmix_new", None)
-        if self.output_kind == RequestOutputKind.DELTA:
-            out.xmix = new or {}
-        else:
-            acc = self.__dict__.setdefault("_xmix_all", {})
-            if new:
-                merge_results(acc, new)
-            out.xmix = copy.deepcopy(acc)
+        outs = getattr(out, "outputs", None)
+        if isinstance(outs, list) and outs:
+            out.xmix = getattr(outs[0], XMIX_KEY, None) or {}
+        else:  # pooling output: one per request
+            out.xmix = take_results(self)
         return out
 
     def add(self, next_output, aggregate: bool) -> None:
         from .worker import merge_results
 
+        before = {c.index: c for c in self.outputs} if aggregate else {}
         orig_add(self, next_output, aggregate)
-        nxt = getattr(next_output, "xmix", None)
-        if aggregate:
-            if nxt:
-                self.xmix = merge_results(getattr(self, "xmix", None) or {}, nxt)
-        elif nxt is not None:
-            self.xmix = nxt
+        for nc in next_output.outputs:
+            c = before.get(nc.index)
+            nxt = getattr(nc, XMIX_KEY, None)
+            if c is not None and c is not nc and nxt:  # vLLM merged nc into c in place
+                c.xmix = merge_results(getattr(c, XMIX_KEY, None) or {}, nxt)
+        if self.outputs:
+            self.xmix = getattr(self.outputs[0], XMIX_KEY, None) or {}
 
     out_cls.process_outputs = process_outputs
     state_cls.make_request_output = make_request_output
+    state_cls._new_completion_output = _new_completion_output
     request_output_cls.add = add
     out_cls._xmix_patched = True
 
 
 def results(output) -> dict:
-    """Read results of a finished request: {app: {read: {"positions": [...], "values": [...]}}}."""
+    """Read results: {app: {read: {"positions": [...], "values": [...]}}}. ``output`` is a
+    RequestOutput (its first sequence) or one CompletionOutput (that sequence, for n > 1)."""
     return getattr(output, "xmix", None) or {}
 
 

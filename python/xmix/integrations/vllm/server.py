@@ -4,8 +4,9 @@
   runs ``vllm serve`` with the xmix general plugin (engine side) and the xmix endpoint plugin
   (HTTP side), then deploys the given apps before the server takes requests.
 - Per request: ``"vllm_xargs": {"xmix": "<JSON control>"}``. Non-streaming responses carry the
-  request's read results under a top-level ``"xmix"`` key; streaming chunks carry the results
-  produced since the previous chunk under ``"xmix"``.
+  request's read results under a top-level ``"xmix"`` key (its first sequence; with ``n > 1``
+  every choice also carries its own under ``"xmix"``); a streaming chunk carries, under
+  ``"xmix"``, the reads produced since the previous chunk of the same choice.
 - Control plane, authenticated like the server's ``--api-key`` (Bearer token):
     GET    /xmix/v1/apps               what is deployed, modes, sites, params
     POST   /xmix/v1/apps?mode=request  body: an app file (safetensors with the JSON spec);
@@ -255,28 +256,48 @@ def _results_of(outputs: list) -> Any:
     return res[0] if len(res) == 1 else res
 
 
-async def _tap(gen, sink: list, pair: bool):
+def _per_choice(choices: list, completions: list) -> None:
+    """With n > 1 every choice carries its own sequence's reads (pairs in response order)."""
+    if len(completions) <= 1 or len(choices) != len(completions):
+        return
+    for choice, co in zip(choices, completions):
+        res = getattr(co, XMIX_KEY, None)
+        if res:
+            setattr(choice, XMIX_KEY, res)
+
+
+async def _tap(gen, sink: list, n_choices: int | None):
+    """Collect (choice index, new reads) per output; ``n_choices`` given: completions, whose
+    items are (prompt index, output) and whose choice index is prompt * n + sequence."""
     async for item in gen:
-        out = item[1] if pair else item
-        new = getattr(out, XMIX_KEY, None)
-        if new:
-            sink.append(new)
+        if n_choices is None:
+            base, out = 0, item
+        else:
+            base, out = item[0] * n_choices, item[1]
+        for co in getattr(out, "outputs", None) or []:
+            new = getattr(co, XMIX_KEY, None)
+            if new:
+                sink.append((base + co.index, new))
         yield item
 
 
 async def _with_results(stream, sink: list):
-    """Put results produced since the previous chunk into the next data chunk."""
+    """Put the reads produced since the previous chunk of a choice into that choice's next
+    data chunk (vLLM streams one choice per chunk), as the chunk's top-level "xmix"."""
     from .worker import merge_results
 
     async for chunk in stream:
         if sink and isinstance(chunk, str) and chunk.startswith("data: {"):
-            merged: dict = {}
-            for r in sink:
-                merge_results(merged, r)
-            sink.clear()
             body = json.loads(chunk[len("data: "):])
-            body[XMIX_KEY] = merged
-            chunk = f"data: {json.dumps(body)}\n\n"
+            indices = {c.get("index") for c in body.get("choices") or []}
+            mine = [r for i, r in sink if i in indices]
+            if mine:
+                sink[:] = [(i, r) for i, r in sink if i not in indices]
+                merged: dict = {}
+                for r in mine:
+                    merge_results(merged, r)
+                body[XMIX_KEY] = merged
+                chunk = f"data: {json.dumps(body)}\n\n"
         yield chunk
 
 
@@ -304,11 +325,12 @@ def patch_openai_serving() -> None:
         res = _results_of(seen)
         if res and hasattr(resp, "choices"):
             setattr(resp, XMIX_KEY, res)
+            _per_choice(resp.choices, sorted(seen[0].outputs, key=lambda co: co.index))
         return resp
 
     def chat_stream(self, request, result_generator, *args, **kwargs):
         sink: list = []
-        return _with_results(stream(self, request, _tap(result_generator, sink, False),
+        return _with_results(stream(self, request, _tap(result_generator, sink, None),
                                     *args, **kwargs), sink)
 
     def completion_response(self, final_res_batch, *args, **kwargs):
@@ -316,12 +338,16 @@ def patch_openai_serving() -> None:
         res = _results_of(final_res_batch)
         if res:
             setattr(resp, XMIX_KEY, res)
+            if any(len(r.outputs) > 1 for r in final_res_batch if r is not None):
+                _per_choice(resp.choices, [co for r in final_res_batch if r is not None
+                                           for co in r.outputs])
         return resp
 
     def completion_stream(self, request, engine_inputs, result_generator, *args, **kwargs):
         sink: list = []
+        n = request.n or 1
         return _with_results(cstream(self, request, engine_inputs,
-                                     _tap(result_generator, sink, True), *args, **kwargs), sink)
+                                     _tap(result_generator, sink, n), *args, **kwargs), sink)
 
     OpenAIServingChat.chat_completion_full_generator = chat_full
     OpenAIServingChat.chat_completion_stream_generator = chat_stream
