@@ -120,7 +120,7 @@ py::dict constants() {
   d["C_LATCH"] = int(C_LATCH); d["C_AND"] = int(C_AND); d["C_OR"] = int(C_OR); d["C_NOT"] = int(C_NOT);
   d["CMP_GE"] = int(CMP_GE); d["CMP_GT"] = int(CMP_GT); d["CMP_LE"] = int(CMP_LE);
   d["CMP_LT"] = int(CMP_LT); d["CMP_EQ"] = int(CMP_EQ); d["CMP_NE"] = int(CMP_NE);
-  d["RED_MEAN"] = int(RED_MEAN); d["RED_LAST"] = int(RED_LAST);
+  d["RED_MEAN"] = int(RED_MEAN); d["RED_LAST"] = int(RED_LAST); d["LATCH_FROM_GENERATED"] = int(kLatchFromGenerated);
   d["MAX_COND_STACK"] = kMaxCondStack; d["READ_STATE_WIDTH"] = kReadStateWidth;
   d["MODE_OFF"] = int(MODE_OFF); d["MODE_REQUEST"] = int(MODE_REQUEST); d["MODE_ALL"] = int(MODE_ALL);
   return d;

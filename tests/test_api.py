@@ -19,7 +19,7 @@ from xmix import conditions as C
 from xmix.api import App, AppError
 from xmix.catalog import CENTROIDS, EXPERTS, KERNELS, MAT_DD, VEC
 from xmix.hooks import LAYER_SITES, ModelShape, site_id
-from xmix.lowering import DeployError, lower
+from xmix.lowering import DeployError, latch_from_generated, lower
 
 D, L, E, V = 32, 4, 4, 100
 S = ModelShape(n_layers=L, hidden_size=D, vocab_size=V, n_experts=E, moe_layers=(0, 1, 2, 3))
@@ -67,7 +67,8 @@ def _conditions(atoms):
 @st.composite
 def valid_apps(draw, custom=False):
     """Apps built from the catalog that lower on S: every read named, conditions only on
-    earlier reads, latches and cosine gates only on earlier sites."""
+    earlier reads, cosine gates only on earlier sites, latches on earlier sites (later ones
+    lower too: test_latch_at_any_site_and_cosine_gate_at_a_later_one)."""
     app = App(draw(app_names), metadata=draw(st.dictionaries(st.text(max_size=6), json_values, max_size=3)))
     for p in draw(st.lists(ident, max_size=3, unique=True)):
         app.param(p, draw(finite))
@@ -456,12 +457,19 @@ def test_gate_on_a_read_that_runs_later(name, gated, read, data):
     _raises(app, f"app {name!r}", f"op {gated!r}", f"gate on {read!r}", "runs later")
 
 
-def test_latch_and_cosine_gate_need_an_earlier_site():
+def test_latch_at_any_site_and_cosine_gate_at_a_later_one():
+    # a latch may feed an op at the read's site or before it (from the first generated token)
     app = _app()
     app.read("probe", weight=torch.zeros(D)).layers([1]).submodule("residual.pre").named("p")
     app.write("add", vector=torch.zeros(D)).layers([1]).submodule("residual.pre").named("w") \
        .cond("prompt_last(p) > 0.5")
-    _raises(app, "app 'myapp'", "op 'w'", "latch on 'p'", "earlier site")
+    app.write("add", vector=torch.zeros(D)).layers([0]).submodule("mlp.post").named("w0") \
+       .cond("prompt_mean(p) > 0.5")
+    app.write("add", vector=torch.zeros(D)).layers([2]).submodule("residual.pre").named("w2") \
+       .cond("prompt_mean(p) > 0.5")
+    lw = lower(app, S)
+    late = {o.name: latch_from_generated(lw, o, o.cond) for o in lw.ops if o.kernel == "add"}
+    assert late == {"w": True, "w0": True, "w2": False}
     app = _app()
     app.read("cosine", vector=torch.ones(D)).layers([1]).submodule("residual.pre").named("c")
     app.write("add", vector=torch.zeros(D)).layers([1]).submodule("residual.pre").named("w").cond(gate="c > 0")

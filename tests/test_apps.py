@@ -20,7 +20,7 @@ from xmix.api import App, AppError
 from xmix.apps import APPS, SCHEMAS, cast, derive as D, kl_then_steer, refusal, sake, seal, \
     steer_moe, truth_probe
 from xmix.hooks import ModelShape, site_id
-from xmix.lowering import DeployError, lower
+from xmix.lowering import DeployError, latch_from_generated, lower
 from xmix.models.tiny import tiny_model_path
 
 F64 = torch.float64
@@ -461,11 +461,24 @@ def test_validate_artifacts_messages():
 
 
 # ============================================================================ (c) errors
-def test_cast_rejects_behaviour_layers_not_after_the_condition():
+def test_cast_behaviour_layers_around_the_condition(model):
+    """Behaviour layers before, at and after the condition layer all lower; only those after
+    it see the latch from the last prompt token (CAST's hooks steer layers before c from the
+    first generated token)."""
+    kind, shape, tok = model
+    d = shape.hidden_size
+    v = torch.ones(d)
+    app = cast(v, v, condition_layer=2, behavior_layers=[1, 2, 3], threshold=0.1)
+    lw = lower(app, shape, tok)
+    writes = {op.layer: op for op in lw.ops if op.kernel == "add"}
+    latch = writes[1].cond
+    assert latch == C.Latch("prompt_last", "cast_sim", ">=", "theta")
+    assert {l: latch_from_generated(lw, op, latch) for l, op in writes.items()} == \
+        {1: True, 2: True, 3: False}
+
+
+def test_cast_factory_errors():
     v = torch.ones(16)
-    with pytest.raises(AppError, match=r"behavior layer\(s\) \[3, 5\] are not after condition_layer 5.*"
-                                       r"condition_layer=2"):
-        cast(v, v, condition_layer=5, behavior_layers=[3, 5, 6], threshold=0.1)
     with pytest.raises(AppError, match="comparator must be one of"):
         cast(v, v, condition_layer=1, behavior_layers=[2], threshold=0.1, comparator="==")
     # CAST's words: "larger" means the score is below the threshold
@@ -506,8 +519,10 @@ def test_factory_argument_errors():
     with pytest.raises(AppError, match="threshold must be >= 0"):
         sake(torch.eye(16), v, v, -1.0)
     u = _unit_rows(torch.ones(3, 16))
-    with pytest.raises(AppError, match="probe_layer 2 is not before the first steered layer 2"):
-        kl_then_steer(u, torch.ones(3), v, 0.0, probe_layer=2, layers=[2, 3, 4])
+    # a probe at or after steered layers is allowed: those layers steer from the first
+    # generated token (test_cast_behaviour_layers_around_the_condition checks the rule)
+    kts = kl_then_steer(u, torch.ones(3), v, 0.0, probe_layer=2, layers=[2, 3, 4])
+    assert kts.ops[1].condition() == C.Latch("prompt_mean", "kts_probe", ">=", "threshold")
     with pytest.raises(AppError, match="rows must be unit"):
         kl_then_steer(2 * u, torch.ones(3), v, 0.0, probe_layer=1, layers=[2, 3, 4])
     with pytest.raises(AppError, match=r"'directions' has shape \[3, 16\]; expected \[L_sel=2, d=16\]"):

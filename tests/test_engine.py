@@ -64,7 +64,14 @@ def build_apps(shape: ModelShape, tok) -> list[xmix.App]:
     capture = xmix.App("capture")
     capture.read("capture", dims=(0, 8)).submodule("final.post").named("h").cond("last_token")
 
-    apps = [steer, probe, guarded, ablate, latch, span, capture]
+    # a latch feeding writes before (layers 1, 2: from the first generated token) and after
+    # (layer 3: from the last prompt token) its read at residual.mid of layer 2
+    late = xmix.App("late")
+    late.read("probe", weight=unit() * 0.5, bias=0.0).layers([2]).submodule("residual.mid").named("q")
+    late.write("add", vector=unit() * 8.0, scale=1.0).layers([1, 2, 3]).submodule("residual.pre") \
+        .cond(gate="prompt_mean(q) >= 0.0")
+
+    apps = [steer, probe, guarded, ablate, latch, span, capture, late]
     if shape.n_experts:
         mask = torch.zeros(shape.n_experts)
         mask[0], mask[1] = 1.0, -1.0
@@ -129,6 +136,7 @@ CONTROLS = [
     {"apps": ["latch"], "params": {"latch": {"theta": 1.0}}},   # never (sigmoid < 1)
     {"apps": ["span"]},
     {"apps": ["capture", "probe"]},
+    {"apps": ["late"]},
 ]
 
 

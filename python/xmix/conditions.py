@@ -16,7 +16,10 @@
 
 ``last_token`` is every token whose logits are sampled this step: the last prompt token and
 every generated token. A latch is decided at the request's last prompt token and holds for
-every later token; before that it is false. ``READ`` names a read of the same app (``name``,
+every later token; before that it is false. An op at a later site than the latch's read sees
+it from the last prompt token on; an op at the read's site or before it, from the first
+generated token on (in the last prompt token's forward it runs before the read has seen that
+token). ``READ`` names a read of the same app (``name``,
 or ``name.<layer>`` for a read placed on several layers).
 """
 

@@ -27,7 +27,7 @@ from xmix import _C
 from xmix import conditions as C
 from xmix.catalog import FLT_MAX, KERNELS
 from xmix.hooks import ModelShape, n_sites
-from xmix.lowering import DeployError, LoweredApp, LoweredOp
+from xmix.lowering import DeployError, LoweredApp, LoweredOp, latch_from_generated
 
 logger = logging.getLogger("xmix")
 
@@ -476,7 +476,7 @@ class ControlBlock:
             for inst, o in lst:
                 if n_ops >= self.cap.max_ops:
                     raise DeployError("too many ops deployed (max_ops)")
-                code = self._emit_cond(inst, o.cond) if o.cond is not None else []
+                code = self._emit_cond(inst, o) if o.cond is not None else []
                 if n_cond + len(code) // 4 > self.cap.max_cond:
                     raise DeployError("too many condition instructions deployed (max_cond)")
                 cond[4 * n_cond:4 * n_cond + len(code)] = code
@@ -504,7 +504,7 @@ class ControlBlock:
         self._sync_block()
         self._refresh_masks()
 
-    def _emit_cond(self, inst: InstalledApp, node) -> list[int]:
+    def _emit_cond(self, inst: InstalledApp, op: LoweredOp) -> list[int]:
         code: list[int] = []
 
         def param_col(value) -> int:
@@ -529,8 +529,9 @@ class ControlBlock:
                 code.extend([K["C_GATE"], inst.channels[n.read], CMP_CODES[n.cmp], param_col(n.value)])
             elif isinstance(n, C.Latch):
                 red = K["RED_MEAN"] if n.reduce == "prompt_mean" else K["RED_LAST"]
-                code.extend([K["C_LATCH"], inst.channels[n.read], CMP_CODES[n.cmp] | (red << 8),
-                              param_col(n.value)])
+                late = K["LATCH_FROM_GENERATED"] if latch_from_generated(inst.lowered, op, n) else 0
+                code.extend([K["C_LATCH"], inst.channels[n.read],
+                             CMP_CODES[n.cmp] | (red << 8) | late, param_col(n.value)])
             elif isinstance(n, C.Not):
                 emit(n.a)
                 code.extend([K["C_NOT"], 0, 0, 0])
@@ -539,7 +540,7 @@ class ControlBlock:
                 emit(n.b)
                 code.extend([K["C_AND"] if isinstance(n, C.And) else K["C_OR"], 0, 0, 0])
 
-        emit(node)
+        emit(op.cond)
         return code
 
     def _pack_op(self, buf: np.ndarray, i: int, inst: InstalledApp, o: LoweredOp, cb: int, cl: int) -> None:

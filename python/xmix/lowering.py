@@ -324,6 +324,14 @@ def lower(app: App, shape: ModelShape, tokenizer=None) -> LoweredApp:
     return lowered
 
 
+def latch_from_generated(lowered: LoweredApp, op: LoweredOp, latch: C.Latch) -> bool:
+    """Whether ``op`` sees ``latch`` only from the first generated token on. The prompt's
+    reduction is complete once the read's site has seen the last prompt token; an op at a
+    later site of that forward sees the latch from the last prompt token on, an op at the
+    read's site or before it only from the next step, the first generated token."""
+    return lowered.reads[latch.read].site_id >= op.site_id
+
+
 def _check_gate_order(app: str, ops: list[LoweredOp], reads: dict[str, LoweredOp]) -> None:
     # Dependencies between ops (by position in the lowered list) through gates and latches.
     deps: dict[int, list[tuple[int, str, bool]]] = {}
@@ -362,9 +370,7 @@ def _check_gate_order(app: str, ops: list[LoweredOp], reads: dict[str, LoweredOp
         for j, rname, latch in lst:
             src = ops[j]
             if latch:
-                if src.site_id >= o.site_id:
-                    raise _fail(app, f"op {o.label}", f"latch on {rname!r} at the same or a later "
-                                                      f"site; a latch must read an earlier site")
+                continue  # any site: see latch_from_generated
             elif src.kernel == "cosine" and src.site_id >= o.site_id:
                 raise _fail(app, f"op {o.label}", f"gate on cosine read {rname!r} must be at a later site")
             elif src.kernel == "custom" and src.site_id >= o.site_id:

@@ -136,6 +136,35 @@ TEST(Conditions, LatchIsDecidedAtTheLastPromptToken) {
   EXPECT_FALSE(op_selects(g.cb, op, 0, &slot));
 }
 
+TEST(Conditions, LatchFromGeneratedWaitsForTheFirstGeneratedToken) {
+  // An op at or before the read's site: the last prompt token's forward runs it before the
+  // read has seen that token, so the latch holds only from the first generated token.
+  Block b;
+  b.request(0, 0, 0, 1, 3, 4);  // the last prompt token of a 4-token prompt
+  b.slot_apps[0] = 1;
+  b.slot_params[1] = 0.5f;
+  float* st = &b.read_state[(0 * Block::R + 1) * kReadStateWidth];
+  st[0] = 1.8f; st[1] = 3.f; st[2] = 0.9f;  // mean 0.6 >= 0.5, last 0.9 >= 0.5
+  b.add_cond({C_LATCH, 1, CMP_GE | (RED_MEAN << 8) | kLatchFromGenerated, 1});
+  OpDesc op = add_op(0, nullptr, 0, 0, 1);
+  b.build(1, 1);
+  int32_t slot;
+  EXPECT_FALSE(op_selects(b.cb, op, 0, &slot));
+  Block g = b;
+  g.tok_slot.assign(Block::T, -1);
+  g.request(0, 0, 0, 1, 4, 4);  // the first generated token
+  g.build(1, 1);
+  EXPECT_TRUE(op_selects(g.cb, op, 0, &slot));
+  // the reduce field is still read correctly next to the flag: prompt_last 0.9 < 0.95 -> false
+  g.slot_params[1] = 0.95f;
+  g.cond = {C_LATCH, 1, CMP_GE | (RED_LAST << 8) | kLatchFromGenerated, 1};
+  g.build(1, 1);
+  EXPECT_FALSE(op_selects(g.cb, op, 0, &slot));
+  g.cond = {C_LATCH, 1, CMP_LT | (RED_LAST << 8) | kLatchFromGenerated, 1};
+  g.build(1, 1);
+  EXPECT_TRUE(op_selects(g.cb, op, 0, &slot));
+}
+
 TEST(Prologue, TokenSetsAndSpansAcrossSteps) {
   Block b;
   // set 0 = {5} (opener), set 1 = {6} (closer); span 0 = [set 0, set 1)

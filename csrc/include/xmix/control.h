@@ -68,15 +68,20 @@ enum CondOp : int32_t {
   C_TRUE = 0,
   C_FLAG = 1,   // a = flag bit index                          push (flags >> a) & 1
   C_GATE = 2,   // a = result channel, b = cmp, c = param      push results[t][a] cmp p[c]
-  C_LATCH = 3,  // a = result channel, b = cmp | reduce << 8, c = param
-                //   push reduce(prompt values of a) cmp p[c], decided at the last prompt
-                //   token; false before that
+  C_LATCH = 3,  // a = result channel, b = cmp | reduce << 8 | kLatchFromGenerated?, c = param
+                //   push reduce(prompt values of a) cmp p[c] once decided, false before:
+                //   decided at the last prompt token, or with kLatchFromGenerated at the
+                //   first generated token (an op at or before the read's site)
   C_AND = 4,
   C_OR = 5,
   C_NOT = 6,
 };
 enum Cmp : int32_t { CMP_GE = 0, CMP_GT = 1, CMP_LE = 2, CMP_LT = 3, CMP_EQ = 4, CMP_NE = 5 };
 enum Reduce : int32_t { RED_MEAN = 0, RED_LAST = 1 };
+// An op at the read's site or before it runs, in the forward of the last prompt token, before
+// the read has seen that token, so its latch is decided one step later: at the first
+// generated token. Set in C_LATCH's b word.
+constexpr int32_t kLatchFromGenerated = 1 << 16;
 constexpr int32_t kMaxCondStack = 16;
 
 // Read-state per (slot, channel): sum and count of the read over the request's prompt
@@ -275,10 +280,12 @@ XMIX_HD bool eval_cond(const ControlBlock& cb, const OpDesc& op, int32_t t, int3
       }
       case C_LATCH: {
         bool v = false;
-        if (latch_decided(flags)) {
+        const bool decided = (b & kLatchFromGenerated) ? (flags & TF_GENERATED) != 0
+                                                       : latch_decided(flags);
+        if (decided) {
           const float* s = ptr<const float>(cb.read_state) +
               (static_cast<int64_t>(slot) * cb.n_channels + a) * kReadStateWidth;
-          const int32_t reduce = b >> 8;
+          const int32_t reduce = (b >> 8) & 0xff;
           if (reduce == RED_LAST) v = compare(s[2], b & 0xff, params[c]);
           else if (s[1] > 0.f) v = compare(s[0] / s[1], b & 0xff, params[c]);
         }

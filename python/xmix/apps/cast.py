@@ -19,17 +19,14 @@ Differences from CAST's reference code, forced by serving:
   the score is *below* θ, ``"smaller"`` when it is *above*. This factory takes xmix
   comparators (">=", ">", "<=", "<") and also accepts CAST's words ("smaller" -> ">",
   "larger" -> "<").
-- Behaviour layers must all be after the condition layer. A latch must read a site that runs
-  earlier than the write in the forward pass: the decision needs the mean over the whole
-  prompt, which exists only when the last prompt token reaches the condition layer. In CAST's
-  HF hooks the condition and behaviour layers may overlap (the condition is checked on the
-  layer input before the behaviour is applied in the same layer) and behaviour layers before c
-  are steered from the first generated token on. To port such a configuration, move the
-  condition to a layer before every behaviour layer (e.g. c = min(behaviour layers) - 1, or
-  drop the early behaviour layers).
-- CAST steers every prompt token in prefill once the condition is met. A latch holds from the
-  last prompt token on (earlier prompt tokens were computed, possibly in other prefill chunks,
-  before the prompt mean was known), so prompt tokens other than the last are not steered.
+- When steering starts. The decision needs the mean over the whole prompt, which exists
+  only once the last prompt token reaches the condition site. Behaviour layers after c are
+  steered from the last prompt token on (in the same forward); behaviour layers at or before
+  c from the first generated token on, as in CAST's hooks for layers before c. CAST steers
+  every prompt token in prefill once the condition is met, including at layer c itself (its
+  hook checks the condition on the layer input, then steers it); here earlier prompt tokens
+  were computed, possibly in other prefill chunks, before the prompt mean was known, so they
+  are not steered, and at layer c the steering starts at the first generated token.
 
 Defaults (our choice; CAST tunes them per model): Llama-3.1-8B-Instruct and
 Mixtral-8x7B-Instruct condition layer 7, behaviour layers 15-23 (CAST's documented refusal
@@ -70,15 +67,6 @@ def cast(condition_vector: Any, behavior_vectors: Any, *, condition_layer: int |
                           f"paper's models {sorted(DEFAULTS)}")
     cl = c.layer(APP, "condition_layer", condition_layer)
     bl = c.layer_list(APP, "behavior_layers", behavior_layers)
-    early = [l for l in bl if l <= cl]
-    if early:
-        raise c.fail(APP, f"behavior layer(s) {early} are not after condition_layer {cl}. The "
-                          f"condition is a request-level latch on the prompt mean at residual.pre "
-                          f"of layer {cl}, decided when the last prompt token reaches that site; a "
-                          f"write may only depend on it at a later site. (CAST's HF hooks allow "
-                          f"overlapping layers; to port that, put the condition before every "
-                          f"behaviour layer, e.g. condition_layer={min(bl) - 1}, or drop the "
-                          f"behaviour layers <= {cl}.)")
     cmp = CAST_WORDS.get(comparator, comparator)
     if cmp not in COMPARATORS:
         raise c.fail(APP, f"comparator must be one of {COMPARATORS} (or CAST's 'smaller' = '>', "

@@ -13,14 +13,15 @@ xmix mapping: ``read("probe")`` at residual.post of ``probe_layer`` on prompt to
 residual.post of ``layers`` with condition ``prompt_mean(kts_probe) >= threshold`` (or
 ``prompt_last``), a request-level latch.
 
-Differences from KTS: the probe must be at an earlier site than every steered layer (the
-latch is decided when the last prompt token reaches the probe), so ``probe_layer <
-min(layers)``; and, as for every latch, steering starts at the last prompt token, while
-RepE's wrapper steered every prompt token too.
+Differences from KTS: the latch is decided when the last prompt token reaches the probe, so
+steered layers after ``probe_layer`` are steered from the last prompt token on, steered layers
+at or before it from the first generated token on, while RepE's wrapper steered every prompt
+token too.
 
 Defaults: layers 3-21 for the 32-layer Llama-3.1-8B-Instruct and Mixtral-8x7B-Instruct and
 7-25 for the 36-layer Qwen3-8B (KTS's -11 .. -29, counted from the end); probe_layer
-min(layers) - 1 (our choice, forced by the rule above); c = 1, threshold 0.5,
+min(layers) - 1 (our choice: every steered layer then starts at the last prompt token);
+c = 1, threshold 0.5,
 ``prompt_mean``.
 """
 
@@ -56,10 +57,6 @@ def kl_then_steer(directions: Any, scales: Any, probe_weight: Any, probe_bias: f
                           f"models {sorted(DEFAULTS)}")
     ls = c.layer_list(APP, "layers", layers)
     pl = c.layer(APP, "probe_layer", probe_layer)
-    if pl >= min(ls):
-        raise c.fail(APP, f"probe_layer {pl} is not before the first steered layer {min(ls)}: the "
-                          f"gate is a latch on the prompt decided at residual.post of the probe "
-                          f"layer, and a write may only depend on it at a later site")
     if reduce not in REDUCES:
         raise c.fail(APP, f"reduce must be one of {REDUCES}, got {reduce!r}")
     u = c.vector(APP, "directions", directions, rank=(2,))

@@ -28,8 +28,9 @@ Semantics in short (one request at a time, batch size 1):
   token fed back), token_in(set), in_span(open, close) (opener inclusive, closer exclusive,
   state carried across forward passes), all.
 - A read that did not run on a token has no value there (NaN); a gate on it is false.
-- Latches are decided at the last prompt token (in later sites of that forward) and held
-  for every generated token; false before.
+- Latches are decided at the last prompt token (for ops at later sites than the read, in
+  that same forward) and held for every generated token; false before. Ops at the read's
+  site or before it see the latch from the first generated token.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from xmix import reference as R
 from xmix.api import App
 from xmix.catalog import FLT_MAX, KERNELS
 from xmix.hooks import ModelShape, site_id
-from xmix.lowering import DeployError, LoweredApp, LoweredOp, lower
+from xmix.lowering import DeployError, LoweredApp, LoweredOp, latch_from_generated, lower
 
 MODES = ("off", "request", "all")
 NAN = float("nan")
@@ -276,7 +277,7 @@ class _Step:
         v = self.req.app_params[att.name][value] if isinstance(value, str) else value
         return _f32(float(v))
 
-    def holds(self, att: _Attached, node, t: int) -> bool:
+    def holds(self, att: _Attached, op: LoweredOp, node, t: int) -> bool:
         if node is None:
             return True
         if isinstance(node, C.Flag):
@@ -290,7 +291,10 @@ class _Step:
             v = self.values.get((att.name, node.read), [NAN] * self.n)[t]
             return R.compare(v, node.cmp, self.threshold(att, node.value))
         if isinstance(node, C.Latch):
-            decided = self.generated[t] or (self.prompt[t] and self.last[t])
+            if latch_from_generated(att.lowered, op, node):
+                decided = self.generated[t]
+            else:
+                decided = self.generated[t] or (self.prompt[t] and self.last[t])
             if not decided:
                 return False
             s = self.req.read_stats.get((att.name, node.read))
@@ -304,11 +308,11 @@ class _Step:
                 return False
             return R.compare(v, node.cmp, self.threshold(att, node.value))
         if isinstance(node, C.And):
-            return self.holds(att, node.a, t) and self.holds(att, node.b, t)
+            return self.holds(att, op, node.a, t) and self.holds(att, op, node.b, t)
         if isinstance(node, C.Or):
-            return self.holds(att, node.a, t) or self.holds(att, node.b, t)
+            return self.holds(att, op, node.a, t) or self.holds(att, op, node.b, t)
         if isinstance(node, C.Not):
-            return not self.holds(att, node.a, t)
+            return not self.holds(att, op, node.a, t)
         raise TypeError(f"unknown condition node {node!r}")
 
     # -- ops ----------------------------------------------------------------------------
@@ -319,7 +323,7 @@ class _Step:
                                f"{self.n} tokens (only batch size 1 is supported)")
         if not self.req.uses(att):
             return
-        mask_list = [self.holds(att, op.cond, t) for t in range(self.n)]
+        mask_list = [self.holds(att, op, op.cond, t) for t in range(self.n)]
         mask = torch.tensor(mask_list, dtype=torch.bool, device=rows.device)
         arts = {k: v.to(rows.device) for k, v in op.artifacts.items()}
         p = lambda name: self.req.param(att, op, name)  # noqa: E731
