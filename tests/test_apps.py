@@ -486,6 +486,8 @@ def test_cast_factory_errors():
     assert app.ops[1].condition() == C.Latch("prompt_last", "cast_sim", "<", "theta")
     with pytest.raises(AppError, match="give condition_layer= and behavior_layers="):
         cast(v, v, threshold=0.1)
+    with pytest.raises(AppError, match="give behavior_layers=; defaults exist only"):
+        cast(v, v, condition_layer=1, threshold=0.1)
     # [3, 8] would be a valid [n_layers, d] for a 3-layer model, which only deploy can check;
     # a width that differs from the condition vector's is wrong for any model
     with pytest.raises(AppError, match=r"'behavior_vectors' has shape \[2, 6\]"):

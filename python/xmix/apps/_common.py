@@ -54,6 +54,19 @@ def model_defaults(table: dict[str, dict[str, Any]], model: str | None) -> dict[
     return dict(table.get(m.key, {})) if m else {}
 
 
+def with_defaults(app: str, table: dict[str, dict[str, Any]], model: str | None, hint: str = "",
+                  **given: Any) -> list[Any]:
+    """The given arguments in order, each None filled from the paper model's defaults; an
+    error naming every argument still missing (``hint`` says what it means)."""
+    dflt = model_defaults(table, model)
+    out = {k: dflt.get(k) if v is None else v for k, v in given.items()}
+    missing = [k for k, v in out.items() if v is None]
+    if missing:
+        raise fail(app, "give " + " and ".join(f"{k}=" for k in missing) + (f" ({hint})" if hint else "")
+                   + f"; defaults exist only for the paper's models {sorted(table)}")
+    return list(out.values())
+
+
 def fail(app: str, msg: str) -> AppError:
     return AppError(f"{app}: {msg}")
 

@@ -57,14 +57,8 @@ def cast(condition_vector: Any, behavior_vectors: Any, *, condition_layer: int |
          metadata: dict[str, Any] | None = None) -> App:
     """CAST app. ``condition_vector``: v [d]; ``behavior_vectors``: u, [d] shared or
     [len(behavior_layers), d] / [n_layers, d] per layer; ``threshold``: θ."""
-    dflt = c.model_defaults(DEFAULTS, model)
-    if condition_layer is None:
-        condition_layer = dflt.get("condition_layer")
-    if behavior_layers is None:
-        behavior_layers = dflt.get("behavior_layers")
-    if condition_layer is None or behavior_layers is None:
-        raise c.fail(APP, "give condition_layer= and behavior_layers=; defaults exist only for the "
-                          f"paper's models {sorted(DEFAULTS)}")
+    condition_layer, behavior_layers = c.with_defaults(
+        APP, DEFAULTS, model, condition_layer=condition_layer, behavior_layers=behavior_layers)
     cl = c.layer(APP, "condition_layer", condition_layer)
     bl = c.layer_list(APP, "behavior_layers", behavior_layers)
     cmp = CAST_WORDS.get(comparator, comparator)

@@ -47,14 +47,8 @@ def kl_then_steer(directions: Any, scales: Any, probe_weight: Any, probe_bias: f
                   name: str | None = None, metadata: dict[str, Any] | None = None) -> App:
     """KTS steering gated by a prompt probe. ``directions``: unit û_l [len(layers), d];
     ``scales``: s_l [len(layers)]; ``probe_weight`` [d], ``probe_bias``: the gate σ(w·h + b)."""
-    dflt = c.model_defaults(DEFAULTS, model)
-    if layers is None:
-        layers = dflt.get("layers")
-    if probe_layer is None:
-        probe_layer = dflt.get("probe_layer")
-    if layers is None or probe_layer is None:
-        raise c.fail(APP, "give layers= and probe_layer=; defaults exist only for the paper's "
-                          f"models {sorted(DEFAULTS)}")
+    layers, probe_layer = c.with_defaults(APP, DEFAULTS, model, layers=layers,
+                                          probe_layer=probe_layer)
     ls = c.layer_list(APP, "layers", layers)
     pl = c.layer(APP, "probe_layer", probe_layer)
     if reduce not in REDUCES:

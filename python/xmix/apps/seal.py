@@ -46,11 +46,8 @@ def seal(vector: Any, layer: int | None = None, *, coeff: float = 1.0, only_gene
     """SEAL app. ``vector``: S [d]; ``layer``: where to add it (default from the paper's models)."""
     s = c.vector(APP, "vector", vector)
     c.check(APP, {"vector": s}, {"d": int(s.shape[0])}, model)
-    if layer is None:
-        layer = c.model_defaults(DEFAULTS, model).get("layer")
-        if layer is None:
-            raise c.fail(APP, "give layer= (SEAL steers one layer: 20 on 28-layer models); defaults "
-                              f"exist only for the paper's models {sorted(DEFAULTS)}")
+    (layer,) = c.with_defaults(APP, DEFAULTS, model, "SEAL steers one layer: 20 on 28-layer models",
+                               layer=layer)
     layer = c.layer(APP, "layer", layer)
     coeff = c.number(APP, "coeff", coeff)
     for what, v in (("separator", separator), ("think_open", think_open), ("think_close", think_close)):

@@ -43,11 +43,7 @@ def truth_probe(weight: Any, bias: float, layer: int | None = None, *, tokens: s
     w = c.vector(APP, "weight", weight)
     b = c.number(APP, "bias", bias)
     c.check(APP, {"weight": w, "bias": b}, {"d": int(w.shape[0])}, model)
-    if layer is None:
-        layer = c.model_defaults(DEFAULTS, model).get("layer")
-        if layer is None:
-            raise c.fail(APP, "give layer= (the layer the probe was trained on); defaults exist only "
-                              f"for the paper's models {sorted(DEFAULTS)}")
+    (layer,) = c.with_defaults(APP, DEFAULTS, model, "the layer the probe was trained on", layer=layer)
     layer = c.layer(APP, "layer", layer)
     app = c.new_app(APP, name, model=model, hidden_size=int(w.shape[0]), sites=["mlp.post"],
                     layers=[layer], params={"tokens": tokens},
