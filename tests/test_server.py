@@ -145,23 +145,32 @@ def test_streaming_carries_the_same_results(server):
 
 
 def test_parallel_sampling_results_per_choice(server):
-    """n=2: each choice carries its own sequence's reads, the top level those of choice 0, and
-    a stream with the same seed gives each choice the same reads on its own chunks."""
+    """n=2: each choice carries the reads of its own sequence (the HF oracle fed that choice's
+    tokens), the top level those of choice 0, and a stream with the same seed gives each
+    choice the same reads on its own chunks."""
+    from transformers import AutoModelForCausalLM
+
+    from xmix.integrations.hf import attach
+
     body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 6, "temperature": 1.0,
             "seed": 3, "n": 2, "vllm_xargs": {"xmix": json.dumps({"apps": ["probe"]})}}
-    full = server["client"].post("/v1/completions", json=body)
+    full = server["client"].post("/v1/completions", json={**body, "return_token_ids": True})
     assert full.status_code == 200, full.text
     full = full.json()
     choices = sorted(full["choices"], key=lambda c: c["index"])
     assert [c["index"] for c in choices] == [0, 1]
-    assert choices[0]["text"] != choices[1]["text"], "seeded sampling should differ per choice"
+    assert choices[0]["token_ids"] != choices[1]["token_ids"], "seeded sampling should differ per choice"
     reads = [c["xmix"]["probe"]["p2"] for c in choices]
-    n_prompt = len(reads[0]["positions"]) - 5
-    for r in reads:
-        assert r["positions"] == list(range(n_prompt + 5))
-    # same prompt, so the same prompt reads; different tokens after it
-    np.testing.assert_allclose(reads[0]["values"][:n_prompt], reads[1]["values"][:n_prompt], rtol=1e-6)
-    assert reads[0]["values"][n_prompt:] != reads[1]["values"][n_prompt:]
+    model = AutoModelForCausalLM.from_pretrained(server["model"], dtype=torch.float32)
+    with attach(model, [server["probe"]]) as att:
+        for c, r in zip(choices, reads):
+            req = att.request(c["prompt_token_ids"], apps=["probe"])
+            req.prefill()
+            for t in c["token_ids"][:-1]:  # the last sampled token is never fed back
+                req.decode(t)
+            want = req.results["probe"]["p2"]
+            assert r["positions"] == want["positions"] == list(range(len(c["prompt_token_ids"]) + 5))
+            np.testing.assert_allclose(r["values"], want["values"], rtol=1e-4, atol=1e-6)
     assert full["xmix"] == choices[0]["xmix"]
 
     got = {0: {"positions": [], "values": []}, 1: {"positions": [], "values": []}}
