@@ -136,3 +136,60 @@ TEST(KernelTwins, SiteAnchorMatchesTheCpuInterpreter) {
   for (int i = 3 * Block::D; i < 5 * Block::D; ++i)
     EXPECT_EQ(h_gpu[i], std::sin(0.7f * static_cast<float>(i)));
 }
+
+TEST(KernelTwins, LatchFromGeneratedOnBothTwins) {
+  const std::string why = gpu_missing();
+  if (!why.empty()) GTEST_SKIP() << "gpu test skipped: " << why;
+
+  // row 0: the last prompt token of a 4-token prompt; row 1: another request's first
+  // generated token. Both latches hold (prompt mean 0.6 >= 0.5); the add flagged
+  // kLatchFromGenerated may only touch row 1, the plain one touches both.
+  Block b;
+  b.request(0, 0, 0, 1, 3, 4);
+  b.request(1, 1, 1, 1, 4, 4);
+  for (int s = 0; s < 2; ++s) {
+    b.slot_apps[s] = 1;
+    b.slot_params[s * Block::P + 0] = 2.f;   // add scale
+    b.slot_params[s * Block::P + 1] = 0.5f;  // latch threshold
+    float* st = &b.read_state[(s * Block::R + 1) * kReadStateWidth];
+    st[0] = 1.8f; st[1] = 3.f; st[2] = 0.9f;
+  }
+  b.cond = {C_LATCH, 1, CMP_GE | (RED_MEAN << 8) | kLatchFromGenerated, 1,
+            C_LATCH, 1, CMP_GE | (RED_MEAN << 8), 1};
+  const std::vector<float> v = {1.f, 2.f, -1.f, 0.5f}, u = {0.25f, -0.5f, 0.75f, 1.f};
+  auto make_ops = [&](uint64_t pv, uint64_t pu) {
+    OpDesc late = add_op(0, nullptr, 0, 0, 1);
+    late.a0 = pv;
+    OpDesc plain = add_op(0, nullptr, 0, 1, 1);
+    plain.a0 = pu;
+    return std::vector<OpDesc>{late, plain};
+  };
+  b.ops = make_ops(addr(v.data()), addr(u.data()));
+  b.site_first[1] = 0;
+  b.site_count[1] = 2;
+  b.build(2, 2);
+
+  std::vector<float> h(2 * Block::D), r(2 * Block::D, 0.f);
+  for (size_t i = 0; i < h.size(); ++i) h[i] = std::sin(0.7f * static_cast<float>(i));
+  std::vector<float> want = h;
+  for (int j = 0; j < Block::D; ++j) {
+    want[j] += 2.f * u[j];
+    want[Block::D + j] += 2.f * v[j] + 2.f * u[j];
+  }
+  std::vector<float> h_gpu = h;
+
+  DeviceMirror m0(b, {});
+  const uint64_t dv = m0.up(v), du = m0.up(u);
+  DeviceMirror m(b, make_ops(dv, du));
+  const uint64_t dh = m.up(h_gpu), dr = m.up(r);
+  ASSERT_EQ(launch_site_anchor(m.d_cb, 1, reinterpret_cast<void*>(dh), reinterpret_cast<void*>(dr), 2,
+                               Block::D, Block::D, Block::D, DT_F32, nullptr), 0);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  m.down(dh, h_gpu);
+
+  run_site_cpu(b.cb, 1, h.data(), r.data(), 2, Block::D, Block::D, Block::D, DT_F32);
+  for (size_t i = 0; i < h.size(); ++i) {
+    EXPECT_NEAR(h[i], want[i], 1e-6f) << "cpu h[" << i << "]";
+    EXPECT_NEAR(h_gpu[i], want[i], 1e-6f) << "gpu h[" << i << "]";
+  }
+}
