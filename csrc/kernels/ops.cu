@@ -90,11 +90,11 @@ __device__ float cosine_of_mean(const float* sum, float count, const OpDesc& op,
   const float* v = ptr<const float>(op.a0);
   const float inv_vv = ptr<const float>(op.a1)[0];
   float vm = 0.f;
-  for (int32_t i = threadIdx.x; i < d; i += blockDim.x) vm += v[i] * (sum[i] / count);
+  for (int32_t i = threadIdx.x; i < d; i += blockDim.x) vm += v[i] * (__ldcg(&sum[i]) / count);
   const float a = block_sum(vm, red) * inv_vv;
   float mu = 0.f, mm = 0.f, uu = 0.f;
   for (int32_t i = threadIdx.x; i < d; i += blockDim.x) {
-    const float m = sum[i] / count;
+    const float m = __ldcg(&sum[i]) / count;
     const float u = tanhf(a * v[i]);
     mu += m * u;
     mm += m * m;
@@ -182,7 +182,11 @@ __device__ void run_op_row(const ControlBlock& cb, const OpDesc& op, int32_t t, 
         for (int32_t i = threadIdx.x; i < d; i += blockDim.x) atomicAdd(&st[i], row.x(i));
         if (threadIdx.x == 0) atomicAdd(&st[d], 1.f);
       }
+      // threadFenceReduction: every thread fences its own adds, and the barrier makes thread
+      // 0 count this block's arrival only after all of them have; without it the last block
+      // could read the sums before this block's adds are visible.
       __threadfence();
+      __syncthreads();
       __shared__ int32_t s_last;
       const int32_t rw = ptr<const int32_t>(cb.tok_row)[t];
       if (threadIdx.x == 0) {
@@ -194,8 +198,10 @@ __device__ void run_op_row(const ControlBlock& cb, const OpDesc& op, int32_t t, 
       __syncthreads();
       if (s_last) {
         __threadfence();
-        if (ptr<const int32_t>(cb.row_done)[rw] && st[d] > 0.f) {
-          const float v = cosine_of_mean(st, st[d], op, d, red);
+        // The sums were written by other blocks' atomics (in L2): read them past L1.
+        const float count = __ldcg(&st[d]);
+        if (ptr<const int32_t>(cb.row_done)[rw] && count > 0.f) {
+          const float v = cosine_of_mean(st, count, op, d, red);
           if (threadIdx.x == 0) {
             const int32_t t_last = ptr<const int32_t>(cb.row_tok_start)[rw] +
                                    ptr<const int32_t>(cb.row_n_prompt)[rw] - 1;
@@ -520,6 +526,29 @@ int load_custom_cuda(const void* image, const char* name, uint64_t* kernel) {
   // Launched through cudaLaunchKernel with the handle cast to a function pointer, as the
   // runtime documents for context-less kernels.
   *kernel = reinterpret_cast<uint64_t>(k);
+  return 0;
+}
+
+int preload_kernels(int* count) {
+  // Loads every module-level kernel now (lazy loading would otherwise load one the first
+  // time it is launched, which may be in the middle of a stream capture).
+  const void* kernels[] = {
+      reinterpret_cast<const void*>(&xmix_site_anchor), reinterpret_cast<const void*>(&xmix_op_kernel),
+      reinterpret_cast<const void*>(&xmix_gate_kernel), reinterpret_cast<const void*>(&xmix_prologue_reset),
+      reinterpret_cast<const void*>(&xmix_prologue_tokens),
+      reinterpret_cast<const void*>(&xmix_custom_select), reinterpret_cast<const void*>(&xmix_custom_finish)};
+  int n = 0;
+  for (const void* k : kernels) {
+    cudaFuncAttributes a;
+    const cudaError_t e = cudaFuncGetAttributes(&a, k);
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      if (count) *count = n;
+      return static_cast<int>(e);
+    }
+    ++n;
+  }
+  if (count) *count = n;
   return 0;
 }
 
