@@ -45,6 +45,24 @@ bool cuda_available() {
 #endif
 }
 
+// Loads every xmix kernel on the current device (no module loads lazily during a capture);
+// the number loaded. Throws when a GPU is there but a kernel cannot be loaded (a module built
+// for another architecture); 0 without a GPU.
+int load_kernels_now() {
+#if defined(XMIX_WITH_CUDA)
+  if (!cuda_available()) return 0;
+  int n = 0;
+  const int e = xmix::preload_kernels(&n);
+  if (e != 0) {
+    throw std::runtime_error("xmix: loading the xmix kernels failed after " + std::to_string(n) +
+                             " of them: " + cudaGetErrorString(static_cast<cudaError_t>(e)));
+  }
+  return n;
+#else
+  return 0;
+#endif
+}
+
 std::string cuda_status() {
 #if defined(XMIX_WITH_CUDA)
   int n = 0;
@@ -53,7 +71,15 @@ std::string cuda_status() {
     cudaGetLastError();
     return std::string("built with CUDA; no usable GPU: ") + cudaGetErrorString(e);
   }
-  return "built with CUDA; " + std::to_string(n) + " GPU(s)";
+  if (n == 0) return "built with CUDA; 0 GPU(s)";
+  int loaded = 0;
+  e = static_cast<cudaError_t>(xmix::preload_kernels(&loaded));
+  if (e != cudaSuccess) {
+    return "built with CUDA; " + std::to_string(n) + " GPU(s); loading the xmix kernels failed: " +
+           cudaGetErrorString(e);
+  }
+  return "built with CUDA; " + std::to_string(n) + " GPU(s); " + std::to_string(loaded) +
+         " xmix kernels loaded";
 #else
   return "built without CUDA (no toolkit at build time)";
 #endif
@@ -138,7 +164,10 @@ PYBIND11_MODULE(_C, m) {
     return false;
 #endif
   });
-  m.def("cuda_status", &cuda_status);
+  m.def("cuda_status", &cuda_status,
+        "What CUDA xmix._C can use; with a GPU it also loads every xmix kernel once");
+  m.def("preload_kernels", &load_kernels_now,
+        "Load every xmix kernel on the current device now; returns how many (0 without a GPU)");
   m.def("control_layout", &control_layout);
   m.def("op_layout", &op_layout);
   m.def("constants", &constants);

@@ -10,6 +10,7 @@
 //
 // Error handling follows PyTorch's CUDAGraph.cpp: every CUDA call is checked, a failing call
 // clears the runtime's last error and throws with the call's text.
+#include <cuda.h>  // driver types only: driver calls go through cudaGetDriverEntryPointByVersion
 #include <cuda_runtime.h>
 #include <nvtx3/nvToolsExt.h>
 
@@ -23,6 +24,7 @@
 #include <vector>
 
 #include "applier.h"
+#include "kernel_match.h"
 #include "planner.h"
 #include "xmix/control.h"
 #include "xmix/custom.h"
@@ -62,10 +64,11 @@ struct NvtxRange {
 constexpr uint32_t kThreads = 256;
 constexpr unsigned kDefaultSmemLimit = 48 * 1024;
 
-// Our kernels, by host stub and by the runtime's other names for them, so a kernel node is
-// recognised whichever form cudaGraphKernelNodeGetParams reports.
+// Our kernels in every form the runtime may report for a kernel node (kernel_match.h): the
+// host stub, its cudaFunction_t and cudaKernel_t, and the mangled name for a handle that
+// matches none of these.
 struct Symbols {
-  std::unordered_map<const void*, Role> by_func;
+  KnownKernels known;
   Symbols() {
     const std::pair<const void*, Role> ours[] = {
         {anchor_kernel_symbol(), Role::Anchor},
@@ -75,24 +78,71 @@ struct Symbols {
         {custom_finish_kernel_symbol(), Role::CustomFinish},
     };
     for (auto& [stub, role] : ours) {
-      by_func[stub] = role;
+      known.add_handle(stub, role, MatchForm::Stub);
       cudaFunction_t f = nullptr;
-      if (cudaGetFuncBySymbol(&f, stub) == cudaSuccess && f) by_func[reinterpret_cast<const void*>(f)] = role;
+      if (cudaGetFuncBySymbol(&f, stub) == cudaSuccess && f)
+        known.add_handle(reinterpret_cast<const void*>(f), role, MatchForm::Function);
       else cudaGetLastError();
       cudaKernel_t k = nullptr;
-      if (cudaGetKernel(&k, stub) == cudaSuccess && k) by_func[reinterpret_cast<const void*>(k)] = role;
+      if (cudaGetKernel(&k, stub) == cudaSuccess && k)
+        known.add_handle(reinterpret_cast<const void*>(k), role, MatchForm::Kernel);
+      else cudaGetLastError();
+      const char* name = nullptr;
+      if (cudaFuncGetName(&name, stub) == cudaSuccess && name) known.add_name(name, role);
       else cudaGetLastError();
     }
-  }
-  Role role_of(const void* func) const {
-    auto it = by_func.find(func);
-    return it == by_func.end() ? Role::Foreign : it->second;
   }
 };
 
 const Symbols& symbols() {
   static const Symbols s;
   return s;
+}
+
+// Driver entry points, looked up through the runtime: xmix._C does not link libcuda, so it
+// imports on machines without a driver.
+struct Driver {
+  using NodeParamsFn = CUresult (*)(CUgraphNode, CUDA_KERNEL_NODE_PARAMS_v2*);
+  using FuncNameFn = CUresult (*)(const char**, CUfunction);
+  using KernelNameFn = CUresult (*)(const char**, CUkernel);
+  NodeParamsFn node_params = nullptr;
+  FuncNameFn func_name = nullptr;
+  KernelNameFn kernel_name = nullptr;
+  Driver() {
+    get("cuGraphKernelNodeGetParams", 12000, reinterpret_cast<void**>(&node_params));
+    get("cuFuncGetName", 12030, reinterpret_cast<void**>(&func_name));
+    get("cuKernelGetName", 12030, reinterpret_cast<void**>(&kernel_name));
+  }
+  static void get(const char* sym, unsigned version, void** fn) {
+    cudaDriverEntryPointQueryResult q;
+    if (cudaGetDriverEntryPointByVersion(sym, fn, version, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      *fn = nullptr;
+    }
+  }
+};
+
+const Driver& driver() {
+  static const Driver d;
+  return d;
+}
+
+// The kernel name of a node whose function handle is none of ours: the runtime's answer
+// for the handle it reported, else the driver's for the node's CUfunction or CUkernel.
+const char* node_kernel_name(cudaGraphNode_t n, const void* rt_func,
+                             const CUDA_KERNEL_NODE_PARAMS_v2* drv) {
+  const char* name = nullptr;
+  if (rt_func) {
+    if (cudaFuncGetName(&name, rt_func) == cudaSuccess && name) return name;
+    cudaGetLastError();
+  }
+  const Driver& d = driver();
+  if (drv && drv->func && d.func_name && d.func_name(&name, drv->func) == CUDA_SUCCESS && name)
+    return name;
+  if (drv && drv->kern && d.kernel_name && d.kernel_name(&name, drv->kern) == CUDA_SUCCESS && name)
+    return name;
+  return nullptr;
 }
 
 NodeType to_ir(cudaGraphNodeType t) {
@@ -157,15 +207,15 @@ EdgeData from_cuda(const cudaGraphEdgeData& e) {
   return d;
 }
 
-// Reads the arguments of an anchor kernel node; params.kernelParams points at node-owned
-// copies of each argument, in signature order.
-AnchorArgs read_anchor(const cudaKernelNodeParams& p) {
+// Reads the arguments of an anchor kernel node; kp points at node-owned copies of each
+// argument, in signature order.
+AnchorArgs read_anchor(dim3 grid, dim3 block, unsigned smem, void** kp) {
   AnchorArgs a;
-  a.grid_x = p.gridDim.x; a.grid_y = p.gridDim.y; a.grid_z = p.gridDim.z;
-  a.block_x = p.blockDim.x; a.block_y = p.blockDim.y; a.block_z = p.blockDim.z;
-  a.smem = p.sharedMemBytes;
-  if (!p.kernelParams) return a;  // launched with the "extra" packing: not our launcher
-  void** k = p.kernelParams;
+  a.grid_x = grid.x; a.grid_y = grid.y; a.grid_z = grid.z;
+  a.block_x = block.x; a.block_y = block.y; a.block_z = block.z;
+  a.smem = smem;
+  if (!kp) return a;  // launched with the "extra" packing: not our launcher
+  void** k = kp;
   a.cb = reinterpret_cast<uint64_t>(*static_cast<const ControlBlock* const*>(k[0]));
   a.site = *static_cast<const int32_t*>(k[1]);
   a.h = reinterpret_cast<uint64_t>(*static_cast<void* const*>(k[2]));
@@ -266,6 +316,7 @@ struct IfRec {
 struct Info {
   NodeType type = NodeType::Unknown;
   Role role = Role::Foreign;
+  MatchForm form = MatchForm::None;  // how a kernel node of ours was recognised
   int32_t parent = -1;
   AnchorArgs anchor;
 };
@@ -348,17 +399,35 @@ struct GraphPatch::Impl {
     cudaGraphNodeType t;
     XG_CHECK(cudaGraphNodeGetType(n, &t));
     inf.type = to_ir(t);
-    if (t == cudaGraphNodeTypeKernel) {
-      cudaKernelNodeParams p{};
-      // Kernels of other libraries may be unknown to this (static) runtime: not ours.
-      if (cudaGraphKernelNodeGetParams(n, &p) == cudaSuccess) {
-        inf.role = symbols().role_of(p.func);
-        if (inf.role == Role::Anchor) inf.anchor = read_anchor(p);
-      } else {
-        cudaGetLastError();
-      }
-    }
+    if (t == cudaGraphNodeTypeKernel) classify_kernel(n, inf);
     return info.emplace(id, inf).first->second;
+  }
+
+  void classify_kernel(cudaGraphNode_t n, Info& inf) {
+    cudaKernelNodeParams p{};
+    // Kernels of other libraries may be unknown to this (static) runtime.
+    const bool rt = cudaGraphKernelNodeGetParams(n, &p) == cudaSuccess;
+    if (!rt) cudaGetLastError();
+    CUDA_KERNEL_NODE_PARAMS_v2 drv{};
+    bool have_drv = false;
+    auto drv_params = [&]() -> const CUDA_KERNEL_NODE_PARAMS_v2* {
+      if (!have_drv && driver().node_params)
+        have_drv = driver().node_params(reinterpret_cast<CUgraphNode>(n), &drv) == CUDA_SUCCESS;
+      return have_drv ? &drv : nullptr;
+    };
+    const KernelMatch m = symbols().known.match(rt ? p.func : nullptr, [&]() {
+      return node_kernel_name(n, rt ? p.func : nullptr, drv_params());
+    });
+    inf.role = m.role;
+    inf.form = m.form;
+    if (m.role != Role::Anchor) return;
+    if (rt) {
+      inf.anchor = read_anchor(p.gridDim, p.blockDim, p.sharedMemBytes, p.kernelParams);
+    } else if (const CUDA_KERNEL_NODE_PARAMS_v2* d = drv_params()) {
+      inf.anchor = read_anchor(dim3(d->gridDimX, d->gridDimY, d->gridDimZ),
+                               dim3(d->blockDimX, d->blockDimY, d->blockDimZ), d->sharedMemBytes,
+                               d->kernelParams);
+    }
   }
 
   void read_into(Graph& g, cudaGraph_t graph, int32_t parent) {
@@ -704,6 +773,37 @@ int GraphPatch::refresh_app_params(uint64_t exec_u, int32_t app) {
     }
   }
   return updated;
+}
+
+void GraphPatch::set_anchor_config(uint64_t exec_u, bool anchors) {
+  NvtxRange r(anchors ? "xmix.graph.config anchors" : "xmix.graph.config patched");
+  if (!anchors) {
+    bind(exec_u);
+    return;
+  }
+  cudaGraphExec_t exec = reinterpret_cast<cudaGraphExec_t>(static_cast<uintptr_t>(exec_u));
+  if (!exec) throw std::invalid_argument("xmix graph patch: null cudaGraphExec_t");
+  for (const auto& [id, inf] : impl_->info) {
+    if (inf.parent != -1 || !impl_->handles.count(id)) continue;
+    if (inf.role == Role::Anchor)
+      XG_CHECK(cudaGraphNodeSetEnabled(exec, impl_->handle(id), 1u));
+    else if (inf.role == Role::Op || inf.role == Role::Gate || inf.role == Role::CustomSelect ||
+             inf.role == Role::CustomUser || inf.role == Role::CustomFinish)
+      XG_CHECK(cudaGraphNodeSetEnabled(exec, impl_->handle(id), 0u));
+  }
+}
+
+std::map<std::string, int> GraphPatch::anchor_forms() const {
+  std::map<std::string, int> out;
+  for (const auto& [id, inf] : impl_->info)
+    if (inf.role == Role::Anchor) ++out[form_name(inf.form)];
+  return out;
+}
+
+void copy_device(uint64_t dst, uint64_t src, uint64_t nbytes, uint64_t stream) {
+  XG_CHECK(cudaMemcpyAsync(as_ptr<void>(dst), as_ptr<const void>(src), nbytes,
+                           cudaMemcpyDeviceToDevice,
+                           reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(stream))));
 }
 
 std::string GraphPatch::verify(const Graph& expected) {

@@ -9,6 +9,7 @@
 // graph's use. Compiled only with a CUDA toolkit (XMIX_WITH_CUDA).
 #pragma once
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 
@@ -51,6 +52,16 @@ class GraphPatch {
   // (cudaGraphExecKernelNodeSetParams); returns the nodes updated.
   int refresh_app_params(uint64_t exec, int32_t app);
 
+  // The first-replay check (python/xmix/graphs.py): anchors = true switches `exec` to the
+  // captured configuration (every anchor on, every top-level spliced node off; IF bodies
+  // stay skipped since their gates are off) without changing the recorded states; false
+  // pushes the recorded states back (as bind()).
+  void set_anchor_config(uint64_t exec, bool anchors);
+
+  // How the anchor nodes read so far were recognised: form name ("stub", "function",
+  // "kernel", "name") -> count.
+  std::map<std::string, int> anchor_forms() const;
+
   // Empty when read() matches `expected` structurally (planner.h describe()), else both
   // descriptions.
   std::string verify(const Graph& expected);
@@ -62,6 +73,9 @@ class GraphPatch {
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
+
+// Device-to-device copy of raw memory on `stream` (the check's snapshots of a graph's pool).
+void copy_device(uint64_t dst, uint64_t src, uint64_t nbytes, uint64_t stream);
 
 // NVTX ranges in the "xmix" domain (no-ops unless a tool such as Nsight is attached).
 void nvtx_push(const std::string& message);

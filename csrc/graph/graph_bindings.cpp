@@ -3,6 +3,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <map>
 #include <string>
 
 #include "ir.h"
@@ -197,6 +198,8 @@ void register_graph_bindings(py::module_& m) {
 
 #if defined(XMIX_WITH_CUDA)
   g.def("conditionals_supported", &conditionals_supported);
+  g.def("copy_device", &copy_device, py::arg("dst"), py::arg("src"), py::arg("nbytes"),
+        py::arg("stream"));
   g.def("nvtx_push", &nvtx_push);
   g.def("nvtx_pop", &nvtx_pop);
   g.def("nvtx_mark", &nvtx_mark);
@@ -210,6 +213,8 @@ void register_graph_bindings(py::module_& m) {
            py::arg("enabled"))
       .def("refresh_app_params", &GraphPatch::refresh_app_params, py::arg("exec"), py::arg("app"))
       .def("verify", &GraphPatch::verify, py::arg("expected"))
+      .def("set_anchor_config", &GraphPatch::set_anchor_config, py::arg("exec"), py::arg("anchors"))
+      .def_property_readonly("anchor_forms", &GraphPatch::anchor_forms)
       .def("update", [](GraphPatch& self, const Program& prog, uint64_t exec, bool verify) {
              // read -> plan -> apply in one call; with verify, the graph read back must match
              // the planner's own application of the plan to the IR.

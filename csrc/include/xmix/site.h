@@ -67,6 +67,8 @@ int load_custom_cuda(const void* image, const char* name, uint64_t* kernel);
 const void* anchor_kernel_symbol();
 const void* op_kernel_symbol();
 const void* gate_kernel_symbol();
+// cudaFuncGetAttributes on every xmix kernel (loads their module); *count = kernels loaded.
+int preload_kernels(int* count);
 #endif
 
 }  // namespace xmix
