@@ -279,30 +279,41 @@ class SimPatch:
 
     def bind(self, exec_):
         self.bound.append(exec_)
+        self.anchors_on = False
 
     def set_app_enabled(self, exec_, app, on):
         return sum(1 for sp in self.ir.splices for s in sp.segments if s.app == app)
 
+    def set_anchor_config(self, exec_, anchors):
+        self.anchors_on = anchors
+
 
 class SimGraph:
-    """The parts of torch.cuda.CUDAGraph(keep_graph=True) that xmix.graphs uses."""
+    """The parts of torch.cuda.CUDAGraph(keep_graph=True) that xmix.graphs uses. The driver
+    refuses the first `fail_instantiate` instantiations, and those numbered in `fail_at`
+    (1-based). Like torch's, a refused instantiate() leaves the graph with no exec."""
 
-    def __init__(self, ptr, fail_instantiate=0):
-        self.ptr, self.execs, self.fail = ptr, 0, fail_instantiate
+    def __init__(self, ptr, fail_instantiate=0, fail_at=()):
+        self.ptr, self.execs, self.fail, self.fail_at = ptr, 0, fail_instantiate, set(fail_at)
+        self.calls = 0
+        self.has_exec = False
 
     def raw_cuda_graph(self):
         return self.ptr
 
     def raw_cuda_graph_exec(self):
-        if not self.execs:
+        if not self.has_exec:
             raise RuntimeError("no exec")
         return 1000 * self.ptr + self.execs
 
     def instantiate(self):
-        if self.fail:
-            self.fail -= 1
+        self.calls += 1
+        self.has_exec = False  # torch destroys the old exec first
+        if self.fail or self.calls in self.fail_at:
+            self.fail = max(0, self.fail - 1)
             raise RuntimeError("cudaGraphInstantiate: invalid value")
         self.execs += 1
+        self.has_exec = True
 
 
 @pytest.fixture
@@ -321,9 +332,9 @@ def sim(monkeypatch):
         graphs._registry.clear()
 
 
-def _sim_capture(hs, ptr, sites, fail_instantiate=0, verify=False, monkeypatch=None):
+def _sim_capture(hs, ptr, sites, fail_instantiate=0, fail_at=()):
     SimPatch.graphs[ptr] = line(*sites, cb=hs.cb.ptr)
-    g = SimGraph(ptr, fail_instantiate)
+    g = SimGraph(ptr, fail_instantiate, fail_at)
     graphs._begin_capture(g)
     for s in sites:
         hs.cb.graph_hook.note_anchor(s, None, None, 8, 16, 16, 0, 0)
@@ -398,6 +409,231 @@ def test_orchestration_fallbacks(sim, monkeypatch):
     monkeypatch.setenv("XMIX_GRAPH_PATCH", "0")
     g4 = _sim_capture(hs, 6, [pre0])
     assert g4._xmix_state == "disabled" and g4 not in graphs.kept_graphs()
+
+
+def test_ensure_current_replans_when_the_op_list_changes_at_a_reused_address(monkeypatch):
+    """An undeploy + deploy between two steps must re-plan even when the new site op list
+    lands at the address of the old one (CPython reuses freed memory): the fingerprint is
+    the control block's ops_generation, not the list's id()."""
+    from xmix.lowering import lower
+
+    steer, gated = _apps()
+    hs = Harness(SHAPE, [steer], "cpu")
+    cb = hs.cb
+    calls = []
+    monkeypatch.setattr(graphs, "on_apps_changed",
+                        lambda c: (calls.append("replan"), graphs._planned.__setitem__(c, graphs._fingerprint(c))))
+    assert graphs.ensure_current(cb) and calls == ["replan"]
+    old_list, gen = cb._site_ops, cb.ops_generation
+    cb.remove("steer")
+    cb.install(lower(gated, SHAPE))
+    assert cb.ops_generation == gen + 2
+    # what address reuse looks like: the new op list in the old list object
+    old_list[:] = cb._site_ops
+    cb._site_ops = old_list
+    assert graphs.ensure_current(cb), "stale op nodes: the deploy was not re-planned"
+    assert calls == ["replan", "replan"]
+
+
+def test_reinstantiation_refused_after_a_replan_falls_back_to_anchors(sim):
+    """The driver may refuse a graph first at a re-plan (its IF nodes appear only then);
+    torch has destroyed the old exec by then: the graph is put back as captured and
+    instantiated again, logged and counted, and the re-plan reports it."""
+    from xmix.lowering import lower
+
+    hs = sim
+    pre0, pre1 = site_id("residual.pre", 0, 2), site_id("residual.pre", 1, 2)
+    g = _sim_capture(hs, 11, [pre0, pre1], fail_at={2})
+    assert g._xmix_state == "patched" and g.execs == 1
+    hs.cb.install(lower(_apps()[0], SHAPE))
+    out = graphs.on_apps_changed(hs.cb)
+    assert out["fallback"] == 1 and out["reinstantiated"] == 0 and out["errors"] == 1
+    assert g.has_exec and g.execs == 2, "the fallback graph must have an exec"
+    assert g._xmix_state == "fallback" and not g._xmix.ir.splices
+    assert all(n.enabled for n in g._xmix.ir.nodes if n.role == G.Role.Anchor)
+    st = graphs.stats()
+    assert st["fallback"] == 1 and st["errors"] == 1
+    # the next deploy tries again and, accepted this time, patches
+    hs.cb.install(lower(_apps()[1], SHAPE))
+    out = graphs.on_apps_changed(hs.cb)
+    assert out["reinstantiated"] == 1 and g._xmix_state == "patched" and g.execs == 3
+
+
+# ---------------------------------------------------------------- first-replay check, simulated
+class SimReplay:
+    """A replay of a simulated graph: its pool holds out = x + effect, where the effect is
+    the anchors' (1.0 per spliced op) or the patched exec's (`patched_error` added), and it
+    accumulates into a stateful xmix buffer and writes a result channel, as latch sums and
+    reads do. `noise` makes every replay differ (a nondeterministic graph)."""
+
+    def __init__(self, g, cb, patched_error=0.0, noise=False):
+        self.g, self.cb = g, cb
+        self.x = torch.arange(8, dtype=torch.float32)
+        self.pool = torch.zeros(8)
+        self.patched_error, self.noise = patched_error, noise
+        self.n = 0
+
+    def __call__(self):
+        self.n += 1
+        ops_ = sum(len(sp.segments) for sp in self.g._xmix.ir.splices)
+        effect = float(ops_) + (0.0 if self.g._xmix.anchors_on else self.patched_error)
+        if self.noise:
+            effect += 1e-3 * self.n
+        self.pool.copy_(self.x + effect)
+        self.cb.dev["vec_state"][0] += 1.0
+        self.cb.dev["results"][0] = float(self.pool.sum())
+
+    def regions(self, g):
+        return [graphs._TensorRegion("pool", self.pool, exact=True)]
+
+
+def _checked_graph(hs, monkeypatch, ptr, **kw):
+    from xmix.lowering import lower
+
+    pre0, pre1 = site_id("residual.pre", 0, 2), site_id("residual.pre", 1, 2)
+    if "steer" not in hs.cb.apps:
+        hs.cb.install(lower(_apps()[0], SHAPE), mode="all")
+    g = _sim_capture(hs, ptr, [pre0, pre1])
+    rp = SimReplay(g, hs.cb, **kw)
+    monkeypatch.setattr(graphs, "_pool_regions", rp.regions)
+    return g, rp
+
+
+ONE = {"a": Req(2, 0, 2, ())}
+
+
+def test_first_replay_check_passes_and_changes_nothing(sim, monkeypatch):
+    monkeypatch.delenv("XMIX_GRAPH_CHECK", raising=False)
+    hs = sim
+    g, rp = _checked_graph(hs, monkeypatch, 21)
+    assert g._xmix_state == "patched" and g._xmix_check_due
+    # a step that runs no app of the graph compares nothing: the check waits
+    hs.cb.set_mode("steer", "off")
+    hs.step(ONE)
+    graphs._replay(g, rp)
+    assert rp.n == 1 and g._xmix_check_due and graphs.stats()["checks"] == 0
+    hs.cb.set_mode("steer", "all")
+    hs.step(ONE)
+    state0 = hs.cb.dev["vec_state"][0].item()
+    graphs._replay(g, rp)
+    assert rp.n == 3, "patched, then anchors"
+    assert hs.cb.dev["vec_state"][0].item() == state0 + 1, "the check must leave one replay's state"
+    assert torch.equal(rp.pool, rp.x + 2.0)
+    st = graphs.stats()
+    assert st["checks"] == 1 and st["check_passed"] == 1 and st["check_failed"] == 0
+    assert g._xmix_state == "patched" and not g._xmix.anchors_on and not g._xmix_check_due
+    graphs._replay(g, rp)  # later replays are plain
+    assert rp.n == 4 and graphs.stats()["checks"] == 1
+
+
+def test_first_replay_check_refuses_a_wrong_patched_graph(sim, monkeypatch):
+    """A patched graph whose result differs from its anchors': the anchors' result is the
+    one served, the graph is put back as captured for good, and it is counted."""
+    from xmix.lowering import lower
+
+    monkeypatch.delenv("XMIX_GRAPH_CHECK", raising=False)
+    hs = sim
+    g, rp = _checked_graph(hs, monkeypatch, 22, patched_error=0.5)
+    hs.step(ONE)
+    state0 = hs.cb.dev["vec_state"][0].item()
+    execs = g.execs
+    graphs._replay(g, rp)
+    assert torch.equal(rp.pool, rp.x + 2.0), "the served result must be the anchors'"
+    assert hs.cb.dev["vec_state"][0].item() == state0 + 1
+    assert hs.cb.dev["results"][0].item() == float((rp.x + 2.0).sum())
+    st = graphs.stats()
+    assert st["check_failed"] == 1 and st["check_passed"] == 0 and st["fallback"] == 1
+    assert g._xmix_state == "fallback" and "differs from its anchors" in g._xmix_refused
+    assert not g._xmix.ir.splices and g.execs == execs + 1
+    assert all(n.enabled for n in g._xmix.ir.nodes if n.role == G.Role.Anchor)
+    # deploys after that leave it as captured
+    hs.cb.install(lower(_apps()[1], SHAPE))
+    assert graphs.on_apps_changed(hs.cb)["graphs"] == 0
+    assert not g._xmix.ir.splices and g._xmix_state == "fallback"
+
+
+def test_first_replay_check_cannot_verify_a_nondeterministic_graph(sim, monkeypatch):
+    monkeypatch.delenv("XMIX_GRAPH_CHECK", raising=False)
+    hs = sim
+    g, rp = _checked_graph(hs, monkeypatch, 23, noise=True)
+    hs.step(ONE)
+    graphs._replay(g, rp)
+    assert rp.n == 3, "patched, anchors, anchors again"
+    st = graphs.stats()
+    assert st["check_unverifiable"] == 1 and st["check_failed"] == 0
+    assert g._xmix_state == "fallback" and "not deterministic" in g._xmix_refused
+
+
+def test_first_replay_check_switches(sim, monkeypatch):
+    hs = sim
+    monkeypatch.setenv("XMIX_GRAPH_CHECK", "0")
+    g, rp = _checked_graph(hs, monkeypatch, 24, patched_error=0.5)
+    assert not g._xmix_check_due
+    hs.step(ONE)
+    graphs._replay(g, rp)
+    assert rp.n == 1 and graphs.stats()["checks"] == 0
+    # a pool larger than XMIX_GRAPH_CHECK_MAX_MB is not snapshotted: anchors, unverified
+    monkeypatch.setenv("XMIX_GRAPH_CHECK", "1")
+    monkeypatch.setenv("XMIX_GRAPH_CHECK_MAX_MB", "0")
+    g2, rp2 = _checked_graph(hs, monkeypatch, 25, patched_error=0.5)
+    monkeypatch.setattr(graphs, "_pool_regions",
+                        lambda g: [graphs._RawRegion("pool", 0x1000, 1 << 20)])
+    hs.step(ONE)
+    graphs._replay(g2, rp2)
+    assert rp2.n == 1 and torch.equal(rp2.pool, rp2.x + 2.0), "one replay, with the anchors"
+    assert graphs.stats()["check_unverifiable"] == 1 and g2._xmix_state == "fallback"
+
+
+def test_replan_that_changes_the_splices_arms_the_check_again(sim, monkeypatch):
+    from xmix.lowering import lower
+
+    monkeypatch.delenv("XMIX_GRAPH_CHECK", raising=False)
+    hs = sim
+    g, rp = _checked_graph(hs, monkeypatch, 26)
+    hs.step(ONE)
+    graphs._replay(g, rp)
+    assert not g._xmix_check_due and graphs.stats()["check_passed"] == 1
+    graphs.on_apps_changed(hs.cb)  # same program: nothing new to check
+    assert not g._xmix_check_due
+    hs.cb.install(lower(_apps()[1], SHAPE), mode="all")
+    graphs.on_apps_changed(hs.cb)
+    assert g._xmix_check_due
+    hs.step(ONE)
+    graphs._replay(g, rp)
+    assert graphs.stats()["check_passed"] == 2
+
+
+def test_xmix_graph_class_routes_the_due_replay_through_the_check(sim, monkeypatch):
+    """XmixCUDAGraph.replay itself (made over a stand-in for torch.cuda.CUDAGraph)."""
+    monkeypatch.delenv("XMIX_GRAPH_CHECK", raising=False)
+    hs = sim
+    calls = []
+
+    class Base:
+        def __new__(cls, keep_graph=False):
+            return object.__new__(cls)
+
+        def __init__(self, keep_graph=False):
+            self.keep = keep_graph
+
+        def replay(self):
+            calls.append("replay")
+
+    cls = graphs._make_graph_class(Base)
+    g = cls(False)
+    assert g.keep is True, "the subclass always keeps its graph"
+    g.replay()
+    assert calls == ["replay"]
+    seen = []
+    monkeypatch.setattr(graphs, "_first_replay_check", lambda gg, cb, base: seen.append(gg) or base())
+    from xmix.lowering import lower
+
+    hs.cb.install(lower(_apps()[0], SHAPE), mode="all")
+    g._xmix_check_due, g._xmix_cb = True, hs.cb.ptr
+    g._xmix_check_apps = 1 << hs.cb.apps["steer"].index
+    hs.step(ONE)
+    g.replay()
+    assert seen == [g] and calls == ["replay", "replay"]
 
 
 # ---------------------------------------------------------------- GPU: capture, patch, compare

@@ -227,6 +227,9 @@ class ControlBlock:
             "row_n_tok", "row_reset", "row_n_prompt", "row_done")}
         self.n_ops = 0
         self.n_cond = 0
+        # Bumped by every change of the site op list: kept CUDA graphs compare it to know
+        # when their spliced op nodes are stale (xmix.graphs.ensure_current).
+        self.ops_generation = 0
         self.graph_hook = None           # set by the CUDA-graph capture hook
         self._site_custom: dict[int, list[tuple[int, InstalledApp, LoweredOp]]] = {}
         if self.on_gpu:
@@ -503,6 +506,7 @@ class ControlBlock:
         self._sync("ops", "cond_code", "site_first", "site_count", "tokset_bits", "span_def", "app_mode")
         self._sync_block()
         self._refresh_masks()
+        self.ops_generation += 1
 
     def _emit_cond(self, inst: InstalledApp, op: LoweredOp) -> list[int]:
         code: list[int] = []

@@ -17,10 +17,21 @@ What runs when (docs/cuda_graphs.md has the full design):
   Scalar parameters and built-in artifacts live in the control block: changing them needs
   no graph update at all.
 
-A graph the planner cannot handle keeps its anchors, which are correct on their own: it
-is logged and counted (``stats()["fallback"]``), never wrong. ``XMIX_GRAPH_PATCH=0``
+A graph the planner cannot handle, or whose patched form the driver refuses to
+instantiate (at capture or at a re-plan), keeps its anchors, which are correct on their own:
+it is logged and counted (``stats()["fallback"]``), never wrong. ``XMIX_GRAPH_PATCH=0``
 turns patching off (every graph keeps its anchors). ``XMIX_GRAPH_VERIFY=1`` reads every
 patched graph back and compares it with the plan.
+
+First-replay check (``XMIX_GRAPH_CHECK``, on by default until the GPU check of
+docs/cuda_graphs.md has passed on a device): the first replay of a patched graph in a step
+where one of its spliced apps runs replays it twice, patched and then with its anchors on
+and its spliced nodes off, from the same snapshot of the graph's memory pool and of the
+control block's stateful buffers. The anchors' replay is the one served. Any difference
+puts the graph back as captured for good (``stats()["check_failed"]``, or
+``"check_unverifiable"`` when two anchor replays differ themselves or the snapshot does not
+fit). Assumption: what the graph writes outside its pool and the control block (the KV
+cache) is the same on a second replay of the same inputs.
 """
 
 from __future__ import annotations
@@ -62,6 +73,14 @@ _STATS_KEYS = (
     "updated_in_place",  # ... updated with node params / enabled states only
     "toggled_nodes",     # cudaGraphNodeSetEnabled calls from set_app_enabled
     "unhooked_anchors",  # anchors captured into a graph xmix does not keep
+    "checks",            # first-replay checks run (XMIX_GRAPH_CHECK)
+    "check_passed",      # ... patched graph equal to its anchors
+    "check_failed",      # ... different: the graph fell back to its anchors for good
+    "check_unverifiable",  # ... could not be compared (nondeterministic, too large): fell back
+    "anchors_by_stub",   # anchor nodes recognised by the kernel's host stub ...
+    "anchors_by_function",  # ... by its cudaFunction_t
+    "anchors_by_kernel",    # ... by its cudaKernel_t
+    "anchors_by_name",      # ... by the kernel's (mangled) name only
 )
 _stats = dict.fromkeys(_STATS_KEYS, 0)
 _lock = threading.RLock()
@@ -95,6 +114,11 @@ def patching_enabled() -> bool:
 
 def _verify() -> bool:
     return os.environ.get("XMIX_GRAPH_VERIFY", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def check_enabled() -> bool:
+    """The first-replay check (module docstring); on unless XMIX_GRAPH_CHECK is 0/off."""
+    return os.environ.get("XMIX_GRAPH_CHECK", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def cuda_patching_available() -> str | None:
@@ -178,8 +202,9 @@ def program_for(cb, expected_anchors: int = -1, use_conditionals: bool | None = 
 
 
 def _fingerprint(cb) -> tuple:
-    return (id(getattr(cb, "_site_ops", None)),
-            tuple(sorted((a.index, a.mode) for a in cb.apps.values())))
+    # ops_generation, not id() of the op list: CPython reuses a freed list's address, so an
+    # undeploy + deploy between two steps could look like no change.
+    return (cb.ops_generation, tuple(sorted((a.index, a.mode) for a in cb.apps.values())))
 
 
 # ---------------------------------------------------------------- capture-time notes
@@ -258,10 +283,11 @@ def _after_capture(g) -> None:
     if state != "plain":
         with _lock:
             _registry.add(g)
-    _instantiate_or_fall_back(g)
+    _instantiate_or_fall_back(g, first=True)
 
 
 def _patch_new(g, cb, expected: int) -> str:
+    g._xmix_check_due = False
     try:
         rec = G.GraphPatch(int(g.raw_cuda_graph()))
     except Exception as e:  # noqa: BLE001 - any failure leaves the captured graph as it is
@@ -281,6 +307,7 @@ def _patch_new(g, cb, expected: int) -> str:
         _count("fallback")
         logger.warning("xmix: patching a CUDA graph failed, its anchors stay: %s", e)
         return "fallback"
+    _note_anchor_forms(rec)
     if plan.n_anchors == 0 and not plan.splices:
         g._xmix = None
         _count("plain")
@@ -291,8 +318,31 @@ def _patch_new(g, cb, expected: int) -> str:
                        "correct, not free)", plan.n_anchors, plan.reason)
         return "fallback"
     _count("patched")
+    _arm_check(g, plan)
     logger.debug("xmix: patched CUDA graph: %d anchors, %d op nodes", plan.n_anchors, len(plan.add))
     return "patched"
+
+
+_ANCHOR_FORMS = ("stub", "function", "kernel", "name")
+_forms_logged: set[str] = set()
+
+
+def _note_anchor_forms(rec) -> None:
+    """Count how the applier recognised this graph's anchor nodes, and say it once per form:
+    a driver that reports kernel nodes in an unexpected form shows up in the log."""
+    forms = getattr(rec, "anchor_forms", None)
+    if not forms:
+        return
+    for form in _ANCHOR_FORMS:
+        n = int(forms.get(form, 0))
+        if not n:
+            continue
+        _count(f"anchors_by_{form}", n)
+        if form not in _forms_logged:
+            _forms_logged.add(form)
+            logger.info("xmix: CUDA graph anchor nodes recognised by their %s%s", form,
+                        " (kernel name lookup: the function handle matched none of ours)"
+                        if form == "name" else "")
 
 
 def _update(rec, prog, exec_: int):
@@ -309,25 +359,30 @@ def _update(rec, prog, exec_: int):
     return fb, True
 
 
-def _instantiate_or_fall_back(g) -> None:
-    """Instantiate a freshly patched graph; if the driver refuses the spliced graph, put it
-    back as captured and instantiate that (first instantiation only: torch has no exec yet,
-    so a second attempt is safe)."""
+def _instantiate_or_fall_back(g, first: bool) -> bool:
+    """Instantiate a patched graph (after capture, or after a re-plan changed its topology);
+    if the driver refuses the spliced graph, put it back as captured and instantiate that.
+    torch's instantiate() destroys the old executable graph before making the new one, so
+    after a refusal the graph has none: the second attempt is safe, and needed. Returns
+    False when it fell back."""
     try:
         _instantiate(g)
-        return
+        return True
     except RuntimeError as e:
         rec = getattr(g, "_xmix", None)
         if rec is None:
             raise
         _count("errors")
-        logger.error("xmix: instantiating a patched CUDA graph failed (%s); its anchors stay", e)
+        logger.error("xmix: instantiating a patched CUDA graph %s failed (%s); its anchors "
+                     "stay", "after capture" if first else "after a re-plan", e)
     rec.apply(G.fallback_plan(rec.read(), "instantiation of the patched graph failed"), 0)
-    if g._xmix_state == "patched":
+    if first and g._xmix_state == "patched":
         _count("patched", -1)
-        _count("fallback")
+    _count("fallback")
     g._xmix_state = "fallback"
+    g._xmix_check_due = False
     _instantiate(g)
+    return False
 
 
 def _bind(g) -> None:
@@ -341,6 +396,204 @@ def _instantiate(g) -> None:
     g.instantiate()
     if _graph_cls is None or not isinstance(g, _graph_cls):
         _bind(g)
+
+
+# ---------------------------------------------------------------- first-replay check
+class _Unverifiable(Exception):
+    pass
+
+
+def _arm_check(g, plan) -> None:
+    """After a patch or re-plan that leaves spliced nodes: check at the first replay in a
+    step where one of the spliced apps runs (a step where none runs would compare nothing)."""
+    apps = 0
+    for sp in plan.splices:
+        for s in sp.segments:
+            apps |= 1 << s.app
+    g._xmix_check_apps = apps
+    g._xmix_check_due = bool(apps) and not getattr(g, "_xmix_refused", None) and check_enabled()
+
+
+class _TensorRegion:
+    """A tensor the check snapshots, restores and compares: ``exact`` bit for bit, else as
+    floats (NaN equal to NaN; atomics make latch sums and CAST means vary in rounding)."""
+
+    def __init__(self, name: str, t, exact: bool):
+        self.name, self.t, self.exact = name, t, exact
+        self.nbytes = t.numel() * t.element_size()
+
+    def save(self):
+        return self.t.detach().clone()
+
+    def load(self, saved) -> None:
+        self.t.copy_(saved)
+
+
+class _RawRegion:
+    """Device memory the check knows only by address (a segment of the graph's pool):
+    compared bit for bit."""
+
+    exact = True
+
+    def __init__(self, name: str, addr: int, nbytes: int):
+        self.name, self.addr, self.nbytes = name, addr, nbytes
+
+    def save(self):
+        import torch
+
+        out = torch.empty(self.nbytes, dtype=torch.uint8, device="cuda")
+        G.copy_device(out.data_ptr(), self.addr, self.nbytes, torch.cuda.current_stream().cuda_stream)
+        return out
+
+    def load(self, saved) -> None:
+        import torch
+
+        G.copy_device(self.addr, saved.data_ptr(), self.nbytes, torch.cuda.current_stream().cuda_stream)
+
+
+_CB_STATE = (("results", False), ("capture", False), ("read_state", False), ("vec_state", False),
+             ("counters", True))
+
+
+def _check_limit_bytes() -> int:
+    return int(float(os.environ.get("XMIX_GRAPH_CHECK_MAX_MB", "4096")) * 2**20)
+
+
+def _pool_regions(g) -> list:
+    """Every segment of the graph's memory pool: its outputs and intermediates, and the
+    outputs of other graphs sharing the pool that it reads (vLLM's piecewise graphs)."""
+    import torch
+
+    pool = tuple(g.pool())
+    regions = []
+    for seg in torch.cuda.memory_snapshot():
+        if tuple(seg.get("segment_pool_id", ())) == pool:
+            regions.append(_RawRegion(f"graph pool segment {seg['address']:#x} (+{seg['total_size']} B)",
+                                      int(seg["address"]), int(seg["total_size"])))
+    return regions
+
+
+def _check_regions(g, cb) -> list:
+    regions = [_TensorRegion(n, cb.dev[n], exact) for n, exact in _CB_STATE]
+    for name, exact in (("_custom_select", True), ("_custom_out", False)):
+        t = getattr(cb, name, None)
+        if t is not None:
+            regions.append(_TensorRegion(name.lstrip("_"), t, exact))
+    pool = _pool_regions(g)
+    total = sum(r.nbytes for r in pool)
+    if total > _check_limit_bytes():
+        raise _Unverifiable(f"its memory pool ({total / 2**20:.0f} MiB) exceeds "
+                            f"XMIX_GRAPH_CHECK_MAX_MB")
+    return regions + pool
+
+
+def first_difference(regions, saved) -> str | None:
+    """None when every region holds what ``saved`` holds (per the region's rule), else a
+    description of the first difference."""
+    import torch
+
+    for r, want in zip(regions, saved):
+        got = r.save()
+        if r.exact:
+            a, b = got.reshape(-1), want.reshape(-1)
+            if a.dtype.is_floating_point:
+                a, b = a.view(torch.int32), b.view(torch.int32)
+            if not torch.equal(a, b):
+                n = int((a != b).sum())
+                return f"{r.name}: {n} of {a.numel()} elements differ bit for bit"
+            continue
+        if not torch.allclose(got, want, rtol=1e-4, atol=1e-6, equal_nan=True):
+            d = (got - want).abs().nan_to_num(nan=float("inf"))
+            both_nan = got.isnan() & want.isnan()
+            d[both_nan] = 0
+            i = int(d.argmax())
+            return (f"{r.name}: element {i} is {float(got.reshape(-1)[i])!r}, the anchors "
+                    f"give {float(want.reshape(-1)[i])!r}")
+    return None
+
+
+def _check_due(g, cb) -> bool:
+    return (cb is not None and cb.ptr == g._xmix_cb and bool(getattr(cb, "any_active", False))
+            and bool(int(getattr(cb, "step_active", 0) or 0) & g._xmix_check_apps))
+
+
+def _replay(g, base_replay) -> None:
+    """XmixCUDAGraph.replay: the first replay of a patched graph in a step that runs one of
+    its spliced apps is the checked one."""
+    if g.__dict__.get("_xmix_check_due"):
+        from xmix import ops
+
+        cb = ops.get_control()
+        if _check_due(g, cb):
+            if check_enabled():
+                _first_replay_check(g, cb, base_replay)
+                return
+            g._xmix_check_due = False
+    base_replay()
+
+
+def _first_replay_check(g, cb, base_replay) -> None:
+    g._xmix_check_due = False
+    _count("checks")
+    rec = g._xmix
+    exec_ = _exec_of(g)
+    sync = _sync_fn(cb)
+    with nvtx_range("xmix.graph first-replay check"):
+        try:
+            regions = _check_regions(g, cb)
+            before = [r.save() for r in regions]
+        except (_Unverifiable, RuntimeError) as e:  # RuntimeError: out of device memory
+            rec.set_anchor_config(exec_, True)
+            base_replay()
+            _refuse(g, "check_unverifiable", f"the check could not snapshot the graph: {e}")
+            return
+        base_replay()                      # patched
+        patched = [r.save() for r in regions]
+        for r, s in zip(regions, before):
+            r.load(s)
+        rec.set_anchor_config(exec_, True)
+        base_replay()                      # anchors: what is served
+        sync()
+        diff = first_difference(regions, patched)
+        if diff is None:
+            rec.set_anchor_config(exec_, False)
+            _count("check_passed")
+            logger.debug("xmix: first-replay check passed (%d regions)", len(regions))
+            return
+        anchors = [r.save() for r in regions]
+        for r, s in zip(regions, before):
+            r.load(s)
+        base_replay()                      # anchors again: is the graph deterministic?
+        sync()
+        noise = first_difference(regions, anchors)
+    if noise is not None:
+        _refuse(g, "check_unverifiable", f"two replays with the anchors differ ({noise}): the "
+                "graph is not deterministic, so its patched form cannot be checked")
+    else:
+        _refuse(g, "check_failed", f"the patched graph differs from its anchors: {diff}")
+
+
+def _sync_fn(cb):
+    if not cb.on_gpu:
+        return lambda: None
+    import torch
+
+    return torch.cuda.synchronize
+
+
+def _refuse(g, key: str, reason: str) -> None:
+    """Put a graph back as captured for good (re-plans leave it alone). The anchors' replay
+    has run and been waited for, so the executable graph can be replaced now."""
+    _count(key)
+    _count("fallback")
+    if g._xmix_state == "patched":
+        _count("patched", -1)
+    g._xmix_refused = reason
+    g._xmix_state = "fallback"
+    rec = g._xmix
+    rec.apply(G.fallback_plan(rec.read(), reason), 0)
+    _instantiate(g)
+    logger.error("xmix: CUDA graph put back as captured (anchors kept from now on): %s", reason)
 
 
 def _make_graph_class(base: type) -> type:
@@ -359,6 +612,9 @@ def _make_graph_class(base: type) -> type:
             self._xmix_counted = True
             self._xmix_expected = -1
             self._xmix_cb = None
+            self._xmix_check_due = False
+            self._xmix_check_apps = 0
+            self._xmix_refused = None
 
         def capture_begin(self, *args, **kwargs):
             _begin_capture(self)
@@ -379,10 +635,17 @@ def _make_graph_class(base: type) -> type:
             super().instantiate()
             _bind(self)
 
+        def replay(self):
+            if self._xmix_check_due:
+                _replay(self, super().replay)
+            else:
+                super().replay()
+
         def reset(self):
             with _lock:
                 _registry.discard(self)
             self._xmix = None
+            self._xmix_check_due = False
             return super().reset()
 
         @property
@@ -407,6 +670,9 @@ def graph_class() -> type | None:
             return None
         import torch
 
+        # Every xmix kernel loaded now, not lazily in the middle of the first capture.
+        n = _C.preload_kernels()
+        logger.debug("xmix: %d kernels loaded", n)
         _graph_cls = _make_graph_class(torch.cuda.CUDAGraph)
     return _graph_cls
 
@@ -427,7 +693,7 @@ def patch(graph) -> str:
     if state != "plain":
         with _lock:
             _registry.add(graph)
-    _instantiate_or_fall_back(graph)
+    _instantiate_or_fall_back(graph, first=True)
     return graph._xmix_state
 
 
@@ -444,10 +710,11 @@ def on_apps_changed(cb) -> dict[str, int]:
     """After install/remove on the control block: re-plan every kept graph. Graphs whose
     splice shapes did not change are updated in place; the others are re-spliced and
     re-instantiated (no recapture). Waits for the device first: re-instantiation destroys
-    executable graphs, and a graph with IF nodes may have only one instance."""
+    executable graphs, and a graph with IF nodes may have only one instance. A graph the
+    first-replay check refused keeps its anchors."""
     import torch
 
-    graphs = kept_graphs(cb)
+    graphs = [g for g in kept_graphs(cb) if not getattr(g, "_xmix_refused", None)]
     out = {"graphs": len(graphs), "reinstantiated": 0, "in_place": 0, "fallback": 0, "errors": 0}
     _planned[cb] = _fingerprint(cb)
     if not graphs:
@@ -468,17 +735,24 @@ def on_apps_changed(cb) -> dict[str, int]:
                 _count("errors")
                 out["errors"] += 1
                 g._xmix_state = "fallback"
+                g._xmix_check_due = False
                 _instantiate(g)
                 continue
             if plan.fallback:
                 out["fallback"] += 1
                 g._xmix_state = "fallback"
+                g._xmix_check_due = False
             else:
                 g._xmix_state = "patched"
+                if not plan.is_noop():
+                    _arm_check(g, plan)
             if needs:
-                _instantiate(g)
-                out["reinstantiated"] += 1
-                _count("reinstantiated")
+                if _instantiate_or_fall_back(g, first=False):
+                    out["reinstantiated"] += 1
+                    _count("reinstantiated")
+                else:
+                    out["fallback"] += 1
+                    out["errors"] += 1
             else:
                 out["in_place"] += 1
                 _count("updated_in_place")
@@ -507,7 +781,7 @@ def set_mode(cb, name: str, mode: str) -> int:
     with nvtx_range(f"xmix.mode {name}={mode}"):
         n = set_app_enabled(cb, inst.index, mode != "off")
     prev = _planned.get(cb)
-    if prev is not None and prev[0] == id(getattr(cb, "_site_ops", None)):
+    if prev is not None and prev[0] == cb.ops_generation:
         _planned[cb] = _fingerprint(cb)
     return n
 
