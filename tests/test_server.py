@@ -216,6 +216,23 @@ def test_metrics_on_vllms_endpoint(server):
     assert "vllm:xmix_apps_deployed" in text
 
 
+def test_graph_counters_of_the_workers_reach_metrics(server):
+    """The workers' CUDA graph counters come to the API server's /metrics through the
+    xmix_describe RPC, refreshed in the background when /metrics is read."""
+    deadline = time.time() + 30
+    while True:
+        text = server["client"].get("/metrics").text
+        workers = [l for l in text.splitlines() if l.startswith("vllm:xmix_graph_stats_workers{")]
+        if workers and workers[0].endswith(" 1.0") or time.time() > deadline:
+            break
+        time.sleep(0.5)
+    assert workers and workers[0].endswith(" 1.0"), workers
+    checks = {l.split("result=")[1].split('"')[1]: float(l.rsplit(" ", 1)[1])
+              for l in text.splitlines() if l.startswith("vllm:xmix_graph_checks_total{")}
+    assert checks == {"passed": 0.0, "failed": 0.0, "unverifiable": 0.0}  # no CUDA graph here
+    assert "vllm:xmix_graph_fallbacks_total{" in text
+
+
 def test_bad_requests_are_rejected_and_serving_continues(server):
     cases = [
         ({"apps": ["nope"]}, None, "unknown app"),

@@ -35,3 +35,115 @@ def get():
             except Exception:  # no prometheus_client, or a foreign registry conflict
                 _metrics = {}
         return _metrics or None
+
+
+# ---------------------------------------------------------------------- CUDA graph counters
+# The graph counters (xmix.graphs.stats()) live in the worker processes, which have no
+# /metrics of their own. The frontend asks the workers for them through the xmix_describe
+# RPC, at most every REFRESH_S seconds and only when /metrics is read; a scrape is answered
+# from the last answer (prometheus_client collects on the server's event loop, where waiting
+# for an RPC would block the loop). Values are summed over the workers (tensor-parallel ranks
+# each hold their own graphs).
+GRAPH_COUNTERS = {
+    "check_passed": ("xmix_graph_checks", "First-replay checks of patched CUDA graphs", "passed"),
+    "check_failed": ("xmix_graph_checks", "First-replay checks of patched CUDA graphs", "failed"),
+    "check_unverifiable": ("xmix_graph_checks", "First-replay checks of patched CUDA graphs",
+                           "unverifiable"),
+}
+GRAPH_TOTALS = {
+    "patched": ("xmix_graphs_patched", "CUDA graphs patched at capture"),
+    "fallback": ("xmix_graph_fallbacks", "CUDA graphs left with (or put back to) their anchors"),
+    "errors": ("xmix_graph_errors", "CUDA graph patch, instantiation or read-back errors"),
+}
+REFRESH_S = 5.0
+
+
+class GraphStatsCollector:
+    """A prometheus_client collector of the workers' CUDA graph counters."""
+
+    def __init__(self, fetch, model_name: str, refresh_s: float = REFRESH_S, clock=None):
+        import time
+
+        self._fetch = fetch              # () -> list of xmix_describe answers, one per worker
+        self.model_name = model_name
+        self.refresh_s = refresh_s
+        self._clock = clock or time.monotonic
+        self._lock = threading.Lock()
+        self._totals: dict[str, int] = {}
+        self._asked_at: float | None = None
+        self.workers = 0                 # workers in the last answer that sent counters
+        self.thread: threading.Thread | None = None
+
+    def _refresh(self) -> None:
+        try:
+            answers = self._fetch()
+            totals: dict[str, int] = {}
+            workers = 0
+            for a in answers or ():
+                g = (a or {}).get("graphs")
+                if g is None:
+                    continue
+                workers += 1
+                for k, v in g.items():
+                    totals[k] = totals.get(k, 0) + int(v)
+            with self._lock:
+                self._totals = totals
+                self.workers = workers
+        except Exception as e:  # an engine shutting down: keep the last values
+            import logging
+
+            logging.getLogger("vllm.xmix").debug("xmix: graph counters not refreshed: %s", e)
+
+    def maybe_refresh(self) -> None:
+        now = self._clock()
+        with self._lock:
+            due = self._asked_at is None or now - self._asked_at >= self.refresh_s
+            busy = self.thread is not None and self.thread.is_alive()
+            if not due or busy:
+                return
+            self._asked_at = now
+            self.thread = threading.Thread(target=self._refresh, name="xmix-graph-stats", daemon=True)
+        self.thread.start()
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        self.maybe_refresh()
+        with self._lock:
+            totals, workers = dict(self._totals), self.workers
+        labels = ["model_name"]
+        w = GaugeMetricFamily("vllm:xmix_graph_stats_workers",
+                              "Workers whose CUDA graph counters the xmix_graph_* metrics include",
+                              labels=labels)
+        w.add_metric([self.model_name], workers)
+        yield w
+        checks = CounterMetricFamily("vllm:xmix_graph_checks",
+                                     "First-replay checks of patched CUDA graphs (XMIX_GRAPH_CHECK)",
+                                     labels=labels + ["result"])
+        for key, (_, _, result) in GRAPH_COUNTERS.items():
+            checks.add_metric([self.model_name, result], totals.get(key, 0))
+        yield checks
+        for key, (name, doc) in GRAPH_TOTALS.items():
+            c = CounterMetricFamily(f"vllm:{name}", doc, labels=labels)
+            c.add_metric([self.model_name], totals.get(key, 0))
+            yield c
+
+
+_graph_collector: GraphStatsCollector | None = None
+
+
+def watch_graph_stats(fetch, model_name: str, registry=None) -> GraphStatsCollector | None:
+    """Register (once per process) the collector of the workers' CUDA graph counters on
+    vLLM's Prometheus registry; None where prometheus_client is unavailable."""
+    global _graph_collector
+    with _lock:
+        if _graph_collector is not None:
+            return _graph_collector
+        try:
+            from prometheus_client import REGISTRY
+        except ImportError:
+            return None
+        c = GraphStatsCollector(fetch, model_name)
+        (registry or REGISTRY).register(c)
+        _graph_collector = c
+        return c

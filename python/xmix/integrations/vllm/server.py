@@ -35,6 +35,7 @@ from xmix.api import AppError
 from xmix.control import MODES, RequestError
 from xmix.lowering import DeployError
 
+from . import metrics
 from .frontend import Controller, XMIX_KEY
 
 logger = logging.getLogger("vllm.xmix")  # vLLM's handlers and format apply
@@ -137,6 +138,8 @@ class XmixEndpointPlugin:
         if env_key and env_key not in keys:
             keys.append(env_key)
         state.xmix = ServerState(ctl, keys)
+        # The workers' CUDA graph counters (first-replay checks, fallbacks) on /metrics.
+        metrics.watch_graph_stats(lambda: ctl.status(), ctl.registry.shape.model_name)
         for path, mode in json.loads(os.environ.get(APPS_ENV, "[]")):
             info = await asyncio.to_thread(ctl.deploy, path, mode)
             logger.info("xmix: deployed %s (%s) at %s", info["name"], mode, ", ".join(info["sites"]))

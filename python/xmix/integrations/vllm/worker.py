@@ -377,8 +377,10 @@ def xmix_set_params(self, name: str, params: dict) -> None:
 
 
 def xmix_describe(self) -> dict:
+    from xmix import graphs
+
     x = _wx(self)
-    return {"apps": x.describe(), "sites": x.sites, "stats": dict(x.stats)}
+    return {"apps": x.describe(), "sites": x.sites, "stats": dict(x.stats), "graphs": graphs.stats()}
 
 
 WORKER_METHODS = {f.__name__: f for f in (xmix_deploy, xmix_undeploy, xmix_undeploy_if_present,
