@@ -1,32 +1,40 @@
 #!/usr/bin/env python
 """GPU check of CUDA graph interposition on a Llama-shaped decoder (plain PyTorch, random
-weights, no vLLM): capture it in CUDA graphs at several batch sizes, patch them, check the
-patched graphs against eager execution for every primitive and condition (enabled and
-disabled), then time a decode step per batch for the configurations of docs/cuda_graphs.md.
+weights, no vLLM): capture it in CUDA graphs at several batch sizes, both as one full graph
+and piecewise (one graph per segment between attention calls, attention eager in between,
+all graphs in one memory pool: vLLM's PIECEWISE mode), patch them, check the patched graphs
+against eager execution and against their own anchors for every primitive and condition
+(enabled and disabled), check the first-replay check (XMIX_GRAPH_CHECK) on a correct and on
+a deliberately broken graph, then time a decode step per batch for the configurations of
+docs/cuda_graphs.md.
 
 Run through bench/gpu_check.sh (it builds xmix._C first). Without a GPU it does the parts
-that need none (lowering the check apps for the full model shape, planning the decoder's
-anchor layout) and stops with "no GPU: stopped before ...".
+that need none: lowering the check apps for the full model shape, planning the decoder's
+anchor layout, and the whole correctness orchestration on a tiny decoder on the CPU (every
+"graph" is then the eager model) so a change that breaks this script fails CI.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
 
+import numpy as np
 import torch
 
-os.environ.setdefault("XMIX_GRAPH_VERIFY", "1")  # every patch is read back and compared
-
-from xmix import _C, graphs, ops  # noqa: E402
-from xmix.api import App  # noqa: E402
-from xmix.control import Capacity, ControlBlock  # noqa: E402
-from xmix.hooks import ModelShape, site_id  # noqa: E402
-from xmix.lowering import lower  # noqa: E402
+from xmix import _C, graphs, ops
+from xmix.api import App
+from xmix.control import Capacity, ControlBlock
+from xmix.hooks import ModelShape, site_id
+from xmix.lowering import lower
 
 G = _C.graph
 SITES = ("residual.pre", "attention.post", "mlp.post")
@@ -44,6 +52,63 @@ def check(ok: bool, what: str) -> bool:
     return ok
 
 
+# ---------------------------------------------------------------- pure helpers (tests/test_gpu_check.py)
+def probe_median(results: torch.Tensor, channel: int) -> float | None:
+    """The median of one read channel over the rows that hold a value (B x R result rows):
+    a gate threshold true for about half of the tokens. None when fewer than two rows have
+    a value (results restored from a snapshot are all NaN)."""
+    p = results[:, channel].float()
+    p = p[~torch.isnan(p)]
+    if p.numel() < 2:
+        return None
+    return float(p.median())
+
+
+def changed_rows(y: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Which rows of y differ from ref (bool per row)."""
+    return (y != ref).reshape(y.shape[0], -1).any(dim=1)
+
+
+def enabled_xmix_nodes(ir) -> list:
+    """Top-level xmix nodes that run in the executable graph. IF nodes are not switchable
+    (their gate is: a disabled gate leaves the condition at its default 0, the body
+    skipped), and body nodes run only when their IF's condition is set."""
+    return [n for n in ir.nodes
+            if n.enabled and n.parent == -1 and n.role not in (G.Role.Foreign, G.Role.If)]
+
+
+def cu_values(res, cu=None) -> tuple:
+    """The values of a cuda-bindings call after its CUresult (raises on an error)."""
+    err = res[0]
+    ok = int(err) == 0 if cu is None else err == cu.CUresult.CUDA_SUCCESS
+    if not ok:
+        raise RuntimeError(str(err))
+    return tuple(res[1:])
+
+
+def n_dependencies(res, cu=None) -> int:
+    """The count from cuGraphNodeGetDependencies(node, 0): (err, deps, n) with cuda-bindings
+    for CUDA 12, (err, deps, edge_data, n) for CUDA 13 (the edge-data variant is the plain
+    name there). The count is the last value either way."""
+    return int(cu_values(res, cu)[-1])
+
+
+def write_section(path: Path | None, tag: str, text: str) -> None:
+    """Rewrite one tagged section of a markdown file, leaving the others (the quick and the
+    full run share table.md; each rewrite keeps what a killed run had measured)."""
+    if path is None:
+        return
+    begin, end = f"<!-- {tag} -->", f"<!-- /{tag} -->"
+    old = path.read_text() if path.exists() else ""
+    block = f"{begin}\n{text.rstrip()}\n{end}\n"
+    if begin in old and end in old:
+        new = re.sub(re.escape(begin) + r".*?" + re.escape(end) + r"\n?", lambda _: block, old,
+                     flags=re.S)
+    else:
+        new = old + ("\n" if old and not old.endswith("\n") else "") + block
+    path.write_text(new)
+
+
 # ---------------------------------------------------------------- apps
 def vec(d: int, seed: int) -> torch.Tensor:
     return torch.randn(d, generator=torch.Generator().manual_seed(seed))
@@ -53,13 +118,15 @@ def vec(d: int, seed: int) -> torch.Tensor:
 class Case:
     name: str
     app: App
-    mode: str = "all"              # "request": only rows a, b, c use the app
+    mode: str = "all"              # "request": only the first requests of a step use the app
     reads: bool = False            # compare result channels / capture buffer too
     gate_param: str | None = None  # gated cases: run with the gate false, then true for some
+    some_not_all: bool = False     # gate true for some rows: not all of them may change
 
 
 def check_cases(d: int, n_layers: int) -> list[Case]:
     mid = n_layers // 2
+    l1, l2 = min(1, n_layers - 1), min(2, n_layers - 1)
     cases = []
 
     def add_case(name, cond, mode="all", layer=mid, site="residual.pre", scale=4.0):
@@ -81,7 +148,7 @@ def check_cases(d: int, n_layers: int) -> list[Case]:
     a.write("ablate", direction=vec(d, 2)).layers("all").submodule("residual.pre")
     cases.append(Case(a.name, a))
     a = App("clamp_not_last")
-    a.write("clamp", direction=vec(d, 3), min=-0.5, max=0.5).layers([mid]).submodule("mlp.post") \
+    a.write("clamp", direction=vec(d, 3), min=-0.01, max=0.01).layers([mid]).submodule("mlp.post") \
      .cond("not last_token")
     cases.append(Case(a.name, a))
     a = App("affine_last")
@@ -92,7 +159,7 @@ def check_cases(d: int, n_layers: int) -> list[Case]:
     cases.append(Case(a.name, a))
 
     a = App("probe_reads")
-    a.read("probe", weight=vec(d, 7) / math.sqrt(d), bias=0.1).layers([1, mid]) \
+    a.read("probe", weight=vec(d, 7) / math.sqrt(d), bias=0.1).layers(sorted({l1, mid})) \
      .submodule("residual.pre").named("p")
     cases.append(Case(a.name, a, reads=True))
     a = App("capture_last")
@@ -103,18 +170,20 @@ def check_cases(d: int, n_layers: int) -> list[Case]:
      .layers([mid]).submodule("attention.post").named("dist")
     cases.append(Case(a.name, a, reads=True))
     a = App("cosine_prompt")
-    a.read("cosine", vector=vec(d, 9)).layers([2]).submodule("residual.pre").named("cast")
+    a.read("cosine", vector=vec(d, 9)).layers([l2]).submodule("residual.pre").named("cast")
     cases.append(Case(a.name, a, reads=True))
 
+    # Gates read a probe at layer l1's residual.pre, upstream of the gated write: the probe
+    # values of the gate-false pass are those of the gate-true pass.
     a = App("gated_write")
     a.param("theta", 0.5)
-    a.read("probe", weight=vec(d, 10) / math.sqrt(d), bias=0.0).layers([1]).submodule("residual.pre").named("p")
+    a.read("probe", weight=vec(d, 10) / math.sqrt(d), bias=0.0).layers([l1]).submodule("residual.pre").named("p")
     a.write("add", vector=vec(d, 11), scale=4.0).layers([mid]).submodule("mlp.post").cond("p >= theta")
-    cases.append(Case(a.name, a, reads=True, gate_param="theta"))
+    cases.append(Case(a.name, a, reads=True, gate_param="theta", some_not_all=True))
     a = App("latched_ablate")
     a.param("theta", 0.5)
-    a.read("probe", weight=vec(d, 12) / math.sqrt(d), bias=0.0).layers([1]).submodule("residual.pre").named("p")
-    a.write("ablate", direction=vec(d, 13)).layers([mid]).submodule("residual.pre") \
+    a.read("probe", weight=vec(d, 12) / math.sqrt(d), bias=0.0).layers([l1]).submodule("residual.pre").named("p")
+    a.write("ablate", direction=vec(d, 13)).layers([mid]).submodule("mlp.post") \
      .cond("prompt_last(p) >= theta or p >= theta")
     cases.append(Case(a.name, a, reads=True, gate_param="theta"))
 
@@ -134,7 +203,8 @@ def bench_apps(d: int, n_layers: int) -> dict[str, App]:
         abl.write("ablate", direction=vec(d, 21)).layers("all").submodule(s)
     gate = App("bench_gated")
     gate.param("theta", 2.0)
-    gate.read("probe", weight=vec(d, 22) / math.sqrt(d), bias=0.0).layers([1]).submodule("residual.pre").named("p")
+    gate.read("probe", weight=vec(d, 22) / math.sqrt(d), bias=0.0).layers([min(1, n_layers - 1)]) \
+        .submodule("residual.pre").named("p")
     gate.write("add", vector=vec(d, 23), scale=2.0).layers([n_layers // 2]).submodule("mlp.post").cond("p >= theta")
     return {"add": add, "ablate": abl, "gated": gate}
 
@@ -164,14 +234,22 @@ def cpu_part(shape: ModelShape) -> None:
             nid += 2
     g = G.Graph(nodes, edges)
     plan = G.plan(g, graphs.program_for(cb, expected_anchors=3 * shape.n_layers, use_conditionals=True))
-    roles = {}
+    roles: dict[str, int] = {}
     for nn in plan.add:
-        roles[str(nn.role).split(".")[-1]] = roles.get(str(nn.role).split(".")[-1], 0) + 1
+        k = str(nn.role).split(".")[-1]
+        roles[k] = roles.get(k, 0) + 1
     check(not plan.fallback and plan.n_anchors == 3 * shape.n_layers,
           f"plan: {plan.n_anchors} anchors, added {roles}, {len(plan.edges)} edges")
     after = G.apply(g, plan)
     check(G.plan(after, graphs.program_for(cb, expected_anchors=3 * shape.n_layers, use_conditionals=True)).is_noop(),
           "re-plan of the patched layout is a no-op")
+    for a in list(cb.apps):
+        cb.set_mode(a, "off")
+    off = G.apply(after, G.plan(after, graphs.program_for(cb, expected_anchors=3 * shape.n_layers,
+                                                          use_conditionals=True)))
+    on = enabled_xmix_nodes(off)
+    check(not on and any(n.role == G.Role.If for n in off.nodes),
+          f"all apps off: {len(on)} enabled top-level xmix nodes (IF nodes are not switchable)")
 
 
 # ---------------------------------------------------------------- the model
@@ -181,46 +259,71 @@ def rmsnorm(x, w, eps=1e-6):
 
 class Decoder:
     """Llama-shaped decoder step in vLLM's hidden + residual form; attention reads a static
-    KV cache (timing realism, not language modelling)."""
+    KV cache (timing realism, not language modelling). Split at attention for the piecewise
+    graphs."""
 
-    def __init__(self, n_layers, d, ffn, heads, ctx, max_batch, dtype=torch.bfloat16):
+    def __init__(self, n_layers, d, ffn, heads, ctx, max_batch, device="cuda", dtype=torch.bfloat16):
         self.L, self.d, self.H, self.hd = n_layers, d, heads, d // heads
-        dev = "cuda"
         torch.manual_seed(0)
 
         def w(*shape, fan_in):
-            return torch.randn(*shape, device=dev, dtype=dtype) / math.sqrt(fan_in)
+            return torch.randn(*shape, device=device, dtype=dtype) / math.sqrt(fan_in)
 
         self.layers = []
         for _ in range(n_layers):
             self.layers.append(dict(
-                ln1=torch.ones(d, device=dev, dtype=dtype), ln2=torch.ones(d, device=dev, dtype=dtype),
+                ln1=torch.ones(d, device=device, dtype=dtype), ln2=torch.ones(d, device=device, dtype=dtype),
                 wqkv=w(d, 3 * d, fan_in=d), wo=w(d, d, fan_in=d),
                 wgu=w(d, 2 * ffn, fan_in=d), wd=w(ffn, d, fan_in=ffn),
-                k=torch.randn(max_batch, heads, ctx, self.hd, device=dev, dtype=dtype),
-                v=torch.randn(max_batch, heads, ctx, self.hd, device=dev, dtype=dtype)))
-        self.lnf = torch.ones(d, device=dev, dtype=dtype)
+                k=torch.randn(max_batch, heads, ctx, self.hd, device=device, dtype=dtype),
+                v=torch.randn(max_batch, heads, ctx, self.hd, device=device, dtype=dtype)))
+        self.lnf = torch.ones(d, device=device, dtype=dtype)
+
+    def sid(self, name, i):
+        return site_id(name, i, self.L)
+
+    def pre(self, i, h, r, sites):
+        if sites:
+            torch.ops.xmix.site(h, r, self.sid("residual.pre", i))
+        r = h + r
+        q = (rmsnorm(r, self.layers[i]["ln1"]) @ self.layers[i]["wqkv"])[:, : self.d]
+        return r, q
+
+    def attn(self, i, q):
+        B, p = q.shape[0], self.layers[i]
+        a = torch.nn.functional.scaled_dot_product_attention(
+            q.reshape(B, self.H, 1, self.hd), p["k"][:B], p["v"][:B])
+        return a.reshape(B, self.d)
+
+    def post(self, i, a, r, sites):
+        p = self.layers[i]
+        o = a @ p["wo"]
+        if sites:
+            torch.ops.xmix.site(o, None, self.sid("attention.post", i))
+        r = o + r
+        g, u = (rmsnorm(r, p["ln2"]) @ p["wgu"]).chunk(2, dim=-1)
+        h = (torch.nn.functional.silu(g) * u) @ p["wd"]
+        if sites:
+            torch.ops.xmix.site(h, None, self.sid("mlp.post", i))
+        return h, r
 
     def __call__(self, x, sites=True):
-        site = torch.ops.xmix.site
-        B, L = x.shape[0], self.L
         h, r = x.clone(), torch.zeros_like(x)
-        for i, p in enumerate(self.layers):
-            if sites:
-                site(h, r, site_id("residual.pre", i, L))
-            r = h + r
-            q = (rmsnorm(r, p["ln1"]) @ p["wqkv"])[:, : self.d].reshape(B, self.H, 1, self.hd)
-            a = torch.nn.functional.scaled_dot_product_attention(q, p["k"][:B], p["v"][:B])
-            o = a.reshape(B, self.d) @ p["wo"]
-            if sites:
-                site(o, None, site_id("attention.post", i, L))
-            r = o + r
-            gu = rmsnorm(r, p["ln2"]) @ p["wgu"]
-            g, u = gu.chunk(2, dim=-1)
-            h = (torch.nn.functional.silu(g) * u) @ p["wd"]
-            if sites:
-                site(h, None, site_id("mlp.post", i, L))
+        for i in range(self.L):
+            r, q = self.pre(i, h, r, sites)
+            h, r = self.post(i, self.attn(i, q), r, sites)
         return rmsnorm(h + r, self.lnf)
+
+    # piecewise segments: 0 = x -> pre(0); k = post(k-1) -> pre(k); L = post(L-1) -> final
+    def segment(self, k, inputs, sites):
+        if k == 0:
+            (x,) = inputs
+            return self.pre(0, x.clone(), torch.zeros_like(x), sites)
+        a, r = inputs
+        h, r = self.post(k - 1, a, r, sites)
+        if k == self.L:
+            return (rmsnorm(h + r, self.lnf),)
+        return self.pre(k, h, r, sites)
 
 
 # ---------------------------------------------------------------- steps and runs
@@ -228,8 +331,8 @@ STATE = ("read_state", "vec_state", "slot_span", "results", "capture", "counters
 
 
 class Runner:
-    def __init__(self, cb: ControlBlock, model: Decoder, d: int):
-        self.cb, self.model, self.d = cb, model, d
+    def __init__(self, cb: ControlBlock):
+        self.cb = cb
         self.live: list[str] = []
         self.n = 0
 
@@ -247,8 +350,6 @@ class Runner:
             rid = f"r{self.n}"
             slots.append(cb.admit(rid, list(apps), None, plen))
             self.live.append(rid)
-        import numpy as np
-
         cb.begin_step(np.array(slots, dtype=np.int32), np.array([r[0] for r in rows]),
                       np.array([r[1] for r in rows]), np.array([r[2] for r in rows]), len(ids))
         cb.prologue(ids)
@@ -272,20 +373,151 @@ def mixed_rows(B: int, apps: tuple[str, ...]):
     first three requests use `apps`, the rest do not."""
     if B == 8:
         return [(3, 0, 3, apps), (2, 0, 5, apps), (1, 9, 4, apps), (1, 5, 2, ()), (1, 3, 3, ())]
-    rows = [(1, 10 + i, 4, apps if i % 2 == 0 else ()) for i in range(B)]
-    return rows
+    return [(1, 10 + i, 4, apps if i % 2 == 0 else ()) for i in range(B)]
 
 
 def rel(a, b) -> float:
-    return float((a - b).norm() / max(b.norm(), 1e-6))
+    return float((a - b).norm() / max(float(b.norm()), 1e-6))
 
 
-# ---------------------------------------------------------------- GPU part
-def capture(cls, model, x, sites=True, patch_env: str | None = None):
-    old = os.environ.get("XMIX_GRAPH_PATCH")
-    if patch_env is not None:
-        os.environ["XMIX_GRAPH_PATCH"] = patch_env
+def sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+# ---------------------------------------------------------------- correctness orchestration
+def check_correctness(cb, run: Runner, kinds: dict[str, Callable[[int], torch.Tensor]],
+                      xs, ids, cases: list[Case], batches, shape: ModelShape, device,
+                      replan=graphs.on_apps_changed, set_mode=graphs.set_mode,
+                      tol_eager: float = 5e-2) -> None:
+    """Every case, enabled and disabled, per batch: each kind of run from the same control
+    state. kinds: "eager" (the reference), "base" (the model without sites), and the graph
+    runs to compare (each must equal "anchors" when present, else eager, and eager within
+    tol_eager). The gated cases run with the gate false for every token (theta 2 > any
+    sigmoid), then true for some: theta = the median of the probe values that the gate-false
+    pass read."""
+    base_snap = run.snapshot()
+    graph_kinds = [k for k in kinds if k not in ("eager", "base")]
+    ref_kind = "anchors" if "anchors" in kinds else "eager"
+    for case in cases:
+        cb.install(lower(case.app, shape), mode="request" if case.mode == "request" else "all")
+        summary = replan(cb)
+        if summary and (summary.get("errors") or summary.get("fallback")):
+            check(False, f"{case.name}: re-plan {summary}")
+        for B in batches:
+            apps = (case.name,) if case.mode == "request" else ()
+            rows = mixed_rows(B, apps)
+            n_real = sum(r[0] for r in rows)
+            probe_rows = None
+            gate_off_y = None
+            for mode in ("on", "off"):
+                set_mode(cb, case.name, ("request" if case.mode == "request" else "all") if mode == "on" else "off")
+                thetas = [2.0, "median"] if case.gate_param and mode == "on" else [None]
+                for theta in thetas:
+                    if theta == 2.0:
+                        cb.set_params(case.name, {case.gate_param: 2.0})
+                    elif theta == "median":
+                        ch = cb.apps[case.name].channels["p"]
+                        t = probe_median(probe_rows, ch) if probe_rows is not None else None
+                        if not check(t is not None, f"{case.name} B={B}: probe values to set the gate from"):
+                            continue
+                        cb.set_params(case.name, {case.gate_param: t})
+                    out = {}
+                    for kind, fn in kinds.items():
+                        run.restore(base_snap)
+                        run.step(rows, ids[B])
+                        y = fn(B)
+                        sync(device)
+                        out[kind] = run.outputs(y, B)
+                    ye, re_, ce = out["eager"]
+                    yb = out["base"][0]
+                    tag = f"{case.name} B={B} {mode}" + (f" theta={theta}" if theta is not None else "")
+                    if theta == 2.0:
+                        probe_rows, gate_off_y = re_, ye
+                    for kind in graph_kinds:
+                        yk, rk, ck = out[kind]
+                        yr, rr, cr = out[ref_kind]
+                        vs_ref, vs_eager = rel(yk, yr), rel(yk, ye)
+                        ok = vs_ref < 1e-3 and vs_eager < tol_eager
+                        if case.reads and mode == "on":
+                            try:
+                                torch.testing.assert_close(rk, rr, rtol=1e-3, atol=1e-3, equal_nan=True)
+                                torch.testing.assert_close(ck, cr, rtol=1e-3, atol=1e-3, equal_nan=True)
+                                torch.testing.assert_close(rk, re_, rtol=tol_eager, atol=tol_eager, equal_nan=True)
+                                torch.testing.assert_close(ck, ce, rtol=tol_eager, atol=tol_eager, equal_nan=True)
+                            except AssertionError as e:
+                                ok = False
+                                say(f"        {kind}: reads differ: {str(e).splitlines()[0]}")
+                        effect = rel(yk, yb)
+                        if mode == "off" or theta == 2.0:
+                            # nothing may change: the same as the model without any site
+                            ok = ok and effect < 1e-3
+                            extra = f", vs no sites {effect:.1e}"
+                        elif case.reads:
+                            # a read that reads nothing would compare NaN with NaN
+                            n_vals = int((~torch.isnan(rk)).sum())
+                            ok = ok and n_vals > 0
+                            extra = f", effect {effect:.1e}, {n_vals} values read"
+                        else:
+                            # a write that changes nothing would prove nothing
+                            ok = ok and effect > 0
+                            extra = f", effect {effect:.1e}"
+                        if theta == "median" and gate_off_y is not None:
+                            n = int(changed_rows(yk[:n_real], gate_off_y[:n_real]).sum())
+                            some = n > 0 and (n < n_real or not case.some_not_all)
+                            ok = ok and some
+                            extra += f", gate true for {n}/{n_real} rows"
+                        check(ok, f"{tag} [{kind}]: rel err vs {ref_kind} {vs_ref:.1e} "
+                                  f"(bitwise {torch.equal(yk, yr)}), vs eager {vs_eager:.1e}{extra}")
+        cb.remove(case.name)
+    replan(cb)
+
+
+def cpu_orchestration(args) -> None:
+    """The correctness orchestration above on a tiny CPU decoder, every graph kind being
+    the eager model: what a CPU can check of this script's GPU path."""
+    say("== without a GPU: correctness orchestration on a tiny CPU decoder (graphs = eager)")
+    shape = ModelShape(n_layers=3, hidden_size=64, vocab_size=64)
+    model = Decoder(3, 64, 128, 4, 8, 8, device="cpu", dtype=torch.float32)
+    cap = Capacity(max_tokens=16, max_slots=16, max_apps=8, max_params=64, max_channels=16,
+                   max_ops=64, max_cond=128, capture_floats=1 << 12)
+    cb = ControlBlock(shape, "cpu", cap)
+    run = Runner(cb)
+    x = {8: torch.randn(8, 64, generator=torch.Generator().manual_seed(1))}
+    ids = {8: ((torch.arange(8) * 7) % 50).to(torch.int32)}
+    kinds = {"eager": lambda B: model(x[B]), "patched": lambda B: model(x[B]),
+             "base": lambda B: model(x[B], sites=False)}
+    run.step(mixed_rows(8, ()), ids[8])
+    n0 = len(FAILURES)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: threads only contend (CI machines are shared)
     try:
+        check_correctness(cb, run, kinds, x, ids, check_cases(64, 3), [8], shape, "cpu",
+                          replan=lambda c: None, set_mode=lambda c, n, m: c.set_mode(n, m),
+                          tol_eager=1e-5)
+    finally:
+        torch.set_num_threads(threads)
+    say(f"   orchestration: {len(FAILURES) - n0} failure(s)")
+
+
+# ---------------------------------------------------------------- GPU: capture
+@contextlib.contextmanager
+def patch_env(value: str | None):
+    old = os.environ.get("XMIX_GRAPH_PATCH")
+    if value is not None:
+        os.environ["XMIX_GRAPH_PATCH"] = value
+    try:
+        yield
+    finally:
+        if value is not None:
+            if old is None:
+                os.environ.pop("XMIX_GRAPH_PATCH", None)
+            else:
+                os.environ["XMIX_GRAPH_PATCH"] = old
+
+
+def capture(cls, model, x, sites=True, patch: str | None = None):
+    with patch_env(patch):
         model(x, sites)  # warm-up (cuBLAS handles, allocator) outside capture
         torch.cuda.synchronize()
         g = cls()
@@ -293,33 +525,63 @@ def capture(cls, model, x, sites=True, patch_env: str | None = None):
             out = model(x, sites)
         torch.cuda.synchronize()
         return g, out
-    finally:
-        if patch_env is not None:
-            if old is None:
-                os.environ.pop("XMIX_GRAPH_PATCH", None)
-            else:
-                os.environ["XMIX_GRAPH_PATCH"] = old
 
 
-def time_replay(g, reps: int) -> float:
+class Piecewise:
+    """vLLM's PIECEWISE mode on the decoder: one graph per segment between attention calls
+    (L + 1 of them), attention eager in between, every graph in one memory pool."""
+
+    def __init__(self, cls, model: Decoder, x, sites=True, patch: str | None = None):
+        self.model, self.B = model, x.shape[0]
+        self.a = [torch.zeros(self.B, model.d, device=x.device, dtype=x.dtype) for _ in range(model.L)]
+        pool = torch.cuda.graph_pool_handle()
+        self.graphs, self.outs = [], []
+        with patch_env(patch):
+            model(x, sites)
+            torch.cuda.synchronize()
+            inputs = (x,)
+            for k in range(model.L + 1):
+                g = cls()
+                with torch.cuda.graph(g, pool=pool):
+                    out = model.segment(k, inputs, sites)
+                self.graphs.append(g)
+                self.outs.append(out)
+                if k < model.L:
+                    inputs = (self.a[k], out[0])
+            torch.cuda.synchronize()
+        self.out = self.outs[-1][0]
+
+    def replay(self):
+        for k, g in enumerate(self.graphs):
+            g.replay()
+            if k < self.model.L:
+                self.a[k].copy_(self.model.attn(k, self.outs[k][1]))
+        return self.out
+
+
+def time_ms(fn, reps: int, rounds: int) -> float:
+    """Median over rounds of the mean time per call (us), device events around each round."""
     for _ in range(3):
-        g.replay()
+        fn()
     torch.cuda.synchronize()
-    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t0.record()
-    for _ in range(reps):
-        g.replay()
-    t1.record()
-    torch.cuda.synchronize()
-    return t0.elapsed_time(t1) * 1000.0 / reps  # us
+    per = []
+    for _ in range(rounds):
+        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0.record()
+        for _ in range(reps):
+            fn()
+        t1.record()
+        torch.cuda.synchronize()
+        per.append(t0.elapsed_time(t1) * 1000.0 / reps)
+    return float(np.median(per))
 
 
-def kernel_name(cu, ok, params) -> str:
+def kernel_name(cu, params) -> str:
     # Lazily loaded modules may leave only the CUkernel (kern) in the node's parameters.
     try:
-        name = ok(cu.cuFuncGetName(params.func))
+        (name,) = cu_values(cu.cuFuncGetName(params.func), cu)
     except Exception:  # noqa: BLE001
-        name = ok(cu.cuKernelGetName(params.kern))
+        (name,) = cu_values(cu.cuKernelGetName(params.kern), cu)
     return name.decode() if isinstance(name, bytes) else str(name)
 
 
@@ -330,29 +592,25 @@ def structural_check(g, expect_ops: int, expect_ifs: int, n_anchors: int) -> Non
         say("  SKIP  structural check with cuda-python: cuda-bindings is not installed")
         return
     try:
-        def ok(res):
-            err = res[0]
-            if err != cu.CUresult.CUDA_SUCCESS:
-                raise RuntimeError(str(err))
-            return res[1:] if len(res) > 2 else res[1]
-
         graph = cu.CUgraph(int(g.raw_cuda_graph()))
         exe = cu.CUgraphExec(int(g.raw_cuda_graph_exec()))
-        _, n = ok(cu.cuGraphGetNodes(graph, 0))
-        nodes, _ = ok(cu.cuGraphGetNodes(graph, n))
-        names = {"xmix_site_anchor": [], "xmix_op_kernel": [], "xmix_gate_kernel": []}
+        _, n = cu_values(cu.cuGraphGetNodes(graph, 0), cu)
+        nodes, _ = cu_values(cu.cuGraphGetNodes(graph, n), cu)
+        names: dict[str, list] = {"xmix_site_anchor": [], "xmix_op_kernel": [], "xmix_gate_kernel": []}
         n_if = 0
         for node in nodes:
-            t = ok(cu.cuGraphNodeGetType(node))
+            (t,) = cu_values(cu.cuGraphNodeGetType(node), cu)
             if t == cu.CUgraphNodeType.CU_GRAPH_NODE_TYPE_CONDITIONAL:
                 n_if += 1
             if t != cu.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL:
                 continue
-            name = kernel_name(cu, ok, ok(cu.cuGraphKernelNodeGetParams(node)))
+            (params,) = cu_values(cu.cuGraphKernelNodeGetParams(node), cu)
+            name = kernel_name(cu, params)
             for k in names:
                 if k in name:
                     names[k].append(node)
-        anchors_on = sum(ok(cu.cuGraphNodeGetEnabled(exe, a)) for a in names["xmix_site_anchor"])
+        anchors_on = sum(int(cu_values(cu.cuGraphNodeGetEnabled(exe, a), cu)[0])
+                         for a in names["xmix_site_anchor"])
         check(len(names["xmix_site_anchor"]) == n_anchors and anchors_on == 0,
               f"cuda-python: {len(names['xmix_site_anchor'])} anchor nodes, {anchors_on} enabled")
         # op nodes inside IF bodies are not top-level nodes: top level = all ops - gated ones
@@ -360,174 +618,170 @@ def structural_check(g, expect_ops: int, expect_ifs: int, n_anchors: int) -> Non
               f"cuda-python: {len(names['xmix_op_kernel'])} top-level op nodes (expected {expect_ops - expect_ifs})")
         check(len(names["xmix_gate_kernel"]) == expect_ifs and n_if >= expect_ifs,
               f"cuda-python: {len(names['xmix_gate_kernel'])} gate nodes, {n_if} conditional nodes")
-        for op in names["xmix_op_kernel"]:
-            _, nd = ok(cu.cuGraphNodeGetDependencies(op, 0))
-            if nd == 0:
-                check(False, "cuda-python: a spliced op node has no dependency")
-                break
+        lonely = sum(1 for op in names["xmix_op_kernel"]
+                     if n_dependencies(cu.cuGraphNodeGetDependencies(op, 0), cu) == 0)
+        check(lonely == 0, f"cuda-python: every top-level op node has a dependency ({lonely} without)")
     except Exception as e:  # noqa: BLE001 - a binding that differs from the one written for
         check(False, f"structural check with cuda-python raised {type(e).__name__}: {e}")
 
 
-def gpu_part(args, shape: ModelShape) -> None:
+# ---------------------------------------------------------------- GPU part
+class Table:
+    def __init__(self, path: Path | None, tag: str, batches, title: str):
+        self.path, self.tag, self.batches, self.title = path, tag, batches, title
+        self.rows: list[tuple[str, dict[int, float]]] = []
+        self.notes: list[str] = []
+        self.base_label: str | None = None
+
+    def add(self, label: str, vals: dict[int, float], base: bool = False) -> None:
+        if base:
+            self.base_label = label
+        self.rows.append((label, vals))
+        self.flush()
+
+    def note(self, line: str) -> None:
+        self.notes.append(line)
+        self.flush()
+
+    def text(self) -> str:
+        base = dict(self.rows).get(self.base_label) if self.base_label else None
+        lines = [f"### {self.title}", "",
+                 "| configuration | " + " | ".join(f"B={b}" for b in self.batches) + " |",
+                 "|---|" + "---:|" * len(self.batches)]
+        for label, vals in self.rows:
+            cells = []
+            for b in self.batches:
+                v = vals.get(b)
+                if v is None:
+                    cells.append("")
+                elif base and label != self.base_label and b in base:
+                    cells.append(f"{v:.1f} µs ({100 * (v / base[b] - 1):+.2f} %)")
+                else:
+                    cells.append(f"{v:.1f} µs")
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        if self.notes:
+            lines += [""] + [f"- {n}" for n in self.notes]
+        return "\n".join(lines) + "\n"
+
+    def flush(self) -> None:
+        write_section(self.path, self.tag, self.text())
+
+
+def gpu_part(args, shape: ModelShape, table: Table) -> None:
     cls = graphs.graph_class()
     if cls is None:
         check(False, f"graph patching unavailable: {graphs.cuda_patching_available()}")
         return
     say(f"== device: {torch.cuda.get_device_name()}, torch {torch.__version__}, {_C.cuda_status()}, "
         f"conditional nodes: {G.conditionals_supported()}")
+    # The correctness section compares the patched graphs themselves; the first-replay check
+    # (which would serve the anchors' result) has its own section.
+    os.environ["XMIX_GRAPH_CHECK"] = "0"
     t = time.time()
     model = Decoder(shape.n_layers, shape.hidden_size, args.ffn, args.heads, args.ctx, max(args.batches))
     cb = ControlBlock(shape, "cuda", capacity())
-    run = Runner(cb, model, shape.hidden_size)
+    run = Runner(cb)
     say(f"   model and control block ready in {time.time() - t:.1f}s "
         f"({torch.cuda.memory_allocated() / 2**30:.1f} GiB)")
 
     d = shape.hidden_size
-    xs, ids, g_base, g_anchor, g_patch = {}, {}, {}, {}, {}
+    xs, ids, g_base, g_anchor, g_patch, pw_base, pw_patch = {}, {}, {}, {}, {}, {}, {}
     t = time.time()
     for B in args.batches:
         xs[B] = torch.randn(B, d, device="cuda", dtype=torch.bfloat16)
         ids[B] = ((torch.arange(B) * 7) % 50).to(torch.int32).cuda()
         run.step(mixed_rows(B, ()), ids[B])
         g_base[B] = capture(torch.cuda.CUDAGraph, model, xs[B], sites=False)
-        g_anchor[B] = capture(cls, model, xs[B], patch_env="0")
+        g_anchor[B] = capture(cls, model, xs[B], patch="0")
         g_patch[B] = capture(cls, model, xs[B])
+        if args.piecewise:
+            pw_base[B] = Piecewise(torch.cuda.CUDAGraph, model, xs[B], sites=False)
+            pw_patch[B] = Piecewise(cls, model, xs[B])
     n_anchors = 3 * shape.n_layers
-    say(f"   captured {3 * len(args.batches)} graphs in {time.time() - t:.1f}s; stats {graphs.stats()}")
-    check(all(g_patch[B][0].xmix_state == "patched" for B in args.batches), "every xmix graph patched")
+    say(f"   captured {len(graphs.kept_graphs()) + 2 * len(args.batches)} graphs in {time.time() - t:.1f}s; "
+        f"stats {graphs.stats()}")
+    st = graphs.stats()
+    forms = {f: st[f"anchors_by_{f}"] for f in ("stub", "function", "kernel", "name")}
+    check(sum(forms.values()) > 0, f"anchor nodes recognised, by form: {forms}")
+    check(all(g_patch[B][0].xmix_state == "patched" for B in args.batches), "every full xmix graph patched")
+    if args.piecewise:
+        states = {g.xmix_state for B in args.batches for g in pw_patch[B].graphs}
+        check(states == {"patched"}, f"every piecewise graph patched ({states})")
     check(all(g_anchor[B][0].xmix_state == "disabled" for B in args.batches),
           "XMIX_GRAPH_PATCH=0 keeps the anchors")
 
-    # ---- correctness: patched graph vs eager (and vs the anchor graph) per case
-    say("== correctness: patched graph vs eager, enabled and disabled")
+    # ---- correctness: patched graphs vs their anchors and vs eager, per case
+    say("== correctness: patched full and piecewise graphs vs anchors and eager, enabled and disabled")
     check_batches = [b for b in (8, 256) if b in args.batches] or args.batches[:1]
-    base_snap = run.snapshot()
-    for case in check_cases(d, shape.n_layers):
-        cb.install(lower(case.app, shape), mode="request" if case.mode == "request" else "all")
-        summary = graphs.on_apps_changed(cb)
-        if summary["errors"] or summary["fallback"]:
-            check(False, f"{case.name}: re-plan {summary}")
-        for B in check_batches:
-            x = xs[B]
-            apps = (case.name,) if case.mode == "request" else ()
-            thetas = [None]
-            if case.gate_param:
-                thetas = [2.0, "median"]
-            for mode in ("on", "off"):
-                graphs.set_mode(cb, case.name, ("request" if case.mode == "request" else "all") if mode == "on" else "off")
-                for theta in thetas if mode == "on" else [None]:
-                    if theta == 2.0:
-                        cb.set_params(case.name, {case.gate_param: 2.0})
-                    elif theta == "median":
-                        ch = cb.apps[case.name].channels["p"]
-                        p = cb.dev["results"][: B * cb.cap.max_channels].view(B, -1)[:, ch].float()
-                        p = p[~torch.isnan(p)]
-                        if p.numel() < 2:
-                            check(False, f"{case.name}: no probe values to set the gate from")
-                            continue
-                        cb.set_params(case.name, {case.gate_param: float(p.median())})
-                    rows = mixed_rows(B, apps)
-                    results = []
-                    # eager: the reference path (its kernels are checked against xmix.reference
-                    # by tests/test_kernels.py); anchors: the same graph unpatched, whose torch
-                    # kernels match the patched graph's exactly; base: the graph without sites.
-                    for kind in ("eager", "patched", "anchors", "base"):
-                        run.restore(base_snap)
-                        run.step(rows, ids[B])
-                        if kind == "eager":
-                            y = model(x)
-                        else:
-                            gg, out = {"patched": g_patch, "anchors": g_anchor, "base": g_base}[kind][B]
-                            gg.replay()
-                            y = out
-                        torch.cuda.synchronize()
-                        results.append(run.outputs(y, B))
-                    (ye, re_, ce), (yp, rp, cp), (ya, ra, ca), (yb, _, _) = results
-                    tag = f"{case.name} B={B} {mode}" + (f" theta={theta}" if theta is not None else "")
-                    vs_anchor, vs_eager = rel(yp, ya), rel(yp, ye)
-                    ok = vs_anchor < 1e-3 and vs_eager < 5e-2
-                    if case.reads and mode == "on":
-                        try:
-                            torch.testing.assert_close(rp, ra, rtol=1e-3, atol=1e-3, equal_nan=True)
-                            torch.testing.assert_close(cp, ca, rtol=1e-3, atol=1e-3, equal_nan=True)
-                            torch.testing.assert_close(rp, re_, rtol=5e-2, atol=5e-2, equal_nan=True)
-                            torch.testing.assert_close(cp, ce, rtol=5e-2, atol=5e-2, equal_nan=True)
-                        except AssertionError as e:
-                            ok = False
-                            say(f"        reads differ: {str(e).splitlines()[0]}")
-                    effect = rel(yp, yb)
-                    if mode == "off" or theta == 2.0:
-                        # nothing may change: the same as the graph without any site
-                        ok = ok and effect < 1e-3
-                        extra = f", vs no sites {effect:.1e}"
-                    else:
-                        extra = f", effect {effect:.1e}"
-                    check(ok, f"{tag}: rel err vs anchors {vs_anchor:.1e} (bitwise {torch.equal(yp, ya)}), "
-                              f"vs eager {vs_eager:.1e}{extra}")
-        cb.remove(case.name)
-    graphs.on_apps_changed(cb)
+    kinds = {"eager": lambda B: model(xs[B]),
+             "anchors": lambda B: (g_anchor[B][0].replay(), g_anchor[B][1])[1],
+             "patched": lambda B: (g_patch[B][0].replay(), g_patch[B][1])[1]}
+    if args.piecewise:
+        kinds["piecewise"] = lambda B: pw_patch[B].replay()
+    kinds["base"] = lambda B: (g_base[B][0].replay(), g_base[B][1])[1]
+    check_correctness(cb, run, kinds, xs, ids, check_cases(d, shape.n_layers), check_batches, shape, "cuda")
+
+    apps = bench_apps(d, shape.n_layers)
+    Bs = check_batches[0]
+    first_replay_check_section(cls, model, cb, run, xs, ids, Bs, apps, shape, args)
 
     # ---- structure of a patched graph with a plain op and a gated write
     say("== structure")
-    apps = bench_apps(d, shape.n_layers)
     for a in apps.values():
         cb.install(lower(a, shape), mode="off")
     graphs.on_apps_changed(cb)
-    Bs = check_batches[0]
     n_ops = 1 + 3 * shape.n_layers + 2
     structural_check(g_patch[Bs][0], n_ops, 1, n_anchors)
-    ir = g_patch[Bs][0].xmix_ir()
-    on = [n for n in ir.nodes if n.enabled and n.role != G.Role.Foreign and n.parent == -1]
-    check(not on, f"all apps off: {len(on)} enabled xmix nodes at the top level (IF nodes excluded)"
-          if not on else f"all apps off but {len(on)} xmix nodes enabled")
+    on = enabled_xmix_nodes(g_patch[Bs][0].xmix_ir())
+    check(not on, f"all apps off: {len(on)} enabled top-level xmix nodes")
 
     # ---- timing
-    say("== decode-step time per batch (us per graph replay, mean of %d)" % args.reps)
-    rows = {}
+    say(f"== decode-step time per batch (us per step, median of {args.rounds} rounds of {args.reps})")
+    for n in list(cb.apps):
+        cb.remove(n)
+    graphs.on_apps_changed(cb)
 
     def decode_step(B):
         run.step([(1, 100, 4, ())] * B, ids[B])
 
-    def measure(label, which):
-        rows.setdefault(label, {})
+    def measure(label, which, base=False, piecewise=False):
+        vals = {}
         for B in args.batches:
             decode_step(B)
-            rows[label][B] = time_replay(which[B][0], args.reps)
+            fn = which[B].replay if piecewise else which[B][0].replay
+            vals[B] = time_ms(fn, args.reps, args.rounds)
+        table.add(label, vals, base=base)
+        say(f"   {label}: " + ", ".join(f"B={b} {v:.1f}" for b, v in vals.items()))
 
-    # no xmix at all / anchors only (unpatched) with nothing running / patched, everything off
-    for n in list(cb.apps):
-        cb.remove(n)
-    graphs.on_apps_changed(cb)
-    measure("no xmix (graph without sites)", g_base)
-    measure("anchors, no app (XMIX_GRAPH_PATCH=0)", g_anchor)
-    measure("patched, no app", g_patch)
+    measure("no xmix (graph without sites)", g_base, base=True)
+    measure("anchors only, no app (XMIX_GRAPH_PATCH=0)", g_anchor)
+    measure("patched, no app deployed", g_patch)
     for a in apps.values():
         cb.install(lower(a, shape), mode="off")
     graphs.on_apps_changed(cb)
     measure("apps deployed, all off", g_patch)
-    measure("  all off, unpatched anchors", g_anchor)
     graphs.set_mode(cb, "bench_add", "all")
-    measure("one single-layer add on", g_patch)
+    measure("one single-layer add on every token", g_patch)
     graphs.set_mode(cb, "bench_add", "off")
     graphs.set_mode(cb, "bench_ablate", "all")
     measure(f"ablation on all layers (3 sites x {shape.n_layers})", g_patch)
-    measure("  ablation, unpatched anchors", g_anchor)
+    measure("  the same, anchors only (XMIX_GRAPH_PATCH=0)", g_anchor)
     graphs.set_mode(cb, "bench_ablate", "off")
     graphs.set_mode(cb, "bench_gated", "all")
     cb.set_params("bench_gated", {"theta": 2.0})
-    measure("gated write, gate false for all", g_patch)
+    measure("gated write, gate false for every token", g_patch)
     cb.set_params("bench_gated", {"theta": 0.0})
-    measure("gated write, gate true", g_patch)
+    measure("gated write, gate true for every token", g_patch)
     graphs.set_mode(cb, "bench_gated", "off")
-
-    width = max(len(k) for k in rows) + 2
-    say("".join([f"{'configuration':<{width}}"] + [f"{'B=' + str(B):>12}" for B in args.batches]))
-    base = rows["no xmix (graph without sites)"]
-    for label, vals in rows.items():
-        cells = [f"{vals[B]:>8.1f}" + (f"{100 * (vals[B] / base[B] - 1):+4.0f}%" if label != "no xmix (graph without sites)" else "     ")
-                 for B in args.batches]
-        say(f"{label:<{width}}" + "".join(f"{c:>12}" for c in cells))
+    if args.piecewise:
+        measure("piecewise: no xmix", pw_base, piecewise=True)
+        measure("piecewise: apps deployed, all off", pw_patch, piecewise=True)
+        graphs.set_mode(cb, "bench_add", "all")
+        measure("piecewise: one single-layer add", pw_patch, piecewise=True)
+        graphs.set_mode(cb, "bench_add", "off")
+        graphs.set_mode(cb, "bench_ablate", "all")
+        measure("piecewise: ablation on all layers", pw_patch, piecewise=True)
+        graphs.set_mode(cb, "bench_ablate", "off")
 
     # ---- control costs (host side, between steps)
     n = 50
@@ -552,11 +806,99 @@ def gpu_part(args, shape: ModelShape) -> None:
     node_param = (time.perf_counter() - t0) / n * 1e6
     torch.cuda.synchronize()
     ng = len(graphs.kept_graphs())
-    say(f"toggle (mode change: control block write + node switch in {ng} graphs): {toggle:.1f} us")
-    say(f"  node switch only, ablation app ({nodes} nodes over {ng} graphs): {switch:.1f} us")
-    say(f"parameter update (control block write, no graph update needed): {param:.1f} us")
-    say(f"  cudaGraphExecKernelNodeSetParams on one app's nodes ({upd} nodes over {ng} graphs): {node_param:.1f} us")
+    for line in (f"one toggle (mode change: control block write + node switch in {ng} graphs): {toggle:.1f} µs",
+                 f"node switch only, ablation app ({nodes} nodes over {ng} graphs): {switch:.1f} µs",
+                 f"one parameter update (control block write; no graph update needed): {param:.1f} µs",
+                 f"cudaGraphExecKernelNodeSetParams on one app's nodes ({upd} nodes over {ng} graphs): "
+                 f"{node_param:.1f} µs"):
+        say("   " + line)
+        table.note(line)
+    base = dict(table.rows)["no xmix (graph without sites)"]
+    for label, goal in (("apps deployed, all off", 0.5), ("one single-layer add on every token", 1.0),
+                        (f"ablation on all layers (3 sites x {shape.n_layers})", 3.0)):
+        worst = max(100 * (dict(table.rows)[label][b] / base[b] - 1) for b in args.batches)
+        table.note(f"goal {label}: ≤ {goal} % of the step; worst batch {worst:+.2f} % "
+                   f"({'met' if worst <= goal else 'missed'})")
     check(graphs.stats()["errors"] == 0, f"no patch error or plan mismatch ({graphs.stats()})")
+
+
+def first_replay_check_section(cls, model, cb, run, xs, ids, B, apps, shape, args) -> None:
+    """XMIX_GRAPH_CHECK on real graphs: a correct patched graph passes and serves the anchors'
+    (equal) result; one whose executable graph is deliberately broken (the app's op node
+    switched off behind the control block's back) fails, serves the anchors' result and is
+    put back as captured; piecewise graphs sharing one pool pass."""
+    say("== first-replay check (XMIX_GRAPH_CHECK=1)")
+    os.environ["XMIX_GRAPH_CHECK"] = "1"
+    try:
+        cb.install(lower(apps["add"], shape), mode="all")
+        graphs.on_apps_changed(cb)
+        rows = mixed_rows(B, ())
+        snap = run.snapshot()
+        run.step(rows, ids[B])
+        ga, out_a = capture(cls, model, xs[B], patch="0")
+        run.restore(snap)
+        run.step(rows, ids[B])
+        ga.replay()
+        torch.cuda.synchronize()
+        want = out_a.clone()
+
+        before = graphs.stats()
+        run.restore(snap)
+        run.step(rows, ids[B])
+        g_ok, out_ok = capture(cls, model, xs[B])
+        run.restore(snap)
+        run.step(rows, ids[B])
+        g_ok.replay()
+        torch.cuda.synchronize()
+        st = graphs.stats()
+        check(st["check_passed"] == before["check_passed"] + 1 and g_ok.xmix_state == "patched",
+              f"a correct patched graph passes ({st['checks'] - before['checks']} check run)")
+        check(torch.equal(out_ok, want), f"... and serves the anchors' result (rel {rel(out_ok.float(), want.float()):.1e})")
+
+        run.restore(snap)
+        run.step(rows, ids[B])
+        g_bad, out_bad = capture(cls, model, xs[B])
+        g_bad._xmix.set_app_enabled(int(g_bad.raw_cuda_graph_exec()), cb.apps["bench_add"].index, False)
+        before = graphs.stats()
+        run.restore(snap)
+        run.step(rows, ids[B])
+        g_bad.replay()
+        torch.cuda.synchronize()
+        st = graphs.stats()
+        check(st["check_failed"] == before["check_failed"] + 1 and g_bad.xmix_state == "fallback",
+              f"a broken patched graph fails the check and falls back (state {g_bad.xmix_state}, "
+              f"{g_bad._xmix_refused})")
+        check(torch.equal(out_bad, want), f"... and serves the anchors' result (rel {rel(out_bad.float(), want.float()):.1e})")
+        run.restore(snap)
+        run.step(rows, ids[B])
+        g_bad.replay()
+        torch.cuda.synchronize()
+        check(torch.equal(out_bad, want), "... and so on at the next replays")
+
+        if args.piecewise:
+            run.restore(snap)
+            run.step(rows, ids[B])
+            pw = Piecewise(cls, model, xs[B])
+            before = graphs.stats()
+            run.restore(snap)
+            run.step(rows, ids[B])
+            y = pw.replay()
+            torch.cuda.synchronize()
+            st = graphs.stats()
+            n_checked = st["checks"] - before["checks"]
+            check(n_checked >= 1 and st["check_passed"] - before["check_passed"] == n_checked,
+                  f"piecewise graphs in one pool: {n_checked} checked, all passed")
+            check(torch.equal(y, want), f"... and the piecewise step gives the anchors' result "
+                                        f"(rel {rel(y.float(), want.float()):.1e})")
+            for g in pw.graphs:
+                g.reset()
+        for g in (ga, g_ok, g_bad):
+            g.reset()
+    finally:
+        os.environ["XMIX_GRAPH_CHECK"] = "0"
+        for n in list(cb.apps):
+            cb.remove(n)
+        graphs.on_apps_changed(cb)
 
 
 def main() -> int:
@@ -567,22 +909,39 @@ def main() -> int:
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--ctx", type=int, default=128)
     ap.add_argument("--batches", default="1,8,64,256")
-    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--reps", type=int, default=30, help="replays per timing round")
+    ap.add_argument("--rounds", type=int, default=5, help="timing rounds (the median is reported)")
+    ap.add_argument("--no-piecewise", dest="piecewise", action="store_false",
+                    help="capture full graphs only")
+    ap.add_argument("--table", type=Path, default=None, help="markdown file for the timing table")
+    ap.add_argument("--tag", default="full", help="the table's section in --table")
+    ap.add_argument("--cpu-only", action="store_true", help="only the part that needs no GPU")
     args = ap.parse_args()
     args.batches = sorted(int(b) for b in args.batches.split(","))
+    # every patch is read back and compared with its plan
+    os.environ.setdefault("XMIX_GRAPH_VERIFY", "1")
     shape = ModelShape(n_layers=args.layers, hidden_size=args.d, vocab_size=32000)
-    say(f"== xmix gpu_check: {args.layers} layers, d={args.d}, batches {args.batches}; "
+    say(f"== xmix gpu_check ({args.tag}): {args.layers} layers, d={args.d}, batches {args.batches}; "
         f"_C: {_C.cuda_status()}")
     t = time.time()
     cpu_part(shape)
-    if not torch.cuda.is_available():
-        say(f"no GPU: stopped before allocating the model and capturing CUDA graphs "
-            f"(the part above ran in {time.time() - t:.1f}s)")
+    cpu_orchestration(args)
+    if args.cpu_only or not torch.cuda.is_available():
+        why = "--cpu-only" if args.cpu_only else "no GPU"
+        say(f"{why}: stopped before allocating the model and capturing CUDA graphs "
+            f"(the part above ran in {time.time() - t:.1f}s, {len(FAILURES)} failure(s))")
+        for f in FAILURES:
+            say(f"   FAIL {f}")
         return 1 if FAILURES else 0
-    gpu_part(args, shape)
+    table = Table(args.table, args.tag, args.batches,
+                  f"{args.tag}: {torch.cuda.get_device_name()}, {args.layers} layers, d={args.d}, "
+                  f"bf16, {time.strftime('%Y-%m-%d')}")
+    gpu_part(args, shape, table)
     say(f"== done in {time.time() - t:.0f}s: {len(FAILURES)} failure(s)")
     for f in FAILURES:
         say(f"   FAIL {f}")
+    if args.table is not None:
+        say(f"table written to {args.table} (section {args.tag})")
     return 1 if FAILURES else 0
 
 
