@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Build, then run every test: GoogleTest through ctest, then pytest. Prints both counts.
+# Build, then run every test: GoogleTest through ctest, the part of the GPU check that needs no
+# GPU (bench/gpu_check.sh --cpu-only), then pytest. Prints the counts.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
@@ -10,6 +11,14 @@ echo "== GoogleTest (ctest) =="
 set +e
 .venv/bin/ctest --test-dir "$BUILD" --output-on-failure 2>&1 | tee /tmp/xmix-ctest.log
 CTEST_RC=${PIPESTATUS[0]}
+echo "== GPU check, the part that needs no GPU (bench/gpu_check.sh --cpu-only) =="
+# The package's CMake tree (built by setup.sh) is only brought up to date, so this costs the
+# symbol check, the import and gpu_check.py's CPU part.
+GPU_CHECK_T0=$SECONDS
+PYTHON=.venv/bin/python GPU_CHECK_BUILD_DIR=$BUILD OUT=build/gpu_check/ci bench/gpu_check.sh --cpu-only \
+  2>&1 | tee /tmp/xmix-gpu-check.log
+GPU_CHECK_RC=${PIPESTATUS[0]}
+echo "gpu_check --cpu-only: rc=$GPU_CHECK_RC in $((SECONDS - GPU_CHECK_T0))s"
 echo "== pytest =="
 .venv/bin/python -m pytest tests -q -p no:cacheprovider "$@" 2>&1 | tee /tmp/xmix-pytest.log
 PYTEST_RC=${PIPESTATUS[0]}
@@ -19,7 +28,8 @@ CT=$(grep -E "tests passed|tests failed" /tmp/xmix-ctest.log | tail -1)
 PT=$(grep -E "^(=+ )?[0-9]+ (passed|failed)" /tmp/xmix-pytest.log | tail -1 | sed 's/=//g')
 echo
 echo "GoogleTest: ${CT:-no result}"
+echo "gpu_check:  $([ "$GPU_CHECK_RC" = 0 ] && echo "build, symbols, import and CPU part passed" || echo "FAILED (build/gpu_check/ci/summary.txt)")"
 echo "pytest:     ${PT:-no result}"
-[ "$CTEST_RC" = 0 ] && [ "$PYTEST_RC" = 0 ] && { echo "ALL TESTS PASSED"; exit 0; }
-echo "TESTS FAILED (ctest rc=$CTEST_RC, pytest rc=$PYTEST_RC)"
+[ "$CTEST_RC" = 0 ] && [ "$GPU_CHECK_RC" = 0 ] && [ "$PYTEST_RC" = 0 ] && { echo "ALL TESTS PASSED"; exit 0; }
+echo "TESTS FAILED (ctest rc=$CTEST_RC, gpu_check rc=$GPU_CHECK_RC, pytest rc=$PYTEST_RC)"
 exit 1

@@ -138,3 +138,27 @@ def test_table_rows_are_relative_to_the_graph_without_sites(tmp_path):
 def test_cpu_part_at_the_quick_shape():
     gc.cpu_part(ModelShape(n_layers=2, hidden_size=256, vocab_size=512))
     assert gc.FAILURES == []
+
+
+# ---------------------------------------------------------------- the build checks of gpu_check.sh
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_check_symbols_fails_on_an_undefined_xmix_symbol(tmp_path):
+    """What a source missing from the build looks like (gpu_check.sh once linked without
+    csrc/site/step_cpu.cpp: `import xmix._C` then failed on the device, not at build time)."""
+    import shutil
+    import subprocess
+
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None or shutil.which("nm") is None:
+        pytest.skip("needs a C++ compiler and nm")
+    src = tmp_path / "m.cpp"
+    src.write_text("namespace xmix { int fill_step_maps(int); }\n"
+                   "int entry(int n) { return xmix::fill_step_maps(n); }\n")
+    so = tmp_path / "m.so"
+    subprocess.run([cxx, "-shared", "-fPIC", str(src), "-o", str(so)], check=True)
+    bad = subprocess.run([str(ROOT / "bench/check_symbols.sh"), str(so)], capture_output=True, text=True)
+    assert bad.returncode == 1 and "xmix::fill_step_maps(int)" in bad.stderr
+    ok = subprocess.run([str(ROOT / "bench/check_symbols.sh"), _C.__file__], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr

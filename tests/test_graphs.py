@@ -683,7 +683,10 @@ N = 8  # rows in the graph: 6 tokens + 2 padding
 
 
 @pytest.fixture
-def gpu_env():
+def gpu_env(monkeypatch):
+    # These tests compare the patched graphs themselves with eager; the first-replay check
+    # (which serves the anchors' result) has its own test.
+    monkeypatch.setenv("XMIX_GRAPH_CHECK", "0")
     prev = ops.get_control()
     graphs.reset_stats()
     yield
@@ -814,3 +817,32 @@ def test_gpu_graph_without_sites_is_plain(gpu_env):
     w = torch.randn(GD, GD, device="cuda")
     g, out = _capture(lambda x: torch.tanh(x @ w), torch.randn(N, GD, device="cuda"))
     assert g.xmix_state == "plain" and g not in graphs.kept_graphs()
+
+
+@pytest.mark.gpu
+def test_gpu_first_replay_check_passes_a_correct_graph_and_refuses_a_broken_one(gpu_env, monkeypatch):
+    monkeypatch.setenv("XMIX_GRAPH_CHECK", "1")
+    steer, abl, _ = _gpu_apps()
+    hs = Harness(GSHAPE, [steer, abl], "cuda")
+    model = TinyDecoder()
+    x = torch.randn(N, GD, generator=torch.Generator().manual_seed(4)).cuda()
+    hs.step(STEP, pad_to=N)
+    y_e, r_e = _eager(hs, model, x)
+    g, out = _capture(model, x)
+    assert g.xmix_state == "patched" and g._xmix_check_due
+    y_g, r_g = _replay(hs, g, out)
+    st = graphs.stats()
+    assert st["checks"] == 1 and st["check_passed"] == 1, st
+    assert g.xmix_state == "patched" and not g._xmix_check_due
+    torch.testing.assert_close(y_g, y_e, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(r_g, r_e, rtol=1e-4, atol=1e-5, equal_nan=True)
+    # the same graph, its ablation nodes switched off behind the control block's back: the
+    # patched result is wrong, the check serves the anchors' and puts the graph back
+    g2, out2 = _capture(model, x)
+    assert g2._xmix.set_app_enabled(int(g2.raw_cuda_graph_exec()), hs.cb.apps["abl"].index, False) == GL
+    y2, _ = _replay(hs, g2, out2)
+    st = graphs.stats()
+    assert st["check_failed"] == 1 and g2.xmix_state == "fallback", (st, g2._xmix_refused)
+    torch.testing.assert_close(y2, y_e, rtol=1e-4, atol=1e-5)
+    y3, _ = _replay(hs, g2, out2)
+    torch.testing.assert_close(y3, y_e, rtol=1e-4, atol=1e-5)
