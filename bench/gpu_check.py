@@ -559,7 +559,7 @@ class Piecewise:
         return self.out
 
 
-def time_ms(fn, reps: int, rounds: int) -> float:
+def time_us(fn, reps: int, rounds: int) -> float:
     """Median over rounds of the mean time per call (us), device events around each round."""
     for _ in range(3):
         fn()
@@ -749,7 +749,7 @@ def gpu_part(args, shape: ModelShape, table: Table) -> None:
         for B in args.batches:
             decode_step(B)
             fn = which[B].replay if piecewise else which[B][0].replay
-            vals[B] = time_ms(fn, args.reps, args.rounds)
+            vals[B] = time_us(fn, args.reps, args.rounds)
         table.add(label, vals, base=base)
         say(f"   {label}: " + ", ".join(f"B={b} {v:.1f}" for b, v in vals.items()))
 
@@ -853,7 +853,8 @@ def first_replay_check_section(cls, model, cb, run, xs, ids, B, apps, shape, arg
         st = graphs.stats()
         check(st["check_passed"] == before["check_passed"] + 1 and g_ok.xmix_state == "patched",
               f"a correct patched graph passes ({st['checks'] - before['checks']} check run)")
-        check(torch.equal(out_ok, want), f"... and serves the anchors' result (rel {rel(out_ok.float(), want.float()):.1e})")
+        check(rel(out_ok.float(), want.float()) < 1e-3,
+              f"... and serves the anchors' result (rel {rel(out_ok.float(), want.float()):.1e})")
 
         run.restore(snap)
         run.step(rows, ids[B])
@@ -868,12 +869,13 @@ def first_replay_check_section(cls, model, cb, run, xs, ids, B, apps, shape, arg
         check(st["check_failed"] == before["check_failed"] + 1 and g_bad.xmix_state == "fallback",
               f"a broken patched graph fails the check and falls back (state {g_bad.xmix_state}, "
               f"{g_bad._xmix_refused})")
-        check(torch.equal(out_bad, want), f"... and serves the anchors' result (rel {rel(out_bad.float(), want.float()):.1e})")
+        check(rel(out_bad.float(), want.float()) < 1e-3,
+              f"... and serves the anchors' result (rel {rel(out_bad.float(), want.float()):.1e})")
         run.restore(snap)
         run.step(rows, ids[B])
         g_bad.replay()
         torch.cuda.synchronize()
-        check(torch.equal(out_bad, want), "... and so on at the next replays")
+        check(rel(out_bad.float(), want.float()) < 1e-3, "... and so on at the next replays")
 
         if args.piecewise:
             run.restore(snap)
@@ -888,8 +890,8 @@ def first_replay_check_section(cls, model, cb, run, xs, ids, B, apps, shape, arg
             n_checked = st["checks"] - before["checks"]
             check(n_checked >= 1 and st["check_passed"] - before["check_passed"] == n_checked,
                   f"piecewise graphs in one pool: {n_checked} checked, all passed")
-            check(torch.equal(y, want), f"... and the piecewise step gives the anchors' result "
-                                        f"(rel {rel(y.float(), want.float()):.1e})")
+            check(rel(y.float(), want.float()) < 1e-3, f"... and the piecewise step gives the anchors' "
+                                                        f"result (rel {rel(y.float(), want.float()):.1e})")
             for g in pw.graphs:
                 g.reset()
         for g in (ga, g_ok, g_bad):

@@ -162,3 +162,36 @@ def test_check_symbols_fails_on_an_undefined_xmix_symbol(tmp_path):
     assert bad.returncode == 1 and "xmix::fill_step_maps(int)" in bad.stderr
     ok = subprocess.run([str(ROOT / "bench/check_symbols.sh"), _C.__file__], capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
+
+
+def test_piecewise_segments_compose_to_the_full_decoder():
+    """The piecewise graphs are captured per segment (gpu_check.Piecewise); chained with the
+    attention in between, the segments must be the full step, with sites running too."""
+    from xmix import ops
+    from xmix.api import App
+    from xmix.lowering import lower
+
+    shape = ModelShape(n_layers=3, hidden_size=64, vocab_size=64)
+    model = gc.Decoder(3, 64, 128, 4, 8, 8, device="cpu", dtype=torch.float32)
+    cb = ControlBlock(shape, "cpu", Capacity(max_tokens=16, max_slots=16, max_apps=8, max_params=64,
+                                             max_channels=16, max_ops=64, max_cond=128))
+    app = App("abl")
+    app.write("ablate", direction=gc.vec(64, 2)).layers("all").submodule("mlp.post")
+    cb.install(lower(app, shape), mode="all")
+    run = gc.Runner(cb)
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(5))
+    prev = ops.get_control()
+    try:
+        for sites in (False, True):
+            run.step(gc.mixed_rows(8, ()), torch.zeros(8, dtype=torch.int32))
+            inputs = (x,)
+            for k in range(model.L + 1):
+                out = model.segment(k, inputs, sites)
+                if k < model.L:
+                    inputs = (model.attn(k, out[1]), out[0])
+            run.step(gc.mixed_rows(8, ()), torch.zeros(8, dtype=torch.int32))
+            full = model(x, sites)
+            torch.testing.assert_close(out[0], full, rtol=0, atol=0)
+        assert not torch.equal(full, model(x, sites=False)), "the sites must have run"
+    finally:
+        ops.set_control(prev)
