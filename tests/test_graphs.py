@@ -260,6 +260,7 @@ class SimPatch:
 
     graphs: dict[int, object] = {}
     mismatch = ""
+    forms: dict[str, int] = {}  # what GraphPatch.anchor_forms reports
 
     def __init__(self, graph_ptr):
         self.ir = SimPatch.graphs[graph_ptr]
@@ -286,6 +287,10 @@ class SimPatch:
 
     def set_anchor_config(self, exec_, anchors):
         self.anchors_on = anchors
+
+    @property
+    def anchor_forms(self):
+        return dict(SimPatch.forms)
 
 
 class SimGraph:
@@ -326,6 +331,7 @@ def sim(monkeypatch):
     ops.set_control(hs.cb)
     graphs.reset_stats()
     SimPatch.mismatch = ""
+    SimPatch.forms = {}
     yield hs
     ops.set_control(prev)
     with graphs._lock:
@@ -457,6 +463,24 @@ def test_reinstantiation_refused_after_a_replan_falls_back_to_anchors(sim):
     hs.cb.install(lower(_apps()[1], SHAPE))
     out = graphs.on_apps_changed(hs.cb)
     assert out["reinstantiated"] == 1 and g._xmix_state == "patched" and g.execs == 3
+
+
+def test_anchor_recognition_forms_are_counted_and_logged_once(sim, monkeypatch, caplog):
+    """How the applier recognised anchor nodes (handle form or kernel name) is counted per
+    graph and said once per form: a driver reporting an unexpected form shows in the log."""
+    import logging
+
+    hs = sim
+    pre0 = site_id("residual.pre", 0, 2)
+    monkeypatch.setattr(graphs, "_forms_logged", set())
+    SimPatch.forms = {"stub": 1, "name": 1}
+    with caplog.at_level(logging.INFO, logger="vllm.xmix.graphs"):
+        _sim_capture(hs, 31, [pre0, pre0 + 1])
+        _sim_capture(hs, 32, [pre0, pre0 + 1])
+    st = graphs.stats()
+    assert st["anchors_by_stub"] == 2 and st["anchors_by_name"] == 2 and st["anchors_by_kernel"] == 0
+    said = [r.getMessage() for r in caplog.records if "recognised by their" in r.getMessage()]
+    assert len(said) == 2 and any("by their name" in m for m in said), said
 
 
 # ---------------------------------------------------------------- first-replay check, simulated

@@ -128,20 +128,20 @@ const Driver& driver() {
   return d;
 }
 
-// The kernel name of a node whose function handle is none of ours: the runtime's answer
-// for the handle it reported, else the driver's for the node's CUfunction or CUkernel.
-const char* node_kernel_name(cudaGraphNode_t n, const void* rt_func,
-                             const CUDA_KERNEL_NODE_PARAMS_v2* drv) {
+// The kernel name of a node whose function handle is none of ours: the driver's for the
+// node's CUfunction or CUkernel (handles the driver itself reported), else the runtime's
+// for the handle it reported (used only where the driver entry points are missing).
+const char* node_kernel_name(const void* rt_func, const CUDA_KERNEL_NODE_PARAMS_v2* drv) {
   const char* name = nullptr;
-  if (rt_func) {
-    if (cudaFuncGetName(&name, rt_func) == cudaSuccess && name) return name;
-    cudaGetLastError();
-  }
   const Driver& d = driver();
   if (drv && drv->func && d.func_name && d.func_name(&name, drv->func) == CUDA_SUCCESS && name)
     return name;
   if (drv && drv->kern && d.kernel_name && d.kernel_name(&name, drv->kern) == CUDA_SUCCESS && name)
     return name;
+  if (rt_func && !drv) {
+    if (cudaFuncGetName(&name, rt_func) == cudaSuccess && name) return name;
+    cudaGetLastError();
+  }
   return nullptr;
 }
 
@@ -416,7 +416,7 @@ struct GraphPatch::Impl {
       return have_drv ? &drv : nullptr;
     };
     const KernelMatch m = symbols().known.match(rt ? p.func : nullptr, [&]() {
-      return node_kernel_name(n, rt ? p.func : nullptr, drv_params());
+      return node_kernel_name(rt ? p.func : nullptr, drv_params());
     });
     inf.role = m.role;
     inf.form = m.form;
