@@ -606,6 +606,14 @@ def test_first_replay_check_switches(sim, monkeypatch):
     graphs._replay(g2, rp2)
     assert rp2.n == 1 and torch.equal(rp2.pool, rp2.x + 2.0), "one replay, with the anchors"
     assert graphs.stats()["check_unverifiable"] == 1 and g2._xmix_state == "fallback"
+    # a graph whose pool the allocator does not know: its outputs cannot be compared
+    monkeypatch.setenv("XMIX_GRAPH_CHECK_MAX_MB", "4096")
+    g3, rp3 = _checked_graph(hs, monkeypatch, 27, patched_error=0.5)
+    monkeypatch.setattr(graphs, "_pool_regions", lambda g: [])
+    hs.step(ONE)
+    graphs._replay(g3, rp3)
+    assert rp3.n == 1 and torch.equal(rp3.pool, rp3.x + 2.0)
+    assert graphs.stats()["check_unverifiable"] == 2 and "no segment" in g3._xmix_refused
 
 
 def test_replan_that_changes_the_splices_arms_the_check_again(sim, monkeypatch):

@@ -480,6 +480,9 @@ def _check_regions(g, cb) -> list:
         if t is not None:
             regions.append(_TensorRegion(name.lstrip("_"), t, exact))
     pool = _pool_regions(g)
+    if not pool:
+        # its outputs are somewhere the check cannot see, or restore
+        raise _Unverifiable("no segment of its memory pool was found")
     total = sum(r.nbytes for r in pool)
     if total > _check_limit_bytes():
         raise _Unverifiable(f"its memory pool ({total / 2**20:.0f} MiB) exceeds "
@@ -545,6 +548,7 @@ def _first_replay_check(g, cb, base_replay) -> None:
         except (_Unverifiable, RuntimeError) as e:  # RuntimeError: out of device memory
             rec.set_anchor_config(exec_, True)
             base_replay()
+            sync()  # _refuse replaces the executable graph
             _refuse(g, "check_unverifiable", f"the check could not snapshot the graph: {e}")
             return
         base_replay()                      # patched
