@@ -121,7 +121,7 @@ py::dict op_layout() {
   FIELD(OpDesc, kind); FIELD(OpDesc, app); FIELD(OpDesc, cond_begin); FIELD(OpDesc, cond_len);
   FIELD(OpDesc, param_base); FIELD(OpDesc, channel); FIELD(OpDesc, state_base); FIELD(OpDesc, n);
   FIELD(OpDesc, m); FIELD(OpDesc, flags); FIELD(OpDesc, a0); FIELD(OpDesc, a1); FIELD(OpDesc, a2);
-  FIELD(OpDesc, fn); FIELD(OpDesc, capture_offset);
+  FIELD(OpDesc, fn); FIELD(OpDesc, capture_offset); FIELD(OpDesc, a3);
   d["__size__"] = sizeof(OpDesc);
   return d;
 }
@@ -138,6 +138,7 @@ py::dict constants() {
   d["OP_DISTANCE"] = int(OP_DISTANCE); d["OP_ADD"] = int(OP_ADD); d["OP_ABLATE"] = int(OP_ABLATE);
   d["OP_AFFINE"] = int(OP_AFFINE); d["OP_CLAMP"] = int(OP_CLAMP); d["OP_ROUTER"] = int(OP_ROUTER);
   d["OP_CUSTOM"] = int(OP_CUSTOM);
+  d["OP_SAE_READ"] = int(OP_SAE_READ); d["OP_SAE_CLAMP"] = int(OP_SAE_CLAMP);
   d["TF_VALID"] = int(TF_VALID); d["TF_PROMPT"] = int(TF_PROMPT);
   d["TF_GENERATED"] = int(TF_GENERATED); d["TF_LAST"] = int(TF_LAST);
   d["TOKEN_SET_BIT0"] = kTokenSetBit0; d["MAX_TOKEN_SETS"] = kMaxTokenSets;

@@ -17,7 +17,7 @@ from safetensors.torch import save as st_save
 
 from xmix import conditions as C
 from xmix.api import App, AppError
-from xmix.catalog import CENTROIDS, EXPERTS, KERNELS, MAT_DD, VEC
+from xmix.catalog import CENTROIDS, EXPERTS, KERNELS, MAT_DD, SAE_KERNELS, VEC
 from xmix.hooks import LAYER_SITES, ModelShape, site_id
 from xmix.lowering import DeployError, latch_from_generated, lower
 
@@ -78,7 +78,8 @@ def valid_apps(draw, custom=False):
     names = iter(draw(st.lists(ident, min_size=8, max_size=8, unique=True)))
     reads = []                                 # (key, site id, op index, kernel)
     n_ops = draw(st.integers(0, 6))
-    kernels = sorted(k for k in KERNELS if k != "custom") + (["custom"] if custom else [])
+    # SAE kernels take an xmix.SAE and one layer: tests/test_sae_kernels.py covers them.
+    kernels = sorted(k for k in KERNELS if k != "custom" and k not in SAE_KERNELS) + (["custom"] if custom else [])
     for i in range(n_ops):
         kernel = draw(st.sampled_from(kernels))
         spec = KERNELS[kernel]

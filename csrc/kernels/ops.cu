@@ -107,6 +107,198 @@ __device__ float cosine_of_mean(const float* sum, float count, const OpDesc& op,
   return den > 0.f ? mu / den : 0.f;
 }
 
+// ---------------------------------------------------------------- SAEs
+// One block per selected row, as every op: rows of requests without the app return before
+// any encoder work. The encoder input sits in shared memory; each warp computes whole
+// pre-activations (lanes over d, butterfly sum: the same value in every lane); top-K keeps
+// one candidate list per warp, merged by ranks. Semantics: ops_cpu.cpp, xmix.reference.
+constexpr int kWarps = kThreads / 32;
+
+__device__ __forceinline__ float warp_dot(const float* w, const float* xs, int32_t d) {
+  const int lane = threadIdx.x & 31;
+  float acc = 0.f;
+  for (int32_t i = lane; i < d; i += 32) acc += w[i] * xs[i];
+  for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+  return acc;
+}
+
+// The encoder input of the row into xs[0, d); returns the decoder-to-stream scale.
+__device__ float sae_input_row(const DRow& row, const OpDesc& op, const float* b_dec, int32_t d,
+                               float* red, float* xs) {
+  for (int32_t i = threadIdx.x; i < d; i += blockDim.x) xs[i] = row.x(i);
+  const int32_t norm = (op.flags >> SAE_NORM_SHIFT) & 0xf;
+  float scale = 1.f;
+  if (norm == SAE_NORM_RESCALE) {
+    float ss = 0.f;
+    for (int32_t i = threadIdx.x; i < d; i += blockDim.x) ss += xs[i] * xs[i];
+    const float nrm = sqrtf(block_sum(ss, red));
+    const float coeff = nrm > 0.f ? sqrtf(static_cast<float>(d)) / nrm : 0.f;
+    scale = nrm > 0.f ? nrm / sqrtf(static_cast<float>(d)) : 0.f;
+    for (int32_t i = threadIdx.x; i < d; i += blockDim.x) xs[i] *= coeff;
+  } else if (norm == SAE_NORM_LAYER) {
+    float sum = 0.f;
+    for (int32_t i = threadIdx.x; i < d; i += blockDim.x) sum += xs[i];
+    const float mu = block_sum(sum, red) / static_cast<float>(d);
+    float var = 0.f;
+    for (int32_t i = threadIdx.x; i < d; i += blockDim.x) {
+      xs[i] -= mu;
+      var += xs[i] * xs[i];
+    }
+    const float sd = sqrtf(block_sum(var, red) / static_cast<float>(d - 1));
+    for (int32_t i = threadIdx.x; i < d; i += blockDim.x) xs[i] /= sd + kSaeLnEps;
+    scale = sd;
+  }
+  if (op.flags & SAE_B_DEC_IN)
+    for (int32_t i = threadIdx.x; i < d; i += blockDim.x) xs[i] -= b_dec[i];
+  __syncthreads();
+  return scale;
+}
+
+__device__ void sae_row(const ControlBlock& cb, const OpDesc& op, int32_t t, bool sel,
+                        int32_t slot, const DRow& row, uint32_t flags, const float* p,
+                        int32_t d, float* red, float* xs) {
+  __shared__ float s_v[kWarps][kSaeMaxTopK];
+  __shared__ int32_t s_i[kWarps][kSaeMaxTopK];
+  __shared__ int32_t s_n[kWarps];
+  __shared__ float s_pre[kSaeMaxFeatures], s_act[kSaeMaxFeatures];
+  __shared__ int32_t s_ahead[kSaeMaxFeatures], s_pos;
+  const bool is_read = op.kind == OP_SAE_READ;
+  const bool listed = op.kind == OP_SAE_CLAMP || (op.flags & SAE_FEATURES);
+  const int32_t n_ch = is_read ? (listed ? op.n : 1) : 0;
+  float* results = ptr<float>(cb.results);
+  const int64_t res0 = static_cast<int64_t>(t) * cb.n_channels + op.channel;
+  if (t < cb.max_tokens)
+    for (int32_t c = threadIdx.x; c < n_ch; c += blockDim.x) results[res0 + c] = nan_f();
+  if (!sel) return;  // block-uniform
+  const int32_t F = op.m, arch = op.flags & SAE_ARCH_MASK;
+  const float* w_enc = ptr<const float>(op.a0);
+  const float* aux = ptr<const float>(op.a2);
+  const float* b_enc = aux;
+  const float* thr = aux + F;
+  const float* b_dec = aux + 2 * static_cast<int64_t>(F);
+  const int32_t k = static_cast<int32_t>(aux[2 * static_cast<int64_t>(F) + d]);
+  const float* feats = ptr<const float>(op.a3);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const float scale = sae_input_row(row, op, b_dec, d, red, xs);
+
+  if (listed) {
+    const int32_t n = op.n;
+    for (int32_t j = warp; j < n; j += kWarps) {
+      const int32_t f = static_cast<int32_t>(feats[j]);
+      const float pre = warp_dot(w_enc + static_cast<int64_t>(f) * d, xs, d) + b_enc[f];
+      if (lane == 0) s_pre[j] = pre;
+    }
+    for (int32_t j = threadIdx.x; j < n; j += blockDim.x) s_ahead[j] = 0;
+    __syncthreads();
+    if (arch == SAE_TOPK) {
+      int32_t ahead[2] = {0, 0};  // lane's listed features: lane, lane + 32
+      for (int32_t g = warp; g < F; g += kWarps) {
+        const float pg = warp_dot(w_enc + static_cast<int64_t>(g) * d, xs, d) + b_enc[g];
+        for (int32_t q = 0; q < 2; ++q) {
+          const int32_t j = lane + 32 * q;
+          if (j < n) ahead[q] += sae_before(pg, g, s_pre[j], static_cast<int32_t>(feats[j])) ? 1 : 0;
+        }
+      }
+      for (int32_t q = 0; q < 2; ++q)
+        if (lane + 32 * q < n) atomicAdd(&s_ahead[lane + 32 * q], ahead[q]);
+      __syncthreads();
+    }
+    for (int32_t j = threadIdx.x; j < n; j += blockDim.x) {
+      const int32_t f = static_cast<int32_t>(feats[j]);
+      float a = sae_act(s_pre[j], arch, thr[f]);
+      if (arch == SAE_TOPK && s_ahead[j] >= k) a = 0.f;
+      s_act[j] = a;
+      if (is_read) {
+        results[res0 + j] = a;
+        note_read(cb, op.channel + j, slot, flags, a);
+      }
+    }
+    __syncthreads();
+    if (is_read) return;
+    const float value = p[op.param_base + P_SAE_CLAMP_VALUE];
+    for (int32_t j = threadIdx.x; j < n; j += blockDim.x) s_pre[j] = (value - s_act[j]) * scale;
+    __syncthreads();
+    const float* w_dec = ptr<const float>(op.a1);
+    for (int32_t i = threadIdx.x; i < d; i += blockDim.x) {
+      float delta = 0.f;
+      for (int32_t j = 0; j < n; ++j)
+        delta += s_pre[j] * w_dec[static_cast<int64_t>(feats[j]) * d + i];
+      row.set_h(i, row.hid(i) + delta);
+    }
+    return;
+  }
+
+  // Top-K read.
+  const int32_t K = op.n;
+  const int32_t keep = arch == SAE_TOPK ? min(K, k) : K;
+  float* sv = s_v[warp];
+  int32_t* si = s_i[warp];
+  int32_t cnt = 0;              // warp-uniform
+  float worst_v = 0.f;
+  int32_t worst_slot = 0, worst_i = 0;
+  for (int32_t g = warp; g < F; g += kWarps) {
+    const float pre = warp_dot(w_enc + static_cast<int64_t>(g) * d, xs, d) + b_enc[g];
+    const float v = arch == SAE_TOPK ? pre : sae_act(pre, arch, thr[g]);
+    if (arch != SAE_TOPK && !(v > 0.f)) continue;
+    if (cnt < keep) {
+      if (lane == 0) { sv[cnt] = v; si[cnt] = g; }
+      ++cnt;
+      if (cnt < keep) continue;
+    } else if (sae_before(v, g, worst_v, worst_i)) {
+      if (lane == 0) { sv[worst_slot] = v; si[worst_slot] = g; }
+    } else {
+      continue;
+    }
+    __syncwarp();
+    // The list is full: find its worst entry (lanes over slots, then a warp reduction).
+    float bv = 0.f;
+    int32_t bi = -1, bs = -1;
+    for (int32_t q = lane; q < keep; q += 32) {
+      if (bs < 0 || sae_before(bv, bi, sv[q], si[q])) { bv = sv[q]; bi = si[q]; bs = q; }
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+      const int32_t oi = __shfl_xor_sync(0xffffffffu, bi, o);
+      const int32_t os = __shfl_xor_sync(0xffffffffu, bs, o);
+      if (os >= 0 && (bs < 0 || sae_before(bv, bi, ov, oi))) { bv = ov; bi = oi; bs = os; }
+    }
+    worst_v = bv; worst_i = bi; worst_slot = bs;
+    __syncwarp();
+  }
+  if (lane == 0) s_n[warp] = cnt;
+  if (threadIdx.x == 0) s_pos = 0;
+  __syncthreads();
+  // Merge: each candidate's rank among all is its place in the output.
+  float* dst = ptr<float>(cb.capture) + op.capture_offset + static_cast<int64_t>(t) * 2 * K;
+  for (int32_t c = threadIdx.x; c < kWarps * keep; c += blockDim.x) {
+    const int32_t w = c / keep, q = c % keep;
+    if (q >= s_n[w]) continue;
+    const float v = s_v[w][q];
+    const int32_t id = s_i[w][q];
+    int32_t rank = 0;
+    for (int32_t w2 = 0; w2 < kWarps; ++w2)
+      for (int32_t q2 = 0; q2 < s_n[w2]; ++q2)
+        rank += sae_before(s_v[w2][q2], s_i[w2][q2], v, id) ? 1 : 0;
+    if (rank < keep && v > 0.f) {
+      dst[rank] = static_cast<float>(id);
+      dst[K + rank] = v;
+      atomicAdd(&s_pos, 1);
+    }
+  }
+  __syncthreads();
+  const int32_t n_out = s_pos;
+  for (int32_t q = n_out + threadIdx.x; q < K; q += blockDim.x) {
+    dst[q] = -1.f;
+    dst[K + q] = 0.f;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const float v = n_out ? dst[K] : 0.f;
+    if (t < cb.max_tokens) results[res0] = v;
+    note_read(cb, op.channel, slot, flags, v);
+  }
+}
+
 // One op on the token row of this block. All threads of the block call it.
 __device__ void run_op_row(const ControlBlock& cb, const OpDesc& op, int32_t t, void* h,
                            const void* r, int32_t d, int64_t sh, int64_t sr, int32_t dtype,
@@ -283,6 +475,10 @@ __device__ void run_op_row(const ControlBlock& cb, const OpDesc& op, int32_t t, 
       }
       break;
     }
+    case OP_SAE_READ:
+    case OP_SAE_CLAMP:
+      sae_row(cb, op, t, sel, slot, row, flags, p, d, red, xs);
+      break;
     default:
       break;  // OP_CUSTOM runs as its own launch (launch_custom)
   }

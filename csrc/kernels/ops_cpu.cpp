@@ -1,5 +1,6 @@
 // CPU twins of the built-in primitives. The CUDA twins (ops.cu) compute the same formulas
 // with the same fp32 accumulation; tests/test_kernels.py checks both against xmix.reference.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -161,6 +162,207 @@ void apply_write(const Row& row, const OpDesc& op, const float* p, std::vector<f
   }
 }
 
+// ---------------------------------------------------------------- SAEs
+// One semantics with ops.cu and xmix.reference.sae_encode. Dot products use eight partial
+// sums in a fixed order (vectorisable without reassociation); the CUDA twin reduces across
+// lanes, so the two differ only by fp32 reassociation.
+float dot8(const float* a, const float* b, int32_t n) {
+  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  int32_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int32_t j = 0; j < 8; ++j) acc[j] += a[i + j] * b[i + j];
+  float sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+  for (; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+struct Sae {
+  const float* w_enc;  // [F, d]: one encoder row per feature
+  const float* w_dec;  // [F, d]
+  const float* b_enc;
+  const float* thr;
+  const float* b_dec;
+  const float* feats;  // listed features (float ids)
+  int32_t F, d, arch, norm, k;
+  bool b_dec_in;
+  float pre(const float* xin, int32_t f) const {
+    return dot8(w_enc + static_cast<int64_t>(f) * d, xin, d) + b_enc[f];
+  }
+};
+
+Sae sae_of(const OpDesc& op, int32_t d) {
+  Sae s;
+  const float* aux = ptr<const float>(op.a2);
+  s.F = op.m;
+  s.d = d;
+  s.w_enc = ptr<const float>(op.a0);
+  s.w_dec = ptr<const float>(op.a1);
+  s.b_enc = aux;
+  s.thr = aux + s.F;
+  s.b_dec = aux + 2 * static_cast<int64_t>(s.F);
+  s.k = static_cast<int32_t>(aux[2 * static_cast<int64_t>(s.F) + d]);
+  s.feats = ptr<const float>(op.a3);
+  s.arch = op.flags & SAE_ARCH_MASK;
+  s.norm = (op.flags >> SAE_NORM_SHIFT) & 0xf;
+  s.b_dec_in = (op.flags & SAE_B_DEC_IN) != 0;
+  return s;
+}
+
+// The encoder input of a row (normalised, b_dec removed) into xin; returns the factor by
+// which decoder output appears in the stream.
+float sae_input(const Row& row, const Sae& s, float* xin) {
+  const int32_t d = s.d;
+  for (int32_t i = 0; i < d; ++i) xin[i] = row.x(i);
+  float scale = 1.f;
+  if (s.norm == SAE_NORM_RESCALE) {
+    float ss = 0.f;
+    for (int32_t i = 0; i < d; ++i) ss += xin[i] * xin[i];
+    const float nrm = std::sqrt(ss);
+    const float coeff = nrm > 0.f ? std::sqrt(static_cast<float>(d)) / nrm : 0.f;
+    scale = nrm > 0.f ? nrm / std::sqrt(static_cast<float>(d)) : 0.f;
+    for (int32_t i = 0; i < d; ++i) xin[i] *= coeff;
+  } else if (s.norm == SAE_NORM_LAYER) {
+    float mu = 0.f;
+    for (int32_t i = 0; i < d; ++i) mu += xin[i];
+    mu /= static_cast<float>(d);
+    float var = 0.f;
+    for (int32_t i = 0; i < d; ++i) {
+      xin[i] -= mu;
+      var += xin[i] * xin[i];
+    }
+    const float sd = std::sqrt(var / static_cast<float>(d - 1));  // unbiased, as torch.std
+    for (int32_t i = 0; i < d; ++i) xin[i] /= sd + kSaeLnEps;
+    scale = sd;
+  }
+  if (s.b_dec_in)
+    for (int32_t i = 0; i < d; ++i) xin[i] -= s.b_dec[i];
+  return scale;
+}
+
+// Activations of the n listed features at one row. TopK: a feature is active when fewer
+// than k features come before it in the order of sae_before, which takes a full pass.
+void sae_listed_acts(const Sae& s, const float* xin, int32_t n, float* acts) {
+  float pre[kSaeMaxFeatures];
+  int32_t ids[kSaeMaxFeatures];
+  for (int32_t j = 0; j < n; ++j) {
+    ids[j] = static_cast<int32_t>(s.feats[j]);
+    pre[j] = s.pre(xin, ids[j]);
+    acts[j] = sae_act(pre[j], s.arch, s.thr[ids[j]]);
+  }
+  if (s.arch != SAE_TOPK) return;
+  int32_t ahead[kSaeMaxFeatures] = {0};
+  for (int32_t g = 0; g < s.F; ++g) {
+    const float pg = s.pre(xin, g);
+    for (int32_t j = 0; j < n; ++j) ahead[j] += sae_before(pg, g, pre[j], ids[j]) ? 1 : 0;
+  }
+  for (int32_t j = 0; j < n; ++j)
+    if (ahead[j] >= s.k) acts[j] = 0.f;
+}
+
+struct Cand {
+  float v;
+  int32_t id;
+};
+
+void run_sae_cpu(const ControlBlock& cb, const OpDesc& op, void* h, const void* r,
+                 int32_t n_rows, int32_t d, int64_t sh, int64_t sr, int32_t dtype) {
+  const Sae s = sae_of(op, d);
+  float* results = ptr<float>(cb.results);
+  const uint32_t* tok_flags = ptr<const uint32_t>(cb.tok_flags);
+  const float* params = ptr<const float>(cb.slot_params);
+  const bool is_read = op.kind == OP_SAE_READ;
+  const bool listed = op.kind == OP_SAE_CLAMP || (op.flags & SAE_FEATURES);
+  const int32_t n_ch = is_read ? (listed ? op.n : 1) : 0;
+  // Selected rows only: rows of requests without the app are skipped, never computed.
+  std::vector<int32_t> rows, slots;
+  for (int32_t t = 0; t < n_rows; ++t) {
+    int32_t slot;
+    const bool sel = op_selects(cb, op, t, &slot);
+    if (is_read && t < cb.max_tokens)
+      for (int32_t c = 0; c < n_ch; ++c)
+        results[static_cast<int64_t>(t) * cb.n_channels + op.channel + c] = kNaN;
+    if (sel) {
+      rows.push_back(t);
+      slots.push_back(slot);
+    }
+  }
+  if (rows.empty()) return;
+  const int32_t n_sel = static_cast<int32_t>(rows.size());
+  std::vector<float> xin(static_cast<size_t>(n_sel) * d), scale(static_cast<size_t>(n_sel));
+  for (int32_t j = 0; j < n_sel; ++j) {
+    const Row row = row_at(h, r, rows[j], d, sh, sr, dtype);
+    scale[j] = sae_input(row, s, xin.data() + static_cast<int64_t>(j) * d);
+  }
+  if (listed) {
+    float acts[kSaeMaxFeatures];
+    for (int32_t j = 0; j < n_sel; ++j) {
+      const int32_t t = rows[j], slot = slots[j];
+      sae_listed_acts(s, xin.data() + static_cast<int64_t>(j) * d, op.n, acts);
+      if (is_read) {
+        for (int32_t c = 0; c < op.n; ++c) {
+          results[static_cast<int64_t>(t) * cb.n_channels + op.channel + c] = acts[c];
+          note_read(cb, op.channel + c, slot, tok_flags[t], acts[c]);
+        }
+        continue;
+      }
+      const float value = params[static_cast<int64_t>(slot) * cb.n_params + op.param_base + P_SAE_CLAMP_VALUE];
+      const Row row = row_at(h, r, t, d, sh, sr, dtype);
+      std::vector<float> delta(static_cast<size_t>(d), 0.f);
+      for (int32_t c = 0; c < op.n; ++c) {
+        const float coef = (value - acts[c]) * scale[j];
+        const float* w = s.w_dec + static_cast<int64_t>(s.feats[c]) * d;
+        for (int32_t i = 0; i < d; ++i) delta[i] += coef * w[i];
+      }
+      for (int32_t i = 0; i < d; ++i) row.set_h(i, row.hid(i) + delta[i]);
+    }
+    return;
+  }
+  // Top-K read: features in the outer loop, so each encoder row is read once per step.
+  // A heap per row keeps its best K candidates with the worst on top. TopK SAEs select on
+  // the pre-activation: the best min(K, k) pre-activations are all among the SAE's k.
+  const int32_t K = op.n;
+  const int32_t keep = s.arch == SAE_TOPK ? std::min(K, s.k) : K;
+  auto worse_on_top = [](const Cand& a, const Cand& b) { return sae_before(a.v, a.id, b.v, b.id); };
+  std::vector<std::vector<Cand>> heaps(static_cast<size_t>(n_sel));
+  for (auto& hp : heaps) hp.reserve(static_cast<size_t>(keep));
+  for (int32_t f = 0; f < s.F; ++f) {
+    for (int32_t j = 0; j < n_sel; ++j) {
+      const float pre = s.pre(xin.data() + static_cast<int64_t>(j) * d, f);
+      const float v = s.arch == SAE_TOPK ? pre : sae_act(pre, s.arch, s.thr[f]);
+      if (s.arch != SAE_TOPK && !(v > 0.f)) continue;
+      auto& hp = heaps[j];
+      if (static_cast<int32_t>(hp.size()) < keep) {
+        hp.push_back({v, f});
+        std::push_heap(hp.begin(), hp.end(), worse_on_top);
+      } else if (sae_before(v, f, hp.front().v, hp.front().id)) {
+        std::pop_heap(hp.begin(), hp.end(), worse_on_top);
+        hp.back() = {v, f};
+        std::push_heap(hp.begin(), hp.end(), worse_on_top);
+      }
+    }
+  }
+  for (int32_t j = 0; j < n_sel; ++j) {
+    const int32_t t = rows[j];
+    auto& hp = heaps[j];
+    std::sort(hp.begin(), hp.end(), worse_on_top);
+    float* dst = ptr<float>(cb.capture) + op.capture_offset + static_cast<int64_t>(t) * 2 * K;
+    int32_t n_out = 0;
+    for (const Cand& c : hp) {
+      if (!(c.v > 0.f)) break;  // only active features are reported
+      dst[n_out] = static_cast<float>(c.id);
+      dst[K + n_out] = c.v;
+      ++n_out;
+    }
+    for (int32_t i = n_out; i < K; ++i) {
+      dst[i] = -1.f;
+      dst[K + i] = 0.f;
+    }
+    const float v = n_out ? dst[K] : 0.f;
+    if (t < cb.max_tokens) results[static_cast<int64_t>(t) * cb.n_channels + op.channel] = v;
+    note_read(cb, op.channel, slots[j], tok_flags[t], v);
+  }
+}
+
 }  // namespace
 
 void run_op_cpu(const ControlBlock& cb, const OpDesc& op, void* h, const void* r,
@@ -171,6 +373,10 @@ void run_op_cpu(const ControlBlock& cb, const OpDesc& op, void* h, const void* r
   const float* params = ptr<const float>(cb.slot_params);
   std::vector<float> scratch;
 
+  if (op.kind == OP_SAE_READ || op.kind == OP_SAE_CLAMP) {
+    run_sae_cpu(cb, op, h, r, n_rows, d, stride_h, stride_r, dtype);
+    return;
+  }
   if (op.kind == OP_CUSTOM) {
     std::vector<uint8_t> select(static_cast<size_t>(n_rows), 0);
     for (int32_t t = 0; t < n_rows; ++t) {

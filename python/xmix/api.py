@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from xmix import conditions
-from xmix.catalog import KERNELS
+from xmix.catalog import KERNELS, MAX_SAE_FEATURES, MAX_TOP_K, SAE_KERNELS
 from xmix.hooks import SITE_NAMES
 
 FORMAT = "xmix.app/1"
@@ -87,6 +87,7 @@ class Op:
         self.cond_expr: str | None = None
         self.cond_when: str | None = None
         self.cond_gate: str | None = None
+        self.sae = None                    # xmix.SAE of an SAE kernel (shared within the app)
 
     # -- builder ---------------------------------------------------------------------------
     def layers(self, layers) -> "Op":
@@ -163,6 +164,8 @@ class Op:
             d["name"] = self.name
         if self.options:
             d["options"] = self.options
+        if self.sae is not None:
+            d["sae"] = self.app._sae_key(self.sae)
         if self.custom:
             d["custom"] = self.custom.to_json()
         cond = {k: v for k, v in (("expr", self.cond_expr), ("when", self.cond_when),
@@ -226,6 +229,9 @@ class App:
         artifacts: dict[str, torch.Tensor] = {}
         params: dict[str, float] = {}
         options: dict[str, Any] = {}
+        sae = None
+        if kernel in SAE_KERNELS:
+            sae = _sae_options(self.name, what, kernel, kwargs, options)
         if kernel == "custom":
             custom = CustomKernel(primitive=primitive, **{k: kwargs.pop(k) for k in list(kwargs)
                                   if k in ("cpu_library", "cpu_symbol", "cuda_source", "cuda_fatbin", "cuda_symbol")})
@@ -259,14 +265,37 @@ class App:
                            f"{list(spec.params)}")
         op = Op(self, primitive, kernel, artifacts, params, options, custom)
         self.ops.append(op)
+        if sae is not None:
+            op.sae = sae
+            if sae.hook is not None:  # where the SAE was trained; .layers/.submodule override
+                from xmix.sae import parse_hook
+
+                site, layer = parse_hook(sae.hook)
+                op.site = site
+                op.layer_spec = [layer] if layer is not None else None
         return op
 
+    def _sae_key(self, sae) -> str:
+        """The SAE's name in the app file: one entry per distinct SAE object."""
+        for i, s in enumerate(self._saes()):
+            if s is sae:
+                return f"sae{i}"
+        raise AppError(f"app {self.name!r}: SAE {sae!r} is not used by any op")
+
+    def _saes(self) -> list:
+        out: list = []
+        for op in self.ops:
+            if op.sae is not None and not any(op.sae is s for s in out):
+                out.append(op.sae)
+        return out
+
     def read(self, kernel: str, **kwargs) -> Op:
-        """Read the activation at a site: probe, capture, cosine, distance (or custom)."""
+        """Read the activation at a site: probe, capture, cosine, distance, sae (or custom)."""
         return self._op("read", kernel, kwargs)
 
     def write(self, kernel: str, **kwargs) -> Op:
-        """Change the activation at a site: add, ablate, affine, clamp, router (or custom)."""
+        """Change the activation at a site: add, ablate, affine, clamp, router, sae_steer,
+        sae_clamp (or custom)."""
         return self._op("write", kernel, kwargs)
 
     def token_set(self, name: str, ids=None, strings=None, contains=None) -> "App":
@@ -304,10 +333,15 @@ class App:
             "params": self.app_params,
             "token_sets": [s.to_json() for s in self.token_sets.values()],
             "ops": [op.to_json(i) for i, op in enumerate(self.ops)],
+            **({"saes": {f"sae{i}": s.config() for i, s in enumerate(self._saes())}}
+               if self._saes() else {}),
         }
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        return {f"op{i}.{k}": t for i, op in enumerate(self.ops) for k, t in op.artifacts.items()}
+        out = {f"op{i}.{k}": t for i, op in enumerate(self.ops) for k, t in op.artifacts.items()}
+        for i, s in enumerate(self._saes()):
+            out.update({f"sae{i}.{k}": t for k, t in s.tensors().items()})
+        return out
 
     def to_bytes(self) -> bytes:
         from safetensors.torch import save
@@ -375,6 +409,7 @@ class App:
             for ts in spec.get("token_sets") or []:
                 app.token_set(ts["name"], ids=ts.get("ids"), strings=ts.get("strings"),
                               contains=ts.get("contains"))
+            saes = _saes_from_spec(spec.get("saes") or {}, tensors, source)
             for i, o in enumerate(spec.get("ops") or []):
                 kwargs: dict[str, Any] = {}
                 for a, key in (o.get("artifacts") or {}).items():
@@ -393,6 +428,11 @@ class App:
                 else:
                     kwargs.update(o.get("params") or {})
                     kwargs.update(o.get("options") or {})
+                if o["kernel"] in SAE_KERNELS:
+                    if o.get("sae") not in saes:
+                        raise AppError(f"{source}: op #{i} names SAE {o.get('sae')!r} that the "
+                                       f"file does not contain")
+                    kwargs["sae"] = saes[o["sae"]]
                 op = app._op(o["primitive"], o["kernel"], kwargs)
                 if o.get("layers") is not None:
                     op.layers(o["layers"])
@@ -408,3 +448,60 @@ class App:
         except (KeyError, TypeError, AttributeError, ValueError, OverflowError, RecursionError) as e:
             raise AppError(f"{source}: malformed app spec ({type(e).__name__}: {e})") from None
         return app
+
+
+def _sae_options(app: str, what: str, kernel: str, kwargs: dict, options: dict):
+    """Take the SAE and its options out of an SAE kernel's arguments."""
+    from xmix.sae import SAE, SAEError
+
+    sae = kwargs.pop("sae", None)
+    if not isinstance(sae, SAE):
+        raise AppError(f"app {app!r}, {what}: needs sae=<xmix.SAE> (load one with xmix.SAE.load "
+                       f"or xmix.interop.load_sae), got {type(sae).__name__}")
+    try:
+        if kernel == "sae":
+            top_k, features = kwargs.pop("top_k", None), kwargs.pop("features", None)
+            if (top_k is None) == (features is None):
+                raise AppError(f"app {app!r}, {what}: give exactly one of top_k=K (the K largest "
+                               f"active features per token) or features=[...] (those features)")
+            if top_k is not None:
+                if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= MAX_TOP_K:
+                    raise AppError(f"app {app!r}, {what}: top_k must be an int in [1, {MAX_TOP_K}], "
+                                   f"got {top_k!r}")
+                options["top_k"] = int(top_k)
+            else:
+                options["features"] = sae.check_features(features, "features")
+        else:
+            if "feature" not in kwargs:
+                raise AppError(f"app {app!r}, {what}: needs feature=<id> or feature=[ids]")
+            options["feature"] = sae.check_features(kwargs.pop("feature"), "feature")
+            if kernel == "sae_steer" and sae.normalize_activations != "none":
+                raise AppError(f"app {app!r}, {what}: the SAE normalises each token "
+                               f"({sae.normalize_activations}), so a decoder row has no fixed "
+                               f"direction in the stream; use sae_clamp, or write('add', "
+                               f"vector=sae.W_dec[f]) for the raw row")
+        key = "features" if "features" in options else "feature"
+        if len(options.get(key, ())) > MAX_SAE_FEATURES:
+            raise AppError(f"app {app!r}, {what}: at most {MAX_SAE_FEATURES} features per op, "
+                           f"got {len(options[key])}")
+    except SAEError as e:
+        raise AppError(f"app {app!r}, {what}: {e}") from None
+    return sae
+
+
+def _saes_from_spec(saes: Any, tensors: dict[str, torch.Tensor], source: str) -> dict:
+    from xmix.sae import SAE, SAEError
+
+    if not isinstance(saes, dict):
+        raise AppError(f"{source}: 'saes' must be an object of name: SAE config")
+    out = {}
+    for key, cfg in saes.items():
+        if not isinstance(key, str) or not _OP_NAME.match(key):
+            raise AppError(f"{source}: SAE name {key!r} is not valid")
+        prefix = key + "."
+        parts = {k[len(prefix):]: t for k, t in tensors.items() if k.startswith(prefix)}
+        try:
+            out[key] = SAE.from_parts(cfg, parts, source=f"{source}, SAE {key!r}")
+        except SAEError as e:
+            raise AppError(str(e)) from None
+    return out

@@ -16,6 +16,11 @@ MAT_DD = "matrix[d,d]"       # [d, d], or with a leading layer dimension
 CENTROIDS = "centroids[k,d]"  # [k, d], or with a leading layer dimension
 EXPERTS = "mask[experts]"    # [n_experts] in {-1, 0, 1}, or [n_layers, n_experts]
 
+# SAE kernels take an xmix.SAE (``sae=``), shared by the app's ops, instead of tensors.
+SAE_KERNELS = ("sae", "sae_steer", "sae_clamp")
+MAX_TOP_K = 128              # top_k of an "sae" read (ids + activations per token)
+MAX_SAE_FEATURES = 64        # features=[...] of an "sae" read, feature=[...] of a clamp
+
 
 @dataclass(frozen=True)
 class Param:
@@ -63,6 +68,15 @@ KERNELS: dict[str, Kernel] = {
                {"delta": Param(0.01, lo=0.0, doc="margin for forced experts")},
                sites=("router.logits",),
                doc="router logits -> log-softmax; mask +1: max + delta, -1: min - delta"),
+        Kernel("sae", "read", "OP_SAE_READ", {},
+               doc="SAE encoder (xmix.SAE): top_k=K -> per token the K largest active features "
+                   "as {ids, acts}; features=[...] -> the activations of those features"),
+        Kernel("sae_steer", "write", "OP_ADD", {},
+               {"scale": Param(1.0, doc="a in x += a W_dec[f]")},
+               doc="x += a W_dec[f] (summed over feature=[...]): the add kernel on decoder rows"),
+        Kernel("sae_clamp", "write", "OP_SAE_CLAMP", {},
+               {"value": Param(0.0, doc="c: the activation the features are set to")},
+               doc="x += sum_f (c - a_f(x)) W_dec[f]: features set to c, the SAE's error kept"),
         Kernel("custom", "either", "OP_CUSTOM", {},
                doc="a user kernel with the xmix_custom_args ABI (csrc/include/xmix/custom.h)"),
     )

@@ -349,8 +349,10 @@ class ControlBlock:
         consts = {c.default: k for k, c in enumerate(cols) if not c.public}
         base = self._take(self._param_used, len(cols), "parameters", name, claims)
         channels = {}
-        for key in lw.reads:
-            channels[key] = self._take(self._chan_used, 1, "result channels", name, claims)
+        for key, o in lw.reads.items():
+            channels[key] = self._take(self._chan_used, o.n_channels, "result channels", name, claims)
+        for alias, (key, i) in lw.aliases.items():  # one feature of an SAE features read
+            channels[alias] = channels[key] + i
         sets = {}
         for s in lw.token_sets:
             sets[s] = self._take(self._set_used, 1, "token sets (16 in all)", name, claims)
@@ -372,9 +374,14 @@ class ControlBlock:
         for o in lw.ops:
             for k, t in o.artifacts.items():
                 inst.artifacts.append(t)
+        # One device copy per tensor: ops of an app share their SAE's tensors.
+        dev: dict[int, torch.Tensor] = {}
+        for o in lw.ops:
+            for t in o.artifacts.values():
+                if id(t) not in dev:
+                    dev[id(t)] = t.to(self.device, torch.float32).contiguous()
         inst._dev_artifacts = {  # type: ignore[attr-defined]
-            (id(o), k): t.to(self.device, torch.float32).contiguous()
-            for o in lw.ops for k, t in o.artifacts.items()}
+            (id(o), k): dev[id(t)] for o in lw.ops for k, t in o.artifacts.items()}
         return inst
 
     def _load_custom(self, lw: LoweredApp) -> dict[int, int]:
@@ -402,8 +409,9 @@ class ControlBlock:
                 raise DeployError(f"app {name!r} is not deployed")
             cols = len(inst.param_cols)
             self._param_used[inst.param_base:inst.param_base + cols] = False
-            for c in inst.channels.values():
-                self._chan_used[c] = False
+            for key, c in inst.channels.items():
+                n = inst.lowered.reads[key].n_channels if key in inst.lowered.reads else 1
+                self._chan_used[c:c + n] = False
             for s in inst.token_sets.values():
                 self._set_used[s] = False
             for s in inst.spans.values():
@@ -554,12 +562,13 @@ class ControlBlock:
             "kind": K[KERNELS[o.kernel].code], "app": inst.index, "cond_begin": cb, "cond_len": cl,
             "param_base": inst.param_base + inst._op_param_col[id(o)],  # type: ignore[attr-defined]
             "channel": inst.channels.get(o.result_key, -1) if o.result_key else -1,
-            "state_base": inst.state.get(id(o), -1), "n": o.n, "m": o.m, "flags": 0,
+            "state_base": inst.state.get(id(o), -1), "n": o.n, "m": o.m, "flags": o.flags,
             "a0": arts[(id(o), "a0")].data_ptr() if (id(o), "a0") in arts else 0,
             "a1": arts[(id(o), "a1")].data_ptr() if (id(o), "a1") in arts else 0,
             "a2": arts[(id(o), "a2")].data_ptr() if (id(o), "a2") in arts else 0,
             "fn": inst.custom_fns.get(id(o), 0),
             "capture_offset": inst.captures.get(id(o), 0),
+            "a3": arts[(id(o), "a3")].data_ptr() if (id(o), "a3") in arts else 0,
         }
         for name, v in vals.items():
             off = OP_LAYOUT[name]
@@ -767,6 +776,8 @@ class ControlBlock:
             if not (self.step_active >> inst.index) & 1 or not inst.channels:
                 continue
             for key, ch in inst.channels.items():
+                if key not in inst.lowered.reads:
+                    continue  # one feature of an SAE read, reported with the read
                 col = res[:, ch]
                 idx = np.flatnonzero(~np.isnan(col))
                 if not len(idx):
@@ -781,6 +792,8 @@ class ControlBlock:
                     base, w = inst.captures[id(op)], op.capture_width
                     cap = self.dev["capture"][base:base + self.cap.max_tokens * w].view(-1, w)
                     v_list = cap[torch.as_tensor(idx)].cpu().tolist()
+                elif op.kernel == "sae":
+                    v_list = self._sae_values(inst, op, res, ch, idx)
                 else:
                     v_list = col[idx].tolist()
                 for j in range(len(bounds) - 1):
@@ -801,6 +814,23 @@ class ControlBlock:
                         key, {"positions": [], "values": []})
                     e["positions"].extend(p_list[b0:b1])
                     e["values"].extend(v_list[b0:b1])
+        return out
+
+    def _sae_values(self, inst: InstalledApp, op: LoweredOp, res: np.ndarray, ch: int,
+                    idx: np.ndarray) -> list[dict[str, list]]:
+        """Per token {"ids": [...], "acts": [...]}: the active features, largest first (a
+        top-K read; unused slots hold id -1), or the listed features in order."""
+        if op.features:
+            acts = res[idx, ch:ch + op.n_channels].tolist()
+            return [{"ids": list(op.features), "acts": a} for a in acts]
+        K = op.top_k
+        base = inst.captures[id(op)]
+        cap = self.dev["capture"][base:base + self.cap.max_tokens * 2 * K].view(-1, 2 * K)
+        rows = cap[torch.as_tensor(idx)].cpu().numpy()
+        out = []
+        for row in rows:
+            n = int(np.count_nonzero(row[:K] >= 0))
+            out.append({"ids": row[:n].astype(np.int64).tolist(), "acts": row[K:K + n].tolist()})
         return out
 
     # ------------------------------------------------------------------ introspection

@@ -18,7 +18,7 @@ import torch
 
 from xmix import conditions as C
 from xmix.api import App, AppError
-from xmix.catalog import CENTROIDS, EXPERTS, FLT_MAX, KERNELS, MAT_DD, VEC
+from xmix.catalog import CENTROIDS, EXPERTS, FLT_MAX, KERNELS, MAT_DD, SAE_KERNELS, VEC
 from xmix.hooks import LAYER_SITES, ModelShape, site_id
 
 
@@ -46,6 +46,11 @@ class LoweredOp:
     capture_width: int = 0
     custom: Any = None                # api.CustomKernel
     name: str | None = None           # the op's .named() name, for per-op parameters
+    flags: int = 0                    # OpDesc.flags (SAE kernels: architecture, normalisation)
+    n_channels: int = 1               # result channels (an SAE features read: one per feature)
+    sae: Any = None                   # xmix.SAE of an SAE kernel
+    features: list[int] = field(default_factory=list)  # SAE features of the op, in order
+    top_k: int = 0                    # "sae" read: ids + activations per token
 
     @property
     def is_read(self) -> bool:
@@ -62,6 +67,14 @@ class LoweredApp:
     spans: list[tuple[str, str]]                      # (open set, close set)
     app_params: dict[str, float]
     reads: dict[str, LoweredOp] = field(default_factory=dict)
+    # "name.f<id>": (result key, channel index) of one feature of an SAE features read
+    aliases: dict[str, tuple[str, int]] = field(default_factory=dict)
+
+    def read_op(self, key: str) -> LoweredOp | None:
+        """The read a condition names: a result key, or one feature of an SAE read."""
+        if key in self.aliases:
+            return self.reads[self.aliases[key][0]]
+        return self.reads.get(key)
 
     @property
     def sites(self) -> list[str]:
@@ -178,6 +191,7 @@ def lower(app: App, shape: ModelShape, tokenizer=None) -> LoweredApp:
     name = app.name
     token_sets = resolve_token_sets(app, shape, tokenizer)
     ops: list[LoweredOp] = []
+    sae_tensors: dict[int, dict[str, torch.Tensor]] = {}   # one fp32 copy per SAE of the app
     for idx, op in enumerate(app.ops):
         what = f"op {op.label}"
         spec = KERNELS[op.kernel]
@@ -210,6 +224,13 @@ def lower(app: App, shape: ModelShape, tokenizer=None) -> LoweredApp:
 
         for a, t in op.artifacts.items():
             _check_finite(name, what, a, t)
+        if op.kernel in SAE_KERNELS:
+            if len(layers) != 1:
+                raise _fail(name, what, f"an SAE runs at the one site it was trained on; give "
+                                        f"one layer, got {len(layers)}")
+            if op.sae.d_in != shape.hidden_size:
+                raise _fail(name, what, f"the SAE reads vectors of width {op.sae.d_in}, the "
+                                        f"model's hidden size is {shape.hidden_size}")
         for p, v in op.params.items():
             pspec = spec.params.get(p)
             if pspec and not (pspec.lo <= v <= pspec.hi):
@@ -281,6 +302,23 @@ def lower(app: App, shape: ModelShape, tokenizer=None) -> LoweredApp:
                 if "artifact" in per_layer:
                     arts["a0"] = per_layer["artifact"][li]
                     m = int(arts["a0"].numel())
+            flags, features, top_k = 0, [], 0
+            if op.kernel in SAE_KERNELS:
+                features = list(op.options.get("features") or op.options.get("feature") or [])
+                top_k = int(op.options.get("top_k", 0))
+                if op.kernel == "sae_steer":
+                    # The add kernel on the sum of the decoder rows (fp64, then fp32).
+                    arts["a0"] = op.sae.W_dec[features].double().sum(0).float().contiguous()
+                else:
+                    if id(op.sae) not in sae_tensors:
+                        sae_tensors[id(op.sae)] = _sae_arrays(op.sae)
+                    arts.update(sae_tensors[id(op.sae)])
+                    flags = sae_flags(op.sae, features_read=op.kernel == "sae" and not top_k)
+                    m = op.sae.d_sae
+                    if features:
+                        arts["a3"] = torch.tensor(features, dtype=torch.float32)
+                    n = len(features) or top_k
+                    cap = 2 * top_k
             key = None
             if op.primitive == "read":
                 key = f"{op.result_name}.{layer}" if multi else op.result_name
@@ -288,15 +326,25 @@ def lower(app: App, shape: ModelShape, tokenizer=None) -> LoweredApp:
                 app=name, op_index=idx, label=op.label, primitive=op.primitive, kernel=op.kernel,
                 site=op.site, layer=layer, site_id=site_id(op.site, layer, shape.n_layers),
                 result_key=key, artifacts=arts, params=list(params), cond=op.condition(),
-                n=n, m=m, state_width=state, capture_width=cap, custom=op.custom, name=op.name))
+                n=n, m=m, state_width=state, capture_width=cap, custom=op.custom, name=op.name,
+                flags=flags, n_channels=len(features) if op.kernel == "sae" and features else 1,
+                sae=op.sae, features=features, top_k=top_k))
 
     ops.sort(key=lambda o: (o.site_id, o.op_index))
     reads: dict[str, LoweredOp] = {}
+    aliases: dict[str, tuple[str, int]] = {}
     for o in ops:
         if o.result_key is not None:
             if o.result_key in reads:
                 raise _fail(name, f"op {o.label}", f"result name {o.result_key!r} is used twice")
             reads[o.result_key] = o
+            if o.kernel == "sae" and o.features:
+                for i, f in enumerate(o.features):
+                    aliases[f"{o.result_key}.f{f}"] = (o.result_key, i)
+    for a in aliases:
+        if a in reads:
+            raise _fail(name, f"op {reads[a].label}", f"result name {a!r} is also a feature of "
+                                                      f"the SAE read {aliases[a][0]!r}")
 
     spans: list[tuple[str, str]] = []
     for o in ops:
@@ -318,10 +366,33 @@ def lower(app: App, shape: ModelShape, tokenizer=None) -> LoweredApp:
                 if isinstance(node.value, str) and node.value not in app.app_params:
                     raise _fail(name, what, f"unknown parameter {node.value!r} in condition "
                                             f"(declare it with app.param)")
-    _check_gate_order(name, ops, reads)
+    _check_gate_order(name, ops, reads, aliases)
     lowered = LoweredApp(name=name, app=app, shape=shape, ops=ops, token_sets=token_sets,
-                         spans=spans, app_params=dict(app.app_params), reads=reads)
+                         spans=spans, app_params=dict(app.app_params), reads=reads,
+                         aliases=aliases)
     return lowered
+
+
+# OpDesc.flags of the SAE kernels (csrc/include/xmix/control.h: SaeFlag).
+SAE_ARCH = {"relu": 0, "jumprelu": 1, "topk": 2}
+SAE_NORM = {"none": 0, "constant_norm_rescale": 1, "layer_norm": 2}
+SAE_B_DEC_IN = 1 << 8
+SAE_FEATURES = 1 << 9
+
+
+def sae_flags(sae, features_read: bool) -> int:
+    return (SAE_ARCH[sae.architecture] | SAE_NORM[sae.normalize_activations] << 4
+            | (SAE_B_DEC_IN if sae.apply_b_dec_to_input else 0)
+            | (SAE_FEATURES if features_read else 0))
+
+
+def _sae_arrays(sae) -> dict[str, torch.Tensor]:
+    """The kernels' view of an SAE: a0 = encoder rows [F, d], a1 = W_dec [F, d], a2 = b_enc [F]
+    | threshold [F] (0 without) | b_dec [d] | k (TopK), all fp32."""
+    F = sae.d_sae
+    thr = sae.threshold if sae.threshold is not None else torch.zeros(F)
+    aux = torch.cat([sae.b_enc, thr, sae.b_dec, torch.tensor([float(sae.k or 0)])]).float().contiguous()
+    return {"a0": sae.encoder_rows(), "a1": sae.W_dec.contiguous(), "a2": aux}
 
 
 def latch_from_generated(lowered: LoweredApp, op: LoweredOp, latch: C.Latch) -> bool:
@@ -329,10 +400,11 @@ def latch_from_generated(lowered: LoweredApp, op: LoweredOp, latch: C.Latch) -> 
     reduction is complete once the read's site has seen the last prompt token; an op at a
     later site of that forward sees the latch from the last prompt token on, an op at the
     read's site or before it only from the next step, the first generated token."""
-    return lowered.reads[latch.read].site_id >= op.site_id
+    return lowered.read_op(latch.read).site_id >= op.site_id
 
 
-def _check_gate_order(app: str, ops: list[LoweredOp], reads: dict[str, LoweredOp]) -> None:
+def _check_gate_order(app: str, ops: list[LoweredOp], reads: dict[str, LoweredOp],
+                      aliases: dict[str, tuple[str, int]]) -> None:
     # Dependencies between ops (by position in the lowered list) through gates and latches.
     deps: dict[int, list[tuple[int, str, bool]]] = {}
     pos = {id(o): i for i, o in enumerate(ops)}
@@ -342,7 +414,11 @@ def _check_gate_order(app: str, ops: list[LoweredOp], reads: dict[str, LoweredOp
         for node in C.walk(o.cond):
             if not isinstance(node, (C.Gate, C.Latch)):
                 continue
-            src = reads.get(node.read)
+            src = reads[aliases[node.read][0]] if node.read in aliases else reads.get(node.read)
+            if src is not None and src.n_channels > 1 and node.read == src.result_key:
+                raise _fail(app, f"op {o.label}", f"{node.read!r} reads {src.n_channels} SAE "
+                                                  f"features; name one: "
+                                                  f"{', '.join(sorted(k for k, v in aliases.items() if v[0] == node.read)[:4])}")
             if src is None:
                 multi = sorted(k for k in reads if k.startswith(node.read + "."))
                 hint = f"; it is on several layers, name one of {multi}" if multi else ""

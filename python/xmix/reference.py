@@ -8,6 +8,8 @@ change, the others are returned bit-identical.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 NAN = float("nan")
@@ -76,6 +78,72 @@ def router(logits, mask, expert_mask, delta):
     em = expert_mask.float()[None, :].expand_as(ls)
     new = torch.where(em > 0, lmax + delta, torch.where(em < 0, lmin - delta, ls))
     return torch.where(mask[:, None], new.to(logits.dtype), logits)
+
+
+# ---------------------------------------------------------------------------- SAEs
+# SAELens's encoder conventions (sae_lens.SAE.process_sae_in / encode, v6); see xmix.sae.
+def sae_normalise(x: torch.Tensor, sae) -> tuple[torch.Tensor, torch.Tensor]:
+    """(normalised rows, decoder scale per row): the SAE's input normalisation and the factor
+    by which decoder output appears in the stream (1 without a per-token normalisation)."""
+    x = x.float()
+    ones = torch.ones(x.shape[0], dtype=torch.float32, device=x.device)
+    if sae.normalize_activations == "constant_norm_rescale":
+        norm = x.norm(dim=-1)
+        coeff = torch.where(norm > 0, math.sqrt(x.shape[-1]) / norm, torch.zeros_like(norm))
+        return x * coeff[:, None], torch.where(norm > 0, norm / math.sqrt(x.shape[-1]), torch.zeros_like(norm))
+    if sae.normalize_activations == "layer_norm":
+        mu = x.mean(dim=-1, keepdim=True)
+        xc = x - mu
+        std = xc.std(dim=-1, keepdim=True)
+        return xc / (std + 1e-5), std[:, 0]
+    return x, ones
+
+
+def sae_pre(x: torch.Tensor, sae) -> torch.Tensor:
+    """Encoder pre-activations [n, F]."""
+    xn, _ = sae_normalise(x, sae)
+    if sae.apply_b_dec_to_input:
+        xn = xn - sae.b_dec.to(xn.device)
+    return xn @ sae.W_enc.to(xn.device) + sae.b_enc.to(xn.device)
+
+
+def sae_encode(x: torch.Tensor, sae) -> torch.Tensor:
+    """Feature activations [n, F]: relu / jumprelu / topk (ties: lower feature id first)."""
+    pre = sae_pre(x, sae)
+    acts = torch.relu(pre)
+    if sae.architecture == "jumprelu":
+        acts = acts * (pre > sae.threshold.to(pre.device))
+    elif sae.architecture == "topk":
+        order = torch.sort(pre, dim=-1, descending=True, stable=True).indices[:, : sae.k]
+        keep = torch.zeros_like(pre, dtype=torch.bool).scatter_(1, order, True)
+        acts = torch.where(keep, acts, torch.zeros_like(acts))
+    return acts
+
+
+def sae_decoder_scale(x: torch.Tensor, sae) -> torch.Tensor:
+    return sae_normalise(x, sae)[1]
+
+
+def sae_top(acts: torch.Tensor, k: int) -> list[tuple[list[int], list[float]]]:
+    """Per row: the ids and activations of its active features (activation > 0), largest
+    first (ties: lower id first), at most k."""
+    out = []
+    for row in acts.float().cpu():
+        order = torch.sort(row, descending=True, stable=True).indices[:k]
+        ids = [int(i) for i in order if row[i] > 0]
+        out.append((ids, [float(row[i]) for i in ids]))
+    return out
+
+
+def sae_clamp(h, r, mask, sae, features: list[int], value: float):
+    """Set the listed features' activations to value: x += sum_f (value - a_f(x)) W_dec[f]
+    (scaled into the stream), everything else of x, the SAE's error term included, kept."""
+    x = stream(h, r)
+    acts = sae_encode(x, sae)[:, features]
+    scale = sae_decoder_scale(x, sae)
+    delta = ((value - acts) * scale[:, None]) @ sae.W_dec[features].to(x.device)
+    new = h.float() + delta
+    return torch.where(mask[:, None], new.to(h.dtype), h)
 
 
 # ---------------------------------------------------------------------------- conditions

@@ -39,16 +39,48 @@ enum OpKind : int32_t {
   OP_CAPTURE = 2,   // x[dim_begin:dim_begin+n] copied to the capture buffer; channel = 1
   OP_COSINE = 3,    // CAST: cos(m, tanh(P m)), m = mean of x over the request's prompt
   OP_DISTANCE = 4,  // min_k ||x - mu_k||
+  OP_SAE_READ = 5,  // SAE encoder: top-K active features (ids, acts) to the capture buffer and
+                    //   the largest activation to the channel; or (SAE_FEATURES) the
+                    //   activations of n listed features to n consecutive channels
   // writes: change the stream (hidden + residual) by changing hidden only
   OP_ADD = 16,      // x += s * v
   OP_ABLATE = 17,   // x -= (x . r) r          (r unit norm, normalised at deploy)
   OP_AFFINE = 18,   // x <- A (x - mu_s) + mu_t
   OP_CLAMP = 19,    // p = x . u; x += (clamp(p, lo, hi) - p) u   (u unit norm)
   OP_ROUTER = 20,   // router logits: log-softmax, forced on = max + delta, off = min - delta
+  OP_SAE_CLAMP = 21,  // x += sum_f (c - a_f(x)) * s(x) * W_dec[f] over n listed features
   OP_CUSTOM = 32,   // user kernel with the CustomArgs ABI (custom.h)
 };
 
-XMIX_HD bool op_is_read(int32_t kind) { return kind >= OP_PROBE && kind <= OP_DISTANCE; }
+XMIX_HD bool op_is_read(int32_t kind) { return kind >= OP_PROBE && kind <= OP_SAE_READ; }
+
+// SAE ops (OP_SAE_READ, OP_SAE_CLAMP). OpDesc: a0 = encoder rows float[F*d] (W_enc
+// transposed), a1 = W_dec float[F*d], a2 = float[2F + d + 1]: b_enc | threshold | b_dec | k,
+// a3 = listed feature ids as float[n] (exact below 2^24), n = top-K or listed features,
+// m = F, flags = architecture | normalisation << 4 | SAE_B_DEC_IN | SAE_FEATURES.
+// Semantics: xmix.reference.sae_encode (SAELens's conventions).
+enum SaeFlag : int32_t {
+  SAE_ARCH_MASK = 0xf,       // SAE_RELU, SAE_JUMPRELU, SAE_TOPK
+  SAE_NORM_SHIFT = 4,        // SAE_NORM_* << 4
+  SAE_B_DEC_IN = 1 << 8,     // subtract b_dec from the (normalised) input before encoding
+  SAE_FEATURES = 1 << 9,     // OP_SAE_READ: listed features instead of top-K
+};
+enum SaeArch : int32_t { SAE_RELU = 0, SAE_JUMPRELU = 1, SAE_TOPK = 2 };
+enum SaeNorm : int32_t { SAE_NORM_NONE = 0, SAE_NORM_RESCALE = 1, SAE_NORM_LAYER = 2 };
+constexpr int32_t kSaeMaxTopK = 128;       // top-K of a read
+constexpr int32_t kSaeMaxFeatures = 64;    // listed features of a read or clamp
+constexpr float kSaeLnEps = 1e-5f;         // SAELens's layer_norm epsilon
+
+// Feature activation from its pre-activation; TopK membership is decided by the caller.
+XMIX_HD float sae_act(float pre, int32_t arch, float threshold) {
+  float a = pre > 0.f ? pre : 0.f;
+  if (arch == SAE_JUMPRELU && !(pre > threshold)) a = 0.f;
+  return a;
+}
+// The total order of top-K selection: larger value first, then the lower feature id.
+XMIX_HD bool sae_before(float va, int32_t ia, float vb, int32_t ib) {
+  return va > vb || (va == vb && ia < ib);
+}
 
 // Per-token flags. The host writes the low byte every step; the prologue ORs in token-set
 // and span bits computed from the input ids on the device.
@@ -107,7 +139,8 @@ struct OpDesc {
   uint64_t a1;          // mu_s
   uint64_t a2;          // mu_t
   uint64_t fn;          // OP_CUSTOM: CPU function pointer (host) or kernel handle (CUDA)
-  uint64_t capture_offset;  // OP_CAPTURE: float offset of this op's block in capture buffer
+  uint64_t capture_offset;  // OP_CAPTURE, OP_SAE_READ: float offset of this op's block in capture buffer
+  uint64_t a3;          // OP_SAE_*: listed feature ids (float[n])
 };
 static_assert(sizeof(OpDesc) % 8 == 0, "OpDesc must stay 8-byte aligned");
 
@@ -119,6 +152,7 @@ enum ParamIndex : int32_t {
   P_ROUTER_DELTA = 0,
   P_COSINE_UNUSED = 0,
   P_AFFINE_UNUSED = 0,
+  P_SAE_CLAMP_VALUE = 0,
 };
 
 struct ControlBlock {

@@ -343,6 +343,10 @@ class _Step:
             new = R.affine(rows, None, mask, arts["a0"], arts["a1"], arts["a2"])
         elif op.kernel == "router":
             new = R.router(rows, mask, arts["a0"], p("delta"))
+        elif op.kernel == "sae_steer":
+            new = R.add(rows, None, mask, op.sae.W_dec[op.features].sum(0).to(rows.device), p("scale"))
+        elif op.kernel == "sae_clamp":
+            new = R.sae_clamp(rows, None, mask, op.sae, op.features, p("value"))
         else:
             raise DeployError(f"app {att.name!r}, op {op.label}: no oracle for kernel {op.kernel!r}")
         site.copy_(new.reshape(site.shape))
@@ -380,9 +384,37 @@ class _Step:
                 if self.prompt[t] and self.last[t] and acc[1] > 0:
                     mean = (acc[0] / acc[1]).float()
                     values[t] = reported[t] = float(R.cast_cosine(mean, arts["a0"].cpu()))
+        elif op.kernel == "sae":
+            acts = R.sae_encode(rows, op.sae)
+            if op.features:
+                sub = acts[:, op.features].cpu()
+                for i, f in enumerate(op.features):  # each feature is a read of its own for gates
+                    self._note_values(att, f"{op.result_key}.f{f}",
+                                      [float(sub[t, i]) if mask_list[t] else NAN for t in range(n)])
+                for t in range(n):
+                    if mask_list[t]:
+                        values[t] = float(sub[t, 0])
+                        reported[t] = {"ids": list(op.features), "acts": sub[t].tolist()}
+            else:
+                top = R.sae_top(acts, op.top_k)
+                for t in range(n):
+                    if mask_list[t]:
+                        ids, a = top[t]
+                        values[t] = a[0] if a else 0.0   # the largest activation
+                        reported[t] = {"ids": ids, "acts": a}
         else:
             raise DeployError(f"app {att.name!r}, op {op.label}: no oracle for read {op.kernel!r}")
         self._note_read(att, op, values, reported)
+
+    def _note_values(self, att, key: str, values: list[float]) -> None:
+        self.values[(att.name, key)] = values
+        stats = self.req.read_stats.setdefault((att.name, key), [0.0, 0, NAN])
+        for t, v in enumerate(values):
+            if v == v and self.prompt[t]:
+                stats[0] += v
+                stats[1] += 1
+                if self.last[t]:
+                    stats[2] = v
 
     def _note_read(self, att, op, values: list[float], reported: dict[int, Any]) -> None:
         self.values[(att.name, op.result_key)] = values
