@@ -9,9 +9,10 @@
 
 from xmix.api import App, AppError
 from xmix.lowering import DeployError
+from xmix.sae import SAE
 
 __version__ = "0.1.0"
-__all__ = ["App", "AppError", "DeployError", "LLM", "custom_include_dir", "results", "__version__"]
+__all__ = ["App", "AppError", "DeployError", "LLM", "SAE", "custom_include_dir", "results", "__version__"]
 
 
 def results(output) -> dict:

@@ -1,4 +1,4 @@
-"""The `xmix` command line: serve, models, derive, demo."""
+"""The `xmix` command line: serve, models, derive, import."""
 
 from __future__ import annotations
 
@@ -24,11 +24,18 @@ def _cmd_derive(argv: list[str]) -> int:
     return derive_main(argv)
 
 
+def _cmd_import(argv: list[str]) -> int:
+    from xmix.interop.cli import main as import_main
+
+    return import_main(argv)
+
+
 COMMANDS = {
     "serve": (_cmd_serve, "vllm serve with xmix: xmix serve MODEL --app PATH ... [vllm serve args]"),
     "models": (_cmd_models, "make the embedded tiny models (tiny-llama, tiny-qwen3, tiny-mixtral, all)"),
     "derive": (_cmd_derive, "derive an app's artifacts from prompt files: "
                             "xmix derive APP --model M --positive F --negative F"),
+    "import": (_cmd_import, "SAEs and control vectors from other tools: xmix import sae|vector PATH -o OUT"),
 }
 
 
