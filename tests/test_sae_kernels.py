@@ -147,6 +147,22 @@ def test_features_read_and_gate(backend, dtype, arch, norm):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_topk_membership_at_the_boundary(backend):
+    """TopK SAE, features read: the k-th largest pre-activation is active, the (k+1)-th is not."""
+    sae = make_sae("topk", k=12)
+    h, r = make_rows("cpu", torch.float32)
+    pre = R.sae_pre(R.stream(h, r), sae)[0]
+    order = torch.sort(pre, descending=True, stable=True).indices
+    inside, outside = int(order[11]), int(order[12])
+    assert pre[inside] > 0 and pre[outside] > 0, "both candidates must have a positive pre-activation"
+    app = App("k")
+    app.read("sae", sae=sae, features=[inside, outside]).layers([0]).submodule("residual.pre").named("b")
+    hs = run(app, backend, "residual.pre", 0, h.to(backend), r.to(backend))
+    got = by_row(hs.drain(), "b")[0]["acts"]
+    assert got[0] == pytest.approx(float(pre[inside]), rel=1e-5) and got[1] == 0.0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("arch,norm", [("relu", "none"), ("jumprelu", "constant_norm_rescale"),
                                        ("topk", "layer_norm")])
