@@ -335,3 +335,25 @@ def test_sae_construction_errors(kw, msg):
     args.update(kw)
     with pytest.raises(SAEError, match=msg):
         SAE(args.pop("W_enc"), args.pop("b_enc"), args.pop("W_dec"), args.pop("b_dec"), **args)
+
+
+def test_app_file_with_a_broken_sae_is_refused():
+    import json
+
+    from safetensors.torch import load, save
+
+    sae = make_sae()
+    app = App("b")
+    app.read("sae", sae=sae, top_k=2).layers([0]).submodule("residual.post")
+    data = app.to_bytes()
+    tensors = load(data)
+    spec = app.spec()
+    spec_missing = dict(spec, ops=[dict(spec["ops"][0], sae="sae9")])
+    with pytest.raises(AppError, match="names SAE 'sae9' that the file does not contain"):
+        App.from_bytes(save(tensors, metadata={"xmix.spec": json.dumps(spec_missing)}))
+    no_dec = {k: v for k, v in tensors.items() if k != "sae0.W_dec"}
+    with pytest.raises(AppError, match=r"SAE tensors missing: \['W_dec'\]"):
+        App.from_bytes(save(no_dec, metadata={"xmix.spec": json.dumps(spec)}))
+    bad = dict(tensors, **{"sae0.b_enc": torch.zeros(F + 1)})
+    with pytest.raises(AppError, match="'b_enc' has shape"):
+        App.from_bytes(save(bad, metadata={"xmix.spec": json.dumps(spec)}))
