@@ -76,7 +76,11 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+")
     ap.add_argument("--top-k", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch CPU threads (default 1: the CPU site kernel runs on one thread)")
     args = ap.parse_args()
+    if args.device == "cpu":
+        torch.set_num_threads(args.threads)
     gpu = args.device == "cuda"
     d = args.d or (4096 if gpu else 512)
     feats = args.features or ([16384, 65536, 131072] if gpu else [4096, 16384])

@@ -163,17 +163,37 @@ void apply_write(const Row& row, const OpDesc& op, const float* p, std::vector<f
 }
 
 // ---------------------------------------------------------------- SAEs
-// One semantics with ops.cu and xmix.reference.sae_encode. Dot products use eight partial
-// sums in a fixed order (vectorisable without reassociation); the CUDA twin reduces across
-// lanes, so the two differ only by fp32 reassociation.
-float dot8(const float* a, const float* b, int32_t n) {
-  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+// One semantics with ops.cu and xmix.reference.sae_encode. Dot products use 32 partial sums
+// in a fixed order (vectorisable without reassociation, and enough independent chains to
+// hide the add latency); the CUDA twin reduces across lanes, so the two differ only by fp32
+// reassociation (and fused multiply-adds where the CPU has them).
+constexpr int32_t kLanes = 32;
+typedef float v8 __attribute__((vector_size(32), aligned(4)));  // unaligned loads allowed
+
+// Lane j of the 32 accumulates elements i = j (mod 32); then halves are added pairwise
+// (j += j + 16, j += j + 8, ...), then the tail in order.
+inline float dot32(const float* a, const float* b, int32_t n) {
+  v8 acc0 = {}, acc1 = {}, acc2 = {}, acc3 = {};
   int32_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    for (int32_t j = 0; j < 8; ++j) acc[j] += a[i + j] * b[i + j];
-  float sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+  for (; i + kLanes <= n; i += kLanes) {
+    acc0 += *reinterpret_cast<const v8*>(a + i) * *reinterpret_cast<const v8*>(b + i);
+    acc1 += *reinterpret_cast<const v8*>(a + i + 8) * *reinterpret_cast<const v8*>(b + i + 8);
+    acc2 += *reinterpret_cast<const v8*>(a + i + 16) * *reinterpret_cast<const v8*>(b + i + 16);
+    acc3 += *reinterpret_cast<const v8*>(a + i + 24) * *reinterpret_cast<const v8*>(b + i + 24);
+  }
+  acc0 += acc2;
+  acc1 += acc3;
+  acc0 += acc1;
+  float sum = ((acc0[0] + acc0[4]) + (acc0[2] + acc0[6])) + ((acc0[1] + acc0[5]) + (acc0[3] + acc0[7]));
   for (; i < n; ++i) sum += a[i] * b[i];
   return sum;
+}
+
+// One encoder row against n input rows: the encoder's hot loop, compiled for AVX-512 and
+// AVX2 as well as the baseline and chosen at load time by the CPU it runs on.
+__attribute__((target_clones("avx512f", "avx2,fma", "default")))
+void dot_rows(const float* w, const float* x, int32_t n, int32_t d, float bias, float* out) {
+  for (int32_t r = 0; r < n; ++r) out[r] = dot32(w, x + static_cast<int64_t>(r) * d, d) + bias;
 }
 
 struct Sae {
@@ -186,7 +206,9 @@ struct Sae {
   int32_t F, d, arch, norm, k;
   bool b_dec_in;
   float pre(const float* xin, int32_t f) const {
-    return dot8(w_enc + static_cast<int64_t>(f) * d, xin, d) + b_enc[f];
+    float out;
+    dot_rows(w_enc + static_cast<int64_t>(f) * d, xin, 1, d, b_enc[f], &out);
+    return out;
   }
 };
 
@@ -325,9 +347,11 @@ void run_sae_cpu(const ControlBlock& cb, const OpDesc& op, void* h, const void* 
   auto worse_on_top = [](const Cand& a, const Cand& b) { return sae_before(a.v, a.id, b.v, b.id); };
   std::vector<std::vector<Cand>> heaps(static_cast<size_t>(n_sel));
   for (auto& hp : heaps) hp.reserve(static_cast<size_t>(keep));
+  std::vector<float> pres(static_cast<size_t>(n_sel));
   for (int32_t f = 0; f < s.F; ++f) {
+    dot_rows(s.w_enc + static_cast<int64_t>(f) * d, xin.data(), n_sel, d, s.b_enc[f], pres.data());
     for (int32_t j = 0; j < n_sel; ++j) {
-      const float pre = s.pre(xin.data() + static_cast<int64_t>(j) * d, f);
+      const float pre = pres[j];
       const float v = s.arch == SAE_TOPK ? pre : sae_act(pre, s.arch, s.thr[f]);
       if (s.arch != SAE_TOPK && !(v > 0.f)) continue;
       auto& hp = heaps[j];
