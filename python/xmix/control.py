@@ -827,11 +827,10 @@ class ControlBlock:
         base = inst.captures[id(op)]
         cap = self.dev["capture"][base:base + self.cap.max_tokens * 2 * K].view(-1, 2 * K)
         rows = cap[torch.as_tensor(idx)].cpu().numpy()
-        out = []
-        for row in rows:
-            n = int(np.count_nonzero(row[:K] >= 0))
-            out.append({"ids": row[:n].astype(np.int64).tolist(), "acts": row[K:K + n].tolist()})
-        return out
+        counts = np.count_nonzero(rows[:, :K] >= 0, axis=1).tolist()
+        ids = rows[:, :K].astype(np.int64).tolist()
+        acts = rows[:, K:].tolist()
+        return [{"ids": i[:c], "acts": a[:c]} for i, a, c in zip(ids, acts, counts)]
 
     # ------------------------------------------------------------------ introspection
     def describe(self) -> list[dict[str, Any]]:
