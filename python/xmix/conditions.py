@@ -20,7 +20,8 @@ every later token; before that it is false. An op at a later site than the latch
 it from the last prompt token on; an op at the read's site or before it, from the first
 generated token on (in the last prompt token's forward it runs before the read has seen that
 token). ``READ`` names a read of the same app (``name``,
-or ``name.<layer>`` for a read placed on several layers).
+or ``name.<layer>`` for a read placed on several layers, or ``name.f<id>`` for one feature of
+an SAE read with ``features=[...]``: ``sae18.f1234 > 2.0``, docs/saes.md).
 """
 
 from __future__ import annotations
