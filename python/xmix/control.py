@@ -28,6 +28,7 @@ from xmix import conditions as C
 from xmix.catalog import FLT_MAX, KERNELS
 from xmix.hooks import ModelShape, n_sites
 from xmix.lowering import DeployError, LoweredApp, LoweredOp, latch_from_generated
+from xmix.staging import CudaQueue, DeviceQueue
 
 logger = logging.getLogger("xmix")
 
@@ -157,7 +158,7 @@ def _np_view(t: torch.Tensor) -> np.ndarray:
 
 class ControlBlock:
     def __init__(self, shape: ModelShape, device: torch.device | str = "cpu",
-                 capacity: Capacity | None = None):
+                 capacity: Capacity | None = None, queue: DeviceQueue | None = None):
         self.shape = shape
         self.device = torch.device(device)
         self.cap = cap = capacity or Capacity()
@@ -168,6 +169,11 @@ class ControlBlock:
         self.vocab_words = (shape.vocab_size + 31) // 32
         self.lock = threading.RLock()
         self.on_gpu = self.device.type == "cuda"
+        # Staged: host mirrors apart from the device buffers, everything sent through a device
+        # queue (always on a GPU; on a CPU only with a queue given, which tests use to stand
+        # in for a GPU stream).
+        self.xfer = queue if queue is not None else (CudaQueue(self.device) if self.on_gpu else None)
+        self.staged = self.xfer is not None
         T, S, A, P, R = cap.max_tokens, cap.max_slots, cap.max_apps, cap.max_params, cap.max_channels
         i32, f32 = torch.int32, torch.float32
         spec = {
@@ -189,8 +195,8 @@ class ControlBlock:
         for name, (n, dt) in spec.items():
             t = torch.zeros(n, dtype=dt, device=self.device)
             self.dev[name] = t
-            if self.on_gpu:
-                h = torch.zeros(n, dtype=dt, pin_memory=True)
+            if self.staged:
+                h = self.xfer.pinned(n, dt)
                 self._host_t[name] = h
                 self.host[name] = _np_view(h)
             else:
@@ -201,8 +207,8 @@ class ControlBlock:
         self.host["read_state"].reshape(-1, K["READ_STATE_WIDTH"])[:, 2] = np.nan
         self.host["results"][:] = np.nan
         self.block = torch.zeros(CTRL_LAYOUT["__size__"], dtype=torch.uint8, device=self.device)
-        self._block_host = torch.zeros(CTRL_LAYOUT["__size__"], dtype=torch.uint8,
-                                       pin_memory=self.on_gpu)
+        self._block_host = (self.xfer.pinned(CTRL_LAYOUT["__size__"], torch.uint8) if self.staged
+                            else torch.zeros(CTRL_LAYOUT["__size__"], dtype=torch.uint8))
         self.apps: dict[str, InstalledApp] = {}
         self._seq = 0
         self._param_used = np.zeros(P, dtype=bool)
@@ -272,17 +278,17 @@ class ControlBlock:
 
     def _sync(self, *names: str, rows: int | None = None) -> None:
         """Host -> device for the named buffers (no-op on CPU), ordered on the current stream."""
-        if not self.on_gpu:
+        if not self.staged:
             return
         for n in names:
             src, dst = self._host_t[n], self.dev[n]
             if rows is not None:
                 src, dst = src[:rows], dst[:rows]
-            dst.copy_(src, non_blocking=True)
+            self.xfer.copy(dst, src)
 
     def _sync_block(self) -> None:
-        if self.on_gpu:
-            self.block.copy_(self._block_host, non_blocking=True)
+        if self.staged:
+            self.xfer.copy(self.block, self._block_host)
         else:
             self.block.copy_(self._block_host)
 
@@ -646,11 +652,16 @@ class ControlBlock:
         previous occupant of its slot left (the prologue also resets a request that restarts
         at position 0, e.g. after preemption)."""
         R, W = self.cap.max_channels, K["READ_STATE_WIDTH"]
-        rs = self.dev["read_state"][slot * R * W:(slot + 1) * R * W].view(R, W)
-        rs[:, :2] = 0.0
-        rs[:, 2] = float("nan")
-        self.dev["vec_state"][slot * self.vec_width:(slot + 1) * self.vec_width] = 0.0
-        self.dev["slot_span"][slot] = 0
+
+        def reset() -> None:
+            rs = self.dev["read_state"][slot * R * W:(slot + 1) * R * W].view(R, W)
+            rs[:, :2] = 0.0
+            rs[:, 2] = float("nan")
+            self.dev["vec_state"][slot * self.vec_width:(slot + 1) * self.vec_width] = 0.0
+            self.dev["slot_span"][slot] = 0
+
+        # in stream order: steps still in flight may use the slot's previous occupant
+        self.xfer.launch(reset) if self.staged else reset()
 
     def release(self, req_id: str) -> "SlotState | None":
         with self.lock:
@@ -753,6 +764,9 @@ class ControlBlock:
         if self.on_gpu:
             _C.launch_prologue(self.ptr, ids.data_ptr(), ids.element_size(), self.cap.max_slots,
                                torch.cuda.current_stream(ids.device).cuda_stream)
+        elif self.staged:
+            ptr = self.ptr
+            self.xfer.launch(lambda: _C.run_prologue_cpu(ptr, ids.data_ptr(), ids.element_size()))
         else:
             _C.run_prologue_cpu(self.ptr, ids.data_ptr(), ids.element_size())
 
@@ -764,7 +778,8 @@ class ControlBlock:
             return {}
         n_tok = self.step_tokens
         R = self.cap.max_channels
-        if self.on_gpu:
+        if self.staged:
+            self.xfer.synchronize()
             res = self.dev["results"][: n_tok * R].view(n_tok, R).cpu().numpy()
         else:
             res = self.host["results"][: n_tok * R].reshape(n_tok, R)

@@ -51,17 +51,29 @@ class WorkerXmix:
         sched = cfg.scheduler_config
         cap = Capacity(max_tokens=max(int(sched.max_num_batched_tokens), 512),
                        max_slots=max(int(sched.max_num_seqs), 1) + 8)
-        self.cb = ControlBlock(self.shape, runner.device, cap)
-        ops.set_control(self.cb)
+        self._attach(ControlBlock(self.shape, runner.device, cap), _tp_rank() == 0)
         self.sites = place_sites(runner.model, self.shape.n_layers)
-        self.rank0 = _tp_rank() == 0
-        self.pending: dict[str, dict] = {}
-        self.sched = None
-        self.stats = {"steps": 0, "steps_with_apps": 0, "admit_errors": 0, "restarts": 0}
-        self._started = np.zeros(cap.max_slots, dtype=bool)
         logger.info("xmix: control block ready on %s (%d layers, d=%d, %d tokens x %d slots)",
                     runner.device, self.shape.n_layers, self.shape.hidden_size,
                     cap.max_tokens, cap.max_slots)
+
+    @classmethod
+    def for_control_block(cls, cb: ControlBlock, rank0: bool = True) -> "WorkerXmix":
+        """The per-step path without a model runner (tests drive it with stand-ins)."""
+        x = cls.__new__(cls)
+        x.shape = cb.shape
+        x._attach(cb, rank0)
+        x.sites = {}
+        return x
+
+    def _attach(self, cb: ControlBlock, rank0: bool) -> None:
+        self.cb = cb
+        ops.set_control(cb)
+        self.rank0 = rank0
+        self.pending: dict[str, dict] = {}
+        self.sched = None
+        self.stats = {"steps": 0, "steps_with_apps": 0, "admit_errors": 0, "restarts": 0}
+        self._started = np.zeros(cb.cap.max_slots, dtype=bool)
 
     # ------------------------------------------------------------------ requests
     def on_schedule(self, sched) -> None:

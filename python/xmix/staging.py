@@ -1,0 +1,97 @@
+"""How the control block's host data reaches the device, and the device work that must stay in
+stream order with it.
+
+On a GPU the host only *queues* work: a ``copy_(non_blocking=True)`` from pinned memory reads
+the host buffer when the stream gets to it, not when it is called, and vLLM keeps more than
+one step in flight (async scheduling: ``vllm/v1/engine/core.py:EngineCore.step_with_batch_queue``
+with ``vllm/config/vllm.py:VllmConfig.max_concurrent_batches`` = 2, or pp_size + 1 with model
+runner V2). Everything the control block sends to the device therefore goes through a
+``DeviceQueue``: the CUDA implementation is a thin layer over torch's current stream, and tests
+substitute a fake that defers every queued operation the way a busy GPU does
+(``tests/fake_device.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+
+
+class DeviceQueue:
+    """The stream the control block's device work is ordered on.
+
+    ``copy``/``launch`` queue work; ``record`` marks the point reached so far; ``synchronize``
+    makes the host wait for all of it. ``side_copy`` copies device data to the host on a side
+    stream after the work queued so far, and ``wait`` makes later work on this stream wait for
+    such a copy without the host waiting."""
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def launch(self, fn: Callable[[], Any]) -> None:
+        raise NotImplementedError
+
+    def record(self):
+        raise NotImplementedError
+
+    def wait(self, event) -> None:
+        raise NotImplementedError
+
+    def side_copy(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]):
+        raise NotImplementedError
+
+    def synchronize(self) -> None:
+        raise NotImplementedError
+
+    def pinned(self, n: int, dtype: torch.dtype) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class CudaQueue(DeviceQueue):
+    """The current CUDA stream of the thread that runs the model (vLLM runs copies, prologue,
+    forward or replay and sampling on one stream: ``v1/worker/gpu/model_runner.py:
+    GPUModelRunner.main_stream`` is the current stream), plus one side stream for result
+    copies, as vLLM's own ``v1/worker/gpu/async_utils.py:AsyncOutput`` does."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._side: torch.cuda.Stream | None = None
+
+    def _stream(self) -> torch.cuda.Stream:
+        return torch.cuda.current_stream(self.device)
+
+    def copy(self, dst, src) -> None:
+        dst.copy_(src, non_blocking=True)
+
+    def launch(self, fn) -> None:
+        fn()  # CUDA work queues itself on the current stream
+
+    def record(self):
+        # blocking=True: a host wait sleeps instead of spinning on the driver lock (as vLLM's
+        # AsyncOutput.copy_event)
+        ev = torch.cuda.Event(blocking=True)
+        ev.record(self._stream())
+        return ev
+
+    def wait(self, event) -> None:
+        self._stream().wait_event(event)
+
+    def side_copy(self, pairs):
+        main = self._stream()
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.device)
+        side = self._side
+        with torch.cuda.stream(side):
+            side.wait_stream(main)
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
+            ev = torch.cuda.Event(blocking=True)
+            ev.record(side)
+        return ev
+
+    def synchronize(self) -> None:
+        self._stream().synchronize()
+
+    def pinned(self, n, dtype) -> torch.Tensor:
+        return torch.zeros(n, dtype=dtype, pin_memory=True)
