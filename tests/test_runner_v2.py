@@ -2,7 +2,11 @@
 runs V1, so V2 cannot run here). It checks what the adapter derives from V2's own fields —
 slots from add/finish (preempted requests re-added), per-token positions and flags from the
 InputBatch, padding rows — against hand-computed values, and that a site then acts on the
-right rows and the reads reach the runner's output."""
+right rows and the reads reach the runner's output.
+
+V2's ``sample_tokens`` returns an ``AsyncOutput`` (``v1/worker/gpu/async_utils.py``) that the
+executor resolves later, in its output thread (``get_output``); the second test drives that
+path with a late-running fake device (``fake_device.FakeDevice``), two steps in flight."""
 
 from __future__ import annotations
 
@@ -12,15 +16,18 @@ import numpy as np
 import torch
 
 import xmix
-from xmix import ops
+from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
+from xmix import _C
 from xmix.control import ControlBlock
 from xmix.hooks import ModelShape, site_id
 from xmix.integrations.vllm.worker import RESULTS_ATTR, WorkerXmix, patch_model_runner_v2
 from xmix.lowering import lower
 
+from fake_device import FakeDevice
 from harness import SMALL
 
 D = 8
+F32 = _C.constants()["DT_F32"]
 SHAPE = ModelShape(n_layers=2, hidden_size=D, vocab_size=32)
 
 
@@ -29,6 +36,8 @@ class FakeRunnerV2:
 
     def __init__(self):
         self.calls = []
+        self.forward = None  # what the forward queues (tests with a fake device)
+        self.outputs = []    # what sample_tokens returns, in turn; NS(req_ids) when empty
 
     def finish_requests(self, scheduler_output):
         self.calls.append("finish")
@@ -40,22 +49,19 @@ class FakeRunnerV2:
         return batch_req_state  # the test passes the InputBatch it wants returned
 
     def execute_model(self, scheduler_output, intermediate_tensors=None, dummy_run=False, **kw):
+        if self.forward is not None and not dummy_run:
+            self.forward()
         return None
 
     def sample_tokens(self, grammar_output=None):
-        return NS(req_ids=["a", "b"])
+        return self.outputs.pop(0) if self.outputs else NS(req_ids=["a", "b"])
 
 
-def _worker(apps) -> WorkerXmix:
-    x = WorkerXmix.__new__(WorkerXmix)
-    x.shape, x.cb = SHAPE, ControlBlock(SHAPE, "cpu", SMALL)
+def _worker(apps, queue=None) -> WorkerXmix:
+    cb = ControlBlock(SHAPE, "cpu", SMALL, queue=queue)
     for a in apps:
-        x.cb.install(lower(a, SHAPE))
-    x.rank0, x.pending, x.sched = True, {}, None
-    x.stats = {"steps": 0, "steps_with_apps": 0, "admit_errors": 0, "restarts": 0}
-    x._started = np.zeros(SMALL.max_slots, dtype=bool)
-    ops.set_control(x.cb)
-    return x
+        cb.install(lower(a, SHAPE))
+    return WorkerXmix.for_control_block(cb, rank0=True)
 
 
 def _new_req(rid, prompt_len, apps):
@@ -114,3 +120,66 @@ def test_v2_adapter_maps_and_results():
     # a dummy run (graph capture, profiling) drains nothing and leaves every row inert
     runner.execute_model(sched3, dummy_run=True)
     assert runner._xmix.pending == {}
+
+
+class AsyncOutputV2(AsyncModelRunnerOutput):
+    """V2's AsyncOutput as the executor sees it: its own copy is resolved in get_output."""
+
+    def __init__(self, req_ids):
+        self.model_runner_output = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={})
+        self.resolved = False
+
+    def get_output(self):
+        self.resolved = True
+        return self.model_runner_output
+
+
+def test_v2_async_output_gets_reads_without_a_host_wait_in_the_step():
+    """Issue 20.3: no host wait between prepare_inputs and sample_tokens (the drain used to
+    block there on .cpu()); the reads are copied to pinned memory on a side stream and
+    resolved in the AsyncOutput's get_output, in step order, with two steps in flight."""
+    patch_model_runner_v2(FakeRunnerV2)
+    app = xmix.App("k")
+    e0 = torch.zeros(D)
+    e0[0] = 1.0
+    app.read("probe", weight=e0, bias=0.0).layers([1]).submodule("residual.pre").named("p")
+    dev = FakeDevice()
+    runner = FakeRunnerV2()
+    runner._xmix = x = _worker([app], queue=dev)
+    dev.run()
+    dev.host_waits = 0
+    cb = x.cb
+    sched = NS(finished_req_ids=set(), preempted_req_ids=None,
+               scheduled_new_reqs=[_new_req("a", 2, ["k"]), _new_req("b", 1, None)])
+    steps = [  # (InputBatch, hidden states of the step)
+        NS(num_reqs=2, req_ids=["a", "b"], num_scheduled_tokens=np.array([2, 1], np.int32),
+           num_computed_tokens_np=np.array([0, 0], np.int32), input_ids=torch.zeros(4, dtype=torch.int32),
+           num_tokens_after_padding=4),
+        NS(num_reqs=2, req_ids=["b", "a"], num_scheduled_tokens=np.array([1, 1], np.int32),
+           num_computed_tokens_np=np.array([1, 2], np.int32), input_ids=torch.zeros(2, dtype=torch.int32),
+           num_tokens_after_padding=2),
+    ]
+    hs = [torch.tensor([[1.0], [2.0], [3.0], [4.0]]).repeat(1, D), torch.tensor([[5.0], [6.0]]).repeat(1, D)]
+    site = site_id("residual.pre", 1, SHAPE.n_layers)
+    outs = []
+    for k, (ib, h) in enumerate(zip(steps, hs)):
+        if k == 0:
+            runner.finish_requests(sched)
+            runner.add_requests(sched)
+        runner.prepare_inputs(sched, ib, None, 0)
+        runner.forward = lambda h=h: dev.launch(
+            lambda: _C.run_site_cpu(cb.ptr, site, h.data_ptr(), 0, h.shape[0], D, D, 0, F32))
+        runner.execute_model(sched)
+        runner.outputs.append(AsyncOutputV2(ib.req_ids))
+        out = runner.sample_tokens()
+        assert isinstance(out, AsyncOutputV2) and not out.resolved
+        outs.append(out)
+    assert dev.host_waits == 0 and dev.queue, "the step path waited for the device"
+    sig = torch.sigmoid
+    mro = outs[0].get_output()
+    assert dev.host_waits == 1  # get_output waited, as vLLM's own copy event does
+    assert getattr(mro, RESULTS_ATTR) == {"a": {"k": {"p": {"positions": [0, 1],
+                                                            "values": sig(torch.tensor([1.0, 2.0])).tolist()}}}}
+    mro = outs[1].get_output()
+    assert getattr(mro, RESULTS_ATTR) == {"a": {"k": {"p": {"positions": [2],
+                                                            "values": [sig(torch.tensor(6.0)).item()]}}}}

@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ from xmix import conditions as C
 from xmix.catalog import FLT_MAX, KERNELS
 from xmix.hooks import ModelShape, n_sites
 from xmix.lowering import DeployError, LoweredApp, LoweredOp, latch_from_generated
-from xmix.staging import CudaQueue, DeviceQueue
+from xmix.staging import CudaQueue, DeviceQueue, PinnedRing, PinnedSet
 
 logger = logging.getLogger("xmix")
 
@@ -44,6 +45,9 @@ _INT32_FIELDS = {"max_tokens", "max_slots", "max_apps", "n_params", "n_channels"
                  "vec_state_width", "vocab_words", "n_tokens", "n_rows", "n_spans", "n_token_sets"}
 _INT32_OP_FIELDS = {"kind", "app", "cond_begin", "cond_len", "param_base", "channel",
                     "state_base", "n", "m", "flags"}
+TOK_MAPS = ("tok_slot", "tok_pos", "tok_flags", "tok_row")
+ROW_MAPS = ("row_slot", "row_tok_start", "row_n_tok", "row_reset", "row_n_prompt", "row_done")
+ROW_BUFFERS = ("slot_apps", "slot_params")  # per slot, sent as changed rows with the next step
 
 
 class RequestError(ValueError):
@@ -63,6 +67,11 @@ class Capacity:
     max_cond: int = 4096          # condition instructions
     vec_state_floats: int = 0     # per slot; 0 = 4 * (hidden + 1)
     capture_floats: int = 1 << 22  # 16 MiB of captured vectors per step
+    # Staged (GPU) only: host staging sets per direction, at least the steps vLLM keeps in
+    # flight + 1 (VllmConfig.max_concurrent_batches: 2 with async scheduling), and the
+    # parameter floats one step can send as changed rows (more: one blocking full copy).
+    staging_depth: int = 3
+    staging_param_floats: int = 1 << 18
 
 
 @dataclass
@@ -210,6 +219,9 @@ class ControlBlock:
         self._block_host = (self.xfer.pinned(CTRL_LAYOUT["__size__"], torch.uint8) if self.staged
                             else torch.zeros(CTRL_LAYOUT["__size__"], dtype=torch.uint8))
         self.apps: dict[str, InstalledApp] = {}
+        self.stats = {"full_param_copies": 0}
+        if self.staged:
+            self._init_staging()
         self._seq = 0
         self._param_used = np.zeros(P, dtype=bool)
         self._chan_used = np.zeros(R, dtype=bool)
@@ -244,6 +256,104 @@ class ControlBlock:
         self._write_header(n_tokens=0, n_rows=0)
         self._sync_all()
 
+    # ------------------------------------------------------------------ staging (GPU)
+    def _init_staging(self) -> None:
+        """Per-step host data goes through a ring of pinned sets (xmix.staging), never through
+        the host mirrors: a non-blocking copy reads its source when the stream reaches it, and
+        vLLM queues the next step before the device has run this one."""
+        cap, dev = self.cap, self.device
+        T, S, P, R = cap.max_tokens, cap.max_slots, cap.max_params, cap.max_channels
+        i32, i64, f32 = torch.int32, torch.int64, torch.float32
+        self._param_stage = max(1, min(S * P, cap.staging_param_floats))
+        spec = {n: (T, i32) for n in TOK_MAPS}
+        spec.update({n: (S, i32) for n in ROW_MAPS})
+        spec.update({"header": (2, i32), "dirty_idx": (S, i64), "dirty_apps": (S, i64),
+                     "dirty_params": (self._param_stage, f32)})
+        self._ring = PinnedRing(self.xfer, cap.staging_depth, spec)
+        self._readback = PinnedRing(self.xfer, cap.staging_depth,
+                                    {"results": (T * R, f32), "capture": (cap.capture_floats, f32)},
+                                    eager=False)
+        self._rows_dev = {"idx": torch.zeros(S, dtype=i64, device=dev),
+                          "apps": torch.zeros(S, dtype=i64, device=dev),
+                          "params": torch.zeros(self._param_stage, dtype=f32, device=dev)}
+        off = CTRL_LAYOUT["n_tokens"]
+        assert CTRL_LAYOUT["n_rows"] == off + 4 and off % 4 == 0
+        self._step_header = self.block[off:off + 8].view(torch.int32)  # n_tokens, n_rows
+        self._dirty: set[int] = set()
+        self._step_set: PinnedSet | None = None
+        self._begun = False
+        self._readback_event = None
+        self._pending_reads: deque[PendingReads] = deque()
+        self._reads_lock = threading.Lock()
+
+    def staging_stats(self) -> dict[str, int]:
+        """Host waits for a staging or read-back set (more steps queued than sets) and
+        blocking full copies of the slot rows; all zero in steady state."""
+        if not self.staged:
+            return {}
+        return {"staging_waits": self._ring.waits, "readback_waits": self._readback.waits,
+                "full_param_copies": self.stats["full_param_copies"]}
+
+    def _mark_row(self, slot: int) -> None:
+        if self.staged:
+            self._dirty.add(slot)
+
+    def _stage_step(self, s: PinnedSet, padded: int, n_req: int) -> None:
+        """Queue one step's copies from its staging set, then the event that frees the set."""
+        x = self.xfer
+        if self._readback_event is not None:
+            # This step's forward rewrites the results buffer: after the previous step's
+            # results were copied out on the side stream (a device-side wait, no host wait).
+            x.wait(self._readback_event)
+            self._readback_event = None
+        rt, rr = max(padded, 1), max(n_req, 1)
+        for n in TOK_MAPS:
+            x.copy(self.dev[n][:rt], s.t[n][:rt])
+        for n in ROW_MAPS:
+            x.copy(self.dev[n][:rr], s.t[n][:rr])
+        if self._dirty:
+            self._stage_rows(s)
+        x.copy(self._step_header, s.t["header"])
+        PinnedRing.hold(s, x.record())
+
+    def _param_width(self) -> int:
+        """Columns of a parameter row any deployed app uses (first fit keeps them low)."""
+        return max((a.param_base + len(a.param_cols) for a in self.apps.values()), default=0)
+
+    def _stage_rows(self, s: PinnedSet) -> None:
+        """Slot rows changed since the last step (admission, release, set_params, deploy) go
+        as (index, app mask, used parameter columns) and are scattered on the device in
+        stream order, instead of all of slot_params every step."""
+        x = self.xfer
+        S, P = self.cap.max_slots, self.cap.max_params
+        idx = np.fromiter(self._dirty, dtype=np.int64, count=len(self._dirty))
+        self._dirty.clear()
+        n, W = len(idx), self._param_width()
+        if n * W > self._param_stage:
+            # More than a staging set holds (a burst of admissions with wide rows): the host
+            # mirrors are current, one blocking copy of both buffers.
+            self.stats["full_param_copies"] += 1
+            for name in ROW_BUFFERS:
+                x.copy(self.dev[name], self._host_t[name])
+            x.synchronize()
+            return
+        s.np["dirty_idx"][:n] = idx
+        s.np["dirty_apps"][:n] = self.host["slot_apps"][idx]
+        d = self._rows_dev
+        x.copy(d["idx"][:n], s.t["dirty_idx"][:n])
+        x.copy(d["apps"][:n], s.t["dirty_apps"][:n])
+        if W:
+            s.np["dirty_params"][:n * W].reshape(n, W)[:] = self.host["slot_params"].reshape(S, P)[idx, :W]
+            x.copy(d["params"][:n * W], s.t["dirty_params"][:n * W])
+
+        def scatter() -> None:
+            rows = d["idx"][:n]
+            self.dev["slot_apps"].index_copy_(0, rows, d["apps"][:n])
+            if W:
+                self.dev["slot_params"].view(S, P)[:, :W].index_copy_(0, rows, d["params"][:n * W].view(n, W))
+
+        x.launch(scatter)
+
     # ------------------------------------------------------------------ low level
     @property
     def ptr(self) -> int:
@@ -277,18 +387,29 @@ class ControlBlock:
         hb[CTRL_LAYOUT["n_rows"]:CTRL_LAYOUT["n_rows"] + 4] = np.frombuffer(np.int32(n_rows).tobytes(), np.uint8)
 
     def _sync(self, *names: str, rows: int | None = None) -> None:
-        """Host -> device for the named buffers (no-op on CPU), ordered on the current stream."""
+        """Host -> device for the named buffers after a control change (no-op on CPU).
+
+        Control changes are rare, so this waits for the copies (and the steps queued before
+        them): a host mirror is never rewritten while a queued copy may still read it, and
+        the change reaches the steps queued after it, never those before. Per-slot rows
+        (slot_apps, slot_params) go with the next step as changed rows instead."""
         if not self.staged:
             return
         for n in names:
+            if n in ROW_BUFFERS:
+                if n == "slot_apps":  # e.g. remove() cleared an app's bit in every slot
+                    self._dirty.update(self.slot_req)
+                continue
             src, dst = self._host_t[n], self.dev[n]
             if rows is not None:
                 src, dst = src[:rows], dst[:rows]
             self.xfer.copy(dst, src)
+        self.xfer.synchronize()
 
     def _sync_block(self) -> None:
         if self.staged:
-            self.xfer.copy(self.block, self._block_host)
+            self.xfer.copy(self.block, self._block_host)  # n_tokens = 0 there: no step is on
+            self.xfer.synchronize()
         else:
             self.block.copy_(self._block_host)
 
@@ -468,6 +589,7 @@ class ControlBlock:
         return resolve_params(inst.param_cols, params, who)
 
     def _write_slot_params(self, slot: int, inst: InstalledApp) -> None:
+        self._mark_row(slot)
         row = self.host["slot_params"][slot * self.cap.max_params:(slot + 1) * self.cap.max_params]
         overrides = self.slot_req[slot].overrides.get(inst.name, {}) if slot in self.slot_req else {}
         for i, c in enumerate(inst.param_cols):
@@ -626,6 +748,7 @@ class ControlBlock:
         for a in st.apps:
             mask |= 1 << self.apps[a].index
         self.host["slot_apps"][slot] = np.uint64(mask).astype(np.int64)
+        self._mark_row(slot)
         self._n_app_slots += mask != 0
         for inst in self.apps.values():
             self._write_slot_params(slot, inst)
@@ -672,6 +795,7 @@ class ControlBlock:
             st = self.slot_req.pop(slot)
             self._n_app_slots -= int(self.host["slot_apps"][slot] != 0)
             self.host["slot_apps"][slot] = 0
+            self._mark_row(slot)
             self._free_slots.append(slot)
             return st
 
@@ -710,14 +834,18 @@ class ControlBlock:
             raise RuntimeError(f"xmix: step of {max(n_tok, n_rows_padded or 0)} rows / {n_req} requests "
                                f"exceeds capacity ({self.cap.max_tokens} / {self.cap.max_slots})")
         padded = max(n_tok, n_rows_padded or 0)
-        _C.fill_step_maps(n_req, slots.ctypes.data, n_tok_a.ctypes.data, start.ctypes.data,
-                          plen.ctypes.data, padded, self._map_ptrs)
-        self._set_step_header(n_tok, n_req)
-        self._sync("tok_slot", "tok_pos", "tok_flags", "tok_row", rows=max(padded, 1))
-        self._sync("row_slot", "row_tok_start", "row_n_tok", "row_reset", "row_n_prompt",
-                   "row_done", rows=max(n_req, 1))
-        self._sync("slot_apps", "slot_params")
-        self._sync_block()
+        if self.staged:
+            st = self._step_set = self._ring.next()
+            _C.fill_step_maps(n_req, slots.ctypes.data, n_tok_a.ctypes.data, start.ctypes.data,
+                              plen.ctypes.data, padded, st.ptrs)
+            st.np["header"][:] = (n_tok, n_req)
+            self._stage_step(st, padded, n_req)
+            self._begun = True
+        else:
+            _C.fill_step_maps(n_req, slots.ctypes.data, n_tok_a.ctypes.data, start.ctypes.data,
+                              plen.ctypes.data, padded, self._map_ptrs)
+            self._set_step_header(n_tok, n_req)
+            self._sync_block()
         self.site_active = (self.site_app_mask & np.uint64(active)) != 0
         self.step_rows = (slots, n_req)
         self.step_tokens = n_tok
@@ -749,7 +877,13 @@ class ControlBlock:
     def end_step(self) -> None:
         """After the forward: an empty step, so forwards outside the runner's step (dummy
         runs, graph captures) find every row inert."""
-        if self.any_active or self._span_mask:
+        if self.staged:
+            if self._begun:
+                # On the device, after this step's forward and before anything queued later;
+                # the host header is never rewritten while a copy of it may be queued.
+                self.xfer.launch(self._step_header.zero_)
+                self._begun = False
+        elif self.any_active or self._span_mask:
             self._set_step_header(0, 0)
             self._sync_block()
         self.site_active = self._no_site
@@ -770,82 +904,133 @@ class ControlBlock:
         else:
             _C.run_prologue_cpu(self.ptr, ids.data_ptr(), ids.element_size())
 
-    def drain(self) -> dict[str, dict[str, dict[str, Any]]]:
-        """Read results of this step; returns {req_id: {app: {read: {positions, values}}}}.
-
-        Only rank 0 drains (hidden states are replicated across tensor-parallel ranks)."""
-        if not self._step_reads:
-            return {}
-        n_tok = self.step_tokens
-        R = self.cap.max_channels
-        if self.staged:
-            self.xfer.synchronize()
-            res = self.dev["results"][: n_tok * R].view(n_tok, R).cpu().numpy()
-        else:
-            res = self.host["results"][: n_tok * R].reshape(n_tok, R)
-        pos = self.host["tok_pos"][:n_tok]
-        rows = self.host["tok_row"][:n_tok]
-        slots, _ = self.step_rows
-        out: dict[str, dict[str, dict[str, Any]]] = {}
+    def _read_plan(self) -> list[tuple[str, str, int, tuple[int, int] | None, LoweredOp]]:
+        """(app, read, channel, (capture offset, row width) or None, op) of this step's active
+        reads; rows in the capture buffer are a capture read's vectors or a top-K SAE read's
+        ids and activations."""
+        plan = []
         for inst in self.apps.values():
             if not (self.step_active >> inst.index) & 1 or not inst.channels:
                 continue
             for key, ch in inst.channels.items():
                 if key not in inst.lowered.reads:
                     continue  # one feature of an SAE read, reported with the read
-                col = res[:, ch]
-                idx = np.flatnonzero(~np.isnan(col))
-                if not len(idx):
-                    continue
-                # tokens of one request are contiguous: split the hits at row changes
-                r = rows[idx]
-                cuts = np.flatnonzero(np.diff(r)) + 1
-                bounds = [0, *cuts.tolist(), len(idx)]
-                p_list = pos[idx].tolist()
                 op = inst.lowered.reads[key]
                 if op.kernel == "capture":
-                    base, w = inst.captures[id(op)], op.capture_width
-                    cap = self.dev["capture"][base:base + self.cap.max_tokens * w].view(-1, w)
-                    v_list = cap[torch.as_tensor(idx)].cpu().tolist()
-                elif op.kernel == "sae":
-                    v_list = self._sae_values(inst, op, res, ch, idx)
+                    cap = (inst.captures[id(op)], op.capture_width)
+                elif op.kernel == "sae" and not op.features:
+                    cap = (inst.captures[id(op)], 2 * op.top_k)
                 else:
-                    v_list = col[idx].tolist()
-                for j in range(len(bounds) - 1):
-                    b0, b1 = bounds[j], bounds[j + 1]
-                    st = self.slot_req.get(int(slots[r[b0]]))
-                    if st is None:
-                        continue
-                    # A preempted request recomputes positions it already reported (with the
-                    # same values): report each position once.
-                    done = st.reported.get((inst.name, key), -1)
-                    if p_list[b0] <= done:
-                        while b0 < b1 and p_list[b0] <= done:
-                            b0 += 1
-                        if b0 == b1:
-                            continue
-                    st.reported[(inst.name, key)] = p_list[b1 - 1]
-                    e = out.setdefault(st.req_id, {}).setdefault(inst.name, {}).setdefault(
-                        key, {"positions": [], "values": []})
-                    e["positions"].extend(p_list[b0:b1])
-                    e["values"].extend(v_list[b0:b1])
-        return out
+                    cap = None
+                plan.append((inst.name, key, ch, cap, op))
+        return plan
 
-    def _sae_values(self, inst: InstalledApp, op: LoweredOp, res: np.ndarray, ch: int,
-                    idx: np.ndarray) -> list[dict[str, list]]:
-        """Per token {"ids": [...], "acts": [...]}: the active features, largest first (a
-        top-K read; unused slots hold id -1), or the listed features in order."""
-        if op.features:
-            acts = res[idx, ch:ch + op.n_channels].tolist()
-            return [{"ids": list(op.features), "acts": a} for a in acts]
-        K = op.top_k
-        base = inst.captures[id(op)]
-        cap = self.dev["capture"][base:base + self.cap.max_tokens * 2 * K].view(-1, 2 * K)
-        rows = cap[torch.as_tensor(idx)].cpu().numpy()
-        counts = np.count_nonzero(rows[:, :K] >= 0, axis=1).tolist()
-        ids = rows[:, :K].astype(np.int64).tolist()
-        acts = rows[:, K:].tolist()
-        return [{"ids": i[:c], "acts": a[:c]} for i, a, c in zip(ids, acts, counts)]
+    def drain(self) -> dict[str, dict[str, dict[str, Any]]]:
+        """Read results of this step; returns {req_id: {app: {read: {positions, values}}}}.
+
+        Only rank 0 drains (hidden states are replicated across tensor-parallel ranks). Staged
+        (GPU), this waits for the device; the engine path uses drain_async instead."""
+        if not self._step_reads:
+            return {}
+        if self.staged:
+            return self.drain_async().result()
+        n_tok = self.step_tokens
+        R, T = self.cap.max_channels, self.cap.max_tokens
+        res = self.host["results"][: n_tok * R].reshape(n_tok, R)
+        slots, _ = self.step_rows
+        capture = self.dev["capture"]
+
+        def captured(cap, idx):
+            base, w = cap
+            return capture[base:base + T * w].view(-1, w)[torch.as_tensor(idx)].numpy()
+
+        return self._collect(res, self.host["tok_pos"][:n_tok], self.host["tok_row"][:n_tok],
+                             lambda row: self.slot_req.get(int(slots[row])), self._read_plan(), captured)
+
+    def drain_async(self) -> "PendingReads | None":
+        """Staged: queue this step's results (and captured rows) to pinned host memory on a
+        side stream; the host waits only when the returned handle's result() is asked for,
+        which the worker does where vLLM resolves its own async output (get_output)."""
+        if not self._step_reads or not self.staged:
+            return None
+        n_tok, R = self.step_tokens, self.cap.max_channels
+        plan = self._read_plan()
+        s = self._readback.next()
+        pairs = [(s.buf("results")[: n_tok * R], self.dev["results"][: n_tok * R])]
+        placed, off = [], 0
+        for app, key, ch, cap, op in plan:
+            if cap is not None:
+                base, w = cap
+                pairs.append((s.buf("capture")[off:off + n_tok * w], self.dev["capture"][base:base + n_tok * w]))
+                cap = (off, w)
+                off += n_tok * w
+            placed.append((app, key, ch, cap, op))
+        ev = self._readback_event = self.xfer.side_copy(pairs)
+        st = self._step_set
+        slots, n_req = self.step_rows
+        p = PendingReads(self, ev, s, n_tok, st.np["tok_pos"][:n_tok].copy(), st.np["tok_row"][:n_tok].copy(),
+                         [self.slot_req.get(int(x)) for x in slots[:n_req]], placed)
+        PinnedRing.hold(s, p)
+        self._pending_reads.append(p)
+        return p
+
+    def _resolve_reads(self, p: "PendingReads") -> dict:
+        """Steps resolve in order (a position a preempted request already reported is
+        skipped by comparing with the last one reported), whichever thread asks."""
+        with self._reads_lock:
+            while p.out is None:
+                head = self._pending_reads.popleft()
+                head.event.synchronize()
+                n, R = head.n_tok, self.cap.max_channels
+                res = head.set.np["results"][: n * R].reshape(n, R)
+
+                def captured(cap, idx, head=head, n=n):
+                    off, w = cap
+                    return head.set.np["capture"][off:off + n * w].reshape(n, w)[idx]
+
+                head.out = self._collect(res, head.pos, head.rows, head.states.__getitem__, head.plan, captured)
+                head.set = None
+            return p.out
+
+    def _collect(self, res, pos, rows, state_of_row, plan, captured) -> dict[str, dict[str, dict[str, Any]]]:
+        """Per request, the hits of each planned read: ``res`` the step's result channels,
+        ``captured(cap, idx)`` the capture-buffer rows of the tokens idx."""
+        out: dict[str, dict[str, dict[str, Any]]] = {}
+        for app, key, ch, cap, op in plan:
+            col = res[:, ch]
+            idx = np.flatnonzero(~np.isnan(col))
+            if not len(idx):
+                continue
+            # tokens of one request are contiguous: split the hits at row changes
+            r = rows[idx]
+            cuts = np.flatnonzero(np.diff(r)) + 1
+            bounds = [0, *cuts.tolist(), len(idx)]
+            p_list = pos[idx].tolist()
+            if op.kernel == "sae":
+                v_list = _sae_values(op, res, ch, idx, captured(cap, idx) if cap is not None else None)
+            elif cap is not None:
+                v_list = captured(cap, idx).tolist()
+            else:
+                v_list = col[idx].tolist()
+            for j in range(len(bounds) - 1):
+                b0, b1 = bounds[j], bounds[j + 1]
+                st = state_of_row(int(r[b0]))
+                if st is None:
+                    continue
+                # A preempted request recomputes positions it already reported (with the
+                # same values): report each position once.
+                done = st.reported.get((app, key), -1)
+                if p_list[b0] <= done:
+                    while b0 < b1 and p_list[b0] <= done:
+                        b0 += 1
+                    if b0 == b1:
+                        continue
+                st.reported[(app, key)] = p_list[b1 - 1]
+                e = out.setdefault(st.req_id, {}).setdefault(app, {}).setdefault(
+                    key, {"positions": [], "values": []})
+                e["positions"].extend(p_list[b0:b1])
+                e["values"].extend(v_list[b0:b1])
+        return out
 
     # ------------------------------------------------------------------ introspection
     def describe(self) -> list[dict[str, Any]]:
@@ -859,6 +1044,40 @@ class ControlBlock:
                 "metadata": lw.app.metadata,
             })
         return out
+
+
+def _sae_values(op: LoweredOp, res: np.ndarray, ch: int, idx: np.ndarray,
+                rows: np.ndarray | None) -> list[dict[str, list]]:
+    """Per token {"ids": [...], "acts": [...]}: the active features, largest first (a top-K
+    read; ``rows`` its capture rows, unused slots hold id -1), or the listed features in order."""
+    if op.features:
+        acts = res[idx, ch:ch + op.n_channels].tolist()
+        return [{"ids": list(op.features), "acts": a} for a in acts]
+    K = op.top_k
+    counts = np.count_nonzero(rows[:, :K] >= 0, axis=1).tolist()
+    ids = rows[:, :K].astype(np.int64).tolist()
+    acts = rows[:, K:].tolist()
+    return [{"ids": i[:c], "acts": a[:c]} for i, a, c in zip(ids, acts, counts)]
+
+
+class PendingReads:
+    """One step's reads on their way to the host (staged engines). Also what keeps its pinned
+    read-back set busy: query() is whether it was resolved, synchronize() resolves it."""
+
+    def __init__(self, cb: ControlBlock, event, pinned: PinnedSet, n_tok: int, pos: np.ndarray,
+                 rows: np.ndarray, states: list, plan: list):
+        self.cb, self.event, self.set, self.n_tok = cb, event, pinned, n_tok
+        self.pos, self.rows, self.states, self.plan = pos, rows, states, plan
+        self.out: dict | None = None
+
+    def result(self) -> dict[str, dict[str, dict[str, Any]]]:
+        return self.out if self.out is not None else self.cb._resolve_reads(self)
+
+    def query(self) -> bool:
+        return self.out is not None
+
+    def synchronize(self) -> None:
+        self.result()
 
 
 @dataclass

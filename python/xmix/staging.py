@@ -95,3 +95,64 @@ class CudaQueue(DeviceQueue):
 
     def pinned(self, n, dtype) -> torch.Tensor:
         return torch.zeros(n, dtype=dtype, pin_memory=True)
+
+
+class PinnedSet:
+    """One set of pinned host buffers, allocated on first use of each name."""
+
+    def __init__(self, queue: DeviceQueue, spec: dict[str, tuple[int, torch.dtype]]):
+        self._queue = queue
+        self._spec = spec
+        self.t: dict[str, torch.Tensor] = {}
+        self.np: dict[str, Any] = {}
+        self.ptrs: dict[str, int] = {}
+        self.busy = None  # what the device (or a consumer) still does with this set
+
+    def buf(self, name: str) -> torch.Tensor:
+        t = self.t.get(name)
+        if t is None:
+            n, dtype = self._spec[name]
+            t = self.t[name] = self._queue.pinned(max(n, 1), dtype)
+            self.np[name] = t.numpy()
+            self.ptrs[name] = self.np[name].ctypes.data
+        return t
+
+    def alloc_all(self) -> "PinnedSet":
+        for name in self._spec:
+            self.buf(name)
+        return self
+
+
+class PinnedRing:
+    """Round-robin sets of pinned host buffers, as vLLM stages its own per-step inputs
+    (``v1/worker/gpu/buffer_utils.py:UvaBufferPool``: depth >= the steps in flight). The pool
+    leaves it to its callers to "retire a slot's GPU readers before reuse"; here each set keeps
+    what still uses it (an event recorded after its copies, or a pending read-back) and the
+    host waits on that before writing the set again. With depth above the steps vLLM keeps in
+    flight the wait is already over when it is checked."""
+
+    def __init__(self, queue: DeviceQueue, depth: int, spec: dict[str, tuple[int, torch.dtype]],
+                 eager: bool = True):
+        if depth < 2:
+            raise ValueError("a staging ring needs at least 2 sets")
+        self.sets = [PinnedSet(queue, spec) for _ in range(depth)]
+        if eager:
+            for s in self.sets:
+                s.alloc_all()
+        self._i = -1
+        self.waits = 0  # times the host had to wait for a set (more steps queued than sets)
+
+    def next(self) -> PinnedSet:
+        self._i = (self._i + 1) % len(self.sets)
+        s = self.sets[self._i]
+        if s.busy is not None:
+            if not s.busy.query():
+                self.waits += 1
+                s.busy.synchronize()
+            s.busy = None
+        return s
+
+    @staticmethod
+    def hold(s: PinnedSet, busy) -> None:
+        """``busy`` (anything with query() and synchronize()) keeps the set until it is done."""
+        s.busy = busy

@@ -21,7 +21,7 @@ import torch
 
 from xmix import ops
 from xmix.api import App
-from xmix.control import Capacity, ControlBlock, RequestError
+from xmix.control import Capacity, ControlBlock, PendingReads, RequestError
 from xmix.hooks import ModelShape
 from xmix.lowering import lower
 
@@ -49,8 +49,11 @@ class WorkerXmix:
         hf = cfg.model_config.hf_config
         self.shape = ModelShape.from_hf_config(hf, cfg.model_config.model)
         sched = cfg.scheduler_config
+        # Staging sets: one more than the steps vLLM keeps in flight (config/vllm.py:
+        # VllmConfig.max_concurrent_batches), so the host never waits for a set in steady state.
+        depth = max(3, int(getattr(cfg, "max_concurrent_batches", 2)) + 1)
         cap = Capacity(max_tokens=max(int(sched.max_num_batched_tokens), 512),
-                       max_slots=max(int(sched.max_num_seqs), 1) + 8)
+                       max_slots=max(int(sched.max_num_seqs), 1) + 8, staging_depth=depth)
         self._attach(ControlBlock(self.shape, runner.device, cap), _tp_rank() == 0)
         self.sites = place_sites(runner.model, self.shape.n_layers)
         logger.info("xmix: control block ready on %s (%d layers, d=%d, %d tokens x %d slots)",
@@ -70,7 +73,8 @@ class WorkerXmix:
         self.cb = cb
         ops.set_control(cb)
         self.rank0 = rank0
-        self.pending: dict[str, dict] = {}
+        self.pending: dict[str, dict] = {}          # reads drained on the host (CPU engine)
+        self.pending_reads: list[PendingReads] = []  # reads still on their way (GPU)
         self.sched = None
         self.stats = {"steps": 0, "steps_with_apps": 0, "admit_errors": 0, "restarts": 0}
         self._started = np.zeros(cb.cap.max_slots, dtype=bool)
@@ -176,13 +180,34 @@ class WorkerXmix:
         if not cb.any_active and not cb._span_mask:
             return
         if self.rank0:
-            for rid, apps in cb.drain().items():
-                merge_results(self.pending.setdefault(rid, {}), apps)
+            if cb.staged:
+                # No host wait here: the results are copied on a side stream and read where
+                # vLLM reads its own sampled tokens (get_output), after sampling is queued.
+                p = cb.drain_async()
+                if p is not None:
+                    self.pending_reads.append(p)
+            else:
+                for rid, apps in cb.drain().items():
+                    merge_results(self.pending.setdefault(rid, {}), apps)
         cb.end_step()
 
-    def take_results(self) -> dict[str, dict]:
-        out, self.pending = self.pending, {}
-        return out
+    def has_results(self) -> bool:
+        return bool(self.pending or self.pending_reads)
+
+    def take_results(self):
+        """A function returning the reads of the steps since the last call:
+        {req_id: {app: {read: {positions, values}}}}. Calling it waits for reads still on
+        their way to the host."""
+        direct, reads = self.pending, self.pending_reads
+        self.pending, self.pending_reads = {}, []
+
+        def resolve() -> dict[str, dict]:
+            for p in reads:
+                for rid, apps in p.result().items():
+                    merge_results(direct.setdefault(rid, {}), apps)
+            return direct
+
+        return resolve
 
     # ------------------------------------------------------------------ control RPCs
     def deploy(self, data: bytes, mode: str) -> dict[str, Any]:
@@ -246,8 +271,15 @@ def patch_model_runner(cls) -> None:
 
 
 def _attach_results(self, out):
+    """Put the reads on the step's output. An async output (V2's
+    ``v1/worker/gpu/async_utils.py:AsyncOutput``, V1's ``gpu_model_runner.py:
+    AsyncGPUModelRunnerOutput``) gets them when vLLM resolves it: ``get_output`` runs in the
+    executor's output thread (``v1/executor/multiproc_executor.py:WorkerProc.enqueue_output``,
+    ``uniproc_executor.py:AsyncOutputFuture.result``) after waiting for its own copy event, and
+    is where xmix waits for its read-back too. A plain ModelRunnerOutput (no async scheduling)
+    gets them now: sampling is already queued, and vLLM waits for its tokens here as well."""
     x = _runner_xmix(self)
-    if x is None or not x.pending or out is None:
+    if x is None or out is None or not x.has_results():
         return out
     results = x.take_results()
     if hasattr(out, "get_output") and not hasattr(out, "req_ids"):
@@ -255,12 +287,12 @@ def _attach_results(self, out):
 
         def get_output():
             o = orig_get()
-            setattr(o, RESULTS_ATTR, results)
+            setattr(o, RESULTS_ATTR, results())
             return o
 
         out.get_output = get_output
     else:
-        setattr(out, RESULTS_ATTR, results)
+        setattr(out, RESULTS_ATTR, results())
     return out
 
 
@@ -392,7 +424,8 @@ def xmix_describe(self) -> dict:
     from xmix import graphs
 
     x = _wx(self)
-    return {"apps": x.describe(), "sites": x.sites, "stats": dict(x.stats), "graphs": graphs.stats()}
+    return {"apps": x.describe(), "sites": x.sites, "stats": {**x.stats, **x.cb.staging_stats()},
+            "graphs": graphs.stats()}
 
 
 WORKER_METHODS = {f.__name__: f for f in (xmix_deploy, xmix_undeploy, xmix_undeploy_if_present,
