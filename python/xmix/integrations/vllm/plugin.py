@@ -71,10 +71,7 @@ def _patch_all() -> None:
         server.patch_openai_serving()
     except ImportError:  # vLLM without the OpenAI server extras
         logger.debug("xmix: OpenAI serving not patched", exc_info=True)
-    try:
-        from xmix import graphs
-
-        graphs.install_capture_hook()
-    except ImportError:
-        pass
+    # No CUDA here: register() also runs in the process that forks vLLM's engine core, and
+    # CUDA initialised before a fork is unusable in the child. The CUDA-graph capture hook is
+    # installed by each worker's load_model (worker.patch_load_model).
     logger.debug("xmix: vLLM patched in process %d", os.getpid())

@@ -375,6 +375,15 @@ def patch_load_model(cls) -> None:
     orig = cls.__dict__["load_model"]
 
     def load_model(self, *args, **kwargs):
+        from xmix import graphs
+
+        from . import support
+
+        # Before loading anything: the engine does not start and the message says why.
+        support.check(self.vllm_config)
+        # Here, not in the plugin's register(): the worker has initialised its device (vLLM's
+        # init_device runs before load_model), and graphs are captured after load_model.
+        graphs.install_capture_hook()
         r = orig(self, *args, **kwargs)
         if _runner_xmix(self) is None:
             _key_compile_cache(self.vllm_config)
