@@ -870,9 +870,10 @@ def _redirect(module_names, graph_cls: type) -> list[str]:
 
 
 def install_capture_hook() -> bool:
-    """Make vLLM's CUDA-graph capture sites build XmixCUDAGraph. Call it from the vLLM plugin
-    in every worker process before the model runner captures graphs (the general plugin's
-    register() runs early enough); idempotent. A no-op returning False where graphs cannot
+    """Make vLLM's CUDA-graph capture sites build XmixCUDAGraph. Called by the worker's
+    ``load_model`` (after vLLM's ``init_device``, before the runner captures graphs), never
+    from the plugin's ``register()``: that also runs in the parent process, where touching
+    CUDA before vLLM forks its engine core breaks the child; idempotent. A no-op returning False where graphs cannot
     be patched (CPU, torch without keep_graph, xmix._C without CUDA) or vLLM is absent."""
     with _lock:
         cls = graph_class()
