@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 
 from xmix import conditions
-from xmix.catalog import KERNELS, MAX_SAE_FEATURES, MAX_TOP_K, SAE_KERNELS
+from xmix.catalog import FLT_MAX, KERNELS, MAX_SAE_FEATURES, MAX_TOP_K, SAE_KERNELS
 from xmix.hooks import SITE_NAMES
 
 FORMAT = "xmix.app/1"
@@ -33,6 +34,48 @@ _OP_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 
 class AppError(ValueError):
     """An app that cannot be built, saved, loaded or deployed; the message names the place."""
+
+
+class LimitError(AppError):
+    """An app over a configured size limit (ops, artifact bytes, capacity of the engine)."""
+
+
+MAX_JSON_DEPTH = 32          # nesting of metadata objects and lists
+
+
+def max_app_ops() -> int:
+    """Ops one app may declare (``XMIX_MAX_APP_OPS``); checked in the spec before any
+    artifact is copied. Lowered ops (one per layer) are bounded by the control block."""
+    return int(os.environ.get("XMIX_MAX_APP_OPS", "4096"))
+
+
+def max_artifact_bytes() -> int:
+    """Bytes of one app's distinct artifacts as fp32, the form every process keeps
+    (``XMIX_MAX_ARTIFACT_BYTES``, default 1 GiB); checked before any artifact is copied."""
+    return int(os.environ.get("XMIX_MAX_ARTIFACT_BYTES", str(1 << 30)))
+
+
+def check_json_value(value: Any, what: str, depth: int = MAX_JSON_DEPTH) -> None:
+    """Refuse what strict JSON cannot carry or a listing could not encode: NaN/Inf, keys
+    that are not strings, objects other than dict/list/str/number/bool/None, nesting
+    deeper than ``depth`` (checked without recursion)."""
+    stack = [(value, 0)]
+    while stack:
+        v, d = stack.pop()
+        if d > depth:
+            raise AppError(f"{what} is nested more than {depth} levels deep")
+        if isinstance(v, dict):
+            for k, x in v.items():
+                if not isinstance(k, str):
+                    raise AppError(f"{what}: key {k!r} is not a string")
+                stack.append((x, d + 1))
+        elif isinstance(v, (list, tuple)):
+            stack.extend((x, d + 1) for x in v)
+        elif isinstance(v, float):
+            if not math.isfinite(v):
+                raise AppError(f"{what} contains {v!r}, which JSON cannot carry")
+        elif v is not None and not isinstance(v, (str, int, bool)):
+            raise AppError(f"{what} contains a {type(v).__name__}, which JSON cannot carry")
 
 
 def _check_name(kind: str, name: Any, pattern=_NAME) -> str:
@@ -151,14 +194,14 @@ class Op:
     def condition(self):
         return conditions.combine(self.cond_expr, self.cond_when, self.cond_gate)
 
-    def to_json(self, index: int) -> dict:
+    def to_json(self, index: int, keys: dict[int, str] | None = None) -> dict:
         d: dict[str, Any] = {
             "primitive": self.primitive,
             "kernel": self.kernel,
             "site": self.site,
             "layers": self.layer_spec,
             "params": self.params,
-            "artifacts": {k: f"op{index}.{k}" for k in self.artifacts},
+            "artifacts": {k: (keys or {}).get(id(t), f"op{index}.{k}") for k, t in self.artifacts.items()},
         }
         if self.name:
             d["name"] = self.name
@@ -173,6 +216,31 @@ class Op:
         if cond:
             d["cond"] = cond
         return d
+
+
+def _check_spec_size(spec: dict, tensors: dict[str, torch.Tensor], source: str) -> None:
+    """Op count and artifact bytes of a spec, before any op is built or artifact copied.
+    Artifacts are counted once per distinct file key (ops naming one key share it)."""
+    ops = spec.get("ops") or []
+    if not isinstance(ops, list):
+        raise AppError(f"{source}: malformed app spec (ops must be a list)")
+    limit = max_app_ops()
+    if len(ops) > limit:
+        raise LimitError(f"{source}: {len(ops)} ops; at most {limit} per app (XMIX_MAX_APP_OPS)")
+    keys: set[str] = set()
+    for i, o in enumerate(ops):
+        arts = o.get("artifacts") if isinstance(o, dict) else None
+        if isinstance(arts, dict):
+            keys.update(k for k in arts.values() if isinstance(k, str) and k in tensors)
+    saes = spec.get("saes")
+    if isinstance(saes, dict):
+        prefixes = tuple(f"{k}." for k in saes if isinstance(k, str))
+        keys.update(k for k in tensors if k.startswith(prefixes))
+    total = sum(4 * tensors[k].numel() for k in keys)
+    limit = max_artifact_bytes()
+    if total > limit:
+        raise LimitError(f"{source}: artifacts take {total} bytes as fp32; at most {limit} per app "
+                         f"(XMIX_MAX_ARTIFACT_BYTES)")
 
 
 def _as_artifact(app: str, what: str, name: str, value) -> torch.Tensor:
@@ -200,6 +268,9 @@ def _as_param(app: str, what: str, name: str, value) -> float:
         raise AppError(f"app {app!r}, {what}: parameter {name!r} is too large for a float") from None
     if math.isnan(v):
         raise AppError(f"app {app!r}, {what}: parameter {name!r} is NaN")
+    # Kernels see parameters in fp32: beyond FLT_MAX a value is Inf there (and JSON has no Inf).
+    if not -FLT_MAX <= v <= FLT_MAX:
+        raise AppError(f"app {app!r}, {what}: parameter {name!r}={v!r} is outside the fp32 range")
     return v
 
 
@@ -211,7 +282,14 @@ class App:
         self.ops: list[Op] = []
         self.token_sets: dict[str, TokenSet] = {}
         self.app_params: dict[str, float] = {}
+        if not isinstance(metadata or {}, dict):
+            raise AppError(f"app {name!r}: metadata must be an object, got {type(metadata).__name__}")
         self.metadata: dict[str, Any] = dict(metadata or {})
+        # Listed over HTTP as strict JSON: refuse here what could not be listed there.
+        check_json_value(self.metadata, f"app {name!r}: metadata")
+        # One private copy per distinct source tensor: ops that name the same artifact
+        # (a file whose ops share a tensor key) share it instead of each holding a copy.
+        self._copies: dict[int, tuple[Any, torch.Tensor]] = {}
 
     def __repr__(self) -> str:
         return f"App({self.name!r}, {len(self.ops)} ops)"
@@ -236,7 +314,7 @@ class App:
             custom = CustomKernel(primitive=primitive, **{k: kwargs.pop(k) for k in list(kwargs)
                                   if k in ("cpu_library", "cpu_symbol", "cuda_source", "cuda_fatbin", "cuda_symbol")})
             if "artifact" in kwargs:
-                artifacts["artifact"] = _as_artifact(self.name, what, "artifact", kwargs.pop("artifact"))
+                artifacts["artifact"] = self._artifact(what, "artifact", kwargs.pop("artifact"))
             for k, v in dict(kwargs.pop("params", {}) or {}).items():
                 params[k] = _as_param(self.name, what, k, v)
             custom.params = dict(params)
@@ -245,7 +323,7 @@ class App:
                 if a not in kwargs:
                     raise AppError(f"app {self.name!r}, {what}: missing artifact {a!r} "
                                    f"({spec.artifacts[a]})")
-                artifacts[a] = _as_artifact(self.name, what, a, kwargs.pop(a))
+                artifacts[a] = self._artifact(what, a, kwargs.pop(a))
             for p, pspec in spec.params.items():
                 if p in kwargs:
                     v = kwargs.pop(p)
@@ -289,6 +367,14 @@ class App:
                 out.append(op.sae)
         return out
 
+    def _artifact(self, what: str, name: str, value) -> torch.Tensor:
+        hit = self._copies.get(id(value))
+        if hit is not None and hit[0] is value:
+            return hit[1]
+        t = _as_artifact(self.name, what, name, value)
+        self._copies[id(value)] = (value, t)  # the source is kept, so its id stays unique
+        return t
+
     def read(self, kernel: str, **kwargs) -> Op:
         """Read the activation at a site: probe, capture, cosine, distance, sae (or custom)."""
         return self._op("read", kernel, kwargs)
@@ -326,22 +412,44 @@ class App:
 
     # -- serialisation: one safetensors file, the JSON spec in its metadata ---------------
     def spec(self) -> dict:
+        keys = self._artifact_keys()
         return {
             "format": FORMAT,
             "name": self.name,
             "metadata": self.metadata,
             "params": self.app_params,
             "token_sets": [s.to_json() for s in self.token_sets.values()],
-            "ops": [op.to_json(i) for i, op in enumerate(self.ops)],
+            "ops": [op.to_json(i, keys) for i, op in enumerate(self.ops)],
             **({"saes": {f"sae{i}": s.config() for i, s in enumerate(self._saes())}}
                if self._saes() else {}),
         }
 
+    def _artifact_keys(self) -> dict[int, str]:
+        """One file key per distinct artifact tensor: the first op that holds it names it."""
+        keys: dict[int, str] = {}
+        for i, op in enumerate(self.ops):
+            for k, t in op.artifacts.items():
+                keys.setdefault(id(t), f"op{i}.{k}")
+        return keys
+
     def tensors(self) -> dict[str, torch.Tensor]:
-        out = {f"op{i}.{k}": t for i, op in enumerate(self.ops) for k, t in op.artifacts.items()}
+        keys = self._artifact_keys()
+        out = {keys[id(t)]: t for op in self.ops for t in op.artifacts.values()}
         for i, s in enumerate(self._saes()):
             out.update({f"sae{i}.{k}": t for k, t in s.tensors().items()})
         return out
+
+    def artifact_bytes(self) -> int:
+        """Bytes of the distinct artifacts and SAE tensors as fp32 (what lowering and the
+        engine keep)."""
+        seen: dict[int, int] = {}
+        for op in self.ops:
+            for t in op.artifacts.values():
+                seen[id(t)] = 4 * t.numel()
+        for s in self._saes():
+            for t in s.tensors().values():
+                seen[id(t)] = 4 * t.numel()
+        return sum(seen.values())
 
     def to_bytes(self) -> bytes:
         from safetensors.torch import save
@@ -403,6 +511,7 @@ class App:
             raise AppError(f"{source}: unknown app format {spec.get('format') if isinstance(spec, dict) else spec!r}; "
                            f"expected {FORMAT!r}")
         try:
+            _check_spec_size(spec, tensors, source)
             app = App(spec["name"], metadata=spec.get("metadata") or {})
             for k, v in (spec.get("params") or {}).items():
                 app.param(k, v)

@@ -34,6 +34,8 @@ CMPS = (">=", ">", "<=", "<", "==", "!=")
 REDUCES = ("prompt_mean", "prompt_last")
 RESERVED = frozenset(FLAGS + REDUCES + ("token_in", "in_span", "and", "or", "not"))
 MAX_DEPTH = 32  # nesting of parentheses / not; deeper texts are refused, not recursed into
+MAX_TERMS = 256  # atoms in one condition; longer texts are refused before a tree is built
+MAX_TEXT = 16384  # characters of one condition text
 
 
 class ConditionError(ValueError):
@@ -116,9 +118,12 @@ def _lex(text: str) -> list[tuple[str, str]]:
 class _Parser:
     def __init__(self, text: str):
         self.text = text
+        if len(text) > MAX_TEXT:
+            raise ConditionError(f"condition of {len(text)} characters; at most {MAX_TEXT}")
         self.toks = _lex(text)
         self.i = 0
         self.depth = 0
+        self.terms = 0
 
     def peek(self):
         return self.toks[self.i] if self.i < len(self.toks) else (None, None)
@@ -184,6 +189,9 @@ class _Parser:
         raise ConditionError(f"in condition {self.text!r}: expected a number or parameter name")
 
     def atom(self):
+        self.terms += 1
+        if self.terms > MAX_TERMS:
+            raise ConditionError(f"condition has more than {MAX_TERMS} terms")
         name = self.take("name")
         if name in ("and", "or", "not"):
             raise ConditionError(f"in condition {self.text!r}: misplaced {name!r}")
@@ -236,12 +244,23 @@ def combine(expr: str | None, when: str | None, gate: str | None) -> Node | None
 
 
 def walk(node: Node):
-    yield node
-    if isinstance(node, (And, Or)):
-        yield from walk(node.a)
-        yield from walk(node.b)
-    elif isinstance(node, Not):
-        yield from walk(node.a)
+    """Every node, parents before children (iterative: a left-deep chain of terms is as
+    deep as it is long)."""
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        yield n
+        if isinstance(n, (And, Or)):
+            stack.append(n.b)
+            stack.append(n.a)
+        elif isinstance(n, Not):
+            stack.append(n.a)
+
+
+def n_instructions(node: Node) -> int:
+    """Instructions of the postfix program of ``node`` in the control block's condition
+    code: one per node."""
+    return sum(1 for _ in walk(node))
 
 
 def to_text(node: Node) -> str:
@@ -264,9 +283,21 @@ def to_text(node: Node) -> str:
 
 
 def stack_depth(node: Node) -> int:
-    """Bool-stack depth the postfix program of node needs."""
-    if isinstance(node, (And, Or)):
-        return max(stack_depth(node.a), 1 + stack_depth(node.b))
-    if isinstance(node, Not):
-        return stack_depth(node.a)
-    return 1
+    """Bool-stack depth the postfix program of node needs (iterative, post-order)."""
+    depth: dict[int, int] = {}
+    stack: list[tuple[Node, bool]] = [(node, False)]
+    while stack:
+        n, done = stack.pop()
+        if isinstance(n, (And, Or)):
+            if done:
+                depth[id(n)] = max(depth[id(n.a)], 1 + depth[id(n.b)])
+            else:
+                stack += [(n, True), (n.b, False), (n.a, False)]
+        elif isinstance(n, Not):
+            if done:
+                depth[id(n)] = depth[id(n.a)]
+            else:
+                stack += [(n, True), (n.a, False)]
+        else:
+            depth[id(n)] = 1
+    return depth[id(node)]

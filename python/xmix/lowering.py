@@ -26,6 +26,27 @@ class DeployError(AppError):
     """An app that does not fit the model it is deployed on."""
 
 
+# The largest magnitude a write may give an element of the stream. Far beyond any model's
+# activations, and far enough below fp32's 3.4e38 that sums of writes and the model's own
+# residual additions stay finite: a stream driven to Inf/NaN puts Inf/NaN into the KV cache,
+# and vLLM reuses freed KV blocks without clearing them, which would change the answers of
+# later requests that get those blocks.
+WRITE_BOUND = 1e30
+
+
+def param_bounds(o: "LoweredOp") -> dict[str, tuple[float, float]]:
+    """Ranges of an op's parameters within which its write stays within WRITE_BOUND (on top
+    of the kernel's own ranges); checked for defaults at deploy and for every request."""
+    if o.kernel == "add":
+        m = float(o.artifacts["a0"].abs().max()) if o.artifacts["a0"].numel() else 0.0
+        return {"scale": (-WRITE_BOUND / m, WRITE_BOUND / m)} if m > 0 else {}
+    if o.kernel == "clamp":  # a bound pulls the component along u to it
+        return {"min": (-FLT_MAX, WRITE_BOUND), "max": (-WRITE_BOUND, FLT_MAX)}
+    if o.kernel == "router":
+        return {"delta": (0.0, WRITE_BOUND)}
+    return {}
+
+
 @dataclass
 class LoweredOp:
     app: str
@@ -186,10 +207,31 @@ def resolve_token_sets(app: App, shape: ModelShape, tokenizer) -> dict[str, list
     return out
 
 
-def lower(app: App, shape: ModelShape, tokenizer=None) -> LoweredApp:
-    """Check ``app`` against ``shape`` and lower it. Raises DeployError naming app, op, field."""
+def _layers_of(op, shape: ModelShape) -> int:
+    if op.site == "final.post" or op.layer_spec is None:
+        return 1
+    if op.layer_spec == "all":
+        return len(shape.moe_layers) if op.site == "router.logits" else shape.n_layers
+    return len(op.layer_spec)
+
+
+def lower(app: App, shape: ModelShape, tokenizer=None, max_ops: int | None = None) -> LoweredApp:
+    """Check ``app`` against ``shape`` and lower it. Raises DeployError naming app, op, field.
+    ``max_ops`` bounds the lowered ops (one per op and layer), checked before any work."""
     name = app.name
+    if max_ops is not None:
+        n = sum(_layers_of(op, shape) for op in app.ops)
+        if n > max_ops:
+            raise DeployError(f"app {name!r}: {n} ops once placed on their layers; the engine has "
+                              f"room for {max_ops} more")
     token_sets = resolve_token_sets(app, shape, tokenizer)
+    checked: set[int] = set()  # artifacts shared by several ops are checked once
+    fp32: dict[int, torch.Tensor] = {}  # ... and converted once
+
+    def as_fp32(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in fp32:
+            fp32[id(t)] = t.float()
+        return fp32[id(t)]
     ops: list[LoweredOp] = []
     sae_tensors: dict[int, dict[str, torch.Tensor]] = {}   # one fp32 copy per SAE of the app
     for idx, op in enumerate(app.ops):
@@ -223,7 +265,9 @@ def lower(app: App, shape: ModelShape, tokenizer=None) -> LoweredApp:
                     raise _fail(name, what, f"layer {l} out of range (model has {shape.n_layers} layers)")
 
         for a, t in op.artifacts.items():
-            _check_finite(name, what, a, t)
+            if id(t) not in checked:
+                _check_finite(name, what, a, t)
+                checked.add(id(t))
         if op.kernel in SAE_KERNELS:
             if len(layers) != 1:
                 raise _fail(name, what, f"an SAE runs at the one site it was trained on; give "
@@ -241,7 +285,7 @@ def lower(app: App, shape: ModelShape, tokenizer=None) -> LoweredApp:
         if op.kernel == "custom" and "artifact" in op.artifacts:
             per_layer["artifact"] = [op.artifacts["artifact"].float().reshape(-1).contiguous()] * len(layers)
         for a, kind in kinds.items():
-            per_layer[a] = _per_layer(name, what, a, op.artifacts[a], kind, layers, shape)
+            per_layer[a] = _per_layer(name, what, a, as_fp32(op.artifacts[a]), kind, layers, shape)
         if op.kernel == "router":
             for m in per_layer["mask"]:
                 if not torch.isin(m, torch.tensor([-1.0, 0.0, 1.0])).all():
@@ -322,13 +366,19 @@ def lower(app: App, shape: ModelShape, tokenizer=None) -> LoweredApp:
             key = None
             if op.primitive == "read":
                 key = f"{op.result_name}.{layer}" if multi else op.result_name
-            ops.append(LoweredOp(
+            lop = LoweredOp(
                 app=name, op_index=idx, label=op.label, primitive=op.primitive, kernel=op.kernel,
                 site=op.site, layer=layer, site_id=site_id(op.site, layer, shape.n_layers),
                 result_key=key, artifacts=arts, params=list(params), cond=op.condition(),
                 n=n, m=m, state_width=state, capture_width=cap, custom=op.custom, name=op.name,
                 flags=flags, n_channels=len(features) if op.kernel == "sae" and features else 1,
-                sae=op.sae, features=features, top_k=top_k))
+                sae=op.sae, features=features, top_k=top_k)
+            for p, (lo, hi) in param_bounds(lop).items():
+                v = dict(lop.params)[p]
+                if not lo <= v <= hi:
+                    raise _fail(name, what, f"parameter {p!r}={v} would write values beyond "
+                                            f"{WRITE_BOUND:g}; it must lie in [{lo:g}, {hi:g}]")
+            ops.append(lop)
 
     ops.sort(key=lambda o: (o.site_id, o.op_index))
     reads: dict[str, LoweredOp] = {}
@@ -425,22 +475,29 @@ def _check_gate_order(app: str, ops: list[LoweredOp], reads: dict[str, LoweredOp
                 raise _fail(app, f"op {o.label}", f"condition reads {node.read!r}, which is not a "
                                                   f"read of this app{hint}")
             deps.setdefault(i, []).append((pos[id(src)], node.read, isinstance(node, C.Latch)))
-    # A cycle first (it would also be "later"), then the forward-order rule.
+    # A cycle first (it would also be "later"), then the forward-order rule. Depth-first
+    # with an explicit stack: a chain of gates is as deep as it is long.
     state: dict[int, int] = {}
-
-    def visit(i: int, path: list[int]) -> None:
-        state[i] = 1
-        for j, rname, _ in deps.get(i, []):
+    for root in deps:
+        if state.get(root) is not None:
+            continue
+        state[root] = 1
+        path = [root]
+        stack = [iter(deps.get(root, []))]
+        while stack:
+            nxt = next(stack[-1], None)
+            if nxt is None:
+                state[path.pop()] = 2
+                stack.pop()
+                continue
+            j = nxt[0]
             if state.get(j) == 1:
-                cyc = " -> ".join(ops[k].label for k in path + [i, j])
-                raise _fail(app, f"op {ops[i].label}", f"conditions form a cycle: {cyc}")
+                cyc = " -> ".join(ops[k].label for k in path[path.index(j):] + [j])
+                raise _fail(app, f"op {ops[path[-1]].label}", f"conditions form a cycle: {cyc}")
             if state.get(j) is None:
-                visit(j, path + [i])
-        state[i] = 2
-
-    for i in deps:
-        if state.get(i) is None:
-            visit(i, [])
+                state[j] = 1
+                path.append(j)
+                stack.append(iter(deps.get(j, [])))
     for i, lst in deps.items():
         o = ops[i]
         for j, rname, latch in lst:
