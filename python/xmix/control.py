@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import reprlib
 import shutil
 import subprocess
 import tempfile
@@ -28,7 +29,7 @@ from xmix import _C
 from xmix import conditions as C
 from xmix.catalog import FLT_MAX, KERNELS
 from xmix.hooks import ModelShape, n_sites
-from xmix.lowering import DeployError, LoweredApp, LoweredOp, latch_from_generated
+from xmix.lowering import DeployError, LoweredApp, LoweredOp, latch_from_generated, param_bounds
 from xmix.staging import CudaQueue, DeviceQueue, PinnedRing, PinnedSet
 
 logger = logging.getLogger("xmix")
@@ -89,6 +90,7 @@ class InstalledApp:
     captures: dict[int, int]      # id(LoweredOp) -> capture offset (floats)
     artifacts: list[torch.Tensor] = field(default_factory=list)  # device copies (kept alive)
     custom_fns: dict[int, int] = field(default_factory=dict)     # id(LoweredOp) -> fn
+    version: int = 0              # the frontend's deployment version: requests are pinned to it
 
     @property
     def name(self) -> str:
@@ -117,10 +119,12 @@ def param_columns(lw: LoweredApp) -> list[ParamCol]:
     lowered order, then the constants its conditions compare against."""
     cols: list[ParamCol] = [ParamCol(p, None, v) for p, v in lw.app_params.items()]
     for o in lw.ops:
+        bounds = param_bounds(o)
         for p, v in o.params:
             spec = KERNELS[o.kernel].params.get(p)
-            cols.append(ParamCol(p, o.name or f"#{o.op_index}", v, True,
-                                 spec.lo if spec else -FLT_MAX, spec.hi if spec else FLT_MAX))
+            lo, hi = (spec.lo, spec.hi) if spec else (-FLT_MAX, FLT_MAX)
+            b_lo, b_hi = bounds.get(p, (lo, hi))
+            cols.append(ParamCol(p, o.name or f"#{o.op_index}", v, True, max(lo, b_lo), min(hi, b_hi)))
     seen: set[float] = set()
     for o in lw.ops:
         for node in C.walk(o.cond) if o.cond is not None else ():
@@ -141,8 +145,14 @@ def resolve_params(cols: list[ParamCol], params: Any, who: str) -> dict[int, flo
     for key, v in params.items():
         if not isinstance(key, str):
             raise RequestError(f"{who}: parameter names must be strings, got {key!r}")
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(float(v)):
-            raise RequestError(f"{who}: parameter {key!r} must be a finite number, got {v!r}")
+        try:
+            finite = not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(float(v))
+        except OverflowError:  # an int beyond any float
+            finite = False
+        if not finite:
+            shown = ("an integer too large for a float" if isinstance(v, int) and not isinstance(v, bool)
+                     else _short_repr(v))
+            raise RequestError(f"{who}: parameter {key!r} must be a finite number, got {shown}")
         if "." in key:
             op, p = key.rsplit(".", 1)
             hits = [i for i, c in enumerate(cols) if c.public and c.op == op and c.name == p]
@@ -156,13 +166,56 @@ def resolve_params(cols: list[ParamCol], params: Any, who: str) -> dict[int, flo
         for i in hits:
             c = cols[i]
             if not (c.lo <= float(v) <= c.hi):
-                raise RequestError(f"{who}: parameter {key!r}={v} out of range [{c.lo}, {c.hi}]")
+                raise RequestError(f"{who}: parameter {key!r}={v} out of range [{c.lo:g}, {c.hi:g}]")
             out[i] = float(v)
     return out
 
 
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 2, 60, 60
+
+
+def _short_repr(v: Any) -> str:
+    """A bounded repr of a value a client sent (deep nesting is not recursed into)."""
+    return _REPR.repr(v)
+
+
 def _np_view(t: torch.Tensor) -> np.ndarray:
     return t.numpy()
+
+
+@dataclass
+class _Tables:
+    """A complete op list for a set of apps, built aside from the live control block."""
+
+    ops: np.ndarray               # n_ops * OP_SIZE bytes
+    cond: np.ndarray              # n_cond * 4 int32
+    site_first: np.ndarray
+    site_count: np.ndarray
+    tokset_bits: np.ndarray       # uint32, the whole table
+    span_def: np.ndarray
+    site_app_mask: np.ndarray
+    site_ops: list
+    site_custom: dict
+    n_ops: int
+    n_cond: int
+    n_sets: int
+    n_spans: int
+
+
+@dataclass
+class _Staged:
+    """A deploy that passed every check, waiting for its commit."""
+
+    inst: InstalledApp
+    tables: _Tables
+    claims: list
+    generation: int               # the ops_generation it was built against
+
+
+def _release(claims) -> None:
+    for arr, where in claims:
+        arr[where] = False
 
 
 class ControlBlock:
@@ -245,9 +298,11 @@ class ControlBlock:
             "row_n_tok", "row_reset", "row_n_prompt", "row_done")}
         self.n_ops = 0
         self.n_cond = 0
-        # Bumped by every change of the site op list: kept CUDA graphs compare it to know
-        # when their spliced op nodes are stale (xmix.graphs.ensure_current).
+        # Bumped each time a new op list goes live (a commit or an undeploy): kept CUDA
+        # graphs compare it to know when their spliced op nodes are stale
+        # (xmix.graphs.ensure_current).
         self.ops_generation = 0
+        self._staged: dict[str, _Staged] = {}
         self.graph_hook = None           # set by the CUDA-graph capture hook
         self._site_custom: dict[int, list[tuple[int, InstalledApp, LoweredOp]]] = {}
         if self.on_gpu:
@@ -418,35 +473,69 @@ class ControlBlock:
         self._sync_block()
 
     # ------------------------------------------------------------------ apps
-    def install(self, lowered: LoweredApp, mode: str = "request") -> InstalledApp:
-        """Place a lowered app; nothing is changed when this raises (nothing half-deployed)."""
+    # A control change is a transaction: every check, allocation and the complete new op
+    # list (site tables, op descriptors, condition code, token sets, spans) is built aside;
+    # only then is it swapped in (``_swap``), between two steps. A refusal leaves the live
+    # control block untouched: no step ever runs on a half-written table.
+    def install(self, lowered: LoweredApp, mode: str = "request", version: int = 0) -> InstalledApp:
+        """Place a lowered app (prepare, then commit); nothing changes when this raises."""
         with self.lock:
-            if lowered.name in self.apps:
-                raise DeployError(f"app {lowered.name!r} is already deployed; undeploy it first "
+            self.prepare_install(lowered, mode, version)
+            return self.commit_install(lowered.name)
+
+    def prepare_install(self, lowered: LoweredApp, mode: str = "request", version: int = 0) -> None:
+        """Every check of a deploy and the new tables, built aside; the live state is not
+        touched. ``commit_install`` makes it live, ``abort_install`` drops it."""
+        with self.lock:
+            name = lowered.name
+            self.abort_install(name)
+            if name in self.apps:
+                raise DeployError(f"app {name!r} is already deployed; undeploy it first "
                                   f"or deploy under another name")
             if mode not in MODES:
-                raise DeployError(f"app {lowered.name!r}: mode must be one of {list(MODES)}, got {mode!r}")
-            free_idx = [i for i in range(self.cap.max_apps)
-                        if i not in {a.index for a in self.apps.values()}]
+                raise DeployError(f"app {name!r}: mode must be one of {list(MODES)}, got {mode!r}")
+            taken = {a.index for a in self.apps.values()} | {s.inst.index for s in self._staged.values()}
+            free_idx = [i for i in range(self.cap.max_apps) if i not in taken]
             if not free_idx:
-                raise DeployError(f"app {lowered.name!r}: {self.cap.max_apps} apps are deployed already")
-            index = free_idx[0]
+                raise DeployError(f"app {name!r}: {self.cap.max_apps} apps are deployed already")
             claims: list[tuple[np.ndarray, slice]] = []
             try:
-                inst = self._allocate(lowered, index, mode, claims)
+                inst = self._allocate(lowered, free_idx[0], mode, claims)
+                inst.version = version
                 inst.custom_fns = self._load_custom(lowered)
+                tables = self._build_tables({**self.apps, name: inst})
             except Exception:
-                for arr, where in claims:  # roll back every allocation
-                    arr[where] = False
+                _release(claims)
                 raise
-            self.apps[lowered.name] = inst
+            self._staged[name] = _Staged(inst, tables, claims, self.ops_generation)
+
+    def commit_install(self, name: str) -> InstalledApp:
+        """Swap a prepared app in. Refused (and dropped) if the deployed apps changed since
+        it was prepared; the frontend serialises control changes, so that is a bug there."""
+        with self.lock:
+            st = self._staged.pop(name, None)
+            if st is None:
+                raise DeployError(f"app {name!r}: nothing prepared to commit")
+            if st.generation != self.ops_generation or name in self.apps:
+                _release(st.claims)
+                raise DeployError(f"app {name!r}: the deployed apps changed since it was prepared")
+            inst = st.inst
             self._seq += 1
-            self._rebuild()
+            self._swap({**self.apps, name: inst}, st.tables)
             # Requests already running see the app's defaults in their param rows.
             for slot in self.slot_req:
                 self._write_slot_params(slot, inst)
-            self._sync("slot_params", "app_mode", "tokset_bits", "span_def")
+            self._sync("slot_params")
             return inst
+
+    def abort_install(self, name: str) -> bool:
+        """Drop a prepared app (its allocations return to the free lists)."""
+        with self.lock:
+            st = self._staged.pop(name, None)
+            if st is None:
+                return False
+            _release(st.claims)
+            return True
 
     def _take(self, used: np.ndarray, n: int, what: str, app: str, claims) -> int:
         """First fit of n contiguous free entries; recorded in claims for rollback."""
@@ -498,17 +587,18 @@ class ControlBlock:
                             state=state, captures=captures)
         inst._op_param_col = op_param_col  # type: ignore[attr-defined]
         inst._consts = consts  # type: ignore[attr-defined]
+        # One device copy per distinct artifact: ops sharing a tensor (an app whose ops name
+        # one file key, a vector used on every layer) share its copy.
+        copies: dict[tuple, torch.Tensor] = {}
+        dev_artifacts: dict[tuple[int, str], torch.Tensor] = {}
         for o in lw.ops:
             for k, t in o.artifacts.items():
-                inst.artifacts.append(t)
-        # One device copy per tensor: ops of an app share their SAE's tensors.
-        dev: dict[int, torch.Tensor] = {}
-        for o in lw.ops:
-            for t in o.artifacts.values():
-                if id(t) not in dev:
-                    dev[id(t)] = t.to(self.device, torch.float32).contiguous()
-        inst._dev_artifacts = {  # type: ignore[attr-defined]
-            (id(o), k): dev[id(t)] for o in lw.ops for k, t in o.artifacts.items()}
+                key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
+                if key not in copies:
+                    inst.artifacts.append(t)
+                    copies[key] = t.to(self.device, torch.float32).contiguous()
+                dev_artifacts[(id(o), k)] = copies[key]
+        inst._dev_artifacts = dev_artifacts  # type: ignore[attr-defined]
         return inst
 
     def _load_custom(self, lw: LoweredApp) -> dict[int, int]:
@@ -531,9 +621,19 @@ class ControlBlock:
 
     def remove(self, name: str) -> None:
         with self.lock:
-            inst = self.apps.pop(name, None)
+            inst = self.apps.get(name)
             if inst is None:
                 raise DeployError(f"app {name!r} is not deployed")
+            rest = {k: v for k, v in self.apps.items() if k != name}
+            self._swap(rest, self._build_tables(rest))  # fewer ops: cannot overflow
+            bit = np.int64(1) << np.int64(inst.index)
+            self.host["slot_apps"][:] &= ~bit
+            self._n_app_slots = int(np.count_nonzero(self.host["slot_apps"]))
+            # Running and preempted requests forget the app and its parameter columns: an
+            # app deployed later under the same name is another app.
+            for st in [*self.slot_req.values(), *self._suspended.values()]:
+                st.apps.discard(name)
+                st.overrides.pop(name, None)
             cols = len(inst.param_cols)
             self._param_used[inst.param_base:inst.param_base + cols] = False
             for key, c in inst.channels.items():
@@ -550,40 +650,37 @@ class ControlBlock:
                 if id(o) in inst.captures:
                     b = inst.captures[id(o)]
                     self._capture_used[b:b + o.capture_width * self.cap.max_tokens] = False
-            bit = np.int64(1) << np.int64(inst.index)
-            self.host["slot_apps"][:] &= ~bit
-            self._n_app_slots = int(np.count_nonzero(self.host["slot_apps"]))
-            for st in self.slot_req.values():
-                st.apps.discard(name)
-            self.host["app_mode"][inst.index] = K["MODE_OFF"]
-            self._rebuild()
-            self._sync("slot_apps", "app_mode")
+            self._sync("slot_apps")
 
     def set_mode(self, name: str, mode: str) -> None:
-        with self.lock:
-            if name not in self.apps:
-                raise DeployError(f"app {name!r} is not deployed")
-            if mode not in MODES:
-                raise DeployError(f"mode must be one of {list(MODES)}, got {mode!r}")
-            inst = self.apps[name]
-            inst.mode = mode
-            self.host["app_mode"][inst.index] = MODES[mode]
-            self._sync("app_mode")
-            self._refresh_masks()
+        self.patch(name, mode=mode)
 
     def set_params(self, name: str, params: dict[str, Any]) -> None:
         """Change an app's defaults; running requests that did not override a parameter see
         the new value from the next step."""
+        self.patch(name, params=params)
+
+    def patch(self, name: str, mode: str | None = None, params: dict[str, Any] | None = None) -> None:
+        """Mode and/or default parameters of a deployed app, as one change: both are
+        checked before either is applied."""
         with self.lock:
             if name not in self.apps:
                 raise DeployError(f"app {name!r} is not deployed")
+            if mode is not None and mode not in MODES:
+                raise DeployError(f"mode must be one of {list(MODES)}, got {mode!r}")
             inst = self.apps[name]
-            cols = self._resolve_params(inst, params, who=f"app {name!r}")
-            for col, v in cols.items():
-                inst.param_cols[col].default = v
-            for slot in self.slot_req:
-                self._write_slot_params(slot, inst)
-            self._sync("slot_params")
+            cols = self._resolve_params(inst, params, who=f"app {name!r}") if params is not None else {}
+            if cols:
+                for col, v in cols.items():
+                    inst.param_cols[col].default = v
+                for slot in self.slot_req:
+                    self._write_slot_params(slot, inst)
+                self._sync("slot_params")
+            if mode is not None:
+                inst.mode = mode
+                self.host["app_mode"][inst.index] = MODES[mode]
+                self._sync("app_mode")
+                self._refresh_masks()
 
     def _resolve_params(self, inst: InstalledApp, params: Any, who: str) -> dict[int, float]:
         return resolve_params(inst.param_cols, params, who)
@@ -596,49 +693,82 @@ class ControlBlock:
             row[inst.param_base + i] = overrides.get(i, c.default)
 
     def _rebuild(self) -> None:
-        """Rewrite the site tables, op descriptors, condition code, sets and spans."""
+        """Rebuild the live tables from the deployed apps (a new op list goes live)."""
+        with self.lock:
+            self._swap(dict(self.apps), self._build_tables(self.apps))
+
+    def _build_tables(self, apps: dict[str, InstalledApp]) -> "_Tables":
+        """Site tables, op descriptors, condition code, token sets and spans for ``apps``,
+        in arrays of their own; raises DeployError when they do not fit."""
         per_site: list[list[tuple[InstalledApp, LoweredOp]]] = [[] for _ in range(self.n_sites)]
-        for inst in sorted(self.apps.values(), key=lambda a: a.seq):
+        for inst in sorted(apps.values(), key=lambda a: a.seq):
             for o in inst.lowered.ops:
                 per_site[o.site_id].append((inst, o))
-        ops_bytes = self.host["ops"]
-        cond = self.host["cond_code"]
+        total = sum(len(lst) for lst in per_site)
+        if total > self.cap.max_ops:
+            raise DeployError(f"{total} ops would be deployed; the control block holds "
+                              f"{self.cap.max_ops} (max_ops)")
+        ops_bytes = np.zeros(total * OP_SIZE, dtype=np.uint8)
+        codes: list[list[int]] = []
         n_ops = n_cond = 0
-        first = self.host["site_first"]
-        count = self.host["site_count"]
-        self.site_app_mask[:] = 0
-        self._site_ops = per_site
-        self._site_custom = {}
+        first = np.zeros(self.n_sites, dtype=np.int32)
+        count = np.zeros(self.n_sites, dtype=np.int32)
+        site_app_mask = np.zeros(self.n_sites, dtype=np.uint64)
+        site_custom: dict[int, list[tuple[int, InstalledApp, LoweredOp]]] = {}
         for s, lst in enumerate(per_site):
             first[s] = n_ops
             count[s] = len(lst)
             for inst, o in lst:
-                if n_ops >= self.cap.max_ops:
-                    raise DeployError("too many ops deployed (max_ops)")
-                code = self._emit_cond(inst, o) if o.cond is not None else []
-                if n_cond + len(code) // 4 > self.cap.max_cond:
-                    raise DeployError("too many condition instructions deployed (max_cond)")
-                cond[4 * n_cond:4 * n_cond + len(code)] = code
-                self._pack_op(ops_bytes, n_ops, inst, o, n_cond if code else -1, len(code) // 4)
+                k = C.n_instructions(o.cond) if o.cond is not None else 0
+                if n_cond + k > self.cap.max_cond:
+                    raise DeployError(f"{n_cond + k}+ condition instructions would be deployed; the "
+                                      f"control block holds {self.cap.max_cond} (max_cond)")
+                code = self._emit_cond(inst, o) if k else []
+                codes.append(code)
+                self._pack_op(ops_bytes, n_ops, inst, o, n_cond if code else -1, k)
                 if o.kernel == "custom":
-                    self._site_custom.setdefault(s, []).append((n_ops - first[s], inst, o))
-                n_cond += len(code) // 4
+                    site_custom.setdefault(s, []).append((n_ops - int(first[s]), inst, o))
+                n_cond += k
                 n_ops += 1
-                self.site_app_mask[s] |= np.uint64(1) << np.uint64(inst.index)
-        self.n_ops, self.n_cond = n_ops, n_cond
-        bits = self.host["tokset_bits"].view(np.uint32)
-        bits[:] = 0
-        self.host["span_def"][:] = -1
-        for inst in self.apps.values():
+                site_app_mask[s] |= np.uint64(1) << np.uint64(inst.index)
+        cond = np.fromiter((x for c in codes for x in c), dtype=np.int32, count=4 * n_cond)
+        bits = np.zeros(K["MAX_TOKEN_SETS"] * self.vocab_words, dtype=np.uint32)
+        span_def = np.full(K["MAX_SPANS"] * 2, -1, dtype=np.int32)
+        n_sets = n_spans = 0
+        for inst in apps.values():
             for sname, g in inst.token_sets.items():
                 ids = np.asarray(inst.lowered.token_sets[sname], dtype=np.int64)
                 row = bits[g * self.vocab_words:(g + 1) * self.vocab_words]
                 np.bitwise_or.at(row, ids >> 5, (np.uint32(1) << (ids & 31).astype(np.uint32)))
+                n_sets = max(n_sets, g + 1)
             for (a, b), g in inst.spans.items():
-                self.host["span_def"][2 * g] = inst.token_sets[a]
-                self.host["span_def"][2 * g + 1] = inst.token_sets[b]
-            self.host["app_mode"][inst.index] = MODES[inst.mode]
-        self._write_header()
+                span_def[2 * g] = inst.token_sets[a]
+                span_def[2 * g + 1] = inst.token_sets[b]
+                n_spans = max(n_spans, g + 1)
+        return _Tables(ops_bytes, cond, first, count, bits, span_def, site_app_mask, per_site,
+                       site_custom, n_ops, n_cond, n_sets, n_spans)
+
+    def _swap(self, apps: dict[str, InstalledApp], t: "_Tables") -> None:
+        """Make a new op list live. The only place the tables are written; every check
+        happened before. Staged (GPU), ``_sync`` waits for its copies: the host mirrors are
+        never rewritten while a queued copy may still read them."""
+        h = self.host
+        h["ops"][:t.n_ops * OP_SIZE] = t.ops
+        h["cond_code"][:t.n_cond * 4] = t.cond
+        h["site_first"][:] = t.site_first
+        h["site_count"][:] = t.site_count
+        h["tokset_bits"].view(np.uint32)[:] = t.tokset_bits
+        h["span_def"][:] = t.span_def
+        h["app_mode"][:] = K["MODE_OFF"]
+        for inst in apps.values():
+            h["app_mode"][inst.index] = MODES[inst.mode]
+        self.apps.clear()
+        self.apps.update(apps)
+        self.site_app_mask[:] = t.site_app_mask
+        self._site_ops = t.site_ops
+        self._site_custom = t.site_custom
+        self.n_ops, self.n_cond = t.n_ops, t.n_cond
+        self._write_header(n_token_sets=t.n_sets, n_spans=t.n_spans)
         self._sync("ops", "cond_code", "site_first", "site_count", "tokset_bits", "span_def", "app_mode")
         self._sync_block()
         self._refresh_masks()
@@ -722,7 +852,9 @@ class ControlBlock:
     # ------------------------------------------------------------------ requests
     def admit(self, req_id: str, apps: list[str], params: dict[str, dict[str, Any]] | None = None,
               prompt_len: int = 0) -> int:
-        """Give a request a slot: its app mask and its parameter row."""
+        """Give a request a slot by app names and named parameters, checked here (raises
+        RequestError). The engine admits through ``admit_pinned``, which cannot fail on
+        what a request carries."""
         with self.lock:
             if req_id in self.slots:
                 return self.slots[req_id]
@@ -736,6 +868,40 @@ class ControlBlock:
                 overrides[a] = self._resolve_params(self.apps[a], p, who=f"app {a!r}")
             st = SlotState(req_id=req_id, apps=set(apps), overrides=overrides, prompt_len=prompt_len)
             return self._occupy(st)
+
+    def admit_pinned(self, req_id: str, apps: list[str], pins: dict[str, Any],
+                     prompt_len: int = 0) -> tuple[int, list[str]]:
+        """Give a request a slot from the control the frontend checked and resolved: each
+        app pinned to the deployment version it was checked against (``pins``: {app:
+        [version, [[column, value], ...]]}), parameters as column values. An app that is
+        gone, or deployed again under its name at another version, is left out: the request
+        runs without it, as after an undeploy. Nothing a request carries raises here; the
+        slot and the names of the apps left out are returned."""
+        with self.lock:
+            if req_id in self.slots:
+                return self.slots[req_id], []
+
+            def pinned(a: str):
+                inst, pin = self.apps.get(a), pins.get(a)
+                ok = (inst is not None and isinstance(pin, (list, tuple)) and len(pin) == 2
+                      and pin[0] == inst.version)
+                return inst if ok else None
+
+            dropped = [a for a in apps if pinned(a) is None]
+            overrides: dict[str, dict[int, float]] = {}
+            for a, pin in pins.items():
+                inst = pinned(a)
+                if inst is None:
+                    if a not in apps:
+                        dropped.append(a)
+                    continue
+                n = len(inst.param_cols)
+                overrides[a] = {int(c): float(v) for c, v in pin[1]
+                                if isinstance(c, int) and 0 <= c < n and isinstance(v, float)
+                                and math.isfinite(v)}
+            st = SlotState(req_id=req_id, apps={a for a in apps if a not in dropped},
+                           overrides=overrides, prompt_len=prompt_len)
+            return self._occupy(st), dropped
 
     def _occupy(self, st: "SlotState") -> int:
         if not self._free_slots:
@@ -1038,7 +1204,7 @@ class ControlBlock:
         for inst in sorted(self.apps.values(), key=lambda a: a.seq):
             lw = inst.lowered
             out.append({
-                "name": inst.name, "mode": inst.mode, "sites": lw.sites,
+                "name": inst.name, "mode": inst.mode, "sites": lw.sites, "version": inst.version,
                 "reads": sorted(lw.reads), "params": inst.defaults(),
                 "writes": lw.writes, "stateful": lw.stateful,
                 "metadata": lw.app.metadata,
