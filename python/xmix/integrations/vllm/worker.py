@@ -21,7 +21,7 @@ import torch
 
 from xmix import ops
 from xmix.api import App
-from xmix.control import Capacity, ControlBlock, PendingReads, RequestError
+from xmix.control import Capacity, ControlBlock, PendingReads
 from xmix.hooks import ModelShape
 from xmix.lowering import lower
 
@@ -30,6 +30,7 @@ from .model_wrap import place_sites
 logger = logging.getLogger("vllm.xmix")  # vLLM's handlers and format apply
 
 RESULTS_ATTR = "xmix_results"
+ERROR_KEY = "!error"  # in a request's results: the worker could not serve it; the frontend ends it
 
 
 def _tp_rank() -> int:
@@ -93,34 +94,45 @@ class WorkerXmix:
             self.cb.release(rid)
 
     def admit_new(self, new_reqs) -> None:
+        """Slots for the step's new requests. The frontend checked each control and pinned
+        its apps to deployment versions, so admission cannot fail on what a request carries;
+        an app undeployed or redeployed since is left out (counted as ``stale_apps``).
+        Anything that still fails is contained to its request: it runs without apps and
+        finishes with an error (``ERROR_KEY`` in its results); nothing escapes the step."""
         cb = self.cb
         for nr in new_reqs:
-            apps, params = [], {}
-            sp = nr.sampling_params
-            cfg = (sp.extra_args or {}).get("xmix") if sp is not None else None
-            if isinstance(cfg, dict):
-                apps = list(cfg.get("apps") or [])
-                params = dict(cfg.get("params") or {})
-            n_prompt = getattr(nr, "prompt_len", None)
-            if not isinstance(n_prompt, int):
-                n_prompt = len(nr.prompt_token_ids) if nr.prompt_token_ids is not None else (
-                    len(nr.prompt_embeds) if nr.prompt_embeds is not None else 0)
-            slot = cb.resume(nr.req_id)  # V2 adds a preempted request again when it resumes
-            if slot is not None:
-                self.stats["restarts"] += 1
-                self._started[slot] = False
-                continue
+            n_prompt = 0
             try:
-                self._started[cb.admit(nr.req_id, apps, params, n_prompt)] = False
-            except RequestError as e:
-                # The frontend checked this request; an app undeployed since then is the only
-                # way here. The request goes on without the missing apps (the documented
-                # semantics of an undeploy while requests are in flight).
-                self.stats["admit_errors"] += 1
-                known = [a for a in apps if a in cb.apps]
-                logger.warning("xmix: request %s: %s; continuing with %s", nr.req_id, e, known)
-                slot = cb.admit(nr.req_id, known, {a: p for a, p in params.items() if a in known}, n_prompt)
+                n_prompt = _prompt_len(nr)
+                slot = cb.resume(nr.req_id)  # V2 adds a preempted request again when it resumes
+                if slot is not None:
+                    self.stats["restarts"] += 1
+                    self._started[slot] = False
+                    continue
+                apps, pins, params = _control(nr.sampling_params)
+                if pins is None:  # not resolved by xmix's frontend: by name, checked here
+                    slot, dropped = cb.admit(nr.req_id, apps, params, n_prompt), []
+                else:
+                    slot, dropped = cb.admit_pinned(nr.req_id, apps, pins, n_prompt)
                 self._started[slot] = False
+                if dropped:
+                    self.stats["stale_apps"] = self.stats.get("stale_apps", 0) + 1
+                    logger.info("xmix: request %s runs without %s (undeployed or redeployed since "
+                                "it was admitted)", nr.req_id, dropped)
+            except Exception as e:
+                self._contain(nr.req_id, n_prompt, e)
+
+    def _contain(self, req_id: str, n_prompt: int, e: Exception) -> None:
+        self.stats["admit_errors"] += 1
+        logger.warning("xmix: request %s failed at admission on the worker (%s: %s); it is "
+                       "finished with an error", req_id, type(e).__name__, e)
+        self.pending.setdefault(req_id, {})[ERROR_KEY] = (
+            f"xmix could not admit this request on a worker ({type(e).__name__}: {e})")
+        if req_id not in self.cb.slots:
+            try:  # a plain slot, so the step's maps still place its tokens (inert)
+                self._started[self.cb.admit(req_id, [], None, n_prompt)] = False
+            except Exception:
+                logger.exception("xmix: no slot for request %s", req_id)
 
     def before_forward(self, runner, input_ids: torch.Tensor | None) -> None:
         """V1: the runner's persistent input batch describes this step."""
@@ -210,19 +222,47 @@ class WorkerXmix:
         return resolve
 
     # ------------------------------------------------------------------ control RPCs
-    def deploy(self, data: bytes, mode: str) -> dict[str, Any]:
+    def deploy(self, data: bytes, mode: str, version: int = 0, commit: bool = True) -> dict[str, Any]:
+        """Check and stage an app (its bytes come from the frontend, which checked them
+        too); ``commit`` swaps it in at once, else ``xmix_deploy_commit`` does."""
         app = App.from_bytes(data, source="deploy", allow_custom=True)
         lowered = lower(app, self.shape, None)
-        inst = self.cb.install(lowered, mode)
-        return {"name": inst.name, "sites": lowered.sites}
+        self.cb.prepare_install(lowered, mode, version)
+        if commit:
+            self.cb.commit_install(lowered.name)
+        return {"name": lowered.name, "sites": lowered.sites}
 
     def describe(self) -> list[dict]:
         return self.cb.describe()
 
 
+def _prompt_len(nr) -> int:
+    n = getattr(nr, "prompt_len", None)
+    if isinstance(n, int):
+        return n
+    if nr.prompt_token_ids is not None:
+        return len(nr.prompt_token_ids)
+    return len(nr.prompt_embeds) if nr.prompt_embeds is not None else 0
+
+
+def _control(sp) -> tuple[list[str], dict | None, dict]:
+    """(apps, pins, named params) of the control on a request's SamplingParams; pins is
+    None when the control did not come through xmix's frontend (which always pins)."""
+    cfg = (sp.extra_args or {}).get("xmix") if sp is not None else None
+    if not isinstance(cfg, dict):
+        return [], {}, {}
+    pins = cfg.get("pin")
+    return (list(cfg.get("apps") or []), dict(pins) if pins is not None else None,
+            dict(cfg.get("params") or {}))
+
+
 def merge_results(into: dict, new: dict) -> dict:
-    """{app: {read: {positions, values}}}: extend in step order."""
+    """{app: {read: {positions, values}}}: extend in step order. ``ERROR_KEY`` carries a
+    request's failure message."""
     for app, reads in new.items():
+        if app == ERROR_KEY:
+            into[app] = reads
+            continue
         dst_app = into.setdefault(app, {})
         for key, entry in reads.items():
             dst = dst_app.setdefault(key, {"positions": [], "values": []})
@@ -404,8 +444,28 @@ def _wx(worker) -> WorkerXmix:
     return x
 
 
-def xmix_deploy(self, data: bytes, mode: str = "request") -> dict:
-    return _wx(self).deploy(data, mode)
+def xmix_capacity(self) -> dict:
+    """The control block's fixed sizes, for the frontend's checks before a deploy."""
+    cb = _wx(self).cb
+    return {"max_ops": cb.cap.max_ops, "max_cond": cb.cap.max_cond, "max_apps": cb.cap.max_apps,
+            "max_params": cb.cap.max_params, "max_channels": cb.cap.max_channels}
+
+
+def xmix_deploy(self, data: bytes, mode: str = "request", version: int = 0) -> dict:
+    return _wx(self).deploy(data, mode, version)
+
+
+def xmix_deploy_prepare(self, data: bytes, mode: str = "request", version: int = 0) -> dict:
+    """Phase one of a deploy: every check, the new tables built aside; nothing live."""
+    return _wx(self).deploy(data, mode, version, commit=False)
+
+
+def xmix_deploy_commit(self, name: str) -> None:
+    _wx(self).cb.commit_install(name)
+
+
+def xmix_deploy_abort(self, name: str) -> bool:
+    return _wx(self).cb.abort_install(name)
 
 
 def xmix_undeploy(self, name: str) -> None:
@@ -413,20 +473,25 @@ def xmix_undeploy(self, name: str) -> None:
 
 
 def xmix_undeploy_if_present(self, name: str) -> bool:
-    """Rollback of a failed deploy: remove the app where it got installed."""
+    """Rollback of a deploy committed on some workers only: remove it where it is."""
     x = _wx(self)
+    x.cb.abort_install(name)
     if name in x.cb.apps:
         x.cb.remove(name)
         return True
     return False
 
 
+def xmix_patch(self, name: str, mode: str | None = None, params: dict | None = None) -> None:
+    _wx(self).cb.patch(name, mode, params)
+
+
 def xmix_set_mode(self, name: str, mode: str) -> None:
-    _wx(self).cb.set_mode(name, mode)
+    _wx(self).cb.patch(name, mode=mode)
 
 
 def xmix_set_params(self, name: str, params: dict) -> None:
-    _wx(self).cb.set_params(name, params)
+    _wx(self).cb.patch(name, params=params)
 
 
 def xmix_describe(self) -> dict:
@@ -434,11 +499,13 @@ def xmix_describe(self) -> dict:
 
     x = _wx(self)
     return {"apps": x.describe(), "sites": x.sites, "stats": {**x.stats, **x.cb.staging_stats()},
-            "graphs": graphs.stats()}
+            "graphs": graphs.stats(), "ops_generation": x.cb.ops_generation}
 
 
-WORKER_METHODS = {f.__name__: f for f in (xmix_deploy, xmix_undeploy, xmix_undeploy_if_present,
-                                          xmix_set_mode, xmix_set_params, xmix_describe)}
+WORKER_METHODS = {f.__name__: f for f in (
+    xmix_capacity, xmix_deploy, xmix_deploy_prepare, xmix_deploy_commit, xmix_deploy_abort,
+    xmix_undeploy, xmix_undeploy_if_present, xmix_patch, xmix_set_mode, xmix_set_params,
+    xmix_describe)}
 
 
 def patch_worker_base(cls) -> None:
