@@ -5,16 +5,21 @@ Per request, in ``InputProcessor.process_inputs`` (before the request reaches th
   - the request's ``extra_args["xmix"]`` (a dict offline, a JSON string from ``vllm_xargs``)
     is checked against the deployed apps and replaced by a canonical dict on the request's
     own copy of its SamplingParams (the caller's object is never changed, so reusing one
-    SamplingParams for many calls keeps working);
-  - requests whose apps write get a ``cache_salt`` derived from the write configuration, so
-    their prompt KV is never shared with requests of another configuration;
+    SamplingParams for many calls keeps working). The canonical dict pins every app it
+    names to its deployment version and carries parameters as column values, so the
+    workers admit it without any check that could fail;
+  - the bytes of read results it could produce are bounded (``XMIX_MAX_RESULT_BYTES``);
+  - requests whose effective apps write get a ``cache_salt`` describing everything that
+    shapes their KV (apps, deployment versions, every parameter value, defaults included,
+    and the control epoch), so their prompt KV is never shared with another configuration;
   - requests whose apps read, or keep per-request state over the prompt, skip reading the
     prefix cache, so every prompt token is computed and read.
 
 Results come back per step inside ``EngineCoreOutput.kv_transfer_params["xmix"]`` (set by
 the engine core, engine_core.py); ``OutputProcessor.process_outputs`` takes them out before
 vLLM sees them and attaches them as ``.xmix`` to each sequence's ``CompletionOutput`` and to
-the ``RequestOutput`` (the reads of its first sequence).
+the ``RequestOutput`` (the reads of its first sequence). A request a worker could not serve
+carries an error marker there instead; it is finished with ``finish_reason="error"``.
 """
 
 from __future__ import annotations
@@ -23,13 +28,16 @@ import copy
 import hashlib
 import json
 import logging
+import os
+import reprlib
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from xmix.api import App, AppError
-from xmix.control import MODES, RequestError, param_columns, resolve_params
+from xmix.conditions import n_instructions
+from xmix.control import MODES, ParamCol, RequestError, param_columns, resolve_params
 from xmix.hooks import ModelShape
 from xmix.lowering import DeployError, LoweredApp, lower
 
@@ -37,6 +45,25 @@ logger = logging.getLogger("vllm.xmix")  # vLLM's handlers and format apply
 
 XMIX_KEY = "xmix"
 REQUEST_KEYS = {"apps", "params"}
+# Bytes a read result is accounted at in the response, per number (a value, or a position):
+# the longest number the JSON encoder writes ("-1.2345678901234567e-308") plus ", ".
+RESULT_BYTES_PER_NUMBER = 26
+
+_short = reprlib.Repr()
+_short.maxlevel, _short.maxstring, _short.maxother, _short.maxlist, _short.maxdict = 2, 60, 60, 6, 6
+
+
+def shown(v: Any) -> str:
+    """A bounded repr of something a client sent (never recursing into deep nesting)."""
+    return _short.repr(v)
+
+
+def max_control_bytes() -> int:
+    return int(os.environ.get("XMIX_MAX_CONTROL_BYTES", "65536"))
+
+
+def max_result_bytes() -> int:
+    return int(os.environ.get("XMIX_MAX_RESULT_BYTES", str(16 << 20)))
 
 
 _ERROR_CLASS = None
@@ -58,7 +85,31 @@ def _validation_error(msg: str, value: Any = None) -> Exception:
                     super().__init__(message)
 
         _ERROR_CLASS = XmixValidationError
-    return _ERROR_CLASS(f"xmix: {msg}", parameter="vllm_xargs.xmix", value=value)
+    return _ERROR_CLASS(f"xmix: {msg}", parameter="vllm_xargs.xmix",
+                        value=None if value is None else shown(value))
+
+
+@dataclass
+class Needs:
+    """What an app takes of the engine's control block."""
+
+    ops: int = 0
+    cond: int = 0
+    params: int = 0
+    channels: int = 0
+
+    @staticmethod
+    def of(lw: LoweredApp) -> "Needs":
+        return Needs(len(lw.ops), sum(n_instructions(o.cond) for o in lw.ops if o.cond is not None),
+                     len(param_columns(lw)), len(lw.reads))
+
+    def __add__(self, o: "Needs") -> "Needs":
+        return Needs(self.ops + o.ops, self.cond + o.cond, self.params + o.params,
+                     self.channels + o.channels)
+
+
+_NEEDS = {"ops": ("max_ops", "ops"), "cond": ("max_cond", "condition instructions"),
+          "params": ("max_params", "parameter columns"), "channels": ("max_channels", "reads")}
 
 
 @dataclass
@@ -67,14 +118,36 @@ class Deployed:
     lowered: LoweredApp
     mode: str
     version: int
-    defaults: dict[str, float] = field(default_factory=dict)
+    cols: list[ParamCol] = field(default_factory=list)
+    needs: Needs = field(default_factory=Needs)
+
+    @property
+    def defaults(self) -> dict[str, float]:
+        return {c.key: c.default for c in self.cols if c.public}
+
+    def result_numbers(self, positions: int) -> int:
+        """Numbers (values and positions) its reads can report over ``positions`` tokens."""
+        n = 0
+        for op in self.lowered.reads.values():
+            if op.kernel == "cosine":  # once per request
+                n += 2
+            else:
+                n += (1 + (op.capture_width or 1)) * positions
+        return n
 
     def describe(self) -> dict[str, Any]:
         lw = self.lowered
         return {"name": self.app.name, "mode": self.mode, "sites": lw.sites,
                 "reads": sorted(lw.reads), "writes": lw.writes, "stateful": lw.stateful,
-                "params": dict(self.defaults), "version": self.version,
+                "params": self.defaults, "version": self.version,
                 "metadata": self.app.metadata}
+
+
+@dataclass
+class Admission:
+    control: dict | None      # canonical control for the workers (None: the request has none)
+    salt: str | None          # cache-salt suffix
+    skip_cache: bool          # skip reading the prefix cache
 
 
 class Registry:
@@ -89,38 +162,65 @@ class Registry:
         self.apps: dict[str, Deployed] = {}
         self.lock = threading.RLock()
         self._version = 0
+        # The control epoch: +1 at every change that reaches the KV of running requests (see
+        # ``_touches_kv``). It is part of every cache salt once non-zero, so blocks computed
+        # by requests in flight across a change are never reused by requests admitted after.
+        self.epoch = 0
+        self.capacity: dict[str, int] | None = None  # the workers' control-block sizes
 
     # ------------------------------------------------------------------ deploy side
-    def prepare(self, app: App) -> tuple[LoweredApp, bytes]:
-        """Check an app against the model; return it lowered, and its bytes for the workers
-        with token sets resolved to ids (workers have no tokenizer)."""
+    def used(self) -> Needs:
+        total = Needs()
+        for d in self.apps.values():
+            total = total + d.needs
+        return total
+
+    def prepare(self, app: App) -> tuple[LoweredApp, bytes, Needs]:
+        """Check an app against the model and the room left in the engine; return it
+        lowered, its needs, and its bytes for the workers with token sets resolved to ids
+        (workers have no tokenizer). Nothing is sent to a worker before this passed."""
         with self.lock:
             if app.name in self.apps:
                 raise DeployError(f"app {app.name!r} is already deployed")
-        lowered = lower(app, self.shape, self.tokenizer)
+            used = self.used()
+        cap = self.capacity
+        lowered = lower(app, self.shape, self.tokenizer,
+                        max_ops=cap["max_ops"] - used.ops if cap else None)
+        needs = Needs.of(lowered)
+        if cap:
+            for attr, (cap_key, what) in _NEEDS.items():
+                want, have = getattr(needs, attr), cap[cap_key] - getattr(used, attr)
+                if want > have:
+                    raise DeployError(f"app {app.name!r} needs {want} {what}; the engine has room "
+                                      f"for {have} more ({cap_key}={cap[cap_key]})")
         spec = app.spec()
         spec["token_sets"] = [{"name": n, "ids": ids} for n, ids in lowered.token_sets.items()]
         resolved = App.from_spec(spec, app.tensors(), source=f"app {app.name!r}", allow_custom=True)
-        return lowered, resolved.to_bytes()
+        return lowered, resolved.to_bytes(), needs
+
+    def next_version(self) -> int:
+        with self.lock:
+            self._version += 1
+            return self._version
 
     def changed(self, kind: str) -> None:
         self.count("changes", kind=kind)
         if self.metrics:
             self.metrics["deployed"].labels(model_name=self.shape.model_name).set(len(self.apps))
 
-    def add(self, app: App, lowered: LoweredApp, mode: str) -> Deployed:
+    def add(self, app: App, lowered: LoweredApp, mode: str, version: int, needs: Needs) -> Deployed:
         with self.lock:
-            self._version += 1
-            cols = param_columns(lowered)
-            d = Deployed(app, lowered, mode, self._version,
-                         {c.key: c.default for c in cols if c.public})
-            d._cols = cols  # type: ignore[attr-defined]
+            d = Deployed(app, lowered, mode, version, param_columns(lowered), needs)
             self.apps[app.name] = d
+            if lowered.writes and mode == "all":
+                self.epoch += 1
             return d
 
     def remove(self, name: str) -> None:
         with self.lock:
-            self.apps.pop(name, None)
+            d = self.apps.pop(name, None)
+            if d is not None and d.lowered.writes:
+                self.epoch += 1
 
     def get(self, name: str) -> Deployed:
         d = self.apps.get(name)
@@ -128,11 +228,27 @@ class Registry:
             raise DeployError(f"app {name!r} is not deployed; deployed: {sorted(self.apps)}")
         return d
 
+    def check_patch(self, name: str, mode: str | None, params: Any) -> dict[int, float]:
+        """Every check of a PATCH, nothing applied: the new default per column."""
+        d = self.get(name)
+        if mode is not None and mode not in MODES:
+            raise DeployError(f"mode must be one of {list(MODES)}, got {shown(mode)}")
+        return resolve_params(d.cols, params, f"app {name!r}") if params is not None else {}
+
+    def patch(self, name: str, mode: str | None, cols: dict[int, float]) -> None:
+        with self.lock:
+            d = self.get(name)
+            for i, v in cols.items():
+                d.cols[i].default = v
+            if mode is not None:
+                d.mode = mode
+            if d.lowered.writes and (cols or mode is not None):
+                self.epoch += 1
+
     def check_params(self, name: str, params: Any) -> dict[str, float]:
         d = self.get(name)
-        cols = d._cols  # type: ignore[attr-defined]
-        hits = resolve_params(cols, params, f"app {name!r}")
-        return {cols[i].key: v for i, v in hits.items()}
+        hits = resolve_params(d.cols, params, f"app {name!r}")
+        return {d.cols[i].key: v for i, v in hits.items()}
 
     def describe(self) -> list[dict]:
         with self.lock:
@@ -143,76 +259,114 @@ class Registry:
         if self.metrics:
             self.metrics[name].labels(model_name=self.shape.model_name, **labels).inc(n)
 
-    def admit(self, raw: Any) -> tuple[dict | None, str | None, bool]:
-        """(canonical control, cache-salt suffix, skip prefix-cache reads) for one request."""
+    def admit(self, raw: Any, prompt_len: int = 0, max_tokens: int = 0, n: int = 1,
+              count: bool = True) -> Admission:
+        """Check one request's control (``raw``) and resolve it; raises the validation error
+        the client sees. ``count=False``: a check ahead of the real admission (the server
+        runs one before a stream starts) that counts only refusals."""
         with self.lock:
             try:
-                cfg = self._parse(raw)
+                cfg, overrides = self._parse(raw)
+                apps = cfg["apps"] if cfg else []
+                effective = [self.apps[a] for a in apps] + [
+                    d for a, d in self.apps.items() if d.mode == "all" and a not in apps]
+                self._check_result_bytes(effective, prompt_len, max_tokens, n)
             except ValueError:
                 self.count("rejected")
                 raise
-            if cfg and cfg["apps"]:
+            if count and cfg and cfg["apps"]:
                 self.count("requests")
                 for a in cfg["apps"]:
                     self.count("app_requests", app=a)
-            apps = cfg["apps"] if cfg else []
-            effective = [self.apps[a] for a in apps] + [
-                d for n, d in self.apps.items() if d.mode == "all" and n not in apps]
-            if not effective:
-                return cfg, None, False
-            writes = [d for d in effective if d.lowered.writes]
+            if not effective and not self.epoch:
+                return Admission(cfg, None, False)
+            writes = sorted((d for d in effective if d.lowered.writes), key=lambda d: d.app.name)
             salt = None
-            if writes:
-                key = [(d.app.name, d.version, sorted((cfg or {}).get("params", {}).get(d.app.name, {}).items()))
-                       for d in sorted(writes, key=lambda d: d.app.name)]
+            if writes or self.epoch:
+                key = [self.epoch, [[d.app.name, d.version,
+                                     [overrides.get(d.app.name, {}).get(i, c.default)
+                                      for i, c in enumerate(d.cols)]] for d in writes]]
                 salt = "xmix:" + hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32]
             skip = any(d.lowered.reads_prompt or d.lowered.stateful for d in effective)
-            return cfg, salt, skip
+            return Admission(cfg, salt, skip)
 
-    def _parse(self, raw: Any) -> dict | None:
+    def _check_result_bytes(self, effective: list[Deployed], prompt_len: int, max_tokens: int,
+                            n: int) -> None:
+        # The last sampled token is never fed back: prompt + max_tokens - 1 positions at most.
+        positions = max(prompt_len + max_tokens - 1, 0)
+        numbers = sum(d.result_numbers(positions) for d in effective) * max(n, 1)
+        nbytes = numbers * RESULT_BYTES_PER_NUMBER
+        limit = max_result_bytes()
+        if nbytes > limit:
+            raise _validation_error(
+                f"the reads of this request could return up to {nbytes} bytes ({positions} "
+                f"positions x {max(n, 1)} sequences of {', '.join(d.app.name for d in effective if d.lowered.reads)}); "
+                f"the server allows {limit} per request (XMIX_MAX_RESULT_BYTES): use fewer "
+                f"tokens, fewer or narrower reads, or n=1")
+
+    def _parse(self, raw: Any) -> tuple[dict | None, dict[str, dict[int, float]]]:
         if raw is None:
-            return None
+            return None, {}
         if isinstance(raw, (str, bytes)):
+            if len(raw) > max_control_bytes():
+                raise _validation_error(f"the xmix control is {len(raw)} bytes; at most "
+                                        f"{max_control_bytes()} (XMIX_MAX_CONTROL_BYTES)")
             try:
                 raw = json.loads(raw)
             except json.JSONDecodeError as e:
                 raise _validation_error(f"the xmix control is not valid JSON ({e.msg} at "
-                                        f"position {e.pos})", raw)
+                                        f"position {e.pos})")
+            except RecursionError:
+                raise _validation_error("the xmix control is nested too deeply") from None
+            except (ValueError, UnicodeDecodeError) as e:
+                raise _validation_error(f"the xmix control is not valid JSON ({e})") from None
         if not isinstance(raw, dict):
             raise _validation_error(f"the xmix control must be an object like "
                                     f'{{"apps": [...], "params": {{...}}}}, got {type(raw).__name__}')
         unknown = set(raw) - REQUEST_KEYS
         if unknown:
-            raise _validation_error(f"unknown key(s) {sorted(unknown)} in the xmix control; "
-                                    f"allowed: {sorted(REQUEST_KEYS)}")
+            raise _validation_error(f"unknown key(s) {shown(sorted(map(str, unknown)))} in the xmix "
+                                    f"control; allowed: {sorted(REQUEST_KEYS)}")
         apps = raw.get("apps", [])
         if not isinstance(apps, list) or not all(isinstance(a, str) for a in apps):
-            raise _validation_error(f'"apps" must be a list of app names, got {apps!r}')
+            raise _validation_error(f'"apps" must be a list of app names, got {shown(apps)}')
         if len(set(apps)) != len(apps):
-            raise _validation_error(f'"apps" lists an app twice: {apps!r}')
+            raise _validation_error(f'"apps" lists an app twice: {shown(apps)}')
         for a in apps:
             if a not in self.apps:
-                raise _validation_error(f"unknown app {a!r}; deployed: {sorted(self.apps)}")
+                raise _validation_error(f"unknown app {shown(a)}; deployed: {sorted(self.apps)}")
             if self.apps[a].mode == "off":
                 raise _validation_error(f"app {a!r} is deployed but switched off")
         params = raw.get("params", {})
         if not isinstance(params, dict):
-            raise _validation_error(f'"params" must be an object {{app: {{name: number}}}}, got {params!r}')
+            raise _validation_error(f'"params" must be an object {{app: {{name: number}}}}, '
+                                    f"got {shown(params)}")
         canon: dict[str, dict[str, float]] = {}
+        overrides: dict[str, dict[int, float]] = {}
         for a, p in params.items():
             if a not in self.apps:
-                raise _validation_error(f"params for unknown app {a!r}; deployed: {sorted(self.apps)}")
+                raise _validation_error(f"params for unknown app {shown(a)}; deployed: {sorted(self.apps)}")
             if a not in apps and self.apps[a].mode != "all":
                 raise _validation_error(f"params for app {a!r}, which this request does not use")
             try:
-                self.check_params(a, p)
+                overrides[a] = resolve_params(self.apps[a].cols, p, f"app {a!r}")
             except (RequestError, DeployError) as e:
-                raise _validation_error(str(e), p) from None
+                raise _validation_error(str(e)) from None
             canon[a] = {k: float(v) for k, v in p.items()}
-        return {"apps": list(apps), "params": canon}
+        pin = {a: [self.apps[a].version, sorted([c, v] for c, v in overrides.get(a, {}).items())]
+               for a in [*apps, *(a for a in params if a not in apps)]}
+        return {"apps": list(apps), "params": canon, "pin": pin}, overrides
 
 
 # ---------------------------------------------------------------------- patches
+def _prompt_len(req) -> int:
+    ids = getattr(req, "prompt_token_ids", None)
+    if ids is not None:
+        return len(ids)
+    emb = getattr(req, "prompt_embeds", None)
+    return len(emb) if emb is not None else 0
+
+
 def patch_input_processor(cls) -> None:
     if getattr(cls, "_xmix_patched", False):
         return
@@ -230,13 +384,17 @@ def patch_input_processor(cls) -> None:
                 raise _validation_error("this request asks for xmix apps, but xmix is not enabled "
                                         "on this engine (use xmix.LLM / xmix serve)")
             return req
-        cfg, salt, skip = reg.admit(raw)
-        if cfg is not None:
+        n_prompt = _prompt_len(req)
+        max_tokens = sp.max_tokens
+        if max_tokens is None:
+            max_tokens = max(self.model_config.max_model_len - n_prompt, 0)
+        adm = reg.admit(raw, n_prompt, max_tokens, sp.n or 1)
+        if adm.control is not None:
             # A new dict on the request's own copy: the caller's SamplingParams stays as given.
-            sp.extra_args = {**(sp.extra_args or {}), XMIX_KEY: cfg}
-        if salt is not None:
-            req.cache_salt = f"{req.cache_salt}|{salt}" if req.cache_salt else salt
-        if skip:
+            sp.extra_args = {**(sp.extra_args or {}), XMIX_KEY: adm.control}
+        if adm.salt is not None:
+            req.cache_salt = f"{req.cache_salt}|{adm.salt}" if req.cache_salt else adm.salt
+        if adm.skip_cache:
             sp.skip_reading_prefix_cache = True
         return req
 
@@ -256,18 +414,35 @@ def patch_output_processor(out_cls, state_cls, request_output_cls) -> None:
     orig_add = request_output_cls.add
 
     def process_outputs(self, engine_core_outputs, *args, **kwargs):
-        from .worker import merge_results
+        from vllm.v1.engine import FinishReason
 
+        from .worker import ERROR_KEY, merge_results
+
+        failed: list[str] = []
         for eco in engine_core_outputs:
             kvp = eco.kv_transfer_params
             if kvp and XMIX_KEY in kvp:
                 kvp = dict(kvp)
-                res = kvp.pop(XMIX_KEY)
+                res = dict(kvp.pop(XMIX_KEY) or {})
                 eco.kv_transfer_params = kvp or None
+                err = res.pop(ERROR_KEY, None)
                 st = self.request_states.get(eco.request_id)
-                if st is not None:
+                if st is None:
+                    continue
+                if res:
                     merge_results(st.__dict__.setdefault("_xmix_new", {}), res)
-        return orig_process(self, engine_core_outputs, *args, **kwargs)
+                if err is not None:
+                    # A worker could not serve this request: it ends here with an error (the
+                    # OpenAI server answers 500 / an error event); the engine core drops it.
+                    logger.warning("xmix: request %s finished with an error: %s", eco.request_id, err)
+                    st.__dict__["_xmix_error"] = str(err)
+                    if eco.finish_reason is None:
+                        failed.append(eco.request_id)
+                    eco.finish_reason = FinishReason.ERROR
+        out = orig_process(self, engine_core_outputs, *args, **kwargs)
+        if failed:
+            out.reqs_to_abort.extend(r for r in failed if r not in out.reqs_to_abort)
+        return out
 
     def take_results(state) -> dict:
         # Results since the last output (DELTA) or all so far; steps that produced no output
@@ -293,6 +468,9 @@ def patch_output_processor(out_cls, state_cls, request_output_cls) -> None:
         out = orig_make(self, *args, **kwargs)
         if out is None:
             return out
+        err = self.__dict__.get("_xmix_error")
+        if err is not None:
+            out.xmix_error = err
         outs = getattr(out, "outputs", None)
         if isinstance(outs, list) and outs:
             out.xmix = getattr(outs[0], XMIX_KEY, None) or {}
@@ -338,8 +516,12 @@ def _load_app(app: App | str | Path | bytes, allow_custom: bool) -> App:
 class Controller:
     """Deploy, switch and re-parameterise apps on a running engine (offline ``llm.xmix``).
 
-    Each change is applied on every worker by a collective RPC, which vLLM's engine core runs
-    between two steps: it takes effect at the next step boundary for requests in flight.
+    Every change is checked in full here first, then applied on every worker by collective
+    RPCs, which vLLM's engine core runs between two steps: it takes effect at the next step
+    boundary for requests in flight. A deploy is two-phase: every worker checks the app and
+    builds its new tables aside (``xmix_deploy_prepare``); only when all accepted does each
+    swap them in (``xmix_deploy_commit``), so a refusal leaves every worker as it was.
+    Changes are serialised (one at a time).
     """
 
     def __init__(self, input_processor, rpc):
@@ -348,47 +530,68 @@ class Controller:
         cfg = input_processor.vllm_config.model_config
         self.registry = Registry(ModelShape.from_hf_config(cfg.hf_config, cfg.model),
                                  input_processor.tokenizer)
+        self.lock = threading.RLock()
         input_processor._xmix_registry = self.registry
+
+    def _capacity(self) -> None:
+        if self.registry.capacity is None:
+            caps = self._rpc("xmix_capacity", ())
+            self.registry.capacity = {k: min(c[k] for c in caps) for k in caps[0]}
+
+    def _undo(self, method: str, name: str) -> None:
+        try:
+            self._rpc(method, (name,))
+        except Exception:  # pragma: no cover - the engine is gone
+            logger.exception("xmix: %s(%s) failed", method, name)
 
     def deploy(self, app: App | str | Path | bytes, mode: str = "request", *,
                allow_custom: bool = True) -> dict:
         if mode not in MODES:
-            raise DeployError(f"mode must be one of {list(MODES)}, got {mode!r}")
-        app = _load_app(app, allow_custom)
-        lowered, data = self.registry.prepare(app)
-        try:
-            self._rpc("xmix_deploy", (data, mode))
-        except Exception as e:
-            # Nothing half-deployed: take it off every worker that has it.
+            raise DeployError(f"mode must be one of {list(MODES)}, got {shown(mode)}")
+        with self.lock:
+            self._capacity()
+            app = _load_app(app, allow_custom)
+            lowered, data, needs = self.registry.prepare(app)
+            version = self.registry.next_version()
             try:
-                self._rpc("xmix_undeploy_if_present", (app.name,))
-            except Exception:  # pragma: no cover - the engine is gone
-                logger.exception("xmix: rollback of %s failed", app.name)
-            raise DeployError(f"deploying app {app.name!r} failed on a worker: {_root(e)}") from None
-        info = self.registry.add(app, lowered, mode).describe()
-        self.registry.changed("deploy")
-        return info
+                self._rpc("xmix_deploy_prepare", (data, mode, version))
+            except Exception as e:
+                self._undo("xmix_deploy_abort", app.name)
+                raise DeployError(f"deploying app {app.name!r} failed on a worker: {_root(e)}") from None
+            try:
+                self._rpc("xmix_deploy_commit", (app.name,))
+            except Exception as e:  # a worker lost its prepared state: take it off everywhere
+                self._undo("xmix_undeploy_if_present", app.name)
+                raise DeployError(f"deploying app {app.name!r} failed on a worker: {_root(e)}") from None
+            info = self.registry.add(app, lowered, mode, version, needs).describe()
+            self.registry.changed("deploy")
+            return info
 
     def undeploy(self, name: str) -> None:
-        self.registry.get(name)
-        self._rpc("xmix_undeploy", (name,))
-        self.registry.remove(name)
-        self.registry.changed("undeploy")
+        with self.lock:
+            self.registry.get(name)
+            self._rpc("xmix_undeploy", (name,))
+            self.registry.remove(name)
+            self.registry.changed("undeploy")
+
+    def patch(self, name: str, mode: str | None = None, params: dict | None = None) -> dict:
+        """Mode and/or default parameters as one change: everything is checked before
+        anything is applied; a refusal changes nothing."""
+        with self.lock:
+            cols = self.registry.check_patch(name, mode, params)
+            self._rpc("xmix_patch", (name, mode, params))
+            self.registry.patch(name, mode, cols)
+            if params is not None:
+                self.registry.changed("params")
+            if mode is not None:
+                self.registry.changed("mode")
+            return self.registry.get(name).describe()
 
     def set_mode(self, name: str, mode: str) -> None:
-        d = self.registry.get(name)
-        if mode not in MODES:
-            raise DeployError(f"mode must be one of {list(MODES)}, got {mode!r}")
-        self._rpc("xmix_set_mode", (name, mode))
-        d.mode = mode
-        self.registry.changed("mode")
+        self.patch(name, mode=mode)
 
     def set_params(self, name: str, params: dict) -> None:
-        d = self.registry.get(name)
-        new = self.registry.check_params(name, params)
-        self._rpc("xmix_set_params", (name, params))
-        d.defaults.update(new)
-        self.registry.changed("params")
+        self.patch(name, params=params)
 
     def apps(self) -> list[dict]:
         return self.registry.describe()
