@@ -23,6 +23,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import math
 import os
 import secrets
 import sys
@@ -31,17 +32,28 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from xmix.api import AppError
+from xmix.api import AppError, LimitError
 from xmix.control import MODES, RequestError
 from xmix.lowering import DeployError
 
 from . import metrics
-from .frontend import Controller, XMIX_KEY
+from .frontend import XMIX_KEY, Controller, shown
 
 logger = logging.getLogger("vllm.xmix")  # vLLM's handlers and format apply
 
 APPS_ENV = "XMIX_SERVE_APPS"
-MAX_APP_BYTES = int(os.environ.get("XMIX_MAX_APP_BYTES", str(1 << 30)))
+MAX_PATCH_BYTES = 1 << 16
+
+
+def max_app_bytes() -> int:
+    """Largest app file a POST may send (``XMIX_MAX_APP_BYTES``, default 1 GiB)."""
+    return int(os.environ.get("XMIX_MAX_APP_BYTES", str(1 << 30)))
+
+
+def max_open_body_bytes() -> int:
+    """Largest body read to look for an xmix control in an unauthenticated request to a
+    route vLLM does not guard (``XMIX_MAX_OPEN_BODY_BYTES``, default 64 MiB)."""
+    return int(os.environ.get("XMIX_MAX_OPEN_BODY_BYTES", str(64 << 20)))
 
 
 # ---------------------------------------------------------------------- CLI
@@ -121,6 +133,7 @@ class XmixEndpointPlugin:
 
     def attach_router(self, app) -> None:
         app.include_router(build_router())
+        app.add_middleware(RequestAppsAuth, server=app)
 
     async def init_state(self, engine_client, state, args) -> None:
         if engine_client is None:
@@ -151,6 +164,10 @@ class ServerState:
         self.lock = asyncio.Lock()  # one control change at a time
         self._tokens = [hashlib.sha256(k.encode()).digest() for k in api_keys]
 
+    @property
+    def keyed(self) -> bool:
+        return bool(self._tokens)
+
     def authorized(self, header: str | None) -> bool:
         if not self._tokens:
             return True
@@ -164,12 +181,100 @@ class ServerState:
         return ok
 
 
+def _error_body(status: int, msg: str) -> dict:
+    return {"error": {"message": msg, "type": "xmix_error", "code": status}}
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, read chunk by chunk and cut off as soon as it passes ``limit``
+    (a chunked body has no Content-Length to check first)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge(f"body of {declared} bytes exceeds the limit of {limit}")
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(f"body exceeds the limit of {limit} bytes")
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+def _carries_xmix(body: bytes) -> bool:
+    try:
+        doc = json.loads(body)
+    except (ValueError, RecursionError, UnicodeDecodeError):
+        return False  # not a request vLLM would accept either
+    xargs = doc.get("vllm_xargs") if isinstance(doc, dict) else None
+    return isinstance(xargs, dict) and XMIX_KEY in xargs
+
+
+class RequestAppsAuth:
+    """Per-request app use follows the control plane's auth on every route. vLLM's
+    ``--api-key`` guards only /v1, /v2, /inference and /cohere; a request to another route
+    that accepts ``vllm_xargs`` (SageMaker's /invocations) and carries an xmix control must
+    bring the key when the server has one. Such bodies are read (up to
+    ``XMIX_MAX_OPEN_BODY_BYTES``) and replayed to the route unchanged."""
+
+    def __init__(self, app, server) -> None:
+        self.app = app
+        self.server = server
+        try:
+            from vllm.entrypoints.serve.middleware.authenticate import GUARDED_PREFIX
+        except ImportError:  # pragma: no cover - another vLLM layout
+            GUARDED_PREFIX = ("/v1", "/v2", "/inference", "/cohere")
+        self.guarded = tuple(GUARDED_PREFIX)
+
+    async def __call__(self, scope, receive, send) -> None:
+        st = getattr(self.server.state, "xmix", None) if scope["type"] == "http" else None
+        if (st is None or not st.keyed or scope.get("method") != "POST"
+                or scope["path"].removeprefix(scope.get("root_path", "")).startswith(self.guarded)):
+            return await self.app(scope, receive, send)
+        from starlette.datastructures import Headers
+
+        if st.authorized(Headers(scope=scope).get("authorization")):
+            return await self.app(scope, receive, send)
+        parts, size, more = [], 0, True
+        while more:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            parts.append(msg.get("body", b""))
+            size += len(parts[-1])
+            more = msg.get("more_body", False)
+            if size > max_open_body_bytes():
+                resp = JSONResponse(_error_body(413, "request body too large"), status_code=413)
+                return await resp(scope, receive, send)
+        body = b"".join(parts)
+        if _carries_xmix(body):
+            logger.info("xmix: refused an unauthenticated request with an xmix control on %s",
+                        scope["path"])
+            resp = JSONResponse(_error_body(401, "unauthorized: requests that use xmix apps need "
+                                                 "the server's API key as a Bearer token"),
+                                status_code=401)
+            return await resp(scope, receive, send)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
 def build_router() -> APIRouter:
     router = APIRouter()
 
     def error(status: int, msg: str) -> JSONResponse:
-        return JSONResponse({"error": {"message": msg, "type": "xmix_error", "code": status}},
-                            status_code=status)
+        return JSONResponse(_error_body(status, msg), status_code=status)
 
     def state_of(request: Request) -> ServerState | None:
         return getattr(request.app.state, "xmix", None)
@@ -195,13 +300,11 @@ def build_router() -> APIRouter:
         if err:
             return err
         if mode not in MODES:
-            return error(400, f"mode must be one of {list(MODES)}, got {mode!r}")
-        size = int(request.headers.get("content-length") or 0)
-        if size > MAX_APP_BYTES:
-            return error(413, f"app file of {size} bytes exceeds the limit of {MAX_APP_BYTES}")
-        body = await request.body()
-        if len(body) > MAX_APP_BYTES:
-            return error(413, f"app file exceeds the limit of {MAX_APP_BYTES} bytes")
+            return error(400, f"mode must be one of {list(MODES)}, got {shown(mode)}")
+        try:
+            body = await read_body(request, max_app_bytes())
+        except BodyTooLarge as e:
+            return error(413, f"app file: {e} (XMIX_MAX_APP_BYTES)")
         if not body:
             return error(400, "empty body: send the app file (safetensors with an xmix spec)")
         async with st.lock:
@@ -210,6 +313,8 @@ def build_router() -> APIRouter:
             except DeployError as e:
                 status = 409 if "already deployed" in str(e) else 422
                 return error(status, str(e))
+            except LimitError as e:
+                return error(413, str(e))
             except AppError as e:
                 return error(400, str(e))
         return JSONResponse(info, status_code=201)
@@ -220,22 +325,27 @@ def build_router() -> APIRouter:
         if err:
             return err
         try:
-            body = json.loads(await request.body() or b"{}")
+            body = json.loads(await read_body(request, MAX_PATCH_BYTES) or b"{}")
+        except BodyTooLarge as e:
+            return error(413, str(e))
         except json.JSONDecodeError as e:
             return error(400, f"body is not valid JSON: {e.msg}")
+        except (RecursionError, ValueError, UnicodeDecodeError):
+            return error(400, "body is not valid JSON (nested too deeply or not UTF-8)")
         if not isinstance(body, dict) or not body or set(body) - {"mode", "params"}:
             return error(400, 'body must be an object with "mode" and/or "params"')
+        mode, params = body.get("mode"), body.get("params")
+        if "mode" in body and not isinstance(mode, str):
+            return error(400, f'"mode" must be one of {list(MODES)}')
+        if "params" in body and not isinstance(params, dict):
+            return error(400, '"params" must be an object {name: number}')
         async with st.lock:
             if name not in st.ctl.registry.apps:
-                return error(404, f"app {name!r} is not deployed")
+                return error(404, f"app {shown(name)} is not deployed")
             try:
-                if "params" in body:
-                    await asyncio.to_thread(st.ctl.set_params, name, body["params"])
-                if "mode" in body:
-                    await asyncio.to_thread(st.ctl.set_mode, name, body["mode"])
+                return await asyncio.to_thread(st.ctl.patch, name, mode, params)
             except (DeployError, RequestError) as e:
                 return error(422, str(e))
-        return next(a for a in st.ctl.apps() if a["name"] == name)
 
     @router.delete("/xmix/v1/apps/{name}")
     async def delete_app(name: str, request: Request):
@@ -244,7 +354,7 @@ def build_router() -> APIRouter:
             return err
         async with st.lock:
             if name not in st.ctl.registry.apps:
-                return error(404, f"app {name!r} is not deployed")
+                return error(404, f"app {shown(name)} is not deployed")
             await asyncio.to_thread(st.ctl.undeploy, name)
         return {"deleted": name}
 
@@ -252,21 +362,56 @@ def build_router() -> APIRouter:
 
 
 # ---------------------------------------------------------------------- responses
+def _finite(values: list) -> tuple[list, int]:
+    """(values with every non-finite number replaced by None, how many were replaced)."""
+    bad = 0
+    out = values
+    for i, v in enumerate(values):
+        if isinstance(v, list):
+            w, b = _finite(v)
+            if b:
+                if out is values:
+                    out = list(values)
+                out[i], bad = w, bad + b
+        elif isinstance(v, float) and not math.isfinite(v):
+            if out is values:
+                out = list(values)
+            out[i], bad = None, bad + 1
+    return out, bad
+
+
+def json_results(res: dict) -> dict:
+    """Read results as strict JSON. A value that is not finite (NaN or +-Inf, e.g. from a
+    write scaled beyond the fp32 range) is sent as null, and its read's entry carries
+    ``"nonfinite"``: how many values of the entry are null."""
+    out: dict = {}
+    for app, reads in res.items():
+        dst = out[app] = {}
+        for key, e in reads.items():
+            values, bad = _finite(e["values"])
+            dst[key] = {"positions": e["positions"], "values": values}
+            if bad:
+                dst[key]["nonfinite"] = bad
+    return out
+
+
 def _results_of(outputs: list) -> Any:
-    res = [getattr(o, XMIX_KEY, None) or {} for o in outputs if o is not None]
+    res = [json_results(getattr(o, XMIX_KEY, None) or {}) for o in outputs if o is not None]
     if not res:
         return None
     return res[0] if len(res) == 1 else res
 
 
-def _per_choice(choices: list, completions: list) -> None:
-    """With n > 1 every choice carries its own sequence's reads (pairs in response order)."""
+def _per_choice(choices: list, completions: list) -> bool:
+    """With n > 1 every choice carries its own sequence's reads (pairs in response order);
+    True when it did (the top level then carries none)."""
     if len(completions) <= 1 or len(choices) != len(completions):
-        return
+        return False
     for choice, co in zip(choices, completions):
         res = getattr(co, XMIX_KEY, None)
         if res:
-            setattr(choice, XMIX_KEY, res)
+            setattr(choice, XMIX_KEY, json_results(res))
+    return True
 
 
 async def _tap(gen, sink: list, n_choices: int | None):
@@ -299,9 +444,40 @@ async def _with_results(stream, sink: list):
                 merged: dict = {}
                 for r in mine:
                     merge_results(merged, r)
-                body[XMIX_KEY] = merged
-                chunk = f"data: {json.dumps(body)}\n\n"
+                body[XMIX_KEY] = json_results(merged)
+                chunk = f"data: {json.dumps(body, allow_nan=False)}\n\n"
         yield chunk
+
+
+def _precheck(serving, request, engine_inputs, max_tokens_field: str):
+    """The xmix admission of a request, run once its prompts are rendered and before any
+    generator exists: a refusal is an HTTP 400 before a stream starts (vLLM admits requests
+    lazily, inside the stream, where a refusal could only be an error event after an
+    HTTP 200). The engine's own admission still runs and decides."""
+    reg = getattr(getattr(serving.engine_client, "input_processor", None), "_xmix_registry", None)
+    xargs = getattr(request, "vllm_xargs", None) or {}
+    if reg is None or not isinstance(engine_inputs, list):
+        return None
+    from vllm.entrypoints.serve.utils.api_utils import get_max_tokens
+
+    raw = xargs.get(XMIX_KEY)
+    asked = getattr(request, max_tokens_field, None)
+    if asked is None:
+        asked = getattr(request, "max_tokens", None)
+    for ei in engine_inputs:
+        n_prompt = serving._extract_prompt_len(ei)
+        try:
+            max_tokens = get_max_tokens(serving.model_config.max_model_len, asked, n_prompt,
+                                        serving.default_sampling_params, serving.override_max_tokens,
+                                        truncate_prompt_tokens=getattr(request, "truncate_prompt_tokens", None))
+        except Exception:  # vLLM refuses it itself, with its own message
+            return None
+        try:
+            reg.admit(raw, n_prompt, max_tokens, getattr(request, "n", None) or 1, count=False)
+        except ValueError as e:
+            logger.info("xmix: request refused at admission: %s", e)
+            return serving.create_error_response(str(e), param="vllm_xargs.xmix")
+    return None
 
 
 def patch_openai_serving() -> None:
@@ -313,8 +489,26 @@ def patch_openai_serving() -> None:
 
     full = OpenAIServingChat.chat_completion_full_generator
     stream = OpenAIServingChat.chat_completion_stream_generator
+    render_chat = OpenAIServingChat.render_chat_request
     to_resp = OpenAIServingCompletion.request_output_to_completion_response
     cstream = OpenAIServingCompletion.completion_stream_generator
+    render_cmpl = OpenAIServingCompletion.render_completion_request
+
+    async def render_chat_request(self, request, *args, **kwargs):
+        result = await render_chat(self, request, *args, **kwargs)
+        if isinstance(result, tuple) and len(result) == 2:
+            refused = _precheck(self, request, result[1], "max_completion_tokens")
+            if refused is not None:
+                return refused
+        return result
+
+    async def render_completion_request(self, request, *args, **kwargs):
+        result = await render_cmpl(self, request, *args, **kwargs)
+        if isinstance(result, list):
+            refused = _precheck(self, request, result, "max_tokens")
+            if refused is not None:
+                return refused
+        return result
 
     async def chat_full(self, request, result_generator, *args, **kwargs):
         seen: list = []
@@ -327,8 +521,8 @@ def patch_openai_serving() -> None:
         resp = await full(self, request, last(result_generator), *args, **kwargs)
         res = _results_of(seen)
         if res and hasattr(resp, "choices"):
-            setattr(resp, XMIX_KEY, res)
-            _per_choice(resp.choices, sorted(seen[0].outputs, key=lambda co: co.index))
+            if not _per_choice(resp.choices, sorted(seen[0].outputs, key=lambda co: co.index)):
+                setattr(resp, XMIX_KEY, res)
         return resp
 
     def chat_stream(self, request, result_generator, *args, **kwargs):
@@ -340,10 +534,10 @@ def patch_openai_serving() -> None:
         resp = to_resp(self, final_res_batch, *args, **kwargs)
         res = _results_of(final_res_batch)
         if res:
-            setattr(resp, XMIX_KEY, res)
-            if any(len(r.outputs) > 1 for r in final_res_batch if r is not None):
-                _per_choice(resp.choices, [co for r in final_res_batch if r is not None
-                                           for co in r.outputs])
+            done = [r for r in final_res_batch if r is not None]
+            if not (any(len(r.outputs) > 1 for r in done)
+                    and _per_choice(resp.choices, [co for r in done for co in r.outputs])):
+                setattr(resp, XMIX_KEY, res)
         return resp
 
     def completion_stream(self, request, engine_inputs, result_generator, *args, **kwargs):
@@ -352,8 +546,10 @@ def patch_openai_serving() -> None:
         return _with_results(cstream(self, request, engine_inputs,
                                      _tap(result_generator, sink, n), *args, **kwargs), sink)
 
+    OpenAIServingChat.render_chat_request = render_chat_request
     OpenAIServingChat.chat_completion_full_generator = chat_full
     OpenAIServingChat.chat_completion_stream_generator = chat_stream
+    OpenAIServingCompletion.render_completion_request = render_completion_request
     OpenAIServingCompletion.request_output_to_completion_response = completion_response
     OpenAIServingCompletion.completion_stream_generator = completion_stream
     OpenAIServingChat._xmix_patched = True
