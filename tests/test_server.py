@@ -54,8 +54,12 @@ def server(tmp_path_factory):
     for p in paths:
         cmd += ["--app", str(p)]
     log = open(tmp / "serve.log", "w")
+    # Small limits, so the hostile-input tests stay small: app files of 8 MiB, read results
+    # of 2 MiB per request.
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+                            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
+                                 "XMIX_MAX_APP_BYTES": str(8 << 20),
+                                 "XMIX_MAX_RESULT_BYTES": str(2 << 20)})
     base = f"http://127.0.0.1:{port}"
     t0 = time.time()
     while True:
@@ -70,7 +74,8 @@ def server(tmp_path_factory):
         assert time.time() - t0 < 400, "server did not start"
         time.sleep(2)
     client = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
-    yield dict(base=base, client=client, model=model, tmp=tmp, steer=steer, probe=probe)
+    yield dict(base=base, client=client, model=model, tmp=tmp, steer=steer, probe=probe, proc=proc,
+               log=tmp / "serve.log")
     client.close()
     os.killpg(proc.pid, signal.SIGTERM)
     try:
@@ -146,8 +151,8 @@ def test_streaming_carries_the_same_results(server):
 
 def test_parallel_sampling_results_per_choice(server):
     """n=2: each choice carries the reads of its own sequence (the HF oracle fed that choice's
-    tokens), the top level those of choice 0, and a stream with the same seed gives each
-    choice the same reads on its own chunks."""
+    tokens), the top level none (it used to repeat choice 0), and a stream with the same seed
+    gives each choice the same reads on its own chunks."""
     from transformers import AutoModelForCausalLM
 
     from xmix.integrations.hf import attach
@@ -171,7 +176,7 @@ def test_parallel_sampling_results_per_choice(server):
             want = req.results["probe"]["p2"]
             assert r["positions"] == want["positions"] == list(range(len(c["prompt_token_ids"]) + 5))
             np.testing.assert_allclose(r["values"], want["values"], rtol=1e-4, atol=1e-6)
-    assert full["xmix"] == choices[0]["xmix"]
+    assert "xmix" not in full  # every choice carries its own: the top level repeats none
 
     got = {0: {"positions": [], "values": []}, 1: {"positions": [], "values": []}}
     text = {0: "", 1: ""}
@@ -332,3 +337,342 @@ def test_changes_while_requests_are_in_flight(server):
 
     counts = asyncio.run(main())
     assert counts == [24] * 32, counts
+
+
+# ------------------------------------------------------------------ issue 11: hostile clients
+def _raw_app(spec: dict, tensors: dict | None = None) -> bytes:
+    """An app file written by hand (json.dumps writes NaN/Infinity, as a hostile client may)."""
+    from safetensors.torch import save
+
+    return save(tensors or {}, metadata={"xmix.spec": json.dumps(spec)})
+
+
+def _spec(name: str, ops: list, **extra) -> dict:
+    return {"format": "xmix.app/1", "name": name, "metadata": {}, "params": {}, "token_sets": [],
+            "ops": ops, **extra}
+
+
+def _tracebacks(server) -> int:
+    return server["log"].read_text().count("Traceback")
+
+
+def test_patch_is_one_change_over_http(server):
+    """Defect 4: a PATCH with a valid parameter and a bad mode answered 422 and the
+    parameter had changed anyway. Now nothing is applied unless everything is valid."""
+    c = server["client"]
+    before = next(a for a in c.get("/xmix/v1/apps").json()["apps"] if a["name"] == "steer")
+    for body in ({"params": {"scale": 3}, "mode": "bogus"}, {"params": {"nope": 3}, "mode": "off"},
+                 {"params": {"scale": 10**400}, "mode": "all"}):
+        r = c.patch("/xmix/v1/apps/steer", json=body)
+        assert r.status_code == 422, (body, r.text)
+    after = next(a for a in c.get("/xmix/v1/apps").json()["apps"] if a["name"] == "steer")
+    assert after == before
+
+
+def test_apps_json_cannot_carry_are_refused_and_listing_keeps_working(server):
+    """Defect 4: an app with NaN in its metadata, or a parameter default of Infinity,
+    answered 400 but was deployed, and every listing answered 400 from then on."""
+    c = server["client"]
+    op = {"primitive": "read", "kernel": "capture", "site": "final.post", "params": {}, "artifacts": {}}
+    for spec in (_spec("nanmeta", [op], metadata={"score": float("nan")}),
+                 _spec("infparam", [op], params={"theta": float("inf")}),
+                 _spec("bigparam", [op], params={"theta": 10**400})):
+        r = c.post("/xmix/v1/apps", content=_raw_app(spec))
+        assert r.status_code == 400, r.text
+        listing = c.get("/xmix/v1/apps")
+        assert listing.status_code == 200
+        assert spec["name"] not in [a["name"] for a in listing.json()["apps"]]
+
+
+def test_client_errors_are_4xx_never_500(server):
+    """Huge ints, deep nesting, a 2 000-term condition, an 1 100-deep gate chain, deeply
+    nested PATCH bodies: each answers 4xx with a message, none 500 or a reset, and the
+    server keeps serving."""
+    c = server["client"]
+    statuses = {}
+    deep = "[" * 20_000 + "]" * 20_000
+    statuses["int 10^400 in params"] = complete(
+        server, raw_control='{"apps": ["steer"], "params": {"steer": {"scale": 1' + "0" * 400 + "}}}").status_code
+    statuses["control nested 20 000 deep"] = complete(server, raw_control=deep).status_code
+    statuses["control nested 100 000 deep"] = complete(
+        server, raw_control="[" * 100_000 + "]" * 100_000).status_code
+    statuses["vllm_xargs nested"] = c.post("/v1/completions", json={
+        "model": "tiny", "prompt": "x", "vllm_xargs": {"xmix": [[[[1]]]]}}).status_code
+    statuses["body nested 100 000 deep"] = c.post(
+        "/v1/completions", content=b'{"model": "tiny", "prompt": "x", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+        headers={"Content-Type": "application/json"}).status_code
+    statuses["PATCH nested 30 000 deep"] = c.patch(
+        "/xmix/v1/apps/steer", content=b'{"params": ' + b"[" * 30_000 + b"]" * 30_000 + b"}").status_code
+    statuses["PATCH nested 100 000 deep"] = c.patch(
+        "/xmix/v1/apps/steer", content=b"[" * 100_000 + b"]" * 100_000).status_code
+    statuses["PATCH int 10^400"] = c.patch(
+        "/xmix/v1/apps/steer", content=b'{"params": {"scale": 1' + b"0" * 400 + b"}}").status_code
+    w = {"probe.weight": torch.ones(D) / 64}
+    read = {"primitive": "read", "kernel": "probe", "site": "residual.pre", "layers": [0], "params": {},
+            "artifacts": {"weight": "probe.weight"}}
+    terms = {**read, "name": "g"}
+    write = {"primitive": "write", "kernel": "add", "site": "residual.post", "layers": [1], "params": {},
+             "artifacts": {"vector": "probe.weight"}, "cond": {"expr": " or ".join(["g>0"] * 2000)}}
+    statuses["2 000-term condition"] = c.post(
+        "/xmix/v1/apps", content=_raw_app(_spec("terms", [terms, write]), w)).status_code
+    chain = [{**read, "name": "r0"}] + [
+        {**read, "name": f"r{i}", "cond": {"gate": f"r{i - 1} >= 0"}} for i in range(1, 1100)]
+    statuses["1 100-deep gate chain"] = c.post(
+        "/xmix/v1/apps", content=_raw_app(_spec("chain", chain), w)).status_code
+    from safetensors.torch import save
+
+    statuses["spec nested 100 000 deep"] = c.post("/xmix/v1/apps", content=save(
+        {}, metadata={"xmix.spec": "[" * 100_000 + "]" * 100_000})).status_code
+    nested_meta = _spec("nestmeta", [])
+    nested_meta["metadata"] = json.loads("[" * 900 + "]" * 900)
+    statuses["metadata nested 900 deep"] = c.post("/xmix/v1/apps", content=_raw_app(nested_meta)).status_code
+    bad = {k: v for k, v in statuses.items() if not 400 <= v < 500}
+    assert not bad, statuses
+    assert complete(server).status_code == 200
+    assert c.get("/xmix/v1/apps").status_code == 200
+
+
+def test_a_refused_stream_gets_its_status_before_the_stream(server):
+    """A streamed request refused at admission answers 400 (not HTTP 200 and an error
+    event), with one log line and no traceback."""
+    c = server["client"]
+    before = _tracebacks(server)
+    lines_before = server["log"].read_text().count("refused at admission")
+    for path, body in (("/v1/completions", {"prompt": "x"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
+        body = {"model": "tiny", "max_tokens": 4, "stream": True,
+                "vllm_xargs": {"xmix": json.dumps({"apps": ["nope"]})}, **body}
+        with c.stream("POST", path, json=body) as r:
+            r.read()
+            assert r.status_code == 400, r.text
+            assert "unknown app" in r.json()["error"]["message"]
+    time.sleep(0.5)
+    assert _tracebacks(server) == before
+    assert server["log"].read_text().count("refused at admission") == lines_before + 2
+
+
+def test_invocations_need_the_api_key_to_use_apps(server):
+    """vLLM's SageMaker route (/invocations) is not guarded by --api-key. Requests there may
+    still generate, but not use apps without the key."""
+    base = server["base"]
+    body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 4, "temperature": 0}
+    with_apps = {**body, "vllm_xargs": {"xmix": json.dumps({"apps": ["probe"]})}}
+    r = httpx.post(f"{base}/invocations", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    r = httpx.post(f"{base}/invocations", json=with_apps, timeout=60)
+    assert r.status_code == 401, r.text
+    r = httpx.post(f"{base}/invocations", json=with_apps, timeout=60,
+                   headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 200 and "p2" in r.json()["xmix"]["probe"], r.text
+
+
+def _hwm_kib(pid: int) -> int:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmHWM")
+
+
+def test_a_chunked_app_body_is_cut_off_at_the_limit(server):
+    """A chunked body (no Content-Length) is read only up to XMIX_MAX_APP_BYTES (8 MiB
+    here): sending 96 MiB raises the API server's peak memory by far less than that."""
+    pid = server["proc"].pid
+    peak = _hwm_kib(pid)
+    sent = []
+
+    def body():
+        chunk = b"\0" * (1 << 20)
+        for _ in range(96):
+            sent.append(1)
+            yield chunk
+
+    try:
+        r = server["client"].post("/xmix/v1/apps", content=body())
+        assert r.status_code == 413, r.text
+    except httpx.HTTPError:
+        pass  # the server answered 413 and closed the connection while the client wrote
+    assert _hwm_kib(pid) - peak < 40 * 1024, (peak, _hwm_kib(pid))
+    assert complete(server).status_code == 200
+
+
+def test_read_results_are_bounded(server):
+    """A request whose reads could return more than XMIX_MAX_RESULT_BYTES (2 MiB here) is
+    refused at admission with a message, streamed or not; below the cap it is served."""
+    c = server["client"]
+    cap = xmix.App("cap")
+    cap.read("capture").submodule("final.post").named("h")
+    assert c.post("/xmix/v1/apps", content=cap.to_bytes()).status_code == 201
+    try:
+        # accounted: (10 prompt + 99) positions x (256 values + 1 position) x 26 bytes
+        ok = complete(server, control={"apps": ["cap"]}, max_tokens=100)
+        assert ok.status_code == 200, ok.text
+        assert len(ok.json()["xmix"]["cap"]["h"]["values"][0]) == D
+        for stream in (False, True):  # x 4 sequences: over 2 MiB
+            r = complete(server, control={"apps": ["cap"]}, max_tokens=100, n=4, temperature=1.0,
+                         stream=stream)
+            assert r.status_code == 400, r.text
+            assert "XMIX_MAX_RESULT_BYTES" in r.json()["error"]["message"]
+    finally:
+        c.delete("/xmix/v1/apps/cap")
+
+
+def _strict(text: str):
+    def refuse(name):
+        raise AssertionError(f"non-JSON constant {name} in the response")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def _max_scale(server) -> float:
+    from xmix.lowering import WRITE_BOUND
+
+    return WRITE_BOUND / float(server["steer"].ops[0].artifacts["vector"].abs().max())
+
+
+def test_non_finite_reads_are_null_in_strict_json(server):
+    """A read can still overflow (a distance of a stream steered to 1e30 is Inf): values
+    that are not finite are sent as null and counted under "nonfinite", in responses and in
+    every stream chunk (before: NaN and Infinity in the JSON)."""
+    c = server["client"]
+    dist = xmix.App("dist")
+    dist.read("distance", centroids=torch.zeros(1, D)).layers([2]).submodule("residual.post").named("d")
+    assert c.post("/xmix/v1/apps", content=dist.to_bytes()).status_code == 201
+    try:
+        ctl = {"apps": ["steer", "dist"], "params": {"steer": {"scale": _max_scale(server)}}}
+        r = complete(server, control=ctl, max_tokens=4)
+        assert r.status_code == 200, r.text
+        d = _strict(r.text)["xmix"]["dist"]["d"]
+        assert d["nonfinite"] == sum(v is None for v in d["values"]) > 0
+        body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 4, "temperature": 0,
+                "stream": True, "vllm_xargs": {"xmix": json.dumps(ctl)}}
+        nulls = 0
+        with c.stream("POST", "/v1/completions", json=body) as s:
+            assert s.status_code == 200
+            for line in s.iter_lines():
+                if line.startswith("data: {"):
+                    x = _strict(line[6:]).get("xmix")
+                    if x:
+                        nulls += x["dist"]["d"].get("nonfinite", 0)
+        assert nulls == d["nonfinite"]
+    finally:
+        c.delete("/xmix/v1/apps/dist")
+
+
+def test_writes_that_would_overflow_are_refused_and_cannot_poison_other_requests(server):
+    """scale=3e38 drove the stream to Inf/NaN; vLLM reuses freed KV blocks without clearing
+    them, so later requests that got those blocks, plain ones included, answered
+    differently (seen here before the fix). Parameters whose write would pass 1e30 per
+    element are now refused (400, naming the range); at the largest allowed scale other
+    requests' answers stay exactly the same."""
+    c = server["client"]
+
+    def batch(salt):
+        async def one(client, i):
+            body = {"model": "tiny", "prompt": f"Bystander {i}:", "max_tokens": 16, "temperature": 0,
+                    "ignore_eos": True, "cache_salt": salt, "return_token_ids": True}
+            if i % 2:
+                body["vllm_xargs"] = {"xmix": json.dumps({"apps": ["probe"]})}
+            r = await client.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["token_ids"], r.json().get("xmix")
+
+        async def main():
+            async with httpx.AsyncClient(base_url=server["base"], timeout=120,
+                                         headers={"Authorization": f"Bearer {KEY}"}) as client:
+                return await asyncio.gather(*(one(client, i) for i in range(8)))
+
+        return asyncio.run(main())
+
+    before = batch("bystanders-1")
+    r = complete(server, control={"apps": ["steer"], "params": {"steer": {"scale": 3e38}}})
+    assert r.status_code == 400 and "out of range" in r.json()["error"]["message"], r.text
+    for _ in range(3):
+        r = complete(server, prompt="Once upon a time " * 4, max_tokens=24,
+                     control={"apps": ["steer"], "params": {"steer": {"scale": _max_scale(server)}}})
+        assert r.status_code == 200, r.text
+    assert batch("bystanders-2") == before
+
+
+def test_soak_live_changes_under_16_streams(server):
+    """16 concurrent greedy streams (plain, probe, steer, both) while the control plane
+    deploys, re-parameterises, switches and deletes other apps and has deploys and PATCHes
+    refused: every stream finishes, untouched answers (tokens and reads) equal a run without
+    the changes, no response is a 500, and the engine keeps serving."""
+    base = server["base"]
+    headers = {"Authorization": f"Bearer {KEY}"}
+    ctls = [None, {"apps": ["probe"]}, {"apps": ["steer"]}, {"apps": ["steer", "probe"]}]
+    statuses: list[int] = []
+    g = torch.Generator().manual_seed(21)
+    valid = []
+    for i in range(4):
+        a = xmix.App(f"soak{i}")
+        a.write("add", vector=torch.randn(D, generator=g), scale=1.0).layers([i % 4]).submodule("residual.post")
+        a.read("probe", weight=torch.randn(D, generator=g) / 16).layers([3]).submodule("residual.post").named("q")
+        valid.append(a.to_bytes())
+    overflow = xmix.App("overflow")
+    overflow.read("probe", weight=torch.ones(D) / 64).layers([0]).submodule("residual.pre").named("g")
+    for i in range(3):
+        overflow.write("add", vector=torch.ones(D)).layers("all").submodule("residual.post") \
+            .cond(" or ".join(["g >= 0.5"] * 200))
+    refused = [overflow.to_bytes(), b"\0" * 64,
+               _raw_app(_spec("nan", [], metadata={"x": float("nan")}))]
+
+    async def stream(client, i, salt):
+        # token ids, not text: the streamed text of this random tiny model (bytes that are
+        # not UTF-8) depends on how vLLM groups tokens into chunks
+        body = {"model": "tiny", "prompt": f"Soak story {i}:", "max_tokens": 24, "temperature": 0,
+                "stream": True, "ignore_eos": True, "cache_salt": salt, "return_token_ids": True}
+        if ctls[i % 4]:
+            body["vllm_xargs"] = {"xmix": json.dumps(ctls[i % 4])}
+        tokens, reads = [], []
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            statuses.append(r.status_code)
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    ch = _strict(line[6:])
+                    if ch.get("choices"):
+                        tokens += ch["choices"][0].get("token_ids") or []
+                    x = ch.get("xmix")
+                    if x and "probe" in x:
+                        reads += list(zip(x["probe"]["p2"]["positions"], x["probe"]["p2"]["values"]))
+        return tokens, reads
+
+    async def changes(client):
+        for round_ in range(2):
+            for i, data in enumerate(valid):
+                r = await client.post("/xmix/v1/apps", content=data)
+                statuses.append(r.status_code)
+                assert r.status_code == 201, r.text
+                for body in ({"params": {"scale": -2.0}}, {"mode": "off"}, {"mode": "request"}):
+                    statuses.append((await client.patch(f"/xmix/v1/apps/soak{i}", json=body)).status_code)
+                r = await client.patch(f"/xmix/v1/apps/soak{i}", json={"params": {"scale": 1}, "mode": "x"})
+                statuses.append(r.status_code)
+                assert r.status_code == 422
+                r = await client.post("/xmix/v1/apps", content=refused[(i + round_) % 3])
+                statuses.append(r.status_code)
+                assert r.status_code in (400, 422), r.text
+                # a request that does use the changing app: it must finish, its answer may change
+                r = await client.post("/v1/completions", json={
+                    "model": "tiny", "prompt": "touched", "max_tokens": 8,
+                    "vllm_xargs": {"xmix": json.dumps({"apps": [f"soak{i}"]})}})
+                statuses.append(r.status_code)
+                statuses.append((await client.delete(f"/xmix/v1/apps/soak{i}")).status_code)
+                await asyncio.sleep(0.05)
+
+    async def run(salt, with_changes):
+        async with httpx.AsyncClient(base_url=base, headers=headers, timeout=300) as client:
+            jobs = [stream(client, i, salt) for i in range(16)]
+            if with_changes:
+                jobs.append(changes(client))
+            out = await asyncio.gather(*jobs)
+        return out[:16]
+
+    reference = asyncio.run(run("soak-ref", False))
+    soaked = asyncio.run(run("soak-live", True))
+    assert 500 not in statuses and len(statuses) > 16 + 40, statuses
+    changed = [i for i in range(16) if soaked[i] != reference[i]]
+    assert not changed, [(reference[i], soaked[i]) for i in changed]
+    assert all(len(t) == 24 for t, _ in soaked) and sum(len(r) for _, r in soaked) > 0
+    assert server["proc"].poll() is None
+    assert httpx.get(f"{base}/health", timeout=10).status_code == 200
+    assert [a["name"] for a in server["client"].get("/xmix/v1/apps").json()["apps"]] == ["steer", "probe"]

@@ -1,0 +1,22 @@
+"""Fault injection for the engine tests: a vLLM worker extension (``worker_extension_cls``)
+whose method, reached by ``llm.collective_rpc``, makes the worker's xmix admission fail for
+requests whose id starts with a prefix. Test code only: it is loaded by the test engine's
+worker processes and never by xmix itself."""
+
+from __future__ import annotations
+
+
+class AdmissionFaults:
+    def xmix_test_fail_admission(self, prefix: str | None) -> None:
+        cb = self.model_runner._xmix.cb
+        cb.__dict__.pop("admit_pinned", None)
+        if prefix is None:
+            return
+        real = cb.admit_pinned
+
+        def failing(req_id, *args, **kwargs):
+            if req_id.startswith(prefix):
+                raise RuntimeError("injected admission fault")
+            return real(req_id, *args, **kwargs)
+
+        cb.admit_pinned = failing
