@@ -47,14 +47,15 @@ def _assert_same(a: dict, b: dict) -> None:
     assert not changed, f"live control-block state changed: {changed}"
 
 
-def _overflow_cond_app(name: str, shape: ModelShape = SHAPE, terms: int = 40) -> xmix.App:
-    """Fits every per-app limit but not a control block's condition code: one read and
-    writes on every layer, each gated by a long condition."""
+def _overflow_cond_app(name: str, shape: ModelShape = SHAPE, terms: int = 40, writes: int = 2) -> xmix.App:
+    """Fits every per-app limit but not a control block's condition code: a read and writes
+    gated by long conditions, all at the first site, so that before the fix every later
+    site's tables and masks were left half rewritten."""
     app = xmix.App(name)
     app.read("probe", weight=_vec(1, shape.hidden_size)).layers([0]).submodule("residual.pre").named("g")
     cond = " or ".join(["g >= 0.5"] * terms)
-    for i in range(3):
-        app.write("add", vector=_vec(2 + i, shape.hidden_size)).layers("all").submodule("residual.post").cond(cond)
+    for i in range(writes):
+        app.write("add", vector=_vec(2 + i, shape.hidden_size)).layers([0]).submodule("residual.pre").cond(cond)
     return app
 
 
@@ -373,7 +374,7 @@ def test_refused_deploys_under_load_change_no_token_and_no_read(env):
         return [(f"{run}-{i}", _ids(env, PROMPTS[i]), ctls[i % 4], 24) for i in range(16)]
 
     control = _run(env, reqs("control"))
-    bad = _overflow_cond_app("overflow", env["shape"], terms=200)
+    bad = _overflow_cond_app("overflow", env["shape"], terms=200, writes=11)  # 11 x 399 > 4096
     data = bad.to_bytes()
     refused = []
 
