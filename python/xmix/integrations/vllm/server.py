@@ -3,18 +3,22 @@
 - ``xmix serve MODEL --app PATH [--app PATH ...] [--app-mode MODE] [any vllm serve argument]``
   runs ``vllm serve`` with the xmix general plugin (engine side) and the xmix endpoint plugin
   (HTTP side), then deploys the given apps before the server takes requests.
-- Per request: ``"vllm_xargs": {"xmix": "<JSON control>"}``. Non-streaming responses carry the
-  request's read results under a top-level ``"xmix"`` key (its first sequence; with ``n > 1``
-  every choice also carries its own under ``"xmix"``); a streaming chunk carries, under
-  ``"xmix"``, the reads produced since the previous chunk of the same choice.
+- Per request: ``"vllm_xargs": {"xmix": "<JSON control>"}``, checked before the request is
+  scheduled (a refusal is a 400 before any stream starts). Non-streaming responses carry the
+  request's read results under a top-level ``"xmix"`` key (with ``n > 1`` each choice carries
+  its own under ``"xmix"`` instead); a streaming chunk carries, under ``"xmix"``, the reads
+  produced since the previous chunk of the same choice. Non-finite values are sent as null.
+  Routes vLLM's ``--api-key`` does not guard (``/invocations``) may not use apps without it.
 - Control plane, authenticated like the server's ``--api-key`` (Bearer token):
     GET    /xmix/v1/apps               what is deployed, modes, sites, params
     POST   /xmix/v1/apps?mode=request  body: an app file (safetensors with the JSON spec);
                                        never pickle, never code (custom kernels refused)
     PATCH  /xmix/v1/apps/{name}        JSON {"mode": "off"|"request"|"all", "params": {...}}
     DELETE /xmix/v1/apps/{name}
-  Each change is a collective RPC that the engine core runs between two steps: it takes effect
-  at the next step boundary, requests in flight keep running (see docs/serving.md).
+  Each change is checked in full first, then applied by collective RPCs that the engine core
+  runs between two steps (a deploy in two phases: prepare everywhere, then commit): it takes
+  effect at the next step boundary, requests in flight keep running, a refusal changes
+  nothing (see docs/serving.md, "Transactions and isolation").
 """
 
 from __future__ import annotations
