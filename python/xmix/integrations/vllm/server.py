@@ -232,7 +232,8 @@ class RequestAppsAuth:
             from vllm.entrypoints.serve.middleware.authenticate import GUARDED_PREFIX
         except ImportError:  # pragma: no cover - another vLLM layout
             GUARDED_PREFIX = ("/v1", "/v2", "/inference", "/cohere")
-        self.guarded = tuple(GUARDED_PREFIX)
+        # the control plane's own routes check the key themselves
+        self.guarded = (*GUARDED_PREFIX, "/xmix/")
 
     async def __call__(self, scope, receive, send) -> None:
         st = getattr(self.server.state, "xmix", None) if scope["type"] == "http" else None
