@@ -495,6 +495,30 @@ def test_a_chunked_app_body_is_cut_off_at_the_limit(server):
     assert complete(server).status_code == 200
 
 
+def test_an_app_of_1000_ops_sharing_one_tensor_costs_one_copy(server):
+    """A ~460 KB file of 1 000 `affine` ops naming one matrix cost ~1 GB in each of three
+    processes (API server, engine core, worker), not released after DELETE. Now the tensor
+    is stored once everywhere: deploying and deleting it raises no process's peak memory by
+    more than a few tens of MiB."""
+    import psutil
+
+    from safetensors.torch import save
+
+    spec = _spec("shared", [{"primitive": "write", "kernel": "affine", "site": "residual.post",
+                             "layers": [i % 4], "params": {}, "artifacts": {"matrix": "m", "mu_s": "z", "mu_t": "z"}}
+                            for i in range(1000)])
+    data = save({"m": torch.eye(D), "z": torch.zeros(D)}, metadata={"xmix.spec": json.dumps(spec)})
+    assert len(data) < 600_000
+    procs = [psutil.Process(server["proc"].pid)]
+    procs += procs[0].children(recursive=True)
+    before = {p.pid: _hwm_kib(p.pid) for p in procs}
+    r = server["client"].post("/xmix/v1/apps", content=data)
+    assert r.status_code == 201, r.text
+    assert server["client"].delete("/xmix/v1/apps/shared").status_code == 200
+    grew = {p.pid: _hwm_kib(p.pid) - before[p.pid] for p in procs}
+    assert max(grew.values()) < 48 * 1024, grew
+
+
 def test_read_results_are_bounded(server):
     """A request whose reads could return more than XMIX_MAX_RESULT_BYTES (2 MiB here) is
     refused at admission with a message, streamed or not; below the cap it is served."""
