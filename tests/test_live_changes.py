@@ -248,6 +248,45 @@ def test_shared_artifacts_are_stored_once_and_bytes_are_bounded(monkeypatch):
         xmix.App.from_bytes(data)
 
 
+def test_writes_are_bounded_to_1e30_per_element():
+    """A write may not drive the stream past 1e30 (Inf/NaN in the KV cache would reach later
+    requests given the same blocks): the bound is |param| x the largest element it scales,
+    checked for app defaults at deploy and for every request's parameters."""
+    from xmix.control import param_columns, resolve_params
+    from xmix.lowering import WRITE_BOUND
+    from xmix.sae import SAE
+
+    v = torch.zeros(D)
+    v[3] = 4.0
+    add = xmix.App("add")
+    add.write("add", vector=v, scale=1.0).layers([1]).submodule("residual.post")
+    cols = param_columns(lower(add, SHAPE))
+    assert resolve_params(cols, {"scale": WRITE_BOUND / 4}, "a") == {0: WRITE_BOUND / 4}
+    for bad in (WRITE_BOUND / 4 * 1.01, -3e38):
+        with pytest.raises(RequestError, match="out of range"):
+            resolve_params(cols, {"scale": bad}, "a")
+    loud = xmix.App("loud")
+    loud.write("add", vector=v, scale=1e30).layers([1]).submodule("residual.post")
+    with pytest.raises(DeployError, match="beyond 1e"):
+        lower(loud, SHAPE)
+    clamp = xmix.App("clamp")
+    clamp.write("clamp", direction=_vec(5), min=-1.0).layers([1]).submodule("residual.post")
+    cols = param_columns(lower(clamp, SHAPE))
+    resolve_params(cols, {"max": 3e38}, "c")  # an upper bound far away moves nothing
+    with pytest.raises(RequestError, match="out of range"):
+        resolve_params(cols, {"min": 3e38}, "c")  # ... a lower one pulls the stream to it
+    g = torch.Generator().manual_seed(0)
+    W_dec = torch.zeros(8, D)
+    W_dec[2, 0], W_dec[5, 0] = 2.0, -3.0
+    sae = SAE(torch.randn(D, 8, generator=g), torch.zeros(8), W_dec, torch.zeros(D))
+    app = xmix.App("sae")
+    app.write("sae_clamp", sae=sae, feature=[2, 5], value=1.0).layers([1]).submodule("residual.post")
+    app.write("sae_steer", sae=sae, feature=[2, 5], scale=1.0).layers([2]).submodule("residual.post")
+    cols = param_columns(lower(app, SHAPE))
+    bounds = {c.name: c.hi for c in cols}
+    assert bounds == {"value": WRITE_BOUND / 5.0, "scale": WRITE_BOUND / 1.0}
+
+
 def test_request_controls_with_huge_numbers_are_refused():
     from xmix.control import param_columns, resolve_params
 

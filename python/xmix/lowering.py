@@ -37,9 +37,13 @@ WRITE_BOUND = 1e30
 def param_bounds(o: "LoweredOp") -> dict[str, tuple[float, float]]:
     """Ranges of an op's parameters within which its write stays within WRITE_BOUND (on top
     of the kernel's own ranges); checked for defaults at deploy and for every request."""
-    if o.kernel == "add":
+    if o.kernel in ("add", "sae_steer"):  # x += scale * a0 (sae_steer: summed decoder rows)
         m = float(o.artifacts["a0"].abs().max()) if o.artifacts["a0"].numel() else 0.0
         return {"scale": (-WRITE_BOUND / m, WRITE_BOUND / m)} if m > 0 else {}
+    if o.kernel == "sae_clamp":  # x += sum_f (value - a_f) W_dec[f]: |value| sum_f |W_dec[f]|
+        rows = o.sae.W_dec[list(o.features)].double().abs().sum(0)
+        m = float(rows.max()) if rows.numel() else 0.0
+        return {"value": (-WRITE_BOUND / m, WRITE_BOUND / m)} if m > 0 else {}
     if o.kernel == "clamp":  # a bound pulls the component along u to it
         return {"min": (-FLT_MAX, WRITE_BOUND), "max": (-WRITE_BOUND, FLT_MAX)}
     if o.kernel == "router":

@@ -101,7 +101,7 @@ class Needs:
     @staticmethod
     def of(lw: LoweredApp) -> "Needs":
         return Needs(len(lw.ops), sum(n_instructions(o.cond) for o in lw.ops if o.cond is not None),
-                     len(param_columns(lw)), len(lw.reads))
+                     len(param_columns(lw)), sum(o.n_channels for o in lw.reads.values()))
 
     def __add__(self, o: "Needs") -> "Needs":
         return Needs(self.ops + o.ops, self.cond + o.cond, self.params + o.params,
@@ -131,6 +131,8 @@ class Deployed:
         for op in self.lowered.reads.values():
             if op.kernel == "cosine":  # once per request
                 n += 2
+            elif op.kernel == "sae":  # {"ids": [...], "acts": [...]} per position
+                n += (1 + 2 * (op.top_k or len(op.features))) * positions
             else:
                 n += (1 + (op.capture_width or 1)) * positions
         return n

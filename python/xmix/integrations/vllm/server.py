@@ -367,21 +367,28 @@ def build_router() -> APIRouter:
 
 
 # ---------------------------------------------------------------------- responses
-def _finite(values: list) -> tuple[list, int]:
-    """(values with every non-finite number replaced by None, how many were replaced)."""
+def _finite(values: Any) -> tuple[Any, int]:
+    """(values with every non-finite number replaced by None, how many were replaced);
+    values are numbers, lists (captures) or objects of lists (SAE reads), copied only where
+    something is replaced."""
+    if isinstance(values, float):
+        return (values, 0) if math.isfinite(values) else (None, 1)
+    if isinstance(values, dict):
+        parts = {k: _finite(v) for k, v in values.items()}
+        bad = sum(b for _, b in parts.values())
+        return ({k: v for k, (v, _) in parts.items()} if bad else values), bad
+    if not isinstance(values, list):
+        return values, 0
+    if all(type(v) is float and math.isfinite(v) for v in values):  # the common case
+        return values, 0
     bad = 0
     out = values
     for i, v in enumerate(values):
-        if isinstance(v, list):
-            w, b = _finite(v)
-            if b:
-                if out is values:
-                    out = list(values)
-                out[i], bad = w, bad + b
-        elif isinstance(v, float) and not math.isfinite(v):
+        w, b = _finite(v)
+        if b:
             if out is values:
                 out = list(values)
-            out[i], bad = None, bad + 1
+            out[i], bad = w, bad + b
     return out, bad
 
 
