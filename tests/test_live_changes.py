@@ -107,6 +107,34 @@ def test_refused_install_leaves_the_live_control_block_untouched():
     assert cb.ops_generation == gen + 2
 
 
+def test_staged_refusal_queues_no_device_work_and_a_commit_lands_between_steps():
+    """On a staged control block (a GPU's, here the fake stream of tests/fake_device.py): a
+    refused deploy queues nothing and leaves every device buffer as it was; a committed one
+    reaches the device before the next step (the change waits for its copies) and never
+    rewrites what a step already queued."""
+    from fake_device import FakeDevice
+
+    dev = FakeDevice()
+    cb = ControlBlock(SHAPE, "cpu", SMALL, queue=dev)
+    _steer_probe(cb)
+    cb.admit("running", ["steer", "gated"], {"steer": {"scale": 2.0}}, 10)
+    dev.run()
+    device_before = {k: t.numpy().tobytes() for k, t in cb.dev.items()}
+    block_before = cb.block.numpy().tobytes()
+    queued, waits = len(dev.queue), dev.host_waits
+    with pytest.raises(DeployError, match="max_cond"):
+        cb.install(lower(_overflow_cond_app("cond"), SHAPE), version=9)
+    assert len(dev.queue) == queued and dev.host_waits == waits
+    assert [k for k, t in cb.dev.items() if t.numpy().tobytes() != device_before[k]] == []
+    assert cb.block.numpy().tobytes() == block_before
+    small = xmix.App("small")
+    small.write("add", vector=_vec(40)).layers([3]).submodule("mlp.post")
+    cb.install(lower(small, SHAPE), version=10)
+    assert not dev.queue  # the change's copies ran before install returned
+    assert torch.equal(cb.dev["ops"], torch.from_numpy(cb.host["ops"]))
+    assert torch.equal(cb.dev["site_count"], torch.from_numpy(cb.host["site_count"]))
+
+
 def test_prepared_deploy_is_not_live_until_committed():
     cb = ControlBlock(SHAPE, "cpu", SMALL)
     _steer_probe(cb)
