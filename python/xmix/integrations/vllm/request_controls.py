@@ -1,0 +1,91 @@
+"""Per-request xmix controls in the flat form that vLLM's ``vllm_xargs`` allows.
+
+vLLM 0.32 types ``vllm_xargs`` as ``dict[str, str | int | float | list[str | int | float]]``:
+no nested objects, so the canonical control ``{"apps": [...], "params": {app: {name: v}}}``
+can only travel there as a JSON string under ``"xmix"``. The flat form spells the same thing
+with one key per item:
+
+    "xmix_apps": ["steer", "probe"]      or  "xmix_apps": "steer,probe"
+    "xmix.steer.scale": 2.0                  one parameter: xmix.<app>.<name>
+    "xmix.steer.push.scale": 2.0             <name> as in the JSON form (may hold a dot)
+
+App names are letters, digits and '_' (``xmix.api``), so the first dot after ``xmix.`` ends
+the app name. The same keys work in offline ``SamplingParams.extra_args``. A request carries
+either the JSON form or the flat form: both at once is refused, naming the keys of each.
+Every other key that starts with ``xmix_`` or ``xmix.`` is refused too (a misspelt control
+must not be silently ignored); keys that do not are other extensions' business.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+JSON_KEY = "xmix"
+APPS_KEY = "xmix_apps"
+PARAM_PREFIX = "xmix."
+FLAT_PREFIXES = ("xmix_", PARAM_PREFIX)
+
+
+def is_flat_key(key: Any) -> bool:
+    return isinstance(key, str) and key.startswith(FLAT_PREFIXES)
+
+
+def has_control(extra_args: Mapping | None) -> bool:
+    """Whether a request's extra args carry an xmix control in either form."""
+    return bool(extra_args) and any(k == JSON_KEY or is_flat_key(k) for k in extra_args)
+
+
+def _short(v: Any, limit: int = 60) -> str:
+    r = repr(v)
+    return r if len(r) <= limit else r[: limit - 3] + "..."
+
+
+def _apps(value: Any, fail: Callable[[str], Exception]) -> list[str]:
+    if isinstance(value, str):
+        names = [n.strip() for n in value.split(",")] if value.strip() else []
+    elif isinstance(value, (list, tuple)):
+        if not all(isinstance(n, str) for n in value):
+            raise fail(f'"{APPS_KEY}" must list app names as strings, got {_short(value)}')
+        names = [n.strip() for n in value]
+    else:
+        raise fail(f'"{APPS_KEY}" must be a list of app names or a comma-separated string, '
+                   f"got {type(value).__name__}")
+    if any(not n for n in names):
+        raise fail(f'"{APPS_KEY}" has an empty app name: {_short(value)}')
+    return names
+
+
+def control_from_args(extra_args: Mapping | None,
+                      error: Callable[[str], Exception] = ValueError) -> Any:
+    """The request's xmix control: the JSON form's value as given (a string or a dict, checked
+    later by admission), the canonical dict built from the flat form, or None when the request
+    has neither. ``error(message)`` makes the exception raised for a malformed flat form."""
+    if not extra_args:
+        return None
+    flat = sorted(k for k in extra_args if is_flat_key(k))
+    if JSON_KEY in extra_args:
+        if flat:
+            raise error(f'the request has both the JSON form "{JSON_KEY}" and the flat form '
+                        f"{', '.join(repr(k) for k in flat[:8])}{' ...' if len(flat) > 8 else ''}; "
+                        "use one of them")
+        return extra_args[JSON_KEY]
+    if not flat:
+        return None
+    apps: list[str] = []
+    params: dict[str, dict[str, Any]] = {}
+    for key in flat:
+        value = extra_args[key]
+        if key == APPS_KEY:
+            apps = _apps(value, error)
+            continue
+        if not key.startswith(PARAM_PREFIX):
+            raise error(f"unknown flat control {key!r}; the flat form has {APPS_KEY!r} and "
+                        f"'{PARAM_PREFIX}<app>.<parameter>' keys")
+        app, _, name = key[len(PARAM_PREFIX):].partition(".")
+        if not app or not name:
+            raise error(f"flat control {key!r} must be '{PARAM_PREFIX}<app>.<parameter>'")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise error(f"{key!r} must be a number, got {_short(value)}")
+        params.setdefault(app, {})[name] = value
+    return {"apps": apps, "params": params}
