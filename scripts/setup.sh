@@ -37,6 +37,18 @@ if [ ! -f /usr/include/gtest/gtest.h ]; then
   fi
 fi
 
+# The console's browser tests drive Debian's chromium through its chromedriver (Selenium, from
+# the test extra); no browser is ever downloaded at run time. Without root or apt they skip.
+if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then
+  if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+    echo "[setup] installing chromium and chromium-driver (the console's browser tests)"
+    { apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; } \
+      || echo "[setup] chromium could not be installed: the console's browser tests will skip" >&2
+  else
+    echo "[setup] chromium/chromedriver missing and no root apt: the console's browser tests will skip" >&2
+  fi
+fi
+
 echo "[setup] installing build tools and xmix[$EXTRA,test] (vLLM included)"
 quiet $VPY -m pip install -q "scikit-build-core>=0.10" "pybind11>=2.12" "cmake>=3.24" ninja
 quiet $VPY -m pip install -q --no-build-isolation -e ".[$EXTRA,test]" \

@@ -156,7 +156,7 @@ def decisions(lowered: LoweredApp, ids: list[int], prompt_len: int, results: dic
     for op in lowered.ops:
         if op.cond is None:
             continue
-        out.append({"op": op.label, "kernel": op.kernel, "primitive": op.primitive,
+        out.append({"op": op.label, "name": op.name or f"#{op.op_index}", "kernel": op.kernel, "primitive": op.primitive,
                     "site": site_name(op.site_id, lowered.shape.n_layers),
                     "cond": C.to_text(op.cond),
                     "fired": [ev.holds(op, op.cond, t) for t in range(ev.n)]})

@@ -298,7 +298,7 @@ function renderRead(app, read, r, texts, promptLen) {
 function renderDecision(app, op, texts, promptLen) {
   const fired = op.fired.filter(x => x === true).length;
   const unknown = op.fired.filter(x => x === null).length;
-  const row = el("div", { class: "heatmap", dataset: { app, op: op.op } });
+  const row = el("div", { class: "heatmap", dataset: { app, op: op.name } });
   texts.forEach((text, t) => {
     const span = tokenSpan(t, text, promptLen);
     const f = t < op.fired.length ? op.fired[t] : undefined;

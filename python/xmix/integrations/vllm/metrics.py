@@ -11,36 +11,38 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.
                    2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 
 
-def _make():
-    from prometheus_client import Counter, Gauge, Histogram
+def _make(registry=None):
+    """The counters, registered on ``registry`` (vLLM's default one when None)."""
+    from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 
+    kw = {"registry": REGISTRY if registry is None else registry}
     return {
         "requests": Counter("vllm:xmix_requests", "Requests admitted that use at least one xmix app",
-                            ["model_name"]),
+                            ["model_name"], **kw),
         "app_requests": Counter("vllm:xmix_app_requests", "Requests admitted per xmix app",
-                                ["model_name", "app"]),
+                                ["model_name", "app"], **kw),
         "rejected": Counter("vllm:xmix_rejected_requests",
-                            "Requests refused at admission for a bad xmix control", ["model_name"]),
+                            "Requests refused at admission for a bad xmix control", ["model_name"], **kw),
         "changes": Counter("vllm:xmix_control_changes", "Control-plane changes applied",
-                           ["model_name", "kind"]),
-        "deployed": Gauge("vllm:xmix_apps_deployed", "xmix apps deployed", ["model_name"]),
+                           ["model_name", "kind"], **kw),
+        "deployed": Gauge("vllm:xmix_apps_deployed", "xmix apps deployed", ["model_name"], **kw),
         # Per-app use, counted by usage.py from what the engine returns.
         "gate_tokens": Counter("vllm:xmix_gate_tokens",
-                               "Positions where the read of an xmix gate ran", ["model_name", "app", "gate"]),
+                               "Positions where the read of an xmix gate ran", ["model_name", "app", "gate"], **kw),
         "gate_fired": Counter("vllm:xmix_gate_fired_tokens",
-                              "Positions where an xmix gate held", ["model_name", "app", "gate"]),
+                              "Positions where an xmix gate held", ["model_name", "app", "gate"], **kw),
         "app_ttft": Histogram("vllm:xmix_app_time_to_first_token_seconds",
                               "Time to first token of finished requests that used the app",
-                              ["model_name", "app"], buckets=LATENCY_BUCKETS),
+                              ["model_name", "app"], buckets=LATENCY_BUCKETS, **kw),
         "app_tpot": Histogram("vllm:xmix_app_time_per_output_token_seconds",
                               "Mean time per output token of finished requests that used the app",
-                              ["model_name", "app"], buckets=LATENCY_BUCKETS),
+                              ["model_name", "app"], buckets=LATENCY_BUCKETS, **kw),
         "plain_ttft": Histogram("vllm:xmix_no_app_time_to_first_token_seconds",
                                 "Time to first token of finished requests that used no xmix app",
-                                ["model_name"], buckets=LATENCY_BUCKETS),
+                                ["model_name"], buckets=LATENCY_BUCKETS, **kw),
         "plain_tpot": Histogram("vllm:xmix_no_app_time_per_output_token_seconds",
                                 "Mean time per output token of finished requests that used no xmix app",
-                                ["model_name"], buckets=LATENCY_BUCKETS),
+                                ["model_name"], buckets=LATENCY_BUCKETS, **kw),
     }
 
 

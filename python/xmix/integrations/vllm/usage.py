@@ -20,6 +20,8 @@ the frontend (new tokens, read results), so nothing is added to the engine's ste
 from __future__ import annotations
 
 import logging
+import math
+import struct
 import threading
 import time
 from dataclasses import dataclass, field
@@ -51,6 +53,14 @@ class _Record:
     tokens: int = 0
 
 
+def _f32(x: float) -> float:
+    """A threshold as the kernels compare against it."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        return math.copysign(math.inf, x)
+
+
 def gates_of(lowered, defaults: dict[str, float], overrides: dict[str, Any]) -> list[_Gate]:
     """The distinct per-token gates in an app's conditions, with their thresholds for one
     request (a parameter name takes the request's value, else the app's default)."""
@@ -66,7 +76,7 @@ def gates_of(lowered, defaults: dict[str, float], overrides: dict[str, Any]) -> 
             else:
                 th = node.value
             label = C.to_text(node)
-            out.setdefault(label, _Gate(node.read, node.cmp, float(th), label))
+            out.setdefault(label, _Gate(node.read, node.cmp, _f32(float(th)), label))
     return list(out.values())
 
 
