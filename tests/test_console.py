@@ -122,8 +122,9 @@ def view(d, name):
     wait(d, lambda d: d.find_element(By.ID, f"view-{name}").is_displayed(), 10)
 
 
-def run_playground(d, prompt, apps, params=None, max_tokens=12):
+def run_playground(d, prompt, apps, params=None, max_tokens=12, kind="completion"):
     view(d, "playground")
+    Select(d.find_element(By.ID, "pg-kind")).select_by_value(kind)
     for box in d.find_elements(By.CSS_SELECTOR, "#pg-app-list input[type=checkbox]"):
         if box.is_selected() != (box.get_attribute("data-app") in apps):
             box.click()
@@ -228,6 +229,25 @@ def test_gate_decisions_are_marked_on_the_tokens_they_fired_on(server, page):
     assert "true" in expect and "false" in expect, "pick a theta that splits the tokens"
     assert [c.get_attribute("class").split().count("fired") for c in marks] == \
         [int(e == "true") for e in expect]
+
+
+def test_playground_chat_streams_and_maps_the_template_tokens(server, page):
+    message = "Tell me a story"
+    run_playground(page, message, ["lens_probe"], kind="chat", max_tokens=8)
+    body = {"model": server["name"], "messages": [{"role": "user", "content": message}],
+            "max_tokens": 8, "temperature": 0, "seed": 0, "vllm_xargs": {"xmix_apps": "lens_probe"}}
+    r = server["client"].post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    chat = r.json()
+    assert page.find_element(By.CSS_SELECTOR, "#pg-steered pre.answer").text.strip() == \
+        chat["choices"][0]["message"]["content"].strip()
+    lean = chat["xmix"]["lens_probe"]["lean"]
+    tokens = cells(page, "steered", "lens_probe", "lean")
+    assert len(tokens) == chat["usage"]["prompt_tokens"] + chat["usage"]["completion_tokens"]
+    valued = [c for c in tokens if c.get_attribute("data-value") is not None]
+    assert [float(c.get_attribute("data-value")) for c in valued] == lean["values"]
+    # the chat template's tokens are shown: the user's message is inside the prompt cells
+    assert message in "".join(c.text for c in tokens[: chat["usage"]["prompt_tokens"]])
 
 
 def test_model_and_client_text_renders_as_text(server, page):
