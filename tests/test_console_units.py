@@ -104,11 +104,33 @@ def test_decisions_use_the_requests_parameters_and_missing_reads():
         D.decisions(lw, IDS, 0, RESULTS)
 
 
-def test_sae_values_gate_on_their_largest_activation():
-    assert D._number({"ids": [3, 9], "acts": [2.5, 0.5]}) == 2.5
-    assert D._number({"ids": [], "acts": []}) == 0.0
-    assert D._number([1.0, 2.0]) is None
-    assert math.isnan(D._number(None))
+def test_sae_reads_gate_on_their_first_channel_or_one_feature():
+    assert D.read_scalar({"ids": [3, 9], "acts": [2.5, 0.5]}) == 2.5          # top-K: largest
+    assert D.read_scalar({"ids": [], "acts": []}) == 0.0                       # none active
+    assert D.read_scalar({"ids": [40, 12], "acts": [0.0, 1.5]}) == 0.0         # features: first
+    assert D.read_scalar({"ids": [40, 12], "acts": [0.0, 1.5]}, 1) == 1.5      # name.f12
+    assert D.read_scalar([1.0, 2.0]) is None
+    assert math.isnan(D.read_scalar(None))
+
+    from xmix.sae import SAE
+
+    g = torch.Generator().manual_seed(0)
+    sae = SAE(torch.randn(8, 16, generator=g), torch.zeros(16), torch.randn(16, 8, generator=g),
+              torch.zeros(8), hook="layers.1.residual.post")
+    a = xmix.App("s")
+    a.read("sae", sae=sae, features=[4, 11]).named("f")
+    a.write("add", vector=torch.ones(8), scale=1.0).layers([3]).submodule("residual.post") \
+        .named("w").cond(gate="f.f11 > 1.0")
+    a.write("add", vector=torch.ones(8), scale=1.0).layers([3]).submodule("residual.post") \
+        .named("v").cond(gate="prompt_mean(f.f4) >= 0.5")
+    lw = lower(a, SHAPE)
+    vals = [{"ids": [4, 11], "acts": [x, y]} for x, y in
+            [(0.0, 2.0), (1.0, 0.5), (0.2, 1.0), (0.5, 3.0), (0.0, 0.0)]]
+    res = {"f": {"positions": list(range(5)), "values": vals}}
+    ops = D.decisions(lw, [1, 2, 3, 4, 5, 6], 3, res)
+    assert _fired(ops, "w") == [True, False, False, True, False]
+    # mean of f4 over the prompt (0 + 1 + 0.2) / 3 = 0.4 < 0.5
+    assert _fired(ops, "v") == [False] * 5
 
 
 # ---------------------------------------------------------------------- usage and Live
@@ -174,10 +196,11 @@ def test_usage_counts_gates_and_latency_per_app_and_live_reads_them_back():
     apps = [{"name": "a", "mode": "request"}, {"name": "plain", "mode": "request"}]
     snap = live.snapshot(m, "m", apps)
     a, p = snap["apps"]
-    # gate g >= theta with theta 0.8: values 0.2 0.9 0.5 0.7 0.95 ran (null did not), 2 fired;
-    # g <= 0.1 on none of them; the gate on the capture read has no scalar to count
-    assert a["gates"] == [{"gate": "g <= 0.1", "tokens": 5.0, "fired": 0.0, "rate": 0.0},
-                          {"gate": "g >= theta", "tokens": 5.0, "fired": 2.0, "rate": 0.4}]
+    # gate g >= theta with theta 0.8: values 0.2 0.9 0.5 0.7 0.95 null ran, 2 fired (null, a
+    # non-finite value, compares false); g <= 0.1 on none of them; the gate on the capture read
+    # has no scalar to count
+    assert a["gates"] == [{"gate": "g <= 0.1", "tokens": 6.0, "fired": 0.0, "rate": 0.0},
+                          {"gate": "g >= theta", "tokens": 6.0, "fired": 2.0, "rate": 1 / 3}]
     # r1: TTFT 0.5 s, 3 tokens from 100.5 to 100.9: TPOT 0.2 s
     assert a["requests_finished"] == 1 and a["ttft_mean_s"] == pytest.approx(0.5)
     assert a["tpot_mean_s"] == pytest.approx(0.2)

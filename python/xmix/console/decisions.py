@@ -7,9 +7,9 @@ determine them, with the semantics of ``xmix.conditions`` (the transformers path
 
 - ``all``, ``prompt``, ``generated``, ``last_token``, ``token_in``, ``in_span``: from the
   token ids and the prompt length.
-- a gate ``READ CMP value``: from READ's value at that position; a position where READ did not
-  run (no value reported) compares false, as NaN does in the kernels. Capture reads (vectors)
-  are not comparable: unknown.
+- a gate ``READ CMP value``: from READ's value at that position (an SAE read's first channel,
+  ``name.f<id>`` one feature's); a position where READ did not run (no value reported) compares
+  false, as NaN does in the kernels. Capture reads (vectors) are not comparable: unknown.
 - a latch ``prompt_mean(READ)`` / ``prompt_last(READ)``: from READ's values over the prompt,
   decided at the last prompt token (or from the first generated token for an op at or before
   the read's site, ``lowering.latch_from_generated``).
@@ -34,18 +34,24 @@ from xmix.lowering import LoweredApp, LoweredOp, latch_from_generated
 Unknown = None
 
 
-def _number(v: Any) -> float | None:
-    """A read value as the gates compare it; None when it is not a scalar (capture vectors).
-    SAE reads report {"ids", "acts"} per position and gate on the largest activation."""
+def read_scalar(v: Any, channel: int | None = None) -> float | None:
+    """A reported read value as gates compare it, as the kernels do; None when it is not a
+    scalar (capture vectors). SAE reads report {"ids", "acts"} per position: a gate on the read
+    takes its first channel (a top-K read's largest activation, 0 when none is active; a
+    features read's first listed feature), a gate on ``name.f<id>`` that feature's channel."""
     if isinstance(v, bool):
         return None
     if isinstance(v, (int, float)):
-        return float(v)
+        return float(v) if channel is None else None
     if v is None:  # a non-finite value, written as null in strict JSON
         return math.nan
     if isinstance(v, dict) and isinstance(v.get("acts"), list):
-        acts = [float(a) for a in v["acts"] if isinstance(a, (int, float))]
-        return max(acts) if acts else 0.0
+        acts = v["acts"]
+        i = channel or 0
+        if i >= len(acts):
+            return 0.0 if channel is None else None
+        a = acts[i]
+        return math.nan if a is None else float(a) if isinstance(a, (int, float)) else None
     return None
 
 
@@ -57,13 +63,8 @@ class _Eval:
         self.P = prompt_len
         self.n = max(len(ids) - 1, 0)  # the last sampled token is never fed back
         self.params = params
-        self.reads: dict[str, dict[int, Any] | None] = {}
-        for key in lowered.reads:
-            entry = results.get(key) if isinstance(results, dict) else None
-            if isinstance(entry, dict) and isinstance(entry.get("positions"), list):
-                self.reads[key] = dict(zip(entry["positions"], entry.get("values") or []))
-            else:
-                self.reads[key] = None
+        self.results = results if isinstance(results, dict) else {}
+        self.reads: dict[str, dict[int, float | None] | None] = {}
         self.spans: dict[tuple[str, str], list[bool]] = {}
 
     def threshold(self, value: float | str) -> float | None:
@@ -78,13 +79,26 @@ class _Eval:
         except OverflowError:
             return math.copysign(math.inf, float(value))
 
+    def values(self, read: str) -> dict[int, float | None] | None:
+        """Position -> scalar of the read a condition names (a result key, or ``name.f<id>``);
+        None when the results do not hold it."""
+        if read not in self.reads:
+            key, channel = getattr(self.lw, "aliases", {}).get(read, (read, None))
+            entry = self.results.get(key)
+            if isinstance(entry, dict) and isinstance(entry.get("positions"), list):
+                self.reads[read] = {p: read_scalar(v, channel)
+                                    for p, v in zip(entry["positions"], entry.get("values") or [])}
+            else:
+                self.reads[read] = None
+        return self.reads[read]
+
     def read_at(self, read: str, t: int) -> float | None:
-        vals = self.reads.get(read)
+        vals = self.values(read)
         if vals is None:
             return None  # no results for this read: undetermined
         if t not in vals:
             return math.nan  # the read did not run on this token
-        return _number(vals[t])
+        return vals[t]
 
     def span(self, open_: str, close: str) -> list[bool]:
         k = (open_, close)
@@ -95,13 +109,12 @@ class _Eval:
         return self.spans[k]
 
     def latch_value(self, node: C.Latch) -> float | None:
-        vals = self.reads.get(node.read)
+        vals = self.values(node.read)
         if vals is None:
             return None
         if node.reduce == "prompt_last":
-            v = vals.get(self.P - 1)
-            return math.nan if v is None else _number(v)
-        prompt = [_number(v) for p, v in vals.items() if p < self.P]
+            return vals.get(self.P - 1, math.nan)
+        prompt = [v for p, v in vals.items() if p < self.P]
         if any(x is None for x in prompt):
             return None
         finite = [x for x in prompt if x == x]

@@ -29,6 +29,7 @@ from typing import Any
 
 from xmix import conditions as C
 from xmix import reference as R
+from xmix.console.decisions import read_scalar
 
 logger = logging.getLogger("vllm.xmix")
 
@@ -37,10 +38,11 @@ XMIX_KEY = "xmix"
 
 @dataclass
 class _Gate:
-    read: str
+    read: str                # the result key
     cmp: str
     threshold: float
     label: str
+    channel: int | None = None  # one feature of an SAE features read (``name.f<id>``)
 
 
 @dataclass
@@ -76,7 +78,8 @@ def gates_of(lowered, defaults: dict[str, float], overrides: dict[str, Any]) -> 
             else:
                 th = node.value
             label = C.to_text(node)
-            out.setdefault(label, _Gate(node.read, node.cmp, _f32(float(th)), label))
+            key, channel = getattr(lowered, "aliases", {}).get(node.read, (node.read, None))
+            out.setdefault(label, _Gate(key, node.cmp, _f32(float(th)), label, channel))
     return list(out.values())
 
 
@@ -84,13 +87,11 @@ def count_gate(values: list, gate: _Gate) -> tuple[int, int]:
     """(positions the read ran on, positions the gate held on) among one result's values."""
     ran = fired = 0
     for v in values:
-        if isinstance(v, dict) and isinstance(v.get("acts"), list):  # SAE reads
-            acts = [a for a in v["acts"] if isinstance(a, (int, float))]
-            v = max(acts) if acts else 0.0
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
+        x = read_scalar(v, gate.channel)
+        if x is None:  # not a scalar (a capture vector)
             continue
         ran += 1
-        fired += R.compare(float(v), gate.cmp, gate.threshold)
+        fired += R.compare(x, gate.cmp, gate.threshold)  # non-finite (null) compares false
     return ran, fired
 
 
