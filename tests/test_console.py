@@ -118,8 +118,11 @@ def wait(d, cond, timeout=60):
 
 
 def view(d, name):
+    renders = d.find_element(By.ID, "apps-list").get_attribute("data-renders")
     d.find_element(By.CSS_SELECTOR, f".tab[data-view={name}]").click()
     wait(d, lambda d: d.find_element(By.ID, f"view-{name}").is_displayed(), 10)
+    if name == "apps":  # the view reloads the app list when opened: wait for that render
+        wait(d, lambda d: d.find_element(By.ID, "apps-list").get_attribute("data-renders") != renders, 10)
 
 
 def run_playground(d, prompt, apps, params=None, max_tokens=12, kind="completion"):
@@ -324,20 +327,22 @@ def test_deploy_mode_params_and_undeploy_through_the_page_take_effect(server, pa
 def test_live_view_shows_the_metrics_counters_and_refreshes(server, page):
     view(page, "live")
 
-    def row(app):
-        return page.find_element(By.CSS_SELECTOR, f"#live-table tr[data-app='{app}']")
+    def cell(app, sel):
+        # read in one script call: the view re-renders its table every 2 s
+        return page.execute_script(
+            "const c = document.querySelector(arguments[0]); return c ? c.textContent : null;",
+            f"#live-table tr[data-app='{app}'] {sel}")
 
     def shown(app):
-        return float(row(app).find_element(By.CSS_SELECTOR, "td.admitted").text)
+        return float(cell(app, "td.admitted"))
 
-    wait(page, lambda d: d.find_elements(By.CSS_SELECTOR, "#live-table tr[data-app='lens_probe']"))
+    wait(page, lambda d: cell("lens_probe", "td.admitted") is not None)
     assert shown("lens_probe") == metric(server, "vllm:xmix_app_requests_total", app="lens_probe")
     tokens = metric(server, "vllm:xmix_gate_tokens_total", app="gated")
     fired = metric(server, "vllm:xmix_gate_fired_tokens_total", app="gated")
     assert tokens > 0
-    gate = row("gated").find_element(By.CSS_SELECTOR, "td.gates div").text
-    assert gate.startswith(f"g >= theta: {int(fired)} / {int(tokens)} = ")
-    assert row("steer_the").find_element(By.CSS_SELECTOR, "td.finished").text != "0"
+    assert cell("gated", "td.gates div").startswith(f"g >= theta: {int(fired)} / {int(tokens)} = ")
+    assert cell("steer_the", "td.finished") != "0"
     before = shown("lens_probe")
     completion(server, "Refresh me", {"xmix_apps": ["lens_probe"]})
     wait(page, lambda d: shown("lens_probe") == before + 1, 15)   # no reload: the view polls

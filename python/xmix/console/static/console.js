@@ -391,6 +391,7 @@ function siteGrid(sites) {
 function renderApps() {
   const list = $("#apps-list");
   list.replaceChildren();
+  list.dataset.renders = String(Number(list.dataset.renders || 0) + 1);  // lets tests wait for a re-render
   if (!state.apps.length) list.append(el("p", { class: "muted", text: "no app deployed" }));
   for (const a of state.apps) {
     const mode = el("select", { dataset: { app: a.name }, class: "mode-select" });
@@ -421,41 +422,45 @@ function renderApps() {
   }
 }
 
-async function patchApp(name, body) {
+// Each change re-reads the app list before it reports, so what the page says has happened
+// is what the page shows.
+async function change(what, call) {
   const status = $("#apps-status");
+  setStatus(status, "working…");
+  let msg, failed = false;
   try {
-    await api("PATCH", "/xmix/v1/apps/" + encodeURIComponent(name), body);
-    setStatus(status, `${name}: ${Object.keys(body).join(" and ")} changed`);
+    msg = await call();
   } catch (e) {
-    setStatus(status, `${name}: ${e.message}`, true);
+    msg = `${what}: ${e.message}`;
+    failed = true;
   }
   await refreshApps().catch(() => {});
+  setStatus(status, msg, failed);
 }
 
-async function undeployApp(name) {
-  const status = $("#apps-status");
-  try {
+function patchApp(name, body) {
+  return change(name, async () => {
+    await api("PATCH", "/xmix/v1/apps/" + encodeURIComponent(name), body);
+    return `${name}: ${Object.keys(body).join(" and ")} changed`;
+  });
+}
+
+function undeployApp(name) {
+  return change(name, async () => {
     await api("DELETE", "/xmix/v1/apps/" + encodeURIComponent(name));
-    setStatus(status, `${name}: undeployed`);
-  } catch (e) {
-    setStatus(status, `${name}: ${e.message}`, true);
-  }
-  await refreshApps().catch(() => {});
+    return `${name}: undeployed`;
+  });
 }
 
 async function deployApp() {
-  const status = $("#apps-status");
   const file = $("#deploy-file").files[0];
-  if (!file) { setStatus(status, "choose an app file first", true); return; }
-  try {
+  if (!file) { setStatus($("#apps-status"), "choose an app file first", true); return; }
+  return change("deploy failed", async () => {
     const buf = await file.arrayBuffer();
     const info = await api("POST", "/xmix/v1/apps?mode=" + encodeURIComponent($("#deploy-mode").value), buf,
       { "Content-Type": "application/octet-stream" });
-    setStatus(status, `${info.name}: deployed (mode ${info.mode})`);
-  } catch (e) {
-    setStatus(status, `deploy failed: ${e.message}`, true);
-  }
-  await refreshApps().catch(() => {});
+    return `${info.name}: deployed (mode ${info.mode})`;
+  });
 }
 
 // ------------------------------------------------------------------ live
