@@ -122,7 +122,7 @@ function renderAppChoices() {
       el("span", { class: "muted", text: `mode ${a.mode}` + (a.mode === "all" ? " (applies to every request, the vanilla one too)" : a.mode === "off" ? " (switched off)" : "") }));
     for (const [p, def] of Object.entries(a.params || {})) {
       row.append(el("label", { class: "param" }, p + " ",
-        el("input", { type: "number", step: "any", placeholder: fmtNum(def, 6), dataset: { app: a.name, param: p } })));
+        el("input", { type: "number", step: "any", placeholder: String(def), dataset: { app: a.name, param: p } })));
     }
     list.append(row);
   }
