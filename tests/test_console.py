@@ -352,7 +352,7 @@ def test_live_view_shows_the_metrics_counters_and_refreshes(server, page):
 
 def test_server_start_logs_each_app_and_the_console_url(server):
     log = server["log"].read_text()
-    lines = [l for l in log.splitlines() if "xmix: app " in l]
+    lines = [l for l in log.splitlines() if re.search(r"xmix: app \w+  mode=", l)]
     assert len(lines) == 3
     assert re.search(r"xmix: app steer_the  mode=request  sites=layers\.3\.residual\.post$", lines[0])
     assert re.search(r"xmix: app lens_probe  mode=request  sites=final\.post$", lines[1])
