@@ -134,6 +134,12 @@ def test_flat_controls_on_the_server_and_conflicting_forms(server):
         assert r.status_code == 400, (path, r.text)
         msg = r.json()["error"]["message"]
         assert '"xmix"' in msg and "'xmix_apps'" in msg and "'xmix.steer.scale'" in msg, msg
+    # a stream is refused before it starts, with the same 400
+    r = server["client"].post("/v1/completions", json={**base, "stream": True, "vllm_xargs": both})
+    assert r.status_code == 400 and '"xmix"' in r.json()["error"]["message"], r.text
+    r = server["client"].post("/v1/completions", json={**base, "stream": True,
+                                                       "vllm_xargs": {"xmix_apps": "nope"}})
+    assert r.status_code == 400 and "unknown app 'nope'" in r.json()["error"]["message"], r.text
     for xargs, words in (({"xmix_app": "probe"}, "unknown flat control 'xmix_app'"),
                          ({"xmix.probe.bias": "high"}, "'xmix.probe.bias' must be a number"),
                          ({"xmix_apps": "probe", "xmix.steer.scale": 1.0}, "does not use")):
@@ -158,3 +164,18 @@ def _installed(dist: str) -> bool:
         return True
     except md.PackageNotFoundError:
         return False
+
+
+def test_flat_controls_need_the_api_key_on_unguarded_routes(server):
+    """vLLM's SageMaker route (/invocations) is not guarded by --api-key; a request there may
+    generate, but not use apps without the key, whichever form names them."""
+    import httpx
+
+    url = server["base"] + "/invocations"
+    body = {"model": server["name"], "prompt": "Once upon a time", "max_tokens": 4, "temperature": 0}
+    for xargs in ({"xmix_apps": ["probe"]}, {"xmix_apps": "probe"}, {"xmix.probe.p2.bias": 1.0}):
+        r = httpx.post(url, json={**body, "vllm_xargs": xargs}, timeout=60)
+        assert r.status_code == 401, (xargs, r.text)
+    r = httpx.post(url, json={**body, "vllm_xargs": {"xmix_apps": ["probe"]}}, timeout=60,
+                   headers={"Authorization": f"Bearer {server['key']}"})
+    assert r.status_code == 200 and "p2" in r.json()["xmix"]["probe"], r.text

@@ -44,7 +44,8 @@ from xmix.console import console_url
 from xmix.console.router import console_router
 
 from . import metrics, usage
-from .frontend import XMIX_KEY, Controller, shown
+from .frontend import XMIX_KEY, Controller, _validation_error, shown
+from .request_controls import control_from_args, has_control
 
 logger = logging.getLogger("vllm.xmix")  # vLLM's handlers and format apply
 
@@ -220,7 +221,7 @@ def _carries_xmix(body: bytes) -> bool:
     except (ValueError, RecursionError, UnicodeDecodeError):
         return False  # not a request vLLM would accept either
     xargs = doc.get("vllm_xargs") if isinstance(doc, dict) else None
-    return isinstance(xargs, dict) and XMIX_KEY in xargs
+    return isinstance(xargs, dict) and has_control(xargs)
 
 
 class RequestAppsAuth:
@@ -478,7 +479,11 @@ def _precheck(serving, request, engine_inputs, max_tokens_field: str):
         return None
     from vllm.entrypoints.serve.utils.api_utils import get_max_tokens
 
-    raw = xargs.get(XMIX_KEY)
+    try:
+        raw = control_from_args(xargs, _validation_error)
+    except ValueError as e:
+        logger.info("xmix: request refused at admission: %s", e)
+        return serving.create_error_response(str(e), param="vllm_xargs.xmix")
     asked = getattr(request, max_tokens_field, None)
     if asked is None:
         asked = getattr(request, "max_tokens", None)
