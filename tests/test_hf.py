@@ -567,3 +567,110 @@ def test_custom_cpu_kernels(models, tmp_path):
     P = len(ids)
     assert y[:P - 1] == [float(t) for t in range(P - 1)]
     assert y[P - 1] == pytest.approx(float(hs[1][P - 1, 1]), abs=1e-6)
+
+
+# ------------------------------------------------------------------------------ sessions
+def _session_apps(tok, d=D):
+    g = torch.Generator().manual_seed(7)
+
+    def unit():
+        v = torch.randn(d, generator=g)
+        return v / v.norm()
+
+    steer = App("steer")
+    steer.write("add", vector=unit() * 6.0, scale=1.0).layers([1]).submodule("residual.post")
+    probe = App("probe")
+    probe.read("probe", weight=unit() * 0.5, bias=0.1).layers([2]).submodule("residual.post").named("p2")
+    guarded = App("guarded")
+    guarded.token_set("trig", ids=sorted(set(tok.encode(" the a e", add_special_tokens=False))))
+    guarded.read("probe", weight=unit() * 0.5).layers([1]).submodule("residual.mid").named("g")
+    guarded.write("add", vector=unit() * 8.0, scale=1.0).layers([2]).submodule("attention.post") \
+        .cond(when="token_in(trig) or generated", gate="g >= 0.5")
+    latch = App("latch")
+    latch.read("probe", weight=unit() * 0.5).layers([0]).submodule("residual.post").named("q")
+    latch.write("add", vector=unit() * 8.0, scale=1.0).layers([2, 3]).submodule("residual.pre") \
+        .cond(gate="prompt_mean(q) >= 0.0")
+    return [steer, probe, guarded, latch]
+
+
+SESSION_PROMPTS = ["the quick brown fox jumps over the lazy dog and then",
+                   "She opened the letter",
+                   "Rivers carry water from the mountains to the sea, where"]
+
+
+def _assert_reads_close(got: dict, want: dict, what: str) -> None:
+    assert set(got) == set(want), what
+    for app, reads in want.items():
+        assert set(got[app]) == set(reads), what
+        for key, o in reads.items():
+            assert got[app][key]["positions"] == o["positions"], f"{what}: {app}.{key}"
+            torch.testing.assert_close(torch.tensor(got[app][key]["values"], dtype=torch.float64),
+                                       torch.tensor(o["values"], dtype=torch.float64),
+                                       rtol=1e-4, atol=1e-5, msg=f"{what}: {app}.{key}")
+
+
+@pytest.mark.parametrize("kind", ["tiny-llama", "tiny-gemma2"])
+def test_session_generate_of_a_padded_batch_equals_one_request_each(models, kind):
+    """transformers' own generate() on 3 left-padded prompts inside a session gives each row
+    the tokens and reads Attachment.generate gives that prompt alone."""
+    model, tok = models(kind)
+    apps = _session_apps(tok)
+    names = ["steer", "probe", "guarded", "latch"]
+    n_new = 12
+    with attach(model, apps, tokenizer=tok) as att:
+        single = [att.generate(tok.encode(p), n_new, apps=names) for p in SESSION_PROMPTS]
+        tok.padding_side = "left"
+        batch = tok(SESSION_PROMPTS, return_tensors="pt", padding=True)
+        assert (batch["attention_mask"] == 0).any(), "the prompts differ in length: some rows are padded"
+        with att.session(apps=names) as s:
+            out = model.generate(**batch, do_sample=False, max_new_tokens=n_new, eos_token_id=None,
+                                 pad_token_id=tok.pad_token_id)
+        T = batch["input_ids"].shape[1]
+        for i, (toks, res) in enumerate(single):
+            assert out[i, T:].tolist() == toks, f"row {i}"
+            _assert_reads_close(s.results[i], res, f"row {i}")
+        # the apps changed something: the same batch without a session differs
+        plain = model.generate(**batch, do_sample=False, max_new_tokens=n_new, eos_token_id=None,
+                               pad_token_id=tok.pad_token_id)
+        assert not torch.equal(plain, out)
+
+
+def test_session_plain_forward_with_right_padding(models):
+    model, tok = models("tiny-llama")
+    apps = _session_apps(tok)
+    with attach(model, apps, tokenizer=tok) as att:
+        single = [att.forward(tok.encode(p), apps=["probe", "guarded"]) for p in SESSION_PROMPTS]
+        tok.padding_side = "right"
+        batch = tok(SESSION_PROMPTS, return_tensors="pt", padding=True)
+        with att.session(apps=["probe", "guarded"]) as s:
+            with torch.no_grad():
+                logits = model(**batch).logits
+        for i, (last, res) in enumerate(single):
+            n = int(batch["attention_mask"][i].sum())
+            torch.testing.assert_close(logits[i, n - 1], last, rtol=1e-4, atol=1e-4)
+            _assert_reads_close(s.results[i], res, f"row {i}")
+
+
+def test_outside_a_session_the_model_is_untouched_and_says_so_once(models):
+    model, tok = models("tiny-llama")
+    x = torch.tensor([tok.encode(SESSION_PROMPTS[0])])
+    with torch.no_grad():
+        before = model(x).logits.clone()
+    att = attach(model, _session_apps(tok), tokenizer=tok, enabled={"steer": "all"})
+    try:
+        with pytest.warns(UserWarning, match="outside attachment.session") as rec:
+            with torch.no_grad():
+                after = model(x).logits.clone()
+                model(x)
+        assert len([w for w in rec if "outside attachment.session" in str(w.message)]) == 1
+        assert torch.equal(before, after)
+        with att.session(apps=[]):            # "all" mode: the steer runs for every row
+            with torch.no_grad():
+                steered = model(x).logits
+        assert not torch.allclose(steered, before)
+        with pytest.raises(RequestError, match="unknown app"):
+            att.session(apps=["nope"])
+    finally:
+        att.detach()
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, before)

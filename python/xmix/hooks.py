@@ -53,6 +53,7 @@ class ModelShape:
     n_experts: int = 0                       # 0 for dense models
     moe_layers: tuple[int, ...] = field(default=())
     model_name: str = ""
+    architecture: str = ""                   # config.architectures[0]: the site table's key
 
     @staticmethod
     def from_hf_config(config, model_name: str = "") -> "ModelShape":
@@ -71,4 +72,5 @@ class ModelShape:
             n_experts=n_experts,
             moe_layers=moe_layers,
             model_name=model_name or str(getattr(config, "_name_or_path", "") or ""),
+            architecture=str((getattr(config, "architectures", None) or [""])[0] or ""),
         )

@@ -3,7 +3,15 @@ oracle for the serving integration.
 
     attachment = attach(model, [app], tokenizer=tok)
     ids, reads = attachment.generate(prompt_ids, max_new_tokens=8, apps=["guarded_steer"])
+
+    with attachment.session(apps=["guarded_steer"]) as s:    # transformers' own calls
+        out = model.generate(**tok(prompts, return_tensors="pt", padding=True), max_new_tokens=8)
+        model(input_ids)                                      # plain forwards too
+    s.results[i]                                              # reads of row i
     attachment.detach()
+
+Where the hooks go comes from the model family's site table (``xmix.architectures``, the
+same table the vLLM integration reads); a family without an entry is refused.
 
 Only ``xmix.lowering`` (validation, per-layer fp32 artifacts, resolved token sets, op order)
 and ``xmix.reference`` (the math of every primitive) are shared with the engine. Conditions,
@@ -15,11 +23,15 @@ points at a bug instead of being reproduced by both.
 Semantics in short (one request at a time, batch size 1):
 
 - Sites, in forward order inside decoder layer l: residual.pre (the layer's input),
-  attention.post (self_attn output after o_proj), residual.mid (input of
-  post_attention_layernorm, which HF also keeps as ``residual``), router.logits (MoE router
-  logits before softmax / top-k), mlp.post (MLP or MoE block output), residual.post (the
-  layer's output); then final.post (output of the final norm). The stream at a site is the
-  tensor HF holds there; writes change it in place so that every later use sees the change.
+  attention.post (what attention adds to the stream), residual.mid (the stream between
+  attention and MLP), router.logits (MoE router logits before softmax / top-k), mlp.post
+  (what the MLP / MoE block adds), residual.post (the layer's output); then final.post
+  (output of the final norm). Which module and tensor each is, per family: the site table
+  and docs/models.md. The stream at a site is the tensor HF holds there; writes change it in
+  place so that every later use sees the change.
+- Inside a session, each row of a batch is one request: its tokens are the positions its
+  attention mask keeps (left or right padding), the first forward without a KV cache holds
+  the prompts, every later forward's tokens are generated tokens fed back.
 - At one site: apps in attachment order, then ops in declaration order; user (custom)
   kernels of a site run after its built-in ops, as in the engine (on a GPU they are separate
   launches after the site's anchor kernel).
@@ -39,6 +51,7 @@ import copy
 import ctypes
 import math
 import struct
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -48,6 +61,7 @@ import torch.nn.functional as F
 from xmix import conditions as C
 from xmix import reference as R
 from xmix.api import App
+from xmix.architectures import Tap, architecture_of, require_family, resolve
 from xmix.catalog import FLT_MAX, KERNELS
 from xmix.hooks import ModelShape, site_id
 from xmix.lowering import DeployError, LoweredApp, LoweredOp, latch_from_generated, lower
@@ -55,8 +69,8 @@ from xmix.lowering import DeployError, LoweredApp, LoweredOp, latch_from_generat
 MODES = ("off", "request", "all")
 NAN = float("nan")
 
-# Router modules whose forward this module knows how to reproduce around the hook.
-_ROUTERS = ("MixtralTopKRouter",)
+# Routers whose forward this module reproduces around the hook: table name -> module class.
+_ROUTERS = {"mixtral": "MixtralTopKRouter"}
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
@@ -170,15 +184,13 @@ class Request:
 
     def __init__(self, attachment: "Attachment", prompt_ids: list[int], apps: list[str],
                  params: dict[str, dict[str, float]]):
-        from transformers import DynamicCache
-
         self.attachment = attachment
         self.prompt = [int(t) for t in prompt_ids]
         if not self.prompt:
             raise RequestError("the prompt is empty")
         self.apps = list(apps)
         self.n_done = 0                      # positions processed so far
-        self.cache = DynamicCache(config=attachment.model.config)
+        self.cache = None                    # its own KV cache (made on the first pass)
         self.app_params: dict[str, dict[str, float]] = {}
         self.op_params: dict[str, dict[tuple[int, str], float]] = {}
         for att in attachment.attached:
@@ -225,16 +237,20 @@ class Request:
         return self._forward([int(token)])[-1]
 
     def _forward(self, ids: list[int]) -> torch.Tensor:
+        from transformers import DynamicCache
+
         att = self.attachment
+        if self.cache is None:
+            self.cache = DynamicCache(config=att.model.config)
         step = _Step(self, ids, start=self.n_done)
         model = att.model
         input_ids = torch.tensor([ids], dtype=torch.long, device=att.device)
-        att._step = step
+        att._own = [(step, _Rows(0, list(range(len(ids))), 1, len(ids)))]
         try:
             with torch.no_grad():
                 out = model(input_ids=input_ids, past_key_values=self.cache, use_cache=True)
         finally:
-            att._step = None
+            att._own = None
         self.n_done += len(ids)
         return out.logits[0].float()
 
@@ -316,11 +332,11 @@ class _Step:
         raise TypeError(f"unknown condition node {node!r}")
 
     # -- ops ----------------------------------------------------------------------------
-    def run_op(self, att: _Attached, op: LoweredOp, site: torch.Tensor) -> None:
-        rows = site.reshape(-1, site.shape[-1])
+    def run_op(self, att: _Attached, op: LoweredOp, rows: torch.Tensor) -> None:
+        """Run one op on this request's rows ([n tokens, d], changed in place by writes)."""
         if rows.shape[0] != self.n:
             raise RuntimeError(f"xmix: site {op.site} has {rows.shape[0]} rows for a pass of "
-                               f"{self.n} tokens (only batch size 1 is supported)")
+                               f"{self.n} tokens")
         if not self.req.uses(att):
             return
         mask_list = [self.holds(att, op, op.cond, t) for t in range(self.n)]
@@ -328,7 +344,7 @@ class _Step:
         arts = {k: v.to(rows.device) for k, v in op.artifacts.items()}
         p = lambda name: self.req.param(att, op, name)  # noqa: E731
         if op.kernel == "custom":
-            self._run_custom(att, op, site, rows, mask_list)
+            self._run_custom(att, op, rows, mask_list)
             return
         if op.is_read:
             self._read(att, op, rows, mask, mask_list, arts, p)
@@ -349,7 +365,7 @@ class _Step:
             new = R.sae_clamp(rows, None, mask, op.sae, op.features, p("value"))
         else:
             raise DeployError(f"app {att.name!r}, op {op.label}: no oracle for kernel {op.kernel!r}")
-        site.copy_(new.reshape(site.shape))
+        rows.copy_(new.reshape(rows.shape))
 
     def _read(self, att, op, rows, mask, mask_list, arts, p) -> None:
         n = self.n
@@ -429,7 +445,7 @@ class _Step:
         for t in sorted(reported):
             self.req.record(att.name, op.result_key, self.pos[t], reported[t])
 
-    def _run_custom(self, att, op, site, rows, mask_list) -> None:
+    def _run_custom(self, att, op, rows, mask_list) -> None:
         if rows.dtype not in _DTYPE_CODES:
             raise RuntimeError(f"xmix: user kernel on a {rows.dtype} stream")
         n, d = rows.shape
@@ -455,7 +471,7 @@ class _Step:
             reported = {t: v for t, v in enumerate(values) if v == v}
             self._note_read(att, op, values, reported)
         else:
-            site.copy_(h.to(site.device).reshape(site.shape))
+            rows.copy_(h.to(rows.device).reshape(rows.shape))
 
 
 # ------------------------------------------------------------------------------ attachment
@@ -466,6 +482,7 @@ class Attachment:
                  tokenizer=None):
         self.model = model
         self.device = next(model.parameters()).device
+        self.family = require_family(architecture_of(model.config), type(model).__name__)
         self.shape = ModelShape.from_hf_config(model.config)
         self.attached: list[_Attached] = []
         self.by_name: dict[str, _Attached] = {}
@@ -482,7 +499,11 @@ class Attachment:
             self.by_name[app.name] = att
         for name, mode in enabled.items():
             self.set_mode(name, mode)
-        self._step: _Step | None = None
+        # The requests of the forward pass under way, each with its rows in the site tensors:
+        # set by Request._forward (its own passes) or by an open session (transformers' calls).
+        self._own: list[tuple[_Step, _Rows]] | None = None
+        self._session: Session | None = None
+        self._warned = False
         self._detached = False
         self._handles: list = []
         self._patched: list[tuple[torch.nn.Module, Any]] = []
@@ -510,55 +531,60 @@ class Attachment:
         return {s: built_in.get(s, []) + custom.get(s, []) for s in set(built_in) | set(custom)}
 
     def _run_site(self, sid: int, tensor: torch.Tensor) -> None:
-        step = self._step
-        if step is None:        # the model called outside this attachment: hooks are inert
+        active = self._own if self._own is not None else (
+            self._session.current if self._session is not None else None)
+        if active is None:
+            # The model called outside a request or session: the apps do not run. Said once,
+            # so that a forgotten session is not a silent no-op.
+            if not self._warned:
+                self._warned = True
+                warnings.warn("xmix: this model has apps attached, but it ran outside "
+                              "attachment.session(...) / attachment.generate(...): the apps did not "
+                              "run (this warning is given once per attachment)", stacklevel=3)
             return
         with torch.no_grad():
-            for att, op in self._site_ops.get(sid, ()):
-                step.run_op(att, op, tensor)
+            for step, rows in active:
+                view = rows.take(tensor)
+                for att, op in self._site_ops.get(sid, ()):
+                    step.run_op(att, op, view)
+                rows.put(tensor, view)
 
     # -- hooks -----------------------------------------------------------------------------
     def _install(self) -> None:
-        base = getattr(self.model, "model", self.model)
-        layers = getattr(base, "layers", None)
-        norm = getattr(base, "norm", None)
-        if layers is None or norm is None or len(layers) != self.shape.n_layers:
-            raise TypeError(f"xmix.integrations.hf: {type(self.model).__name__} does not look like a "
-                            f"decoder-only transformers model (model.model.layers / model.model.norm)")
+        emap = self.family.hf
+        layers = resolve(self.model, emap.layers)
+        norm = resolve(self.model, emap.final_norm)
         L = self.shape.n_layers
+        if layers is None or norm is None or len(layers) != L:
+            raise TypeError(f"xmix.integrations.hf: {type(self.model).__name__} does not have the "
+                            f"{self.family.title} layout ({emap.layers} with {L} layers, {emap.final_norm})")
         wanted = set(self._site_ops)
+        for sid in sorted(wanted):
+            name = site_id_name(sid, L)
+            if name == "final.post":
+                self._handles.append(norm.register_forward_hook(self._out_hook(sid)))
+                continue
+            layer_idx, site = name
+            tap = emap.sites.get(site)
+            if tap is None:
+                raise DeployError(f"{self.family.title} has no {site} site")
+            mod = resolve(layers[layer_idx], tap.module)
+            if mod is None:
+                raise TypeError(f"xmix.integrations.hf: decoder layer {layer_idx} has no "
+                                f"{tap.module!r} ({self.family.title} site table, {site})")
+            if tap.router:
+                self._patch_router(mod, sid, layer_idx, tap)
+            elif tap.io == "in":
+                self._handles.append(mod.register_forward_pre_hook(self._pre_hook(sid, tap),
+                                                                   with_kwargs=True))
+            else:
+                self._handles.append(mod.register_forward_hook(self._out_hook(sid)))
 
-        def has(sub: str, layer: int | None) -> bool:
-            return site_id(sub, layer, L) in wanted
+    def _pre_hook(self, sid: int, tap: Tap):
+        pos, name = tap.arg
 
-        for l, layer in enumerate(layers):
-            for attr in ("self_attn", "post_attention_layernorm", "mlp"):
-                if not hasattr(layer, attr):
-                    raise TypeError(f"xmix.integrations.hf: decoder layer {l} has no {attr!r}")
-            sid = lambda sub, l=l: site_id(sub, l, L)  # noqa: E731
-            if has("residual.pre", l):
-                self._handles.append(layer.register_forward_pre_hook(
-                    self._pre_hook(sid("residual.pre")), with_kwargs=True))
-            if has("attention.post", l):
-                self._handles.append(layer.self_attn.register_forward_hook(self._out_hook(sid("attention.post"))))
-            if has("residual.mid", l):
-                # HF keeps this very tensor as `residual`; changing it in place changes both
-                # the MLP input and the stream the MLP output is added to.
-                self._handles.append(layer.post_attention_layernorm.register_forward_pre_hook(
-                    self._pre_hook(sid("residual.mid")), with_kwargs=True))
-            if has("router.logits", l):
-                self._patch_router(layer.mlp, sid("router.logits"), l)
-            if has("mlp.post", l):
-                self._handles.append(layer.mlp.register_forward_hook(self._out_hook(sid("mlp.post"))))
-            if has("residual.post", l):
-                self._handles.append(layer.register_forward_hook(self._out_hook(sid("residual.post"))))
-        if has("final.post", None):
-            self._handles.append(norm.register_forward_hook(self._out_hook(site_id("final.post", None, L))))
-
-    def _pre_hook(self, sid: int):
         def hook(module, args, kwargs):
-            h = args[0] if args else kwargs["hidden_states"]
-            self._run_site(sid, h)
+            self._run_site(sid, args[pos] if len(args) > pos else kwargs[name])
             return None
         return hook
 
@@ -569,11 +595,11 @@ class Attachment:
             return None
         return hook
 
-    def _patch_router(self, block: torch.nn.Module, sid: int, layer: int) -> None:
-        gate = getattr(block, "gate", None)
-        if gate is None or type(gate).__name__ not in _ROUTERS:
-            raise TypeError(f"xmix.integrations.hf: router.logits at layer {layer} needs one of "
-                            f"{_ROUTERS} as mlp.gate, found {type(gate).__name__}")
+    def _patch_router(self, gate: torch.nn.Module, sid: int, layer: int, tap: Tap) -> None:
+        want = _ROUTERS.get(tap.router)
+        if type(gate).__name__ != want:
+            raise TypeError(f"xmix.integrations.hf: router.logits at layer {layer} needs a {want} "
+                            f"at {tap.module}, found {type(gate).__name__}")
         attachment = self
 
         # HF computes logits, softmax, top-k and renormalisation in one forward; the site
@@ -604,6 +630,8 @@ class Attachment:
                 module.forward = prev
         self._patched.clear()
         self._site_ops = {}
+        if self._session is not None:
+            self._session.close()
         self._detached = True
 
     def __enter__(self) -> "Attachment":
@@ -613,18 +641,33 @@ class Attachment:
         self.detach()
 
     # -- requests --------------------------------------------------------------------------
+    def session(self, apps: list[str] | None = None,
+                params: dict[str, dict[str, float]] | None = None) -> "Session":
+        """A context in which transformers' own ``model.generate(...)`` and ``model(...)``
+        run the apps: each row of a batch is one request using ``apps`` with ``params``
+        (see ``Session``). Outside it the model runs as if nothing were attached."""
+        if self._detached:
+            raise RuntimeError("xmix: this attachment has been detached; attach the apps again")
+        if self._session is not None:
+            raise RuntimeError("xmix: a session is already open on this attachment")
+        self._check(apps or [], params or {})
+        return Session(self, list(apps or []), dict(params or {}))
+
+    def _check(self, apps: list[str], params: dict) -> None:
+        for a in apps:
+            if a not in self.by_name:
+                raise RequestError(f"unknown app {a!r}; attached: {sorted(self.by_name)}")
+        for a in params:
+            if a not in self.by_name:
+                raise RequestError(f"params for unknown app {a!r}; attached: {sorted(self.by_name)}")
+
     def request(self, prompt_ids: list[int], apps: list[str] | None = None,
                 params: dict[str, dict[str, float]] | None = None) -> Request:
         if self._detached:
             raise RuntimeError("xmix: this attachment has been detached; attach the apps again")
         apps = list(apps or [])
-        for a in apps:
-            if a not in self.by_name:
-                raise RequestError(f"unknown app {a!r}; attached: {sorted(self.by_name)}")
         params = dict(params or {})
-        for a in params:
-            if a not in self.by_name:
-                raise RequestError(f"params for unknown app {a!r}; attached: {sorted(self.by_name)}")
+        self._check(apps, params)
         return Request(self, prompt_ids, apps, params)
 
     def forward(self, prompt_ids: list[int], apps: list[str] | None = None,
@@ -658,6 +701,134 @@ class Attachment:
 
 
 _MISSING = object()
+
+
+def site_id_name(sid: int, n_layers: int):
+    """"final.post", or (layer, site name) of a per-layer site id."""
+    from xmix.hooks import LAYER_SITES, SITES_PER_LAYER
+
+    if sid == n_layers * SITES_PER_LAYER:
+        return "final.post"
+    layer, kind = divmod(sid, SITES_PER_LAYER)
+    return layer, next(n for n, k in LAYER_SITES.items() if k == kind)
+
+
+class _Rows:
+    """One request's rows in a site tensor of a batch: row ``b`` of B, token columns ``cols``
+    of T (the positions its attention mask keeps). Site tensors are [B, T, ...] or, for
+    routers, [B*T, ...]."""
+
+    def __init__(self, b: int, cols: list[int], B: int, T: int):
+        self.b, self.cols, self.B, self.T = b, cols, B, T
+        lo = cols[0] if cols else 0
+        self.span = (lo, lo + len(cols)) if cols == list(range(lo, lo + len(cols))) else None
+        self._idx = None if self.span else torch.tensor(cols, dtype=torch.long)
+
+    def _grid(self, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.numel() != self.B * self.T * tensor.shape[-1]:
+            raise RuntimeError(f"xmix: a site tensor of shape {list(tensor.shape)} in a pass of "
+                               f"{self.B} x {self.T} tokens")
+        return tensor.view(self.B, self.T, tensor.shape[-1])
+
+    def take(self, tensor: torch.Tensor) -> torch.Tensor:
+        g = self._grid(tensor)
+        if self.span is not None:
+            return g[self.b, self.span[0]:self.span[1]]       # a view: writes land in place
+        return g[self.b, self._idx.to(tensor.device)]
+
+    def put(self, tensor: torch.Tensor, rows: torch.Tensor) -> None:
+        if self.span is None:
+            self._grid(tensor)[self.b, self._idx.to(tensor.device)] = rows
+
+
+class Session:
+    """transformers' own calls with apps: ``with attachment.session(apps, params) as s:``.
+
+    Every forward of the model inside the context is read from its arguments
+    (``input_ids``, ``attention_mask``, the KV cache): a forward without a cache (or with an
+    empty one) starts a new batch of requests, one per row, whose prompt is the tokens the
+    row's attention mask keeps (left padding, as ``generate`` needs, or right padding); a
+    forward with a cache continues them, its kept tokens being generated tokens fed back.
+    Semantics per request are the engine's (flags, latches, spans, parameters), so
+    ``model.generate(batch)`` gives each row what ``attachment.generate(row)`` gives.
+
+    ``s.results[i]``: the reads of row i of the latest batch ({app: {read: {positions,
+    values}}}, positions counted over the row's own tokens). Beam search and other
+    strategies that reorder the KV cache rows are not followed (rows would swap requests).
+    """
+
+    def __init__(self, attachment: Attachment, apps: list[str], params: dict):
+        self.attachment = attachment
+        self.apps = apps
+        self.params = params
+        self.requests: list[Request] = []
+        self.current: list[tuple[_Step, _Rows]] | None = None
+        self._handles: list = []
+
+    def __enter__(self) -> "Session":
+        att = self.attachment
+        if att._session is not None:
+            raise RuntimeError("xmix: a session is already open on this attachment")
+        att._session = self
+        self._handles = [att.model.register_forward_pre_hook(self._before, with_kwargs=True),
+                         att.model.register_forward_hook(self._after, always_call=True)]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self.current = None
+        if self.attachment._session is self:
+            self.attachment._session = None
+
+    @property
+    def results(self) -> list[dict]:
+        return [copy.deepcopy(r.results) for r in self.requests]
+
+    def _before(self, module, args, kwargs):
+        if self.attachment._own is not None:
+            return None     # attachment.generate/forward inside the session drive their own passes
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None:
+            raise RequestError("xmix: a session needs input_ids (inputs_embeds alone carry no tokens)")
+        ids = ids.detach().to("cpu")
+        if ids.dim() == 1:
+            ids = ids[None]
+        B, T = ids.shape
+        mask = kwargs.get("attention_mask")
+        keep = torch.ones(B, T, dtype=torch.bool) if mask is None else mask.detach().to("cpu")[:, -T:].bool()
+        cache = kwargs.get("past_key_values")
+        past = int(cache.get_seq_length()) if cache is not None and hasattr(cache, "get_seq_length") else 0
+        current = []
+        if past == 0:
+            self.requests = []
+            for b in range(B):
+                cols = [t for t in range(T) if keep[b, t]]
+                req = Request(self.attachment, ids[b, cols].tolist(), self.apps, self.params)
+                self.requests.append(req)
+                current.append((_Step(req, req.prompt, start=0), _Rows(b, cols, B, T)))
+        else:
+            if len(self.requests) != B:
+                raise RequestError(f"xmix: a forward with a KV cache of {B} rows continues a batch of "
+                                   f"{len(self.requests)} requests (beam search and batch changes are "
+                                   f"not followed)")
+            for b, req in enumerate(self.requests):
+                cols = [t for t in range(T) if keep[b, t]]
+                if cols:
+                    current.append((_Step(req, ids[b, cols].tolist(), start=req.n_done), _Rows(b, cols, B, T)))
+        self.current = current
+        return None
+
+    def _after(self, module, args, output):
+        if self.current is not None:
+            for step, _ in self.current:
+                step.req.n_done += step.n
+        self.current = None
+        return None
 
 
 def attach(model, apps: Iterable[App], enabled: dict[str, str] | None = None,

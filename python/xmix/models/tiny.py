@@ -18,7 +18,10 @@ import shutil
 import tempfile
 from pathlib import Path
 
-KINDS = ("tiny-llama", "tiny-qwen3", "tiny-mixtral")
+KINDS = (
+    "tiny-llama", "tiny-qwen3", "tiny-mixtral",
+    "tiny-gemma2", "tiny-gemma3", "tiny-qwen2", "tiny-mistral", "tiny-phi3", "tiny-olmo2",
+)
 
 # Bump when the output of the recipe changes, so cached folders are rebuilt.
 RECIPE_VERSION = 1
@@ -55,6 +58,17 @@ _COMMON = dict(
     rms_norm_eps=1e-5,
     tie_word_embeddings=False,
 )
+# Gemma: vLLM always ties the output embedding to the input one (NOTES), so the tiny Gemmas
+# are tied; head_dim stays 64 and query_pre_attn_scalar follows it (as in Gemma 2 9B, where
+# it equals head_dim). The sliding window is longer than any test prompt, so sliding and
+# global layers attend alike; the per-layer-type RoPE bases still differ (Gemma 3).
+_GEMMA = {
+    **_COMMON,
+    "tie_word_embeddings": True,
+    "query_pre_attn_scalar": 64,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "sliding_window": 4096,
+}
 SPECS = {
     "tiny-llama": ("LlamaForCausalLM", _COMMON),
     "tiny-qwen3": ("Qwen3ForCausalLM", _COMMON),
@@ -62,7 +76,28 @@ SPECS = {
         "MixtralForCausalLM",
         {**_COMMON, "intermediate_size": 256, "num_local_experts": 4, "num_experts_per_tok": 2},
     ),
+    "tiny-gemma2": (
+        "Gemma2ForCausalLM",
+        {**_GEMMA, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
+    ),
+    "tiny-gemma3": (
+        "Gemma3ForCausalLM",
+        {
+            **{k: v for k, v in _GEMMA.items() if k != "rope_theta"},
+            "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+            },
+        },
+    ),
+    "tiny-qwen2": ("Qwen2ForCausalLM", _COMMON),  # q/k/v projections with bias
+    "tiny-mistral": ("MistralForCausalLM", {**_COMMON, "sliding_window": None}),
+    "tiny-phi3": ("Phi3ForCausalLM", _COMMON),  # fused qkv_proj and gate_up_proj
+    "tiny-olmo2": ("Olmo2ForCausalLM", _COMMON),  # post-norm blocks, q/k norms
 }
+# Config classes whose name is not the architecture's with "Config" for "ForCausalLM".
+CONFIG_CLASSES = {"Gemma3ForCausalLM": "Gemma3TextConfig"}
 
 # Standard deviations of the random weights. Default HF init (std 0.02) gives
 # logits with std ~0.3, so top-1/top-2 near-ties are common and kernels that
@@ -73,6 +108,19 @@ SPECS = {
 EMBED_STD = 1.0
 LM_HEAD_GAIN = 4.0
 ROUTER_GAIN = 4.0
+# Per-kind changes to that recipe (kinds not listed use it unchanged, and their recipe hash
+# does not mention this table). Gemma's norms scale by (1 + weight): weight 0 is the
+# identity. Its tied embedding is also the LM head, and a token's own embedding then pulls
+# the next token towards repeating it; so the embedding is small (std 1/16: the stream
+# enters with rms 1 after Gemma's sqrt(d) scale), the post-attention / post-feedforward norms
+# scale each block's contribution to rms 8 so that the layers decide the next token, and the
+# final norm scales by 4 (logits std ~4, as LM_HEAD_GAIN gives the untied kinds).
+_GEMMA_INIT = {
+    "embed_std": 1.0 / 16,
+    "norms": {"post_attention_layernorm": 7.0, "post_feedforward_layernorm": 7.0, "model.norm": 3.0},
+    "norm": 0.0,
+}
+INIT_OVERRIDES: dict[str, dict] = {"tiny-gemma2": _GEMMA_INIT, "tiny-gemma3": _GEMMA_INIT}
 
 
 def default_cache_root() -> Path:
@@ -98,6 +146,8 @@ def recipe_hash(kind: str, seed: int = 0) -> str:
         "init": [EMBED_STD, LM_HEAD_GAIN, ROUTER_GAIN],
         "corpus": hashlib.sha256(CORPUS.read_bytes()).hexdigest(),
     }
+    if kind in INIT_OVERRIDES:
+        recipe["init_overrides"] = INIT_OVERRIDES[kind]
     return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()
 
 
@@ -146,7 +196,7 @@ def _config(kind: str, tok):
     import transformers
 
     arch, spec = SPECS[kind]
-    config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+    config_cls = getattr(transformers, CONFIG_CLASSES.get(arch, arch.replace("ForCausalLM", "Config")))
     ids = dict(
         bos_token_id=tok.token_to_id("<s>"),
         eos_token_id=tok.token_to_id("</s>"),
@@ -157,19 +207,23 @@ def _config(kind: str, tok):
     return config, ids
 
 
-def _init_weights(model, seed: int) -> None:
-    """Refill every parameter from one seeded generator, in name order."""
+def _init_weights(model, seed: int, overrides: dict | None = None) -> None:
+    """Refill every parameter from one seeded generator, in name order. A tied LM head is
+    the embedding (named_parameters lists it once)."""
     import torch
 
+    over = overrides or {}
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
             if "norm" in name:
-                param.fill_(1.0)
+                fills = over.get("norms", {})
+                hit = next((v for k, v in fills.items() if k in name), None)
+                param.fill_(over.get("norm", 1.0) if hit is None else hit)
                 continue
             fan_in = param.shape[-1]
             if "embed_tokens" in name:
-                std = EMBED_STD
+                std = over.get("embed_std", EMBED_STD)
             elif name.startswith("lm_head"):
                 std = LM_HEAD_GAIN / math.sqrt(fan_in)
             elif name.endswith("mlp.gate.weight"):  # the MoE router, not gate_proj
@@ -197,7 +251,7 @@ def _build_into(kind: str, folder: Path, seed: int) -> None:
     config, ids = _config(kind, tok)
     torch.manual_seed(seed)
     model = getattr(transformers, SPECS[kind][0])(config).to(torch.float32)
-    _init_weights(model, seed)
+    _init_weights(model, seed, INIT_OVERRIDES.get(kind))
     model.generation_config = transformers.GenerationConfig(do_sample=False, **ids)
     # transformers 5 always writes safetensors (no safe_serialization argument).
     model.save_pretrained(folder)

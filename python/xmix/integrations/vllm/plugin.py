@@ -1,6 +1,9 @@
 """The ``vllm.general_plugins`` entry point: vLLM calls ``register()`` in every process (the
-frontend, the engine core, each worker before it loads the model). It only patches classes,
-once per process, so loading it twice is harmless.
+frontend, the engine core, each worker before it loads the model), for every engine, also
+for people who never use xmix. It only patches classes, once per process, so loading it
+twice is harmless; and every patch passes straight through on an engine that did not ask
+for xmix (``enable.requested``): no hook sites, no control block, no compile-cache key.
+``XMIX_DISABLE=1`` skips even the class patches.
 """
 
 from __future__ import annotations

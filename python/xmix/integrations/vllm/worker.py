@@ -21,10 +21,12 @@ import torch
 
 from xmix import ops
 from xmix.api import App
+from xmix.architectures import Family, architecture_of, require_family
 from xmix.control import Capacity, ControlBlock, PendingReads
-from xmix.hooks import ModelShape
+from xmix.hooks import ModelShape, n_sites
 from xmix.lowering import lower
 
+from . import enable
 from .model_wrap import place_sites
 
 logger = logging.getLogger("vllm.xmix")  # vLLM's handlers and format apply
@@ -45,9 +47,10 @@ def _tp_rank() -> int:
 class WorkerXmix:
     """One per model runner (one engine per process)."""
 
-    def __init__(self, runner):
+    def __init__(self, runner, family: Family):
         cfg = runner.vllm_config
         hf = cfg.model_config.hf_config
+        self.family = family
         self.shape = ModelShape.from_hf_config(hf, cfg.model_config.model)
         sched = cfg.scheduler_config
         # Staging sets: one more than the steps vLLM keeps in flight (config/vllm.py:
@@ -56,7 +59,10 @@ class WorkerXmix:
         cap = Capacity(max_tokens=max(int(sched.max_num_batched_tokens), 512),
                        max_slots=max(int(sched.max_num_seqs), 1) + 8, staging_depth=depth)
         self._attach(ControlBlock(self.shape, runner.device, cap), _tp_rank() == 0)
-        self.sites = place_sites(runner.model, self.shape.n_layers)
+        opts = enable.options(enable.config_value(cfg))
+        self.sites, self.placed = place_sites(runner.model, self.shape.n_layers, family,
+                                              opts.get("sites"), opts.get("layers"))
+        _warn_lost_fusion(cfg, family, runner.model, self.sites)
         logger.info("xmix: control block ready on %s (%d layers, d=%d, %d tokens x %d slots)",
                     runner.device, self.shape.n_layers, self.shape.hidden_size,
                     cap.max_tokens, cap.max_slots)
@@ -68,6 +74,7 @@ class WorkerXmix:
         x.shape = cb.shape
         x._attach(cb, rank0)
         x.sites = {}
+        x.placed = frozenset(range(n_sites(cb.shape.n_layers)))  # no model: every site id counts
         return x
 
     def _attach(self, cb: ControlBlock, rank0: bool) -> None:
@@ -393,18 +400,14 @@ def patch_model_runner_v2(cls) -> None:
     cls._xmix_patched = True
 
 
-SITES_VERSION = "xmix-sites-1"
-
-
 def _key_compile_cache(vllm_config) -> None:
-    """vLLM reuses compiled graphs across starts keyed by its config hash, and checks only
-    that the traced source files did not change, not which were traced. Without a key of
-    its own, an xmix engine could load a graph compiled without hook sites (apps would
-    silently not run) and a plain engine one compiled with them. The hook sites are a factor
-    of the config hash through additional_config, set here, before torch.compile runs."""
+    """Set the canonical ``additional_config["xmix"]`` (options + site placement version,
+    enable.canonical) before torch.compile runs: the compile cache is keyed by the config
+    hash, so graphs compiled with hook sites are never loaded by a plain engine and the
+    reverse. An engine that asked through XMIX_ENABLE=1 gets the entry here."""
     extra = vllm_config.additional_config
     if isinstance(extra, dict):
-        extra["xmix"] = SITES_VERSION
+        extra[enable.CONFIG_KEY] = enable.canonical(extra.get(enable.CONFIG_KEY))
     else:  # a platform-specific config object: do not share compiled graphs at all
         os.environ["VLLM_DISABLE_COMPILE_CACHE"] = "1"
 
@@ -415,21 +418,27 @@ def patch_load_model(cls) -> None:
     orig = cls.__dict__["load_model"]
 
     def load_model(self, *args, **kwargs):
+        if _runner_xmix(self) is not None or not enable.requested(self.vllm_config):
+            return orig(self, *args, **kwargs)  # not asked for: vLLM exactly as without xmix
         from xmix import graphs
 
         from . import support
 
-        # Before loading anything: the engine does not start and the message says why.
+        # Before loading anything: the engine does not start and the message says why (a
+        # configuration xmix cannot serve, a family without a site table, bad options).
         support.check(self.vllm_config)
+        mc = self.vllm_config.model_config
+        family = require_family(architecture_of(mc.hf_config), mc.model)
+        enable.options(enable.config_value(self.vllm_config))
         # Here, not in the plugin's register(): the worker has initialised its device (vLLM's
         # init_device runs before load_model), and graphs are captured after load_model.
         graphs.install_capture_hook()
         r = orig(self, *args, **kwargs)
-        if _runner_xmix(self) is None:
-            _key_compile_cache(self.vllm_config)
-            t0 = time.perf_counter()
-            self._xmix = WorkerXmix(self)
-            logger.info("xmix: attached to %s in %.2fs", type(self).__name__, time.perf_counter() - t0)
+        _key_compile_cache(self.vllm_config)
+        t0 = time.perf_counter()
+        self._xmix = WorkerXmix(self, family)
+        logger.info("xmix: attached to %s (%s) in %.2fs", type(self).__name__, family.title,
+                    time.perf_counter() - t0)
         return r
 
     load_model._xmix = True
@@ -439,8 +448,8 @@ def patch_load_model(cls) -> None:
 def _wx(worker) -> WorkerXmix:
     x = _runner_xmix(getattr(worker, "model_runner", None))
     if x is None:
-        raise RuntimeError("xmix is not attached to this worker's model runner (a Llama/Qwen3/"
-                           "Mixtral-style decoder is required)")
+        raise RuntimeError("xmix is not enabled on this engine (start it with xmix.LLM / xmix serve, "
+                           "or additional_config={'xmix': true})")
     return x
 
 
