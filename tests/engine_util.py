@@ -37,14 +37,15 @@ def tokenize(tok, text: str) -> list[int]:
 
 def make_llm(path: str, with_xmix: bool = True, plain: bool = False, **overrides):
     """An offline engine. ``with_xmix=False`` starts engine processes with the plugin off;
-    ``plain=True`` builds a plain ``vllm.LLM`` and relies on the entry-point plugin alone."""
+    ``plain=True`` builds a plain ``vllm.LLM`` that asks for xmix through its config
+    (``additional_config={"xmix": True}``) and relies on the entry-point plugin alone."""
     import xmix
 
     kw = {**ENGINE_KW, **overrides}
     if with_xmix and plain:
         import vllm
 
-        return vllm.LLM(model=path, **kw)
+        return vllm.LLM(model=path, additional_config={"xmix": True}, **kw)
     if with_xmix:
         return xmix.LLM(model=path, **kw)
     import vllm

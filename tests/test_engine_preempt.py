@@ -28,7 +28,7 @@ def test_preempted_requests_keep_their_apps():
     shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(path))
     apps = build_apps(shape, tok)
     # 6 blocks of 32 tokens for 8 requests of ~60 tokens each: preemption is certain
-    # a plain vllm.LLM: the entry-point plugin alone gives it llm.xmix
+    # a plain vllm.LLM asking for xmix in its config: the entry-point plugin alone gives it llm.xmix
     llm = make_llm(path, plain=True, num_gpu_blocks_override=6, block_size=32, max_num_seqs=8,
                    max_model_len=128)
     try:

@@ -63,11 +63,19 @@ class Tap:
 class EngineMap:
     """Where one engine's modules are: decoder layers and final norm (dotted paths from the
     *ForCausalLM), and one Tap per per-layer site (sites absent from ``sites`` do not exist
-    in the family, e.g. router.logits in dense models)."""
+    in the family, e.g. router.logits in dense models).
+
+    ``fusion_gaps``: the sites that sit between a tensor-parallel all-reduce (o_proj,
+    down_proj, MoE, embedding outputs) and the RMSNorm that vLLM's all-reduce + RMSNorm
+    fusion (compilation/passes/fusion/allreduce_rms_fusion.py) fuses it with. The pattern
+    needs the all-reduce's output to flow straight into the norm, so at
+    tensor_parallel_size >= 2 a placed site there keeps the fusion from applying at that
+    point of that layer (docs/models.md: cost, and how to place fewer sites)."""
 
     sites: dict[str, Tap]
     layers: str = "model.layers"
     final_norm: str = "model.norm"
+    fusion_gaps: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -154,8 +162,16 @@ _GEMMA_NOTES = {
 }
 
 
+# Llama-style layers: o_proj's all-reduce feeds post_attention_layernorm's fused add, and
+# down_proj's (the embedding's, before layer 0) the next input_layernorm's or the final norm's.
+# In Gemma and OLMo 2 a norm without a residual follows each all-reduce and every site sits
+# after that norm (or before a norm that no all-reduce feeds): no gaps.
+_LLAMA_GAPS = ("residual.pre", "attention.post", "residual.mid", "mlp.post", "residual.post")
+
+
 def _llama_like(name: str, title: str, arch: str, tiny: str, **kw) -> Family:
-    return Family(name, title, (arch,), EngineMap(_LLAMA_VLLM), EngineMap(_LLAMA_HF), tiny=tiny, **kw)
+    return Family(name, title, (arch,), EngineMap(_LLAMA_VLLM, fusion_gaps=_LLAMA_GAPS),
+                  EngineMap(_LLAMA_HF), tiny=tiny, **kw)
 
 
 FAMILIES: tuple[Family, ...] = (
@@ -169,7 +185,7 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         "mixtral", "Mixtral", ("MixtralForCausalLM",),
         EngineMap({**_LLAMA_VLLM, "mlp.post": Tap("block_sparse_moe", "out"),
-                   "router.logits": Tap("block_sparse_moe.gate", "out")}),
+                   "router.logits": Tap("block_sparse_moe.gate", "out")}, fusion_gaps=_LLAMA_GAPS),
         EngineMap({**_LLAMA_HF, "router.logits": Tap("mlp.gate", "out", router="mixtral")}),
         notes={"router.logits": "gate logits [T, n_experts] before softmax and top-k",
                "mlp.post": "sparse MoE block output"},

@@ -20,26 +20,44 @@ class PaperModel:
     hidden_size: int
     n_experts: int = 0
     top_k: int = 0
+    family: str = ""          # xmix.architectures family name
 
 
 # The three models of the paper's evaluation (section 5).
 PAPER_MODELS: dict[str, PaperModel] = {
     m.key: m
     for m in (
-        PaperModel("llama-3.1-8b-instruct", "meta-llama/Llama-3.1-8B-Instruct", 32, 4096),
-        PaperModel("qwen3-8b", "Qwen/Qwen3-8B", 36, 4096),
-        PaperModel("mixtral-8x7b-instruct", "mistralai/Mixtral-8x7B-Instruct-v0.1", 32, 4096, 8, 2),
+        PaperModel("llama-3.1-8b-instruct", "meta-llama/Llama-3.1-8B-Instruct", 32, 4096, family="llama"),
+        PaperModel("qwen3-8b", "Qwen/Qwen3-8B", 36, 4096, family="qwen3"),
+        PaperModel("mixtral-8x7b-instruct", "mistralai/Mixtral-8x7B-Instruct-v0.1", 32, 4096, 8, 2,
+                   family="mixtral"),
     )
 }
+# Models of the other supported families whose layers an app's own source gives (the
+# defaults tables cite it): Mistral-7B-Instruct-v0.2 is the truthfulness probe paper's model,
+# DeepSeek-R1-Distill-Qwen-1.5B / 7B (Qwen2 architecture) are SEAL's. Gemma 2/3, Phi-3 and
+# OLMo 2 have no such source: the factories ask for their layers.
+SOURCE_MODELS: dict[str, PaperModel] = {
+    m.key: m
+    for m in (
+        PaperModel("mistral-7b-instruct-v0.2", "mistralai/Mistral-7B-Instruct-v0.2", 32, 4096, family="mistral"),
+        PaperModel("deepseek-r1-distill-qwen-7b", "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B", 28, 3584,
+                   family="qwen2"),
+        PaperModel("deepseek-r1-distill-qwen-1.5b", "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", 28, 1536,
+                   family="qwen2"),
+    )
+}
+KNOWN_MODELS: dict[str, PaperModel] = {**PAPER_MODELS, **SOURCE_MODELS}
 
 
 def paper_model(model: str | None) -> PaperModel | None:
-    """The paper model named by a key, a Hugging Face id or a local folder named like one."""
+    """The known model (the paper's three and SOURCE_MODELS) named by a key, a Hugging Face id
+    or a local folder named like one."""
     if not model:
         return None
     name = str(model).rstrip("/").lower()
     base = name.rsplit("/", 1)[-1]
-    for m in PAPER_MODELS.values():
+    for m in KNOWN_MODELS.values():
         hf = m.hf_id.lower()
         if name in (m.key, hf) or base in (m.key, hf.rsplit("/", 1)[-1]):
             return m
@@ -63,7 +81,7 @@ def with_defaults(app: str, table: dict[str, dict[str, Any]], model: str | None,
     missing = [k for k, v in out.items() if v is None]
     if missing:
         raise fail(app, "give " + " and ".join(f"{k}=" for k in missing) + (f" ({hint})" if hint else "")
-                   + f"; defaults exist only for the paper's models {sorted(table)}")
+                   + f"; defaults exist only for {sorted(table)}")
     return list(out.values())
 
 

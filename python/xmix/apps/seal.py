@@ -15,8 +15,8 @@ think_close)`` (opener inclusive, closer exclusive; the span flag is per-request
 crosses steps), ``add`` at residual.pre of one layer. The span also covers prompt tokens
 after an opened "<think>"; ``only_generated=True`` restricts the write to generated tokens.
 
-Defaults: layer 20 on the 28-layer DeepSeek-R1-Distill-Qwen-1.5B/7B and 55 on the 64-layer
-QwQ/R1-Distill-32B (paper). The paper gives the layer index, not the hook point; we use
+Defaults: layer 20 on the 28-layer DeepSeek-R1-Distill-Qwen-1.5B/7B (paper; Qwen2
+architecture) and 55 on the 64-layer QwQ/R1-Distill-32B (paper; not in the defaults table). The paper gives the layer index, not the hook point; we use
 residual.pre of that layer (Hugging Face's hidden_states[20]), where the vector should then
 also be collected. For the paper's serving models, our choice at the same relative depth
 (~0.71·L): Qwen3-8B 26, Llama-3.1-8B-Instruct 23, Mixtral-8x7B-Instruct 23. Llama and
@@ -36,6 +36,8 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3-8b": {"layer": 26},
     "llama-3.1-8b-instruct": {"layer": 23},
     "mixtral-8x7b-instruct": {"layer": 23},
+    "deepseek-r1-distill-qwen-7b": {"layer": 20},
+    "deepseek-r1-distill-qwen-1.5b": {"layer": 20},
 }
 
 

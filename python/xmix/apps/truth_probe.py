@@ -13,9 +13,9 @@ decoding which tokens form the exact answer, so it scores every generated token
 token; ``"all"`` also scores the prompt, ``"last_token"`` the last prompt token and every
 generated token.
 
-Defaults: layer 15 (the paper's example command probes ``mlp`` at layer 15 of
-Mistral-7B-Instruct, 32 layers) for Llama-3.1-8B-Instruct and Mixtral-8x7B-Instruct; our
-choice 17 for Qwen3-8B (same relative depth).
+Defaults: layer 15 for Mistral-7B-Instruct-v0.2 (the paper's example command probes ``mlp``
+at layer 15 of it, 32 layers), and the same layer for Llama-3.1-8B-Instruct and
+Mixtral-8x7B-Instruct (our transfer); our choice 17 for Qwen3-8B (same relative depth).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "llama-3.1-8b-instruct": {"layer": 15},
     "mixtral-8x7b-instruct": {"layer": 15},
     "qwen3-8b": {"layer": 17},
+    "mistral-7b-instruct-v0.2": {"layer": 15},
 }
 
 

@@ -61,7 +61,7 @@ import torch.nn.functional as F
 from xmix import conditions as C
 from xmix import reference as R
 from xmix.api import App
-from xmix.architectures import Tap, architecture_of, require_family, resolve
+from xmix.architectures import Tap, require_family, resolve
 from xmix.catalog import FLT_MAX, KERNELS
 from xmix.hooks import ModelShape, site_id
 from xmix.lowering import DeployError, LoweredApp, LoweredOp, latch_from_generated, lower
@@ -482,7 +482,8 @@ class Attachment:
                  tokenizer=None):
         self.model = model
         self.device = next(model.parameters()).device
-        self.family = require_family(architecture_of(model.config), type(model).__name__)
+        # The model's class decides its modules (a config built in code may declare none).
+        self.family = require_family(type(model).__name__, "transformers model class")
         self.shape = ModelShape.from_hf_config(model.config)
         self.attached: list[_Attached] = []
         self.by_name: dict[str, _Attached] = {}

@@ -32,7 +32,7 @@ ENV_DISABLE = "XMIX_DISABLE"
 # The hook-site placement: part of the compile-cache key (see canonical()). Bump it when
 # where sites sit in the traced graph changes.
 SITES_VERSION = "xmix-sites-2"
-OPTIONS = ("version",)
+OPTIONS = ("version", "sites", "layers")
 
 _OFF = {"0", "false", "off", "no", ""}
 
@@ -64,14 +64,38 @@ def requested(vllm_config) -> bool:
 
 
 def options(value: Any) -> dict[str, Any]:
-    """The options of an ``additional_config["xmix"]`` value (a dict), checked."""
+    """The options of an ``additional_config["xmix"]`` value (a dict), checked:
+
+    ``sites``   the site kinds to place (default: every site of the family);
+    ``layers``  the layers whose per-layer sites are placed (default: all).
+    Apps that need a site not placed are refused at deploy. Fewer sites cost nothing where
+    they are absent: at tensor_parallel_size >= 2 this keeps vLLM's all-reduce + RMSNorm
+    fusion at the layers without sites (docs/models.md)."""
+    from xmix.hooks import SITE_NAMES
+
     if not isinstance(value, dict):
         return {}
     unknown = sorted(set(value) - set(OPTIONS))
     if unknown:
         raise ValueError(f"xmix: unknown option(s) {unknown} in additional_config['xmix']; "
                          f"known: {list(OPTIONS)}")
-    return dict(value)
+    out = dict(value)
+    if "sites" in out:
+        sites = out["sites"]
+        if not isinstance(sites, list) or not all(isinstance(x, str) for x in sites):
+            raise ValueError(f"xmix: additional_config['xmix']['sites'] must be a list of site names, "
+                             f"got {sites!r}")
+        bad = sorted(set(sites) - set(SITE_NAMES))
+        if bad:
+            raise ValueError(f"xmix: unknown site(s) {bad} in additional_config['xmix']['sites']; "
+                             f"sites: {list(SITE_NAMES)}")
+    if "layers" in out:
+        layers = out["layers"]
+        if not isinstance(layers, list) or not all(isinstance(x, int) and not isinstance(x, bool)
+                                                    and x >= 0 for x in layers):
+            raise ValueError(f"xmix: additional_config['xmix']['layers'] must be a list of layer "
+                             f"indices, got {layers!r}")
+    return out
 
 
 def canonical(value: Any) -> dict[str, Any]:

@@ -433,6 +433,7 @@ def patch_output_processor(out_cls, state_cls, request_output_cls) -> None:
                 st = self.request_states.get(eco.request_id)
                 if st is None:
                     continue
+                st.__dict__["_xmix_seen"] = True
                 if res:
                     merge_results(st.__dict__.setdefault("_xmix_new", {}), res)
                 if err is not None:
@@ -463,14 +464,18 @@ def patch_output_processor(out_cls, state_cls, request_output_cls) -> None:
             merge_results(acc, new)
         return copy.deepcopy(acc)
 
+    # Only requests that ever carried reads get an ``.xmix`` attribute: outputs of an engine
+    # without xmix (or of a request without reads) are vLLM's objects untouched, and
+    # ``xmix.results`` reads a missing attribute as {}.
     def _new_completion_output(self, *args, **kwargs):
         co = orig_new_completion(self, *args, **kwargs)
-        co.xmix = take_results(self)
+        if self.__dict__.get("_xmix_seen"):
+            co.xmix = take_results(self)
         return co
 
     def make_request_output(self, *args, **kwargs):
         out = orig_make(self, *args, **kwargs)
-        if out is None:
+        if out is None or not self.__dict__.get("_xmix_seen"):
             return out
         err = self.__dict__.get("_xmix_error")
         if err is not None:
@@ -492,7 +497,7 @@ def patch_output_processor(out_cls, state_cls, request_output_cls) -> None:
             nxt = getattr(nc, XMIX_KEY, None)
             if c is not None and c is not nc and nxt:  # vLLM merged nc into c in place
                 c.xmix = merge_results(getattr(c, XMIX_KEY, None) or {}, nxt)
-        if self.outputs:
+        if self.outputs and hasattr(self.outputs[0], XMIX_KEY):
             self.xmix = getattr(self.outputs[0], XMIX_KEY, None) or {}
 
     out_cls.process_outputs = process_outputs

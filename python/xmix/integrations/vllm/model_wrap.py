@@ -67,27 +67,38 @@ def _missing(obj) -> bool:
     return obj is None or type(obj).__name__ == "PPMissingLayer"
 
 
-def place_sites(model: nn.Module, n_layers: int, family: Family) -> dict[str, int]:
-    """Put the hook sites of ``family`` in; returns counts per site kind (for the log and
-    tests). A module the table names but the model lacks stops the start: a site that is
+def place_sites(model: nn.Module, n_layers: int, family: Family, sites: list[str] | None = None,
+                layers: list[int] | None = None) -> tuple[dict[str, int], frozenset[int]]:
+    """Put the hook sites of ``family`` in (only the kinds in ``sites`` and, for per-layer
+    sites, the ``layers`` given, when given); returns counts per site kind (for the log and
+    tests) and the ids of the sites apps may use (placed here, or in a layer another pipeline
+    stage owns). A module the table names but the model lacks stops the start: a site that is
     silently absent would make apps there silent no-ops."""
     placed = getattr(model, "_xmix_sites_placed", None)
     if placed is not None:
         return placed  # idempotent: the plugin may be loaded twice
+    kinds = set(sites) if sites is not None else None
+    at = set(layers) if layers is not None else None
     emap: EngineMap = engine_map(family, model)
-    layers = resolve(model, emap.layers)
-    if layers is None:
+    decoder = resolve(model, emap.layers)
+    if decoder is None:
         raise RuntimeError(f"xmix: {type(model).__name__} ({family.title}) has no {emap.layers!r}")
-    if len(layers) != n_layers:
-        raise RuntimeError(f"xmix: {type(model).__name__} has {len(layers)} decoder layers at "
+    if len(decoder) != n_layers:
+        raise RuntimeError(f"xmix: {type(model).__name__} has {len(decoder)} decoder layers at "
                            f"{emap.layers!r}, the config says {n_layers}")
     counts = {name: 0 for name in (*LAYER_SITES, *MODEL_SITES)}
     # Check every module first, then wrap: nothing half-placed.
     plan: list[tuple[nn.Module, int, Tap, str]] = []
-    for idx, layer in enumerate(layers):
-        if _missing(layer):
-            continue  # another pipeline stage owns this layer
+    elsewhere: set[int] = set()            # sites of layers another pipeline stage owns
+    for idx, layer in enumerate(decoder):
+        if at is not None and idx not in at:
+            continue
         for name, tap in emap.sites.items():
+            if kinds is not None and name not in kinds:
+                continue
+            if _missing(layer):
+                elsewhere.add(site_id(name, idx, n_layers))
+                continue
             mod = resolve(layer, tap.module)
             if mod is None:
                 raise RuntimeError(f"xmix: {family.title} site table: layer {idx} of "
@@ -95,11 +106,14 @@ def place_sites(model: nn.Module, n_layers: int, family: Family) -> dict[str, in
                                    f"(for {name}); the table does not fit this implementation")
             plan.append((mod, site_id(name, idx, n_layers), tap, name))
     norm = resolve(model, emap.final_norm)
-    if not _missing(norm):
-        plan.append((norm, site_id("final.post", None, n_layers), Tap("", "out"), "final.post"))
+    if kinds is None or "final.post" in kinds:
+        if _missing(norm):
+            elsewhere.add(site_id("final.post", None, n_layers))
+        else:
+            plan.append((norm, site_id("final.post", None, n_layers), Tap("", "out"), "final.post"))
     for mod, sid, tap, name in plan:
         _wrap(mod, sid, tap)
         counts[name] += 1
-    model._xmix_sites_placed = counts
+    model._xmix_sites_placed = (counts, frozenset(sid for _, sid, _, _ in plan) | elsewhere)
     logger.info("xmix: %s hook sites placed: %s", family.title, counts)
-    return counts
+    return model._xmix_sites_placed

@@ -93,6 +93,18 @@ def serve_main(argv: list[str]) -> int:
         print("usage: xmix serve MODEL [--app PATH ...] [--app-mode off|request|all] "
               "[vllm serve arguments]", file=sys.stderr)
         return 2
+    try:
+        rest = _ask_for_xmix(rest)
+    except ValueError as e:
+        print(f"xmix serve: {e}", file=sys.stderr)
+        return 2
+    from .llm import check_architecture
+
+    try:
+        check_architecture(rest[0], trust_remote_code="--trust-remote-code" in rest)
+    except DeployError as e:
+        print(f"xmix serve: {e}", file=sys.stderr)
+        return 2
     os.environ[APPS_ENV] = json.dumps([[os.path.abspath(p), mode] for p in apps])
     # Endpoint plugins load only when named in VLLM_PLUGINS; general plugins then load only
     # when named too, so name xmix for both and keep whatever the operator listed.
@@ -106,6 +118,33 @@ def serve_main(argv: list[str]) -> int:
     sys.argv = ["vllm", "serve", *rest]
     vllm_main()
     return 0
+
+
+def _ask_for_xmix(args: list[str]) -> list[str]:
+    """``vllm serve`` arguments with ``--additional-config`` asking for xmix (enable.py): the
+    operator's own additional config is kept (JSON merged), an explicit ``"xmix": false``
+    refused. The config reaches every engine process, on every node."""
+    from .enable import with_xmix
+
+    out, found = [], False
+    it = iter(args)
+    for a in it:
+        if a in ("--additional-config", "--additional_config") or a.startswith(("--additional-config=",
+                                                                                   "--additional_config=")):
+            raw = a.split("=", 1)[1] if "=" in a else next(it, "")
+            try:
+                given = json.loads(raw) if raw else {}
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--additional-config is not valid JSON ({e.msg})") from None
+            if not isinstance(given, dict):
+                raise ValueError("--additional-config must be a JSON object")
+            out += ["--additional-config", json.dumps(with_xmix(given))]
+            found = True
+        else:
+            out.append(a)
+    if not found:
+        out += ["--additional-config", json.dumps(with_xmix({}))]
+    return out
 
 
 def _vllm_version_shim() -> None:

@@ -234,6 +234,15 @@ class WorkerXmix:
         too); ``commit`` swaps it in at once, else ``xmix_deploy_commit`` does."""
         app = App.from_bytes(data, source="deploy", allow_custom=True)
         lowered = lower(app, self.shape, None)
+        missing = sorted({op.site_id for op in lowered.ops} - self.placed)
+        if missing:
+            from xmix.hooks import site_name
+            from xmix.lowering import DeployError
+
+            names = ", ".join(site_name(s, self.shape.n_layers) for s in missing[:8])
+            raise DeployError(f"app {app.name!r} needs site(s) {names}{' ...' if len(missing) > 8 else ''}, "
+                              f"which this engine did not place (additional_config['xmix'] sites / "
+                              f"layers chose the placed sites at start)")
         self.cb.prepare_install(lowered, mode, version)
         if commit:
             self.cb.commit_install(lowered.name)
@@ -261,6 +270,23 @@ def _control(sp) -> tuple[list[str], dict | None, dict]:
     pins = cfg.get("pin")
     return (list(cfg.get("apps") or []), dict(pins) if pins is not None else None,
             dict(cfg.get("params") or {}))
+
+
+def _warn_lost_fusion(cfg, family: Family, model, counts: dict[str, int]) -> None:
+    """At tensor_parallel_size >= 2 with vLLM's all-reduce + RMSNorm fusion on, say at start
+    which placed sites keep it from applying (EngineMap.fusion_gaps)."""
+    from xmix.architectures import engine_map
+
+    tp = int(getattr(cfg.parallel_config, "tensor_parallel_size", 1) or 1)
+    pc = getattr(getattr(cfg, "compilation_config", None), "pass_config", None)
+    if tp < 2 or not getattr(pc, "fuse_allreduce_rms", False):
+        return
+    gaps = [s for s in engine_map(family, model).fusion_gaps if counts.get(s)]
+    if gaps:
+        logger.warning("xmix: tensor_parallel_size=%d: the hook sites %s sit between an all-reduce "
+                       "and the RMSNorm vLLM fuses it with, so the all-reduce + RMSNorm fusion does not "
+                       "apply where they are placed; place fewer with additional_config['xmix'] "
+                       "sites / layers (docs/models.md)", tp, ", ".join(gaps))
 
 
 def merge_results(into: dict, new: dict) -> dict:
