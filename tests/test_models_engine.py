@@ -24,7 +24,7 @@ from xmix.architectures import FAMILIES
 from xmix.hooks import ModelShape
 from xmix.models.tiny import tiny_model_path
 
-from engine_util import PROMPTS, greedy, hf_model, make_llm, shutdown, tokenize
+from engine_util import PROMPTS, greedy, make_llm, shutdown, tokenize
 
 pytestmark = pytest.mark.engine
 
@@ -82,7 +82,7 @@ CONTROLS = [
 
 @pytest.fixture(scope="module", params=NEW)
 def env(request):
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     kind = request.param
     path = str(tiny_model_path(kind))
@@ -90,7 +90,9 @@ def env(request):
     shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(path))
     apps = build_apps(shape, tok)
     ids = [tokenize(tok, p) for p in PROMPTS[:N_PROMPTS]]
-    model = hf_model(path)
+    # Eager attention: transformers' SDPA path leaves out Gemma 2's attention logit
+    # softcapping (vLLM applies it; ~1e-2 in log-probabilities on tiny-gemma2).
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
     with torch.no_grad():
         plain = [model.generate(torch.tensor([i]), do_sample=False, max_new_tokens=MAX_TOKENS,
                                 eos_token_id=None)[0, len(i):].tolist() for i in ids]
