@@ -630,8 +630,9 @@ def test_session_generate_of_a_padded_batch_equals_one_request_each(models, kind
             assert out[i, T:].tolist() == toks, f"row {i}"
             _assert_reads_close(s.results[i], res, f"row {i}")
         # the apps changed something: the same batch without a session differs
-        plain = model.generate(**batch, do_sample=False, max_new_tokens=n_new, eos_token_id=None,
-                               pad_token_id=tok.pad_token_id)
+        with pytest.warns(UserWarning, match="outside attachment.session"):
+            plain = model.generate(**batch, do_sample=False, max_new_tokens=n_new, eos_token_id=None,
+                                   pad_token_id=tok.pad_token_id)
         assert not torch.equal(plain, out)
 
 
@@ -670,6 +671,8 @@ def test_outside_a_session_the_model_is_untouched_and_says_so_once(models):
         assert not torch.allclose(steered, before)
         with pytest.raises(RequestError, match="unknown app"):
             att.session(apps=["nope"])
+        with pytest.raises(RequestError, match="unknown parameter"):
+            att.session(apps=["steer"], params={"steer": {"nope": 1.0}})
     finally:
         att.detach()
     with torch.no_grad():

@@ -116,8 +116,11 @@ def assert_reads_match(engine_res: dict, oracle_res: dict, what: str) -> None:
         for key, o in reads.items():
             e = engine_res[app][key]
             assert e["positions"] == o["positions"], f"{what}: {app}.{key} positions differ"
-            np.testing.assert_allclose(np.asarray(e["values"], np.float64), np.asarray(o["values"], np.float64),
-                                       rtol=READ_RTOL, atol=1e-5, err_msg=f"{what}: {app}.{key}")
+            want = np.asarray(o["values"], np.float64)
+            # elements near zero of a captured vector: absolute error relative to its scale
+            scale = max(1.0, float(np.sqrt(np.mean(want ** 2)))) if want.size else 1.0
+            np.testing.assert_allclose(np.asarray(e["values"], np.float64), want,
+                                       rtol=READ_RTOL, atol=1e-5 * scale, err_msg=f"{what}: {app}.{key}")
 
 
 def test_sites_placed_from_the_table(env):
@@ -147,7 +150,7 @@ def test_mixed_batch_matches_the_oracle_and_the_convention(env):
         assert toks == o_toks, f"{env['kind']} request {i} ({ctl}) differs from the oracle"
         assert_reads_match(xmix.results(out), o_res, f"{env['kind']} request {i} ({ctl})")
         changed += toks != env["plain"][i]
-        if "cap" in ctl["apps"]:
+        if ctl["apps"] == ["cap"]:      # no write between the captures: the identities hold
             _check_convention(xmix.results(out)["cap"], env["shape"].n_layers, f"request {i}")
     assert changed >= 3, "the writes in this batch should change several answers"
 

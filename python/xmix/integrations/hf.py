@@ -652,6 +652,8 @@ class Attachment:
         if self._session is not None:
             raise RuntimeError("xmix: a session is already open on this attachment")
         self._check(apps or [], params or {})
+        for name, p in (params or {}).items():
+            _resolve_params(self.by_name[name], p)      # bad parameters fail here, not mid-generate
         return Session(self, list(apps or []), dict(params or {}))
 
     def _check(self, apps: list[str], params: dict) -> None:
