@@ -32,7 +32,7 @@ def _cmd_import(argv: list[str]) -> int:
 
 COMMANDS = {
     "serve": (_cmd_serve, "vllm serve with xmix: xmix serve MODEL --app PATH ... [vllm serve args]"),
-    "models": (_cmd_models, "make the embedded tiny models (tiny-llama, tiny-qwen3, tiny-mixtral, all)"),
+    "models": (_cmd_models, "make the embedded tiny models: xmix models KIND|all (one per supported family)"),
     "derive": (_cmd_derive, "derive an app's artifacts from prompt files: "
                             "xmix derive APP --model M --positive F --negative F"),
     "import": (_cmd_import, "SAEs and control vectors from other tools: xmix import sae|vector PATH -o OUT"),
