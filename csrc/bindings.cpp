@@ -108,6 +108,7 @@ py::dict control_layout() {
   FIELD(ControlBlock, row_reset); FIELD(ControlBlock, row_n_prompt); FIELD(ControlBlock, row_done);
   FIELD(ControlBlock, slot_apps); FIELD(ControlBlock, slot_params); FIELD(ControlBlock, slot_span);
   FIELD(ControlBlock, read_state); FIELD(ControlBlock, vec_state); FIELD(ControlBlock, counters);
+  FIELD(ControlBlock, app_nonfinite);
   FIELD(ControlBlock, app_mode); FIELD(ControlBlock, site_first); FIELD(ControlBlock, site_count);
   FIELD(ControlBlock, ops); FIELD(ControlBlock, cond_code); FIELD(ControlBlock, tokset_bits);
   FIELD(ControlBlock, span_def); FIELD(ControlBlock, n_spans); FIELD(ControlBlock, n_token_sets);
@@ -175,10 +176,19 @@ PYBIND11_MODULE(_C, m) {
   register_graph_bindings(m);
 
   using G = py::call_guard<py::gil_scoped_release>;
+  // None, or [(app index, message)] of the ops that failed (the rest of the site ran).
   m.def("run_site_cpu", [](uint64_t cb, int32_t site, uint64_t h, uint64_t r, int32_t n_rows,
-                           int32_t d, int64_t sh, int64_t sr, int32_t dtype) {
-          run_site_cpu(cb_at(cb), site, vp(h), vp(r), n_rows, d, sh, sr, dtype);
-        }, G());
+                           int32_t d, int64_t sh, int64_t sr, int32_t dtype) -> py::object {
+          std::vector<SiteFailure> failed;
+          {
+            py::gil_scoped_release release;
+            failed = run_site_cpu(cb_at(cb), site, vp(h), vp(r), n_rows, d, sh, sr, dtype);
+          }
+          if (failed.empty()) return py::none();
+          py::list out;
+          for (const auto& f : failed) out.append(py::make_tuple(f.app, py::bytes(f.what)));
+          return out;
+        });
   m.def("run_op_cpu", [](uint64_t cb, int32_t site, int32_t op_index, uint64_t h, uint64_t r,
                          int32_t n_rows, int32_t d, int64_t sh, int64_t sr, int32_t dtype) {
           run_op_cpu(cb_at(cb), op_at(cb_at(cb), site, op_index), vp(h), vp(r), n_rows, d, sh, sr, dtype);

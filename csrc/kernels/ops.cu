@@ -66,7 +66,8 @@ struct DRow {
   }
   __device__ float hid(int32_t i) const { return load(h, i, dtype); }
   __device__ float res(int32_t i) const { return r ? load(r, i, dtype) : 0.f; }
-  __device__ void set_h(int32_t i, float v) const { store(h, i, dtype, v); }
+  mutable int32_t refused = 0;  // this thread's elements store_finite kept
+  __device__ void set_h(int32_t i, float v) const { refused += store_finite(h, i, dtype, v) ? 1 : 0; }
 };
 
 __device__ float dot_x(const DRow& row, const float* w, float* red) {
@@ -482,6 +483,7 @@ __device__ void run_op_row(const ControlBlock& cb, const OpDesc& op, int32_t t, 
     default:
       break;  // OP_CUSTOM runs as its own launch (launch_custom)
   }
+  if (row.refused) atomicAdd(ptr<int32_t>(cb.app_nonfinite) + op.app, row.refused);
   __syncthreads();
 }
 
@@ -646,6 +648,27 @@ __global__ void xmix_custom_finish(const ControlBlock* __restrict__ cbp, int32_t
     note_read(cb, op.channel, ptr<const int32_t>(cb.tok_slot)[t], ptr<const uint32_t>(cb.tok_flags)[t], v);
 }
 
+// After a user write kernel: non-finite elements of the rows it was given become 0 (the CPU
+// twin does the same); one block per row.
+__global__ void xmix_custom_guard(const ControlBlock* __restrict__ cbp, int32_t site,
+                                  int32_t op_index, const uint8_t* select, void* h, int64_t sh,
+                                  int32_t d, int32_t dtype) {
+  const ControlBlock& cb = *cbp;
+  const int32_t t = blockIdx.x;
+  if (!select[t] || !op_in_range(cb, site, op_index)) return;
+  const OpDesc& op =
+      ptr<const OpDesc>(cb.ops)[ptr<const int32_t>(cb.site_first)[site] + op_index];
+  if (op.channel >= 0) return;  // a read does not write
+  char* row = static_cast<char*>(h) + static_cast<int64_t>(t) * sh * dtype_size(dtype);
+  int32_t refused = 0;
+  for (int32_t i = threadIdx.x; i < d; i += blockDim.x)
+    if (!is_finite_f(load(row, i, dtype))) {
+      store(row, i, dtype, 0.f);
+      ++refused;
+    }
+  if (refused) atomicAdd(ptr<int32_t>(cb.app_nonfinite) + op.app, refused);
+}
+
 size_t smem_bytes(int32_t d) { return static_cast<size_t>(2 * d) * sizeof(float); }
 
 int prepare_smem(const void* kernel, int32_t d) {
@@ -708,6 +731,8 @@ int launch_custom(const ControlBlock* cb, int32_t site, int32_t op_index, uint64
   cudaError_t e = cudaLaunchKernel(reinterpret_cast<const void*>(static_cast<uintptr_t>(kernel)),
                                    dim3(n_rows), dim3(kThreads), params, 0, s);
   if (e != cudaSuccess) return static_cast<int>(e);
+  xmix_custom_guard<<<n_rows, 256, 0, s>>>(cb, site, op_index, select_scratch, args.h,
+                                           args.stride_h, args.d, args.dtype);
   xmix_custom_finish<<<blocks, 256, 0, s>>>(cb, site, op_index, n_rows, select_scratch, out_scratch);
   return static_cast<int>(cudaGetLastError());
 }
@@ -732,7 +757,8 @@ int preload_kernels(int* count) {
       reinterpret_cast<const void*>(&xmix_site_anchor), reinterpret_cast<const void*>(&xmix_op_kernel),
       reinterpret_cast<const void*>(&xmix_gate_kernel), reinterpret_cast<const void*>(&xmix_prologue_reset),
       reinterpret_cast<const void*>(&xmix_prologue_tokens),
-      reinterpret_cast<const void*>(&xmix_custom_select), reinterpret_cast<const void*>(&xmix_custom_finish)};
+      reinterpret_cast<const void*>(&xmix_custom_select), reinterpret_cast<const void*>(&xmix_custom_guard),
+      reinterpret_cast<const void*>(&xmix_custom_finish)};
   int n = 0;
   for (const void* k : kernels) {
     cudaFuncAttributes a;

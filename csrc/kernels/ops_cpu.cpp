@@ -26,8 +26,13 @@ struct Row {
   }
   float hid(int32_t i) const { return load(h, i, dtype); }
   float res(int32_t i) const { return r ? load(r, i, dtype) : 0.f; }
-  void set_h(int32_t i, float v) const { store(h, i, dtype, v); }
+  mutable int32_t refused = 0;  // elements store_finite kept
+  void set_h(int32_t i, float v) const { refused += store_finite(h, i, dtype, v) ? 1 : 0; }
 };
+
+void count_refused(const ControlBlock& cb, const OpDesc& op, int32_t n) {
+  if (n) ptr<int32_t>(cb.app_nonfinite)[op.app] += n;
+}
 
 Row row_at(void* h, const void* r, int64_t t, int32_t d, int64_t sh, int64_t sr, int32_t dtype) {
   const int64_t es = dtype_size(dtype);
@@ -336,6 +341,7 @@ void run_sae_cpu(const ControlBlock& cb, const OpDesc& op, void* h, const void* 
         for (int32_t i = 0; i < d; ++i) delta[i] += coef * w[i];
       }
       for (int32_t i = 0; i < d; ++i) row.set_h(i, row.hid(i) + delta[i]);
+      count_refused(cb, op, row.refused);
     }
     return;
   }
@@ -419,6 +425,19 @@ void run_op_cpu(const ControlBlock& cb, const OpDesc& op, void* h, const void* r
     args.artifact = ptr<const float>(op.a0); args.artifact_numel = op.m;
     args.out = op.channel >= 0 ? out.data() : nullptr;
     reinterpret_cast<xmix_custom_cpu_fn>(static_cast<uintptr_t>(op.fn))(&args);
+    // A user kernel's non-finite elements in the rows it was given become 0 (its value
+    // before the kernel is not kept: the CUDA twin has no copy of the rows either).
+    int32_t refused = 0;
+    for (int32_t t = 0; op.channel < 0 && t < n_rows; ++t) {
+      if (!select[t]) continue;
+      const Row row = row_at(h, r, t, d, stride_h, stride_r, dtype);
+      for (int32_t i = 0; i < d; ++i)
+        if (!is_finite_f(row.hid(i))) {
+          store(row.h, i, dtype, 0.f);
+          ++refused;
+        }
+    }
+    count_refused(cb, op, refused);
     if (op.channel >= 0) {
       for (int32_t t = 0; t < n_rows; ++t) {
         const float v = select[t] ? out[t] : kNaN;
@@ -436,7 +455,10 @@ void run_op_cpu(const ControlBlock& cb, const OpDesc& op, void* h, const void* r
     const Row row = row_at(h, r, t, d, stride_h, stride_r, dtype);
     const uint32_t flags = tok_flags[t];
     if (!is_read) {
-      if (sel) apply_write(row, op, params + static_cast<int64_t>(slot) * cb.n_params, scratch);
+      if (sel) {
+        apply_write(row, op, params + static_cast<int64_t>(slot) * cb.n_params, scratch);
+        count_refused(cb, op, row.refused);
+      }
       continue;
     }
     float v = kNaN;

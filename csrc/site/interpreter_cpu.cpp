@@ -1,14 +1,17 @@
 // The site program on the CPU: the reference behaviour of the CUDA anchor kernel.
 #include <cstring>
+#include <exception>
 
 #include "xmix/control.h"
 #include "xmix/site.h"
 
 namespace xmix {
 
-void run_site_cpu(const ControlBlock& cb, int32_t site, void* h, const void* r, int32_t n_rows,
-                  int32_t d, int64_t stride_h, int64_t stride_r, int32_t dtype) {
-  if (site < 0 || site >= cb.n_sites) return;
+std::vector<SiteFailure> run_site_cpu(const ControlBlock& cb, int32_t site, void* h, const void* r,
+                                      int32_t n_rows, int32_t d, int64_t stride_h, int64_t stride_r,
+                                      int32_t dtype) {
+  std::vector<SiteFailure> failed;
+  if (site < 0 || site >= cb.n_sites) return failed;
   const int32_t first = ptr<const int32_t>(cb.site_first)[site];
   const int32_t count = ptr<const int32_t>(cb.site_count)[site];
   const OpDesc* ops = ptr<const OpDesc>(cb.ops);
@@ -27,8 +30,17 @@ void run_site_cpu(const ControlBlock& cb, int32_t site, void* h, const void* r, 
       }
       continue;
     }
-    run_op_cpu(cb, op, h, r, n_rows, d, stride_h, stride_r, dtype);
+    // One op's failure must not cost the other ops of the site (other requests' apps) their
+    // turn: it is recorded and the site goes on.
+    try {
+      run_op_cpu(cb, op, h, r, n_rows, d, stride_h, stride_r, dtype);
+    } catch (const std::exception& e) {
+      failed.push_back({op.app, e.what()});
+    } catch (...) {
+      failed.push_back({op.app, "unknown exception"});
+    }
   }
+  return failed;
 }
 
 bool op_any_selected_cpu(const ControlBlock& cb, const OpDesc& op) {

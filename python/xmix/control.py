@@ -244,7 +244,8 @@ class ControlBlock:
             "row_reset": (S, i32), "row_n_prompt": (S, i32), "row_done": (S, i32),
             "slot_apps": (S, torch.int64), "slot_params": (S * P, f32), "slot_span": (S, i32),
             "read_state": (S * R * K["READ_STATE_WIDTH"], f32), "vec_state": (S * self.vec_width, f32),
-            "counters": (S * R, i32), "app_mode": (A, i32), "site_first": (self.n_sites, i32),
+            "counters": (S * R, i32), "app_nonfinite": (A, i32), "app_mode": (A, i32),
+            "site_first": (self.n_sites, i32),
             "site_count": (self.n_sites, i32), "ops": (cap.max_ops * OP_SIZE, torch.uint8),
             "cond_code": (cap.max_cond * 4, i32),
             "tokset_bits": (K["MAX_TOKEN_SETS"] * self.vocab_words, i32),
@@ -303,6 +304,10 @@ class ControlBlock:
         # (xmix.graphs.ensure_current).
         self.ops_generation = 0
         self._staged: dict[str, _Staged] = {}
+        # Requests whose app failed inside a site program this step: req id -> message
+        # (the worker finishes them with an error); failures per app name.
+        self.failed: dict[str, str] = {}
+        self.site_errors: dict[str, int] = {}
         self.graph_hook = None           # set by the CUDA-graph capture hook
         self._site_custom: dict[int, list[tuple[int, InstalledApp, LoweredOp]]] = {}
         if self.on_gpu:
@@ -521,7 +526,9 @@ class ControlBlock:
                 raise DeployError(f"app {name!r}: the deployed apps changed since it was prepared")
             inst = st.inst
             self._seq += 1
+            self._zero_counter(inst.index)
             self._swap({**self.apps, name: inst}, st.tables)
+            self._rewrite_bits(inst)  # requests running opted out of it (mode "all")
             # Requests already running see the app's defaults in their param rows.
             for slot in self.slot_req:
                 self._write_slot_params(slot, inst)
@@ -680,7 +687,71 @@ class ControlBlock:
                 inst.mode = mode
                 self.host["app_mode"][inst.index] = MODES[mode]
                 self._sync("app_mode")
+                self._rewrite_bits(inst)
                 self._refresh_masks()
+
+    def _zero_counter(self, index: int) -> None:
+        def zero() -> None:
+            self.dev["app_nonfinite"][index] = 0
+
+        self.xfer.launch(zero) if self.staged else zero()
+
+    def nonfinite_writes(self) -> dict[str, int]:
+        """Per deployed app: elements of the stream its writes would have made non-finite,
+        left as they were (built-in kernels) or set to 0 (user kernels). On a GPU this reads
+        the device (control-plane calls only, never per step)."""
+        with self.lock:
+            counts = self.dev["app_nonfinite"].cpu().numpy() if self.staged or self.on_gpu \
+                else self.host["app_nonfinite"]
+            return {inst.name: int(counts[inst.index]) for inst in self.apps.values()}
+
+    def site_failed(self, site: int, failures) -> None:
+        """Ops of a site program failed this step (``failures``: (app index, message), or
+        app index None: the whole site). The requests of the step that used those apps are
+        recorded for the worker to finish with an error; every other request is untouched."""
+        with self.lock:
+            by_index = {inst.index: inst for inst in self.apps.values()}
+            slots = self.step_rows[0][:self.step_rows[1]].tolist() if getattr(self, "step_rows", None) else []
+            for index, msg in failures:
+                if isinstance(msg, bytes):
+                    msg = msg.decode("utf-8", "replace")
+                if index is None:
+                    hit = [by_index[i] for i in by_index
+                           if (int(self.site_app_mask[site]) >> i) & 1]
+                else:
+                    hit = [by_index[index]] if index in by_index else []
+                for inst in hit:
+                    self.site_errors[inst.name] = self.site_errors.get(inst.name, 0) + 1
+                    for slot in slots:
+                        st = self.slot_req.get(slot)
+                        if st is None or st.req_id in self.failed:
+                            continue
+                        uses = (inst.mode == "all" and not st.bit(inst)) or \
+                            (inst.mode == "request" and inst.name in st.apps)
+                        if uses:
+                            self.failed[st.req_id] = (f"app {inst.name!r} failed in its site program "
+                                                      f"at site {site}: {msg[:500]}")
+
+    def take_failed(self) -> dict[str, str]:
+        with self.lock:
+            out, self.failed = self.failed, {}
+            return out
+
+    def _rewrite_bits(self, inst: InstalledApp) -> None:
+        """Each running request's bit of one app after its mode changed (the bit means
+        "uses it" in mode request, "opted out" in mode all)."""
+        bit = np.int64(1) << np.int64(inst.index)
+        rows = self.host["slot_apps"]
+        changed = False
+        for slot, st in self.slot_req.items():
+            want = st.bit(inst)
+            if bool(rows[slot] & bit) != want:
+                rows[slot] = (rows[slot] | bit) if want else (rows[slot] & ~bit)
+                self._mark_row(slot)
+                changed = True
+        if changed:
+            self._n_app_slots = int(np.count_nonzero(rows))
+            self._sync("slot_apps")
 
     def _resolve_params(self, inst: InstalledApp, params: Any, who: str) -> dict[int, float]:
         return resolve_params(inst.param_cols, params, who)
@@ -870,7 +941,7 @@ class ControlBlock:
             return self._occupy(st)
 
     def admit_pinned(self, req_id: str, apps: list[str], pins: dict[str, Any],
-                     prompt_len: int = 0) -> tuple[int, list[str]]:
+                     prompt_len: int = 0, forced: list[str] | None = None) -> tuple[int, list[str]]:
         """Give a request a slot from the control the frontend checked and resolved: each
         app pinned to the deployment version it was checked against (``pins``: {app:
         [version, [[column, value], ...]]}), parameters as column values. An app that is
@@ -900,7 +971,8 @@ class ControlBlock:
                                 if isinstance(c, int) and 0 <= c < n and isinstance(v, float)
                                 and math.isfinite(v)}
             st = SlotState(req_id=req_id, apps={a for a in apps if a not in dropped},
-                           overrides=overrides, prompt_len=prompt_len)
+                           overrides=overrides, prompt_len=prompt_len,
+                           forced=frozenset(forced) if forced is not None else None)
             return self._occupy(st), dropped
 
     def _occupy(self, st: "SlotState") -> int:
@@ -911,8 +983,9 @@ class ControlBlock:
         self.slot_req[slot] = st
         st.apps &= set(self.apps)  # an app undeployed while the request waited
         mask = 0
-        for a in st.apps:
-            mask |= 1 << self.apps[a].index
+        for inst in self.apps.values():
+            if st.bit(inst):
+                mask |= 1 << inst.index
         self.host["slot_apps"][slot] = np.uint64(mask).astype(np.int64)
         self._mark_row(slot)
         self._n_app_slots += mask != 0
@@ -968,7 +1041,7 @@ class ControlBlock:
     def effective_apps(self, slot: int) -> list[InstalledApp]:
         st = self.slot_req[slot]
         return [a for a in self.apps.values()
-                if a.mode == "all" or (a.mode == "request" and a.name in st.apps)]
+                if (a.mode == "all" and not st.bit(a)) or (a.mode == "request" and a.name in st.apps)]
 
     # ------------------------------------------------------------------ per step
     def begin_step(self, row_slots: np.ndarray, row_n_tok: np.ndarray, row_start_pos: np.ndarray,
@@ -1253,6 +1326,16 @@ class SlotState:
     overrides: dict[str, dict[int, float]]
     prompt_len: int = 0
     reported: dict = field(default_factory=dict)  # (app, read) -> last position reported
+    # Apps in mode "all" that may apply to this request (a server's per-key policy); None:
+    # every one. An app in mode "all" not listed is opted out: its bit in slot_apps is set.
+    forced: frozenset | None = None
+
+    def bit(self, inst: "InstalledApp") -> bool:
+        """This request's bit of an app in slot_apps: for mode "all" it opts the request
+        out (control.h: app_active), otherwise it says the request uses the app."""
+        if inst.mode == "all":
+            return self.forced is not None and inst.name not in self.forced
+        return inst.name in self.apps
 
 
 def _load_custom_cuda(app: str, o: LoweredOp, ck) -> int:

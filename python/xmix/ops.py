@@ -57,8 +57,13 @@ def _site_cpu(h: torch.Tensor, r: torch.Tensor | None, site: int) -> None:
     cb = _CONTROL
     if cb is None or not cb.site_active[site]:
         return
-    n, d, sh, sr, rp, dt = _args(h, r)
-    _C.run_site_cpu(cb.ptr, site, h.data_ptr(), rp, n, d, sh, sr, dt)
+    try:
+        n, d, sh, sr, rp, dt = _args(h, r)
+        failed = _C.run_site_cpu(cb.ptr, site, h.data_ptr(), rp, n, d, sh, sr, dt)
+    except Exception as e:  # nothing of the site ran: its apps' requests fail, not the step
+        failed = [(None, f"{type(e).__name__}: {e}")]
+    if failed:
+        cb.site_failed(site, failed)
 
 
 def _site_cuda(h: torch.Tensor, r: torch.Tensor | None, site: int) -> None:
@@ -72,9 +77,14 @@ def _site_cuda(h: torch.Tensor, r: torch.Tensor | None, site: int) -> None:
     stream = torch.cuda.current_stream(h.device).cuda_stream
     if capturing and cb.graph_hook is not None:
         cb.graph_hook.note_anchor(site, h, r, n, d, sh, sr, dt)
-    _C.launch_site_anchor(cb.ptr, site, h.data_ptr(), rp, n, d, sh, sr, dt, stream)
-    if not capturing:
+    if capturing:
+        _C.launch_site_anchor(cb.ptr, site, h.data_ptr(), rp, n, d, sh, sr, dt, stream)
+        return
+    try:
+        _C.launch_site_anchor(cb.ptr, site, h.data_ptr(), rp, n, d, sh, sr, dt, stream)
         cb.launch_custom_ops(site, h, r, n, d, sh, sr, dt, stream)
+    except RuntimeError as e:  # a launch refused: the site's apps' requests fail, not the step
+        cb.site_failed(site, [(None, str(e))])
 
 
 lib.impl("site", _site_cpu, "CPU")

@@ -42,16 +42,24 @@ def cast_cosine(mean: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------- writes
+def written(h, new, mask):
+    """A write's result: selected rows take the new values, except elements whose new value is
+    not finite in h's dtype, which keep their old value (an Inf/NaN in the stream would reach
+    the KV cache; control.h: store_finite)."""
+    new = new.to(h.dtype)
+    return torch.where(mask[:, None] & torch.isfinite(new), new, h)
+
+
 def add(h, r, mask, vector, scale):
     new = h.float() + scale * vector.float()
-    return torch.where(mask[:, None], new.to(h.dtype), h)
+    return written(h, new, mask)
 
 
 def ablate(h, r, mask, direction):
     u = direction.float() / direction.float().norm()
     proj = stream(h, r) @ u
     new = h.float() - proj[:, None] * u
-    return torch.where(mask[:, None], new.to(h.dtype), h)
+    return written(h, new, mask)
 
 
 def clamp(h, r, mask, direction, lo, hi):
@@ -59,14 +67,14 @@ def clamp(h, r, mask, direction, lo, hi):
     proj = stream(h, r) @ u
     delta = proj.clamp(min=lo, max=hi) - proj
     new = h.float() + delta[:, None] * u
-    return torch.where(mask[:, None], new.to(h.dtype), h)
+    return written(h, new, mask)
 
 
 def affine(h, r, mask, matrix, mu_s, mu_t):
     x = stream(h, r)
     new_x = (x - mu_s.float()) @ matrix.float().T + mu_t.float()
     new = new_x - (r.float() if r is not None else 0.0)
-    return torch.where(mask[:, None], new.to(h.dtype), h)
+    return written(h, new, mask)
 
 
 def router(logits, mask, expert_mask, delta):
@@ -77,7 +85,7 @@ def router(logits, mask, expert_mask, delta):
     lmin = ls.min(dim=-1, keepdim=True).values
     em = expert_mask.float()[None, :].expand_as(ls)
     new = torch.where(em > 0, lmax + delta, torch.where(em < 0, lmin - delta, ls))
-    return torch.where(mask[:, None], new.to(logits.dtype), logits)
+    return written(logits, new, mask)
 
 
 # ---------------------------------------------------------------------------- SAEs
@@ -143,7 +151,7 @@ def sae_clamp(h, r, mask, sae, features: list[int], value: float):
     scale = sae_decoder_scale(x, sae)
     delta = ((value - acts) * scale[:, None]) @ sae.W_dec[features].to(x.device)
     new = h.float() + delta
-    return torch.where(mask[:, None], new.to(h.dtype), h)
+    return written(h, new, mask)
 
 
 # ---------------------------------------------------------------------------- conditions

@@ -185,6 +185,8 @@ struct ControlBlock {
   uint64_t read_state;    // float[S*R*kReadStateWidth]
   uint64_t vec_state;     // float[S*vec_state_width]
   uint64_t counters;      // int32[S*R]  per step arrival counters (CUDA last-block pattern)
+  uint64_t app_nonfinite; // int32[max_apps] elements a write of the app was refused (see
+                          //   store_finite); read by the host on control-plane calls only
   // apps, programs, sets
   uint64_t app_mode;      // int32[max_apps]
   uint64_t site_first;    // int32[n_sites]
@@ -270,6 +272,20 @@ XMIX_HD void store(void* base, int64_t i, int32_t dtype, float v) {
 }
 XMIX_HD int32_t dtype_size(int32_t dtype) { return dtype == DT_F32 ? 4 : 2; }
 
+// Writes never make the stream non-finite: an Inf/NaN in the stream reaches the KV cache, and
+// vLLM hands freed KV blocks to later requests without clearing them, so one request's
+// overflow would change other requests' answers. A built-in write whose new value of an
+// element is not finite in the model's dtype (an fp16 overflow too) leaves the element as it
+// was; returns true when it did (the caller counts it in app_nonfinite).
+XMIX_HD bool is_finite_f(float v) { return fabsf(v) <= 3.402823466e38f; }  // false for NaN
+XMIX_HD bool store_finite(void* base, int64_t i, int32_t dtype, float v) {
+  const float old = load(base, i, dtype);
+  store(base, i, dtype, v);
+  if (is_finite_f(load(base, i, dtype))) return false;
+  store(base, i, dtype, old);
+  return true;
+}
+
 // ---------------------------------------------------------------- conditions
 XMIX_HD bool compare(float v, int32_t cmp, float t) {
   switch (cmp) {
@@ -284,9 +300,10 @@ XMIX_HD bool compare(float v, int32_t cmp, float t) {
 
 XMIX_HD bool app_active(const ControlBlock& cb, int32_t app, int32_t slot) {
   int32_t mode = ptr<const int32_t>(cb.app_mode)[app];
-  if (mode == MODE_ALL) return true;
   if (mode == MODE_OFF) return false;
-  return (ptr<const uint64_t>(cb.slot_apps)[slot] >> app) & 1ull;
+  const bool bit = (ptr<const uint64_t>(cb.slot_apps)[slot] >> app) & 1ull;
+  // Mode all: the bit opts a request out (a server's per-key policy); mode request: in.
+  return mode == MODE_ALL ? !bit : bit;
 }
 
 // A latch is decided once the request's last prompt token has been read: at that token

@@ -3,6 +3,7 @@
 #include <cstdint>
 
 #include <string>
+#include <vector>
 
 #include "xmix/control.h"
 #include "xmix/custom.h"
@@ -26,9 +27,18 @@ struct StepMaps {
 // Per-token flags and maps of one step; returns the number of real tokens.
 int32_t fill_step_maps(const StepRows& in, StepMaps& out);
 
+// An op that failed inside a site program (a user kernel that threw, an allocation): the
+// other ops of the site still ran; the host fails the requests that used the app this step.
+struct SiteFailure {
+  int32_t app;
+  std::string what;
+};
+
 // One hook site on the CPU: every op of the site, in order, on rows [0, n_rows) of h (+ r).
-void run_site_cpu(const ControlBlock& cb, int32_t site, void* h, const void* r, int32_t n_rows,
-                  int32_t d, int64_t stride_h, int64_t stride_r, int32_t dtype);
+// Returns the ops that failed (empty: none).
+std::vector<SiteFailure> run_site_cpu(const ControlBlock& cb, int32_t site, void* h, const void* r,
+                                      int32_t n_rows, int32_t d, int64_t stride_h, int64_t stride_r,
+                                      int32_t dtype);
 
 // One op on the CPU (what a spliced op node does on the GPU).
 void run_op_cpu(const ControlBlock& cb, const OpDesc& op, void* h, const void* r,

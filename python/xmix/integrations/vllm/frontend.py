@@ -26,11 +26,14 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import itertools
 import json
 import logging
 import os
 import reprlib
 import threading
+import weakref
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +44,7 @@ from xmix.control import MODES, ParamCol, RequestError, param_columns, resolve_p
 from xmix.hooks import ModelShape
 from xmix.lowering import DeployError, LoweredApp, lower
 
+from . import tenants
 from .request_controls import control_from_args
 
 logger = logging.getLogger("vllm.xmix")  # vLLM's handlers and format apply
@@ -99,19 +103,28 @@ class Needs:
     cond: int = 0
     params: int = 0
     channels: int = 0
+    token_sets: int = 0
+    spans: int = 0
 
     @staticmethod
     def of(lw: LoweredApp) -> "Needs":
         return Needs(len(lw.ops), sum(n_instructions(o.cond) for o in lw.ops if o.cond is not None),
-                     len(param_columns(lw)), sum(o.n_channels for o in lw.reads.values()))
+                     len(param_columns(lw)), sum(o.n_channels for o in lw.reads.values()),
+                     len(lw.token_sets), len(lw.spans))
 
     def __add__(self, o: "Needs") -> "Needs":
         return Needs(self.ops + o.ops, self.cond + o.cond, self.params + o.params,
-                     self.channels + o.channels)
+                     self.channels + o.channels, self.token_sets + o.token_sets, self.spans + o.spans)
 
 
 _NEEDS = {"ops": ("max_ops", "ops"), "cond": ("max_cond", "condition instructions"),
-          "params": ("max_params", "parameter columns"), "channels": ("max_channels", "reads")}
+          "params": ("max_params", "parameter columns"), "channels": ("max_channels", "reads"),
+          "token_sets": ("max_token_sets", "token sets"), "spans": ("max_spans", "spans")}
+
+
+class CapacityError(DeployError):
+    """A deploy the engine has no room for (its control block, or the server's limits):
+    HTTP 507 on the server. The message names the limit."""
 
 
 @dataclass
@@ -122,6 +135,7 @@ class Deployed:
     version: int
     cols: list[ParamCol] = field(default_factory=list)
     needs: Needs = field(default_factory=Needs)
+    locked: set[int] = field(default_factory=set)  # columns clients may not override
 
     @property
     def defaults(self) -> dict[str, float]:
@@ -144,7 +158,37 @@ class Deployed:
         return {"name": self.app.name, "mode": self.mode, "sites": lw.sites,
                 "reads": sorted(lw.reads), "writes": lw.writes, "stateful": lw.stateful,
                 "params": self.defaults, "version": self.version,
+                "locked": sorted(self.cols[i].key for i in self.locked),
                 "metadata": self.app.metadata}
+
+    def applied_params(self, overrides: dict[int, float]) -> dict[str, float]:
+        """The public parameter values a request runs with: its overrides, else defaults."""
+        return {c.key: overrides.get(i, c.default) for i, c in enumerate(self.cols) if c.public}
+
+
+def columns_named(cols: list[ParamCol], spec: Any, who: str) -> set[int]:
+    """The columns a lock names: true (every parameter), false (none), or a list of names
+    matched as request parameters are ("scale": every op's, "push.scale": one op's)."""
+    if spec is True:
+        return {i for i, c in enumerate(cols) if c.public}
+    if spec is False or spec is None:
+        return set()
+    if not isinstance(spec, list) or not all(isinstance(k, str) for k in spec):
+        raise DeployError(f'{who}: "locked" must be true, false or a list of parameter names, '
+                          f"got {shown(spec)}")
+    out: set[int] = set()
+    for key in spec:
+        if "." in key:
+            op, p = key.rsplit(".", 1)
+            hits = [i for i, c in enumerate(cols) if c.public and c.op == op and c.name == p]
+        else:
+            hits = [i for i, c in enumerate(cols) if c.public and c.op is None and c.name == key] \
+                or [i for i, c in enumerate(cols) if c.public and c.name == key]
+        if not hits:
+            raise DeployError(f"{who}: cannot lock unknown parameter {shown(key)}; known: "
+                              f"{sorted(c.key for c in cols if c.public)}")
+        out.update(hits)
+    return out
 
 
 @dataclass
@@ -152,6 +196,11 @@ class Admission:
     control: dict | None      # canonical control for the workers (None: the request has none)
     salt: str | None          # cache-salt suffix
     skip_cache: bool          # skip reading the prefix cache
+
+
+_REGISTRIES: "weakref.WeakValueDictionary[int, Registry]" = weakref.WeakValueDictionary()
+_REGISTRY_IDS = itertools.count(1)
+HISTORY = 4096  # control changes remembered for the provenance of requests in flight
 
 
 class Registry:
@@ -166,6 +215,14 @@ class Registry:
         self.apps: dict[str, Deployed] = {}
         self.lock = threading.RLock()
         self._version = 0
+        # A server's per-key policy (tenants.Policy); None offline. With one, a request whose
+        # caller is unknown gets the policy's default.
+        self.policy: tenants.Policy | None = None
+        # Control changes in order, for what reached requests in flight (provenance).
+        self.revision = 0
+        self.history: deque = deque(maxlen=HISTORY)  # (revision, app, kind, mode after)
+        self.uid = next(_REGISTRY_IDS)
+        _REGISTRIES[self.uid] = self
         # The control epoch: +1 at every change that reaches the KV of running requests (see
         # ``_touches_kv``). It is part of every cache salt once non-zero, so blocks computed
         # by requests in flight across a change are never reused by requests admitted after.
@@ -187,16 +244,35 @@ class Registry:
             if app.name in self.apps:
                 raise DeployError(f"app {app.name!r} is already deployed")
             used = self.used()
-        cap = self.capacity
-        lowered = lower(app, self.shape, self.tokenizer,
-                        max_ops=cap["max_ops"] - used.ops if cap else None)
+            max_apps = tenants.limit("XMIX_MAX_APPS")
+            if max_apps is not None and len(self.apps) >= max_apps:
+                raise CapacityError(f"app {app.name!r}: {len(self.apps)} apps are deployed; the server "
+                                    f"allows {max_apps} (XMIX_MAX_APPS)")
+        cap = dict(self.capacity) if self.capacity else None
+        if cap:
+            from xmix.control import K
+
+            cap.setdefault("max_token_sets", K["MAX_TOKEN_SETS"])
+            cap.setdefault("max_spans", K["MAX_SPANS"])
+            max_ops = tenants.limit("XMIX_MAX_OPS")
+            if max_ops is not None and max_ops < cap["max_ops"]:
+                cap["max_ops"] = max_ops
+        try:
+            lowered = lower(app, self.shape, self.tokenizer,
+                            max_ops=cap["max_ops"] - used.ops if cap else None)
+        except DeployError as e:
+            if cap and "max_ops" in str(e):
+                raise CapacityError(str(e)) from None
+            raise
         needs = Needs.of(lowered)
         if cap:
             for attr, (cap_key, what) in _NEEDS.items():
                 want, have = getattr(needs, attr), cap[cap_key] - getattr(used, attr)
                 if want > have:
-                    raise DeployError(f"app {app.name!r} needs {want} {what}; the engine has room "
-                                      f"for {have} more ({cap_key}={cap[cap_key]})")
+                    where = "XMIX_MAX_OPS" if cap_key == "max_ops" and cap[cap_key] != (self.capacity or {}).get(cap_key) \
+                        else f"{cap_key}={cap[cap_key]}"
+                    raise CapacityError(f"app {app.name!r} needs {want} {what}; the engine has room "
+                                        f"for {have} more ({where})")
         spec = app.spec()
         spec["token_sets"] = [{"name": n, "ids": ids} for n, ids in lowered.token_sets.items()]
         resolved = App.from_spec(spec, app.tensors(), source=f"app {app.name!r}", allow_custom=True)
@@ -207,14 +283,21 @@ class Registry:
             self._version += 1
             return self._version
 
-    def changed(self, kind: str) -> None:
+    def changed(self, kind: str, name: str | None = None) -> None:
+        if name is not None:
+            with self.lock:
+                self.revision += 1
+                d = self.apps.get(name)
+                self.history.append((self.revision, name, kind, d.mode if d is not None else None))
         self.count("changes", kind=kind)
         if self.metrics:
             self.metrics["deployed"].labels(model_name=self.shape.model_name).set(len(self.apps))
 
-    def add(self, app: App, lowered: LoweredApp, mode: str, version: int, needs: Needs) -> Deployed:
+    def add(self, app: App, lowered: LoweredApp, mode: str, version: int, needs: Needs,
+            locked: Any = False) -> Deployed:
         with self.lock:
             d = Deployed(app, lowered, mode, version, param_columns(lowered), needs)
+            d.locked = columns_named(d.cols, locked, f"app {app.name!r}")
             self.apps[app.name] = d
             if lowered.writes and mode == "all":
                 self.epoch += 1
@@ -232,20 +315,27 @@ class Registry:
             raise DeployError(f"app {name!r} is not deployed; deployed: {sorted(self.apps)}")
         return d
 
-    def check_patch(self, name: str, mode: str | None, params: Any) -> dict[int, float]:
-        """Every check of a PATCH, nothing applied: the new default per column."""
+    def check_patch(self, name: str, mode: str | None, params: Any, locked: Any = None
+                    ) -> tuple[dict[int, float], set[int] | None]:
+        """Every check of a PATCH, nothing applied: the new default per column, and the
+        columns locked after it (None: unchanged)."""
         d = self.get(name)
         if mode is not None and mode not in MODES:
             raise DeployError(f"mode must be one of {list(MODES)}, got {shown(mode)}")
-        return resolve_params(d.cols, params, f"app {name!r}") if params is not None else {}
+        cols = resolve_params(d.cols, params, f"app {name!r}") if params is not None else {}
+        lock = columns_named(d.cols, locked, f"app {name!r}") if locked is not None else None
+        return cols, lock
 
-    def patch(self, name: str, mode: str | None, cols: dict[int, float]) -> None:
+    def patch(self, name: str, mode: str | None, cols: dict[int, float],
+              locked: set[int] | None = None) -> None:
         with self.lock:
             d = self.get(name)
             for i, v in cols.items():
                 d.cols[i].default = v
             if mode is not None:
                 d.mode = mode
+            if locked is not None:
+                d.locked = locked
             if d.lowered.writes and (cols or mode is not None):
                 self.epoch += 1
 
@@ -268,12 +358,15 @@ class Registry:
         """Check one request's control (``raw``) and resolve it; raises the validation error
         the client sees. ``count=False``: a check ahead of the real admission (the server
         runs one before a stream starts) that counts only refusals."""
+        caller = tenants.current()
+        tenant = caller.tenant if caller is not None else (self.policy.default if self.policy else None)
         with self.lock:
             try:
-                cfg, overrides = self._parse(raw)
+                cfg, overrides = self._parse(raw, tenant)
                 apps = cfg["apps"] if cfg else []
                 effective = [self.apps[a] for a in apps] + [
-                    d for a, d in self.apps.items() if d.mode == "all" and a not in apps]
+                    d for a, d in self.apps.items() if d.mode == "all" and a not in apps
+                    and (tenant is None or tenant.may_force(a))]
                 self._check_result_bytes(effective, prompt_len, max_tokens, n)
             except ValueError:
                 self.count("rejected")
@@ -282,6 +375,19 @@ class Registry:
                 self.count("requests")
                 for a in cfg["apps"]:
                     self.count("app_requests", app=a)
+            # Every request carries what it runs with (provenance) and, under a policy that
+            # limits the apps forced on it, which mode-"all" apps may apply to it.
+            cfg = cfg if cfg is not None else {"apps": [], "params": {}, "pin": {}}
+            forced = sorted(tenant.forced) if tenant is not None and tenant.forced is not None else None
+            if forced is not None:
+                cfg["forced"] = forced
+            cfg["applied"] = {
+                "apps": [{"name": d.app.name, "version": d.version,
+                          "mode": "request" if d.app.name in apps else "all",
+                          "params": d.applied_params(overrides.get(d.app.name, {}))}
+                         for d in effective],
+                **({"tenant": tenant.name} if tenant is not None else {}),
+                "_rev": self.revision, "_reg": self.uid, "_forced": forced}
             if not effective and not self.epoch:
                 return Admission(cfg, None, False)
             writes = sorted((d for d in effective if d.lowered.writes), key=lambda d: d.app.name)
@@ -308,7 +414,8 @@ class Registry:
                 f"the server allows {limit} per request (XMIX_MAX_RESULT_BYTES): use fewer "
                 f"tokens, fewer or narrower reads, or n=1")
 
-    def _parse(self, raw: Any) -> tuple[dict | None, dict[str, dict[int, float]]]:
+    def _parse(self, raw: Any, tenant: "tenants.Tenant | None" = None
+               ) -> tuple[dict | None, dict[str, dict[int, float]]]:
         if raw is None:
             return None, {}
         if isinstance(raw, (str, bytes)):
@@ -336,30 +443,74 @@ class Registry:
             raise _validation_error(f'"apps" must be a list of app names, got {shown(apps)}')
         if len(set(apps)) != len(apps):
             raise _validation_error(f'"apps" lists an app twice: {shown(apps)}')
+        max_apps = tenants.limit("XMIX_MAX_REQUEST_APPS")
+        if len(apps) > max_apps:
+            raise _validation_error(f"the request names {len(apps)} apps; at most {max_apps} "
+                                    f"(XMIX_MAX_REQUEST_APPS)")
         for a in apps:
+            if tenant is not None and not tenant.may_name(a):
+                raise tenants.forbidden(f"app {shown(a)} is not allowed for this key "
+                                        f"(tenant {tenant.name!r} of the server's policy)")
             if a not in self.apps:
-                raise _validation_error(f"unknown app {shown(a)}; deployed: {sorted(self.apps)}")
+                raise _validation_error(f"unknown app {shown(a)}; deployed: {self._listed(tenant)}")
             if self.apps[a].mode == "off":
                 raise _validation_error(f"app {a!r} is deployed but switched off")
         params = raw.get("params", {})
         if not isinstance(params, dict):
             raise _validation_error(f'"params" must be an object {{app: {{name: number}}}}, '
                                     f"got {shown(params)}")
+        n_params = sum(len(p) if isinstance(p, dict) else 1 for p in params.values())
+        max_params = tenants.limit("XMIX_MAX_REQUEST_PARAMS")
+        if n_params > max_params:
+            raise _validation_error(f"the request sets {n_params} parameters; at most {max_params} "
+                                    f"(XMIX_MAX_REQUEST_PARAMS)")
         canon: dict[str, dict[str, float]] = {}
         overrides: dict[str, dict[int, float]] = {}
         for a, p in params.items():
+            if tenant is not None and not tenant.may_name(a):
+                raise tenants.forbidden(f"params for app {shown(a)}, which this key may not use "
+                                        f"(tenant {tenant.name!r} of the server's policy)")
             if a not in self.apps:
-                raise _validation_error(f"params for unknown app {shown(a)}; deployed: {sorted(self.apps)}")
-            if a not in apps and self.apps[a].mode != "all":
+                raise _validation_error(f"params for unknown app {shown(a)}; deployed: {self._listed(tenant)}")
+            if a not in apps and (self.apps[a].mode != "all"
+                                  or (tenant is not None and not tenant.may_force(a))):
                 raise _validation_error(f"params for app {a!r}, which this request does not use")
             try:
                 overrides[a] = resolve_params(self.apps[a].cols, p, f"app {a!r}")
             except (RequestError, DeployError) as e:
                 raise _validation_error(str(e)) from None
+            held = sorted(self.apps[a].cols[i].key for i in overrides[a] if i in self.apps[a].locked)
+            if held:
+                raise tenants.forbidden(f"app {a!r}: parameter(s) {held} are locked by the operator; "
+                                        f"requests may not override them")
             canon[a] = {k: float(v) for k, v in p.items()}
         pin = {a: [self.apps[a].version, sorted([c, v] for c, v in overrides.get(a, {}).items())]
                for a in [*apps, *(a for a in params if a not in apps)]}
         return {"apps": list(apps), "params": canon, "pin": pin}, overrides
+
+    def _listed(self, tenant: "tenants.Tenant | None") -> list[str]:
+        """The deployed apps a caller may know of."""
+        return sorted(a for a in self.apps if tenant is None or tenant.may_name(a))
+
+    def changed_since(self, applied: dict) -> list[str]:
+        """Apps of a request's provenance changed since its admission (mode, parameters,
+        undeploy), and apps that came to apply to it (deployed or switched to mode "all")."""
+        rev0 = applied.get("_rev", 0)
+        names = {a["name"] for a in applied.get("apps", ())}
+        forced = applied.get("_forced")
+        with self.lock:
+            if self.revision == rev0:
+                return []
+            hist = list(self.history)
+        out: set[str] = set()
+        if not hist or hist[0][0] > rev0 + 1:  # older than what is remembered
+            out |= names
+        for rev, name, kind, mode in hist:
+            if rev <= rev0:
+                continue
+            if name in names or (mode == "all" and (forced is None or name in forced)):
+                out.add(name)
+        return sorted(out)
 
 
 # ---------------------------------------------------------------------- patches
@@ -416,6 +567,15 @@ def patch_output_processor(out_cls, state_cls, request_output_cls) -> None:
     orig_make = state_cls.make_request_output
     orig_new_completion = state_cls._new_completion_output
     orig_add = request_output_cls.add
+    orig_from_new = state_cls.__dict__["from_new_request"].__func__
+
+    def from_new_request(cls, tokenizer, request, *args, **kwargs):
+        st = orig_from_new(cls, tokenizer, request, *args, **kwargs)
+        ctl = (getattr(request.sampling_params, "extra_args", None) or {}).get(XMIX_KEY) \
+            if getattr(request, "sampling_params", None) is not None else None
+        if isinstance(ctl, dict) and "applied" in ctl:
+            st.__dict__["_xmix_applied"] = ctl["applied"]
+        return st
 
     def process_outputs(self, engine_core_outputs, *args, **kwargs):
         from vllm.v1.engine import FinishReason
@@ -480,6 +640,9 @@ def patch_output_processor(out_cls, state_cls, request_output_cls) -> None:
         err = self.__dict__.get("_xmix_error")
         if err is not None:
             out.xmix_error = err
+        applied = self.__dict__.get("_xmix_applied")
+        if applied is not None:
+            out.xmix_applied = provenance(applied)
         outs = getattr(out, "outputs", None)
         if isinstance(outs, list) and outs:
             out.xmix = getattr(outs[0], XMIX_KEY, None) or {}
@@ -501,10 +664,23 @@ def patch_output_processor(out_cls, state_cls, request_output_cls) -> None:
             self.xmix = getattr(self.outputs[0], XMIX_KEY, None) or {}
 
     out_cls.process_outputs = process_outputs
+    state_cls.from_new_request = classmethod(from_new_request)
     state_cls.make_request_output = make_request_output
     state_cls._new_completion_output = _new_completion_output
     request_output_cls.add = add
     out_cls._xmix_patched = True
+
+
+def provenance(applied: dict) -> dict:
+    """What was applied to a request (``xmix_applied``): each app with its deployment version,
+    how it applied ("request": named by it; "all": the deployment's mode) and the parameter
+    values it ran with at admission, its tenant under a policy, and ``changed``: the apps
+    whose mode, parameters or deployment changed while it ran (they took effect at a step
+    boundary; docs/serving.md) or that came to apply to it."""
+    out = {k: v for k, v in applied.items() if not k.startswith("_")}
+    reg = _REGISTRIES.get(applied.get("_reg"))
+    out["changed"] = reg.changed_since(applied) if reg is not None else []
+    return out
 
 
 def results(output) -> dict:
@@ -554,46 +730,59 @@ class Controller:
             logger.exception("xmix: %s(%s) failed", method, name)
 
     def deploy(self, app: App | str | Path | bytes, mode: str = "request", *,
-               allow_custom: bool = True) -> dict:
+               allow_custom: bool = True, locked: Any = False) -> dict:
+        """``locked``: true, or a list of parameter names, that requests may not override."""
         if mode not in MODES:
             raise DeployError(f"mode must be one of {list(MODES)}, got {shown(mode)}")
         with self.lock:
             self._capacity()
             app = _load_app(app, allow_custom)
             lowered, data, needs = self.registry.prepare(app)
+            columns_named(param_columns(lowered), locked, f"app {app.name!r}")  # checked first
             version = self.registry.next_version()
             try:
                 self._rpc("xmix_deploy_prepare", (data, mode, version))
             except Exception as e:
                 self._undo("xmix_deploy_abort", app.name)
-                raise DeployError(f"deploying app {app.name!r} failed on a worker: {_root(e)}") from None
+                raise _deploy_failed(app.name, e) from None
             try:
                 self._rpc("xmix_deploy_commit", (app.name,))
             except Exception as e:  # a worker lost its prepared state: take it off everywhere
                 self._undo("xmix_undeploy_if_present", app.name)
-                raise DeployError(f"deploying app {app.name!r} failed on a worker: {_root(e)}") from None
-            info = self.registry.add(app, lowered, mode, version, needs).describe()
-            self.registry.changed("deploy")
+                raise _deploy_failed(app.name, e) from None
+            info = self.registry.add(app, lowered, mode, version, needs, locked).describe()
+            self.registry.changed("deploy", app.name)
             return info
 
     def undeploy(self, name: str) -> None:
         with self.lock:
             self.registry.get(name)
-            self._rpc("xmix_undeploy", (name,))
+            # Where a worker no longer has it (taken off behind the frontend's back, e.g. by
+            # vLLM's dev-mode /collective_rpc), there is nothing to take off: the registry
+            # follows, instead of keeping an app no request can use and no DELETE can remove.
+            gone = self._rpc("xmix_undeploy_if_present", (name,))
+            if not all(gone):
+                logger.warning("xmix: app %r was already gone on %d of %d workers", name,
+                               sum(not g for g in gone), len(gone))
             self.registry.remove(name)
-            self.registry.changed("undeploy")
+            self.registry.changed("undeploy", name)
 
-    def patch(self, name: str, mode: str | None = None, params: dict | None = None) -> dict:
-        """Mode and/or default parameters as one change: everything is checked before
-        anything is applied; a refusal changes nothing."""
+    def patch(self, name: str, mode: str | None = None, params: dict | None = None,
+              locked: Any = None) -> dict:
+        """Mode, default parameters and/or the parameters locked against requests' overrides,
+        as one change: everything is checked before anything is applied; a refusal changes
+        nothing."""
         with self.lock:
-            cols = self.registry.check_patch(name, mode, params)
-            self._rpc("xmix_patch", (name, mode, params))
-            self.registry.patch(name, mode, cols)
+            cols, lock = self.registry.check_patch(name, mode, params, locked)
+            if mode is not None or params is not None:
+                self._rpc("xmix_patch", (name, mode, params))
+            self.registry.patch(name, mode, cols, lock)
             if params is not None:
-                self.registry.changed("params")
+                self.registry.changed("params", name)
             if mode is not None:
-                self.registry.changed("mode")
+                self.registry.changed("mode", name)
+            if lock is not None:  # admission only: nothing in flight changes
+                self.registry.changed("locked")
             return self.registry.get(name).describe()
 
     def set_mode(self, name: str, mode: str) -> None:
@@ -608,6 +797,12 @@ class Controller:
     def status(self) -> list[dict]:
         """What each worker reports (apps, sites placed, step counters)."""
         return self._rpc("xmix_describe", ())
+
+
+def _deploy_failed(name: str, e: BaseException) -> DeployError:
+    msg = _root(e)
+    room = "not enough room" in msg or "apps are deployed already" in msg
+    return (CapacityError if room else DeployError)(f"deploying app {name!r} failed on a worker: {msg}")
 
 
 def _root(e: BaseException) -> str:

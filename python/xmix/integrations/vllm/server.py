@@ -9,12 +9,19 @@
   its own under ``"xmix"`` instead); a streaming chunk carries, under ``"xmix"``, the reads
   produced since the previous chunk of the same choice. Non-finite values are sent as null.
   Routes vLLM's ``--api-key`` does not guard (``/invocations``) may not use apps without it.
-- Control plane, authenticated like the server's ``--api-key`` (Bearer token):
-    GET    /xmix/v1/apps               what is deployed, modes, sites, params
-    POST   /xmix/v1/apps?mode=request  body: an app file (safetensors with the JSON spec);
+  Every response carries ``"xmix_applied"``: the apps applied to it, their deployment
+  versions and parameters (streams: in the chunk that finishes a choice).
+- Control plane, authenticated by the admin key (``--xmix-admin-key``, Bearer token; off
+  without one unless XMIX_ALLOW_OPEN_CONTROL_PLANE=1; see tenants.py):
+    GET    /xmix/v1/apps               what is deployed, modes, sites, params (inference keys
+                                       too: the apps their policy lets them use)
+    POST   /xmix/v1/apps?mode=request&locked=false
+                                       body: an app file (safetensors with the JSON spec);
                                        never pickle, never code (custom kernels refused)
-    PATCH  /xmix/v1/apps/{name}        JSON {"mode": "off"|"request"|"all", "params": {...}}
+    PATCH  /xmix/v1/apps/{name}        JSON {"mode": "off"|"request"|"all", "params": {...},
+                                             "locked": true|false|[names]}
     DELETE /xmix/v1/apps/{name}
+  Each change is one audit line (which key's fingerprint, what, when, the result).
   Each change is checked in full first, then applied by collective RPCs that the engine core
   runs between two steps (a deploy in two phases: prepare everywhere, then commit): it takes
   effect at the next step boundary, requests in flight keep running, a refusal changes
@@ -43,8 +50,8 @@ from xmix.lowering import DeployError
 from xmix.console import console_url
 from xmix.console.router import console_router
 
-from . import metrics, usage
-from .frontend import XMIX_KEY, Controller, _validation_error, shown
+from . import metrics, tenants, usage
+from .frontend import XMIX_KEY, CapacityError, Controller, _validation_error, shown
 from .request_controls import control_from_args, has_control
 
 logger = logging.getLogger("vllm.xmix")  # vLLM's handlers and format apply
@@ -69,29 +76,50 @@ def serve_main(argv: list[str]) -> int:
     """Parse xmix's own flags, pass everything else to ``vllm serve``."""
     apps: list[str] = []
     mode = "request"
+    locked = False
     rest: list[str] = []
+    flags: dict[str, list[str]] = {}
     it = iter(argv)
     for a in it:
-        if a == "--app":
-            apps.append(next(it, ""))
-        elif a.startswith("--app="):
-            apps.append(a.split("=", 1)[1])
-        elif a == "--app-mode":
-            mode = next(it, "")
-        elif a.startswith("--app-mode="):
-            mode = a.split("=", 1)[1]
+        name, eq, val = a.partition("=")
+        if name == "--app":
+            apps.append(val if eq else next(it, ""))
+        elif name == "--app-mode":
+            mode = val if eq else next(it, "")
+        elif a == "--app-locked":
+            locked = True
+        elif name in tenants.SERVE_FLAGS:
+            flags.setdefault(name, []).append(val if eq else next(it, ""))
         else:
             rest.append(a)
     if mode not in MODES:
         print(f"xmix serve: --app-mode must be one of {list(MODES)}, got {mode!r}", file=sys.stderr)
+        return 2
+    for flag, values in flags.items():
+        if flag != "--xmix-admin-key" and len(values) > 1:
+            print(f"xmix serve: {flag} given twice", file=sys.stderr)
+            return 2
+        if any(not v or v.startswith("--") for v in values):
+            print(f"xmix serve: {flag} needs a value", file=sys.stderr)
+            return 2
+        os.environ[tenants.SERVE_FLAGS[flag]] = ",".join(values)
+    try:
+        tenants.check_limits()
+        if os.environ.get(tenants.POLICY_ENV):
+            tenants.Policy.load(os.environ[tenants.POLICY_ENV])
+    except ValueError as e:
+        print(f"xmix serve: {e}", file=sys.stderr)
         return 2
     for p in apps:
         if not p or not os.path.isfile(p):
             print(f"xmix serve: app file {p!r} not found", file=sys.stderr)
             return 2
     if not rest or rest[0].startswith("-"):
-        print("usage: xmix serve MODEL [--app PATH ...] [--app-mode off|request|all] "
-              "[vllm serve arguments]", file=sys.stderr)
+        print("usage: xmix serve MODEL [--app PATH ...] [--app-mode off|request|all] [--app-locked] "
+              "[--xmix-admin-key KEY] [--xmix-policy FILE] [--xmix-audit-log FILE] "
+              "[--xmix-max-apps N] [--xmix-max-ops N] [--xmix-max-request-apps N] "
+              "[--xmix-max-request-params N] [--xmix-max-result-bytes N] [vllm serve arguments]",
+              file=sys.stderr)
         return 2
     try:
         rest = _ask_for_xmix(rest)
@@ -105,7 +133,7 @@ def serve_main(argv: list[str]) -> int:
     except DeployError as e:
         print(f"xmix serve: {e}", file=sys.stderr)
         return 2
-    os.environ[APPS_ENV] = json.dumps([[os.path.abspath(p), mode] for p in apps])
+    os.environ[APPS_ENV] = json.dumps([[os.path.abspath(p), mode, locked] for p in apps])
     # Endpoint plugins load only when named in VLLM_PLUGINS; general plugins then load only
     # when named too, so name xmix for both and keep whatever the operator listed.
     names = [n for n in os.environ.get("VLLM_PLUGINS", "").split(",") if n]
@@ -186,48 +214,60 @@ class XmixEndpointPlugin:
         if engine_client is None:
             return
         loop = asyncio.get_running_loop()
-
-        def rpc(method: str, rpc_args: tuple):
-            fut = asyncio.run_coroutine_threadsafe(
-                engine_client.collective_rpc(method, args=rpc_args), loop)
-            return fut.result()
-
-        ctl = Controller(engine_client.input_processor, rpc)
         keys = args.api_key if isinstance(args.api_key, list) else ([args.api_key] if args.api_key else [])
         env_key = os.environ.get("VLLM_API_KEY")
         if env_key and env_key not in keys:
             keys.append(env_key)
-        state.xmix = ServerState(ctl, keys)
+        auth = tenants.Auth.from_env(list(keys))
+        closing = asyncio.Event()
+
+        def rpc(method: str, rpc_args: tuple):
+            # Runs in a worker thread (changes go through asyncio.to_thread). It waits for
+            # the engine in short slices so that a change racing a shutdown ends with an
+            # error instead of holding the thread (and the interpreter's exit) forever.
+            fut = asyncio.run_coroutine_threadsafe(
+                engine_client.collective_rpc(method, args=rpc_args), loop)
+            while True:
+                try:
+                    return fut.result(timeout=0.5)
+                except TimeoutError:
+                    if closing.is_set() or loop.is_closed() or getattr(engine_client, "errored", False):
+                        fut.cancel()
+                        raise RuntimeError("the server is shutting down") from None
+
+        ctl = Controller(engine_client.input_processor, rpc)
+        ctl.registry.policy = auth.policy
+        state.xmix = ServerState(ctl, auth, closing)
+        for line in auth.start_lines():
+            (logger.warning if "OPEN" in line else logger.info)(line)
         # The workers' CUDA graph counters (first-replay checks, fallbacks) on /metrics.
         metrics.watch_graph_stats(lambda: ctl.status(), ctl.registry.shape.model_name)
-        for path, mode in json.loads(os.environ.get(APPS_ENV, "[]")):
-            info = await asyncio.to_thread(ctl.deploy, path, mode)
-            logger.info("xmix: app %s  mode=%s  sites=%s", info["name"], mode, ", ".join(info["sites"]))
+        for entry in json.loads(os.environ.get(APPS_ENV, "[]")):
+            path, mode, locked = (entry + [False])[:3]
+            info = await asyncio.to_thread(ctl.deploy, path, mode, locked=locked)
+            logger.info("xmix: app %s  mode=%s  sites=%s%s", info["name"], mode, ", ".join(info["sites"]),
+                        "  parameters locked" if locked else "")
+            state.xmix.audit.record("local", "deploy", info["name"], 201, "deployed at start",
+                                    mode=mode, version=info["version"], locked=info["locked"] or None)
         usage.install(ctl.registry)
         logger.info("xmix: console at %s", console_url(args))
 
 
 class ServerState:
-    def __init__(self, ctl: Controller, api_keys: list[str]):
+    def __init__(self, ctl: Controller, auth: "tenants.Auth", closing: asyncio.Event | None = None):
         self.ctl = ctl
+        self.auth = auth
+        self.audit = tenants.Audit()
         self.lock = asyncio.Lock()  # one control change at a time
-        self._tokens = [hashlib.sha256(k.encode()).digest() for k in api_keys]
+        self.closing = closing or asyncio.Event()
 
     @property
     def keyed(self) -> bool:
-        return bool(self._tokens)
+        return self.auth.keyed
 
     def authorized(self, header: str | None) -> bool:
-        if not self._tokens:
-            return True
-        scheme, _, token = (header or "").partition(" ")
-        if scheme.lower() != "bearer":
-            return False
-        digest = hashlib.sha256(token.encode()).digest()
-        ok = False
-        for t in self._tokens:
-            ok |= secrets.compare_digest(digest, t)
-        return ok
+        """Whether this caller may generate (use apps in its requests)."""
+        return self.auth.may_generate(tenants.bearer(header))
 
 
 def _error_body(status: int, msg: str) -> dict:
@@ -263,12 +303,32 @@ def _carries_xmix(body: bytes) -> bool:
     return isinstance(xargs, dict) and has_control(xargs)
 
 
+def _rpc_method(body: bytes) -> str | None:
+    try:
+        doc = json.loads(body)
+    except (ValueError, RecursionError, UnicodeDecodeError):
+        return None
+    m = doc.get("method") if isinstance(doc, dict) else None
+    return m if isinstance(m, str) else None
+
+
+DEV_RPC_PATH = "/collective_rpc"
+MAX_RPC_BODY = 1 << 20
+
+
 class RequestAppsAuth:
-    """Per-request app use follows the control plane's auth on every route. vLLM's
-    ``--api-key`` guards only /v1, /v2, /inference and /cohere; a request to another route
-    that accepts ``vllm_xargs`` (SageMaker's /invocations) and carries an xmix control must
-    bring the key when the server has one. Such bodies are read (up to
-    ``XMIX_MAX_OPEN_BODY_BYTES``) and replayed to the route unchanged."""
+    """Per request: who is calling (the caller's key fingerprint and policy tenant, kept for
+    admission), and two doors vLLM leaves open.
+
+    - Per-request app use follows the inference keys on every route. vLLM's ``--api-key``
+      guards only /v1, /v2, /inference and /cohere; a request to another route that accepts
+      ``vllm_xargs`` (SageMaker's /invocations) and carries an xmix control must bring a key
+      when the server has them. Such bodies are read (up to ``XMIX_MAX_OPEN_BODY_BYTES``) and
+      replayed to the route unchanged.
+    - vLLM's dev-mode ``/collective_rpc`` (VLLM_SERVER_DEV_MODE=1) runs any worker method,
+      xmix's included, behind the frontend's back: an app undeployed there stayed in the
+      registry. Calls of xmix's worker methods there are refused; the control plane is the
+      way to change apps."""
 
     def __init__(self, app, server) -> None:
         self.app = app
@@ -282,13 +342,24 @@ class RequestAppsAuth:
 
     async def __call__(self, scope, receive, send) -> None:
         st = getattr(self.server.state, "xmix", None) if scope["type"] == "http" else None
-        if (st is None or not st.keyed or scope.get("method") != "POST"
-                or scope["path"].removeprefix(scope.get("root_path", "")).startswith(self.guarded)):
+        if st is None:
             return await self.app(scope, receive, send)
         from starlette.datastructures import Headers
 
-        if st.authorized(Headers(scope=scope).get("authorization")):
+        header = Headers(scope=scope).get("authorization")
+        token = tenants.set_caller(st.auth.caller(header))
+        try:
+            await self._serve(st, header, scope, receive, send)
+        finally:
+            tenants.reset_caller(token)
+
+    async def _serve(self, st: "ServerState", header, scope, receive, send) -> None:
+        path = scope["path"].removeprefix(scope.get("root_path", ""))
+        dev_rpc = path == DEV_RPC_PATH
+        if scope.get("method") != "POST" or (
+                not dev_rpc and (not st.keyed or path.startswith(self.guarded) or st.authorized(header))):
             return await self.app(scope, receive, send)
+        limit = MAX_RPC_BODY if dev_rpc else max_open_body_bytes()
         parts, size, more = [], 0, True
         while more:
             msg = await receive()
@@ -297,11 +368,21 @@ class RequestAppsAuth:
             parts.append(msg.get("body", b""))
             size += len(parts[-1])
             more = msg.get("more_body", False)
-            if size > max_open_body_bytes():
+            if size > limit:
                 resp = JSONResponse(_error_body(413, "request body too large"), status_code=413)
                 return await resp(scope, receive, send)
         body = b"".join(parts)
-        if _carries_xmix(body):
+        if dev_rpc:
+            method = _rpc_method(body)
+            if method is not None and method.startswith("xmix"):
+                caller = tenants.current()
+                st.audit.record(caller.key if caller else "none", "collective_rpc", None, 403,
+                                "refused", method=shown(method))
+                resp = JSONResponse(_error_body(403, f"forbidden: {shown(method)} changes xmix's apps "
+                                                     "behind the control plane; use /xmix/v1/apps"),
+                                    status_code=403)
+                return await resp(scope, receive, send)
+        elif _carries_xmix(body):
             logger.info("xmix: refused an unauthenticated request with an xmix control on %s",
                         scope["path"])
             resp = JSONResponse(_error_body(401, "unauthorized: requests that use xmix apps need "
@@ -320,8 +401,43 @@ class RequestAppsAuth:
         await self.app(scope, replay, send)
 
 
+# OpenAPI: what the control plane takes and answers (schemathesis checks responses against it).
+_ERR_SCHEMA = {"type": "object", "properties": {"error": {"type": "object", "properties": {
+    "message": {"type": "string"}, "type": {"type": "string"}, "code": {"type": "integer"}}}}}
+
+
+def _responses(ok: dict[int, str], *errors: int) -> dict:
+    what = {400: "bad request (names what is wrong)", 401: "no or wrong key",
+            403: "this key may not do this, or the control plane is off", 404: "no such app",
+            409: "an app of that name is deployed", 413: "too large (names the limit)",
+            422: "the app does not fit the model, or a refused mode/parameter",
+            503: "xmix is not initialised, or the server is shutting down",
+            507: "the engine has no room for the app (names the limit)"}
+    out: dict = {s: {"description": d} for s, d in ok.items()}
+    for s in errors:
+        out[s] = {"description": what[s], "content": {"application/json": {"schema": _ERR_SCHEMA}}}
+    return out
+
+
+_APP_SCHEMA = {"type": "object", "required": ["name", "mode"], "properties": {
+    "name": {"type": "string"}, "mode": {"type": "string", "enum": list(MODES)},
+    "sites": {"type": "array", "items": {"type": "string"}},
+    "reads": {"type": "array", "items": {"type": "string"}}, "writes": {"type": "boolean"},
+    "stateful": {"type": "boolean"}, "params": {"type": "object", "additionalProperties": {"type": "number"}},
+    "version": {"type": "integer"}, "locked": {"type": "array", "items": {"type": "string"}},
+    "metadata": {"type": "object"}}}
+_PATCH_SCHEMA = {"type": "object", "minProperties": 1, "additionalProperties": False, "properties": {
+    "mode": {"type": "string", "enum": list(MODES)},
+    "params": {"type": "object", "additionalProperties": {"type": "number"}},
+    "locked": {"oneOf": [{"type": "boolean"}, {"type": "array", "items": {"type": "string"}}]}}}
+
+
+def _json_ok(schema: dict, text: str) -> dict:
+    return {"description": text, "content": {"application/json": {"schema": schema}}}
+
+
 def build_router() -> APIRouter:
-    router = APIRouter()
+    router = APIRouter(tags=["xmix"])
 
     def error(status: int, msg: str) -> JSONResponse:
         return JSONResponse(_error_body(status, msg), status_code=status)
@@ -329,83 +445,143 @@ def build_router() -> APIRouter:
     def state_of(request: Request) -> ServerState | None:
         return getattr(request.app.state, "xmix", None)
 
-    async def guard(request: Request):
+    async def guard(request: Request, write: bool = False, action: str = "", app: str | None = None):
         st = state_of(request)
         if st is None:
             return None, error(503, "xmix is not initialised on this server")
-        if not st.authorized(request.headers.get("Authorization")):
-            return None, error(401, "unauthorized: send the server's API key as a Bearer token")
+        header = request.headers.get("Authorization")
+        refused = st.auth.check_change(header) if write else st.auth.check_read(header)
+        if refused is not None:
+            status, msg = refused
+            if write:
+                st.audit.record(tenants.fingerprint(tenants.bearer(header)), action, app, status,
+                                "refused: " + msg.split(":")[0])
+            return None, error(status, msg)
+        if write and st.closing.is_set():
+            return None, error(503, "the server is shutting down")
         return st, None
 
-    @router.get("/xmix/v1/apps")
+    def audit(st: ServerState, request: Request, action: str, app: str | None, status: int,
+              result: str, **details) -> None:
+        st.audit.record(tenants.fingerprint(tenants.bearer(request.headers.get("Authorization"))),
+                        action, app, status, result, **details)
+
+    @router.get("/xmix/v1/apps", responses=_responses(
+            {200: "the deployed apps this key may see"}, 401, 503) | {200: _json_ok(
+            {"type": "object", "properties": {"apps": {"type": "array", "items": _APP_SCHEMA}}},
+            "the deployed apps this key may see")})
     async def list_apps(request: Request):
         st, err = await guard(request)
         if err:
             return err
-        return {"apps": st.ctl.apps()}
+        apps = st.ctl.apps()
+        caller = tenants.current()
+        t = caller.tenant if caller is not None and not caller.admin else None
+        if t is not None:
+            apps = [a for a in apps if t.may_name(a["name"]) or (a["mode"] == "all" and t.may_force(a["name"]))]
+        return {"apps": apps}
 
-    @router.post("/xmix/v1/apps")
-    async def deploy_app(request: Request, mode: str = "request"):
-        st, err = await guard(request)
+    @router.post("/xmix/v1/apps", status_code=201, responses=_responses(
+            {201: "deployed"}, 400, 401, 403, 409, 413, 422, 503, 507) | {201: _json_ok(_APP_SCHEMA, "deployed")},
+            openapi_extra={"requestBody": {"required": True, "content": {
+                "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}})
+    async def deploy_app(request: Request, mode: str = "request", locked: str = "false"):
+        st, err = await guard(request, True, "deploy")
         if err:
             return err
+
+        def refuse(status: int, msg: str, name: str | None = None) -> JSONResponse:
+            audit(st, request, "deploy", name, status, "refused", mode=shown(mode), reason=msg[:300])
+            return error(status, msg)
+
         if mode not in MODES:
-            return error(400, f"mode must be one of {list(MODES)}, got {shown(mode)}")
+            return refuse(400, f"mode must be one of {list(MODES)}, got {shown(mode)}")
+        lock: Any = {"true": True, "false": False}.get(locked.lower())
+        if lock is None:
+            lock = [k for k in locked.split(",") if k]
         try:
             body = await read_body(request, max_app_bytes())
         except BodyTooLarge as e:
-            return error(413, f"app file: {e} (XMIX_MAX_APP_BYTES)")
+            return refuse(413, f"app file: {e} (XMIX_MAX_APP_BYTES)")
         if not body:
-            return error(400, "empty body: send the app file (safetensors with an xmix spec)")
+            return refuse(400, "empty body: send the app file (safetensors with an xmix spec)")
         async with st.lock:
             try:
-                info = await asyncio.to_thread(st.ctl.deploy, body, mode, allow_custom=False)
+                info = await asyncio.to_thread(st.ctl.deploy, body, mode, allow_custom=False, locked=lock)
+            except CapacityError as e:
+                return refuse(507, str(e))
             except DeployError as e:
-                status = 409 if "already deployed" in str(e) else 422
-                return error(status, str(e))
+                return refuse(409 if "already deployed" in str(e) else 422, str(e))
             except LimitError as e:
-                return error(413, str(e))
+                return refuse(413, str(e))
             except AppError as e:
-                return error(400, str(e))
+                return refuse(400, str(e))
+            except RuntimeError as e:  # the engine went away under the change
+                return refuse(503, f"deploy did not complete: {e}")
+        audit(st, request, "deploy", info["name"], 201, "deployed", mode=mode, version=info["version"],
+              sites=len(info["sites"]), locked=info["locked"] or None)
         return JSONResponse(info, status_code=201)
 
-    @router.patch("/xmix/v1/apps/{name}")
+    @router.patch("/xmix/v1/apps/{name}", responses=_responses(
+            {200: "changed"}, 400, 401, 403, 404, 413, 422, 503) | {200: _json_ok(_APP_SCHEMA, "changed")},
+            openapi_extra={"requestBody": {"required": True, "content": {
+                "application/json": {"schema": _PATCH_SCHEMA}}}})
     async def patch_app(name: str, request: Request):
-        st, err = await guard(request)
+        st, err = await guard(request, True, "patch", name)
         if err:
             return err
+
+        def refuse(status: int, msg: str) -> JSONResponse:
+            audit(st, request, "patch", shown(name), status, "refused", reason=msg[:300])
+            return error(status, msg)
+
         try:
             body = json.loads(await read_body(request, MAX_PATCH_BYTES) or b"{}")
         except BodyTooLarge as e:
-            return error(413, str(e))
+            return refuse(413, str(e))
         except json.JSONDecodeError as e:
-            return error(400, f"body is not valid JSON: {e.msg}")
+            return refuse(400, f"body is not valid JSON: {e.msg}")
         except (RecursionError, ValueError, UnicodeDecodeError):
-            return error(400, "body is not valid JSON (nested too deeply or not UTF-8)")
-        if not isinstance(body, dict) or not body or set(body) - {"mode", "params"}:
-            return error(400, 'body must be an object with "mode" and/or "params"')
-        mode, params = body.get("mode"), body.get("params")
+            return refuse(400, "body is not valid JSON (nested too deeply or not UTF-8)")
+        if not isinstance(body, dict) or not body or set(body) - {"mode", "params", "locked"}:
+            return refuse(400, 'body must be an object with "mode", "params" and/or "locked"')
+        mode, params, locked = body.get("mode"), body.get("params"), body.get("locked")
         if "mode" in body and not isinstance(mode, str):
-            return error(400, f'"mode" must be one of {list(MODES)}')
+            return refuse(400, f'"mode" must be one of {list(MODES)}')
         if "params" in body and not isinstance(params, dict):
-            return error(400, '"params" must be an object {name: number}')
+            return refuse(400, '"params" must be an object {name: number}')
+        if "locked" in body and not isinstance(locked, (bool, list)):
+            return refuse(400, '"locked" must be true, false or a list of parameter names')
         async with st.lock:
             if name not in st.ctl.registry.apps:
-                return error(404, f"app {shown(name)} is not deployed")
+                return refuse(404, f"app {shown(name)} is not deployed")
             try:
-                return await asyncio.to_thread(st.ctl.patch, name, mode, params)
+                info = await asyncio.to_thread(st.ctl.patch, name, mode, params, locked)
             except (DeployError, RequestError) as e:
-                return error(422, str(e))
+                return refuse(422, str(e))
+            except RuntimeError as e:
+                return refuse(503, f"change did not complete: {e}")
+        audit(st, request, "patch", name, 200, "changed", mode=mode, params=params,
+              locked=locked, version=info["version"])
+        return info
 
-    @router.delete("/xmix/v1/apps/{name}")
+    @router.delete("/xmix/v1/apps/{name}", responses=_responses(
+            {200: "undeployed"}, 401, 403, 404, 503) | {200: _json_ok(
+            {"type": "object", "properties": {"deleted": {"type": "string"}}}, "undeployed")})
     async def delete_app(name: str, request: Request):
-        st, err = await guard(request)
+        st, err = await guard(request, True, "undeploy", name)
         if err:
             return err
         async with st.lock:
             if name not in st.ctl.registry.apps:
+                audit(st, request, "undeploy", shown(name), 404, "refused: not deployed")
                 return error(404, f"app {shown(name)} is not deployed")
-            await asyncio.to_thread(st.ctl.undeploy, name)
+            try:
+                await asyncio.to_thread(st.ctl.undeploy, name)
+            except RuntimeError as e:
+                audit(st, request, "undeploy", name, 503, "refused", reason=str(e)[:300])
+                return error(503, f"undeploy did not complete: {e}")
+        audit(st, request, "undeploy", name, 200, "undeployed")
         return {"deleted": name}
 
     router.include_router(console_router(guard))
@@ -453,6 +629,18 @@ def json_results(res: dict) -> dict:
     return out
 
 
+APPLIED_KEY = "xmix_applied"
+
+
+def _applied_of(outputs: list) -> Any:
+    """Provenance of each request of a response (one per prompt): an object, or a list."""
+    got = [getattr(o, APPLIED_KEY, None) for o in outputs if o is not None]
+    got = [a for a in got if a is not None]
+    if not got:
+        return None
+    return got[0] if len(got) == 1 else got
+
+
 def _results_of(outputs: list) -> Any:
     res = [json_results(getattr(o, XMIX_KEY, None) or {}) for o in outputs if o is not None]
     if not res:
@@ -472,14 +660,17 @@ def _per_choice(choices: list, completions: list) -> bool:
     return True
 
 
-async def _tap(gen, sink: list, n_choices: int | None):
-    """Collect (choice index, new reads) per output; ``n_choices`` given: completions, whose
-    items are (prompt index, output) and whose choice index is prompt * n + sequence."""
+async def _tap(gen, sink: list, n_choices: int | None, applied: dict):
+    """Collect (choice index, new reads) per output and each prompt's provenance;
+    ``n_choices`` given: completions, whose items are (prompt index, output) and whose choice
+    index is prompt * n + sequence."""
     async for item in gen:
         if n_choices is None:
             base, out = 0, item
+            applied[0] = getattr(out, APPLIED_KEY, None) or applied.get(0)
         else:
             base, out = item[0] * n_choices, item[1]
+            applied[item[0]] = getattr(out, APPLIED_KEY, None) or applied.get(item[0])
         for co in getattr(out, "outputs", None) or []:
             new = getattr(co, XMIX_KEY, None)
             if new:
@@ -487,22 +678,33 @@ async def _tap(gen, sink: list, n_choices: int | None):
         yield item
 
 
-async def _with_results(stream, sink: list):
+async def _with_results(stream, sink: list, applied: dict, n_choices: int):
     """Put the reads produced since the previous chunk of a choice into that choice's next
-    data chunk (vLLM streams one choice per chunk), as the chunk's top-level "xmix"."""
+    data chunk (vLLM streams one choice per chunk), as the chunk's top-level "xmix"; the
+    chunk that finishes a choice carries its request's provenance as "xmix_applied"."""
     from .worker import merge_results
 
     async for chunk in stream:
-        if sink and isinstance(chunk, str) and chunk.startswith("data: {"):
+        if isinstance(chunk, str) and chunk.startswith("data: {") and (
+                sink or '"finish_reason":"' in chunk):
             body = json.loads(chunk[len("data: "):])
-            indices = {c.get("index") for c in body.get("choices") or []}
+            choices = body.get("choices") or []
+            indices = {c.get("index") for c in choices}
             mine = [r for i, r in sink if i in indices]
+            touched = False
             if mine:
                 sink[:] = [(i, r) for i, r in sink if i not in indices]
                 merged: dict = {}
                 for r in mine:
                     merge_results(merged, r)
                 body[XMIX_KEY] = json_results(merged)
+                touched = True
+            done = [c.get("index") for c in choices if c.get("finish_reason")]
+            prov = [applied.get((i or 0) // max(n_choices, 1)) for i in done]
+            if prov and prov[0] is not None:
+                body[APPLIED_KEY] = prov[0]
+                touched = True
+            if touched:
                 chunk = f"data: {json.dumps(body, allow_nan=False)}\n\n"
         yield chunk
 
@@ -538,6 +740,12 @@ def _precheck(serving, request, engine_inputs, max_tokens_field: str):
             reg.admit(raw, n_prompt, max_tokens, getattr(request, "n", None) or 1, count=False)
         except ValueError as e:
             logger.info("xmix: request refused at admission: %s", e)
+            if tenants.is_forbidden(e):
+                from http import HTTPStatus
+
+                return serving.create_error_response(str(e), err_type="PermissionDeniedError",
+                                                     status_code=HTTPStatus.FORBIDDEN,
+                                                     param="vllm_xargs.xmix")
             return serving.create_error_response(str(e), param="vllm_xargs.xmix")
     return None
 
@@ -585,12 +793,16 @@ def patch_openai_serving() -> None:
         if res and hasattr(resp, "choices"):
             if not _per_choice(resp.choices, sorted(seen[0].outputs, key=lambda co: co.index)):
                 setattr(resp, XMIX_KEY, res)
+        applied = _applied_of(seen)
+        if applied is not None and hasattr(resp, "choices"):
+            setattr(resp, APPLIED_KEY, applied)
         return resp
 
     def chat_stream(self, request, result_generator, *args, **kwargs):
         sink: list = []
-        return _with_results(stream(self, request, _tap(result_generator, sink, None),
-                                    *args, **kwargs), sink)
+        applied: dict = {}
+        return _with_results(stream(self, request, _tap(result_generator, sink, None, applied),
+                                    *args, **kwargs), sink, applied, request.n or 1)
 
     def completion_response(self, final_res_batch, *args, **kwargs):
         resp = to_resp(self, final_res_batch, *args, **kwargs)
@@ -600,13 +812,18 @@ def patch_openai_serving() -> None:
             if not (any(len(r.outputs) > 1 for r in done)
                     and _per_choice(resp.choices, [co for r in done for co in r.outputs])):
                 setattr(resp, XMIX_KEY, res)
+        applied = _applied_of(final_res_batch)
+        if applied is not None and hasattr(resp, "choices"):
+            setattr(resp, APPLIED_KEY, applied)
         return resp
 
     def completion_stream(self, request, engine_inputs, result_generator, *args, **kwargs):
         sink: list = []
+        applied: dict = {}
         n = request.n or 1
         return _with_results(cstream(self, request, engine_inputs,
-                                     _tap(result_generator, sink, n), *args, **kwargs), sink)
+                                     _tap(result_generator, sink, n, applied), *args, **kwargs),
+                             sink, applied, n)
 
     OpenAIServingChat.render_chat_request = render_chat_request
     OpenAIServingChat.chat_completion_full_generator = chat_full

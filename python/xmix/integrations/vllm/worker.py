@@ -116,11 +116,11 @@ class WorkerXmix:
                     self.stats["restarts"] += 1
                     self._started[slot] = False
                     continue
-                apps, pins, params = _control(nr.sampling_params)
+                apps, pins, params, forced = _control(nr.sampling_params)
                 if pins is None:  # not resolved by xmix's frontend: by name, checked here
                     slot, dropped = cb.admit(nr.req_id, apps, params, n_prompt), []
                 else:
-                    slot, dropped = cb.admit_pinned(nr.req_id, apps, pins, n_prompt)
+                    slot, dropped = cb.admit_pinned(nr.req_id, apps, pins, n_prompt, forced)
                 self._started[slot] = False
                 if dropped:
                     self.stats["stale_apps"] = self.stats.get("stale_apps", 0) + 1
@@ -208,6 +208,14 @@ class WorkerXmix:
             else:
                 for rid, apps in cb.drain().items():
                     merge_results(self.pending.setdefault(rid, {}), apps)
+        if cb.failed:
+            # An app failed inside a site program: its requests of this step end with the
+            # error (the frontend finishes them); the step and every other request go on.
+            for rid, msg in cb.take_failed().items():
+                self.stats["site_errors"] = self.stats.get("site_errors", 0) + 1
+                logger.warning("xmix: request %s finished with an error: %s", rid, msg)
+                if self.rank0:
+                    self.pending.setdefault(rid, {})[ERROR_KEY] = f"xmix: {msg}"
         cb.end_step()
 
     def has_results(self) -> bool:
@@ -261,15 +269,18 @@ def _prompt_len(nr) -> int:
     return len(nr.prompt_embeds) if nr.prompt_embeds is not None else 0
 
 
-def _control(sp) -> tuple[list[str], dict | None, dict]:
-    """(apps, pins, named params) of the control on a request's SamplingParams; pins is
-    None when the control did not come through xmix's frontend (which always pins)."""
+def _control(sp) -> tuple[list[str], dict | None, dict, list[str] | None]:
+    """(apps, pins, named params, mode-"all" apps allowed) of the control on a request's
+    SamplingParams; pins is None when the control did not come through xmix's frontend
+    (which always pins); the allowed list is None when every mode-"all" app applies."""
     cfg = (sp.extra_args or {}).get("xmix") if sp is not None else None
     if not isinstance(cfg, dict):
-        return [], {}, {}
+        return [], {}, {}, None
     pins = cfg.get("pin")
+    forced = cfg.get("forced")
     return (list(cfg.get("apps") or []), dict(pins) if pins is not None else None,
-            dict(cfg.get("params") or {}))
+            dict(cfg.get("params") or {}),
+            [a for a in forced if isinstance(a, str)] if isinstance(forced, list) else None)
 
 
 def _warn_lost_fusion(cfg, family: Family, model, counts: dict[str, int]) -> None:
@@ -534,7 +545,9 @@ def xmix_describe(self) -> dict:
 
     x = _wx(self)
     return {"apps": x.describe(), "sites": x.sites, "stats": {**x.stats, **x.cb.staging_stats()},
-            "graphs": graphs.stats(), "ops_generation": x.cb.ops_generation}
+            "graphs": graphs.stats(), "ops_generation": x.cb.ops_generation,
+            "nonfinite_writes": x.cb.nonfinite_writes(), "site_errors": dict(x.cb.site_errors),
+            "slots_in_use": len(x.cb.slots)}
 
 
 WORKER_METHODS = {f.__name__: f for f in (

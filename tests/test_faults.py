@@ -1,0 +1,193 @@
+"""Faults inside the engine are contained to the request that caused them (issue 18).
+
+- A write whose result would not be finite (an fp16 overflow within the allowed scale range,
+  an adversarial `affine` matrix, a user kernel that writes NaN) leaves the stream finite and
+  is counted per app; the expected rows come from ``xmix.reference`` (whose ``written`` keeps
+  the old value of such an element) and hand-computed masks.
+- An op that fails inside a site program (a user kernel that throws) fails the requests that
+  used its app in that step; the other ops of the site still run, for every other request.
+- The same on one offline CPU engine: the failing request ends with finish_reason "error"
+  and a message, its batch-mates answer as without it, and freed KV blocks carry no Inf/NaN
+  into later requests.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+
+import xmix
+from xmix import reference as R
+from xmix.api import App
+from xmix.hooks import ModelShape
+
+from harness import Harness, Req
+
+D = 64
+SHAPE = ModelShape(n_layers=2, hidden_size=D, vocab_size=64)
+BACKENDS = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# a: 3 prompt tokens using the app; b: 2 tokens without it
+STEP = {"a": Req(3, 0, 3, ("k",)), "b": Req(2, 0, 2, ())}
+A_ROWS = torch.tensor([1, 1, 1, 0, 0], dtype=torch.bool)
+
+
+def _counts(hs: Harness) -> dict[str, int]:
+    return hs.cb.nonfinite_writes()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_an_add_that_would_overflow_leaves_those_elements_as_they_were(backend, dtype):
+    """scale x vector within the 1e30 bound still overflows fp16 (max 65504): those elements
+    keep their value, the others are written, and the app's counter says how many."""
+    v = torch.full((D,), 1e-3)
+    v[:8] = 1e3
+    app = App("k")
+    app.write("add", vector=v, scale=100.0).layers([0]).submodule("residual.pre")
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(5, D, generator=g).to(dtype).to(backend)
+    h0 = h.clone()
+    hs = Harness(SHAPE, [app], backend)
+    hs.step(STEP)
+    hs.run("residual.pre", 0, h, None)
+    want = R.add(h0.cpu(), None, A_ROWS, v, 100.0)
+    new = (h0.cpu().float() + 100.0 * v).to(dtype)
+    refused = int((A_ROWS[:, None] & ~torch.isfinite(new)).sum())
+    assert refused == (3 * 8 if dtype == torch.float16 else 0)
+    assert torch.isfinite(h.float()).all()
+    torch.testing.assert_close(h.cpu().float(), want.float(), rtol=0, atol=0)
+    assert _counts(hs) == {"k": refused}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_an_adversarial_affine_matrix_cannot_make_the_stream_infinite(backend, dtype):
+    """Artifacts are only checked to be finite at deploy: a matrix of 1e38 drives elements
+    past the fp32 range. Those keep their value; rows of other requests are untouched."""
+    g = torch.Generator().manual_seed(1)
+    m = torch.eye(D) * 1e38
+    app = App("k")
+    app.write("affine", matrix=m, mu_s=torch.zeros(D), mu_t=torch.zeros(D)).layers([0]) \
+       .submodule("residual.pre")
+    h = (torch.randn(5, D, generator=g) * 4).to(dtype).to(backend)
+    h0 = h.clone()
+    hs = Harness(SHAPE, [app], backend)
+    hs.step(STEP)
+    hs.run("residual.pre", 0, h, None)
+    want = R.affine(h0.cpu(), None, A_ROWS, m, torch.zeros(D), torch.zeros(D))
+    new = (h0.cpu().float() @ m.T).to(dtype)
+    refused = int((A_ROWS[:, None] & ~torch.isfinite(new)).sum())
+    assert refused > 0 and refused < 3 * D or dtype == torch.float16
+    assert torch.isfinite(h.float()).all()
+    assert torch.equal(h[3:].cpu(), h0[3:].cpu())
+    torch.testing.assert_close(h.cpu().float(), want.float(), rtol=1e-6, atol=0)
+    assert _counts(hs) == {"k": refused}
+
+
+KERNELS_CPP = r"""
+#include <stdexcept>
+#include "xmix/custom.h"
+
+// write: NaN into element 0 of every selected row, +1 into element 1
+extern "C" void nan_first(const xmix_custom_args* a) {
+  float* h = static_cast<float*>(a->h);
+  for (int t = 0; t < a->n_rows; ++t) {
+    if (!a->select[t]) continue;
+    h[t * a->stride_h] = __builtin_nanf("");
+    h[t * a->stride_h + 1] += 1.f;
+  }
+}
+
+// a kernel that cannot do its work
+extern "C" void always_throws(const xmix_custom_args* a) {
+  if (a->n_rows > 0) throw std::runtime_error("user kernel: cannot open its lookup table");
+}
+
+// write: h[t][2] = position of the token
+extern "C" void stamp_position(const xmix_custom_args* a) {
+  float* h = static_cast<float*>(a->h);
+  for (int t = 0; t < a->n_rows; ++t)
+    if (a->select[t]) h[t * a->stride_h + 2] = static_cast<float>(a->tok_pos[t]);
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory):
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("needs a C++ compiler to build a user kernel")
+    d = tmp_path_factory.mktemp("kernel")
+    (d / "k.cpp").write_text(KERNELS_CPP)
+    out = d / "libfaults.so"
+    subprocess.run([cxx, "-shared", "-fPIC", "-O1", "-I", str(xmix.custom_include_dir()),
+                    "-o", str(out), str(d / "k.cpp")], check=True)
+    return str(out)
+
+
+def test_a_user_kernel_that_writes_nan_gets_zeros_and_is_counted(lib):
+    app = App("k")
+    app.write("custom", cpu_library=lib, cpu_symbol="nan_first").layers([0]).submodule("residual.pre")
+    h = torch.arange(5 * D, dtype=torch.float32).reshape(5, D) / 100
+    h0 = h.clone()
+    hs = Harness(SHAPE, [app])
+    hs.step(STEP)
+    hs.run("residual.pre", 0, h, None)
+    assert torch.equal(h[:3, 0], torch.zeros(3))          # NaN -> 0
+    assert torch.equal(h[:3, 1], h0[:3, 1] + 1)           # the rest of the write stays
+    assert torch.equal(h[3:], h0[3:])                     # b untouched
+    assert _counts(hs) == {"k": 3}
+
+
+def test_a_failing_op_fails_its_requests_and_the_site_goes_on(lib):
+    """Two apps at one site: 'bad' (a user kernel that throws) and 'stamp'. Request a uses
+    both, b only stamp, c neither. stamp still runs for a and b after bad failed; only a is
+    recorded as failed, with the kernel's message; the next step runs normally."""
+    bad = App("bad")
+    bad.write("custom", cpu_library=lib, cpu_symbol="always_throws").layers([0]).submodule("residual.pre")
+    stamp = App("stamp")
+    stamp.write("custom", cpu_library=lib, cpu_symbol="stamp_position").layers([0]).submodule("residual.pre")
+    hs = Harness(SHAPE, [bad, stamp])
+    hs.step({"a": Req(2, 0, 2, ("bad", "stamp")), "b": Req(2, 5, 7, ("stamp",)), "c": Req(1, 0, 1, ())})
+    h = torch.ones(5, D)
+    hs.run("residual.pre", 0, h, None)
+    assert h[:, 2].tolist() == [0.0, 1.0, 5.0, 6.0, 1.0]  # a: positions 0,1; b: 5,6; c untouched
+    failed = hs.cb.take_failed()
+    assert list(failed) == ["a"]
+    assert "'bad'" in failed["a"] and "cannot open its lookup table" in failed["a"]
+    assert hs.cb.site_errors == {"bad": 1}
+    hs.step({"b": Req(1, 7, 7, ("stamp",)), "c": Req(1, 1, 1, ())})
+    h = torch.ones(2, D)
+    hs.run("residual.pre", 0, h, None)
+    assert h[:, 2].tolist() == [7.0, 1.0] and hs.cb.take_failed() == {}
+
+
+def test_an_exception_before_the_site_runs_fails_the_sites_requests(monkeypatch):
+    """Anything that raises around the site program (here _C itself) fails the requests of
+    the step whose apps have ops at the site, instead of leaving the forward."""
+    from xmix import ops
+
+    steer = App("steer")
+    steer.write("add", vector=torch.ones(D)).layers([0]).submodule("residual.pre")
+    other = App("other")
+    other.write("add", vector=torch.ones(D)).layers([1]).submodule("residual.pre")
+    hs = Harness(SHAPE, [steer, other])
+    hs.step({"a": Req(2, 0, 2, ("steer",)), "b": Req(1, 0, 1, ("other",)), "c": Req(1, 0, 1, ())})
+
+    class Broken:
+        def __getattr__(self, name):
+            if name == "run_site_cpu":
+                def fail(*a):
+                    raise MemoryError("no room for scratch rows")
+                return fail
+            return getattr(ops._C, name)
+
+    monkeypatch.setattr(ops, "_C", Broken())
+    hs.run("residual.pre", 0, torch.zeros(4, D), None)
+    failed = hs.cb.take_failed()
+    assert list(failed) == ["a"] and "MemoryError: no room for scratch rows" in failed["a"]
