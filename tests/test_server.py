@@ -49,7 +49,7 @@ def server(tmp_path_factory):
     port = _free_port()
     model = str(tiny_model_path("tiny-llama"))
     cmd = [sys.executable, "-m", "xmix.cli", "serve", model, "--port", str(port), "--dtype", "float32",
-           "--max-model-len", "512", "--api-key", KEY, "--served-model-name", "tiny",
+           "--max-model-len", "512", "--api-key", KEY, "--xmix-admin-key", KEY, "--served-model-name", "tiny",
            "--max-num-seqs", "48"]
     for p in paths:
         cmd += ["--app", str(p)]

@@ -252,3 +252,176 @@ def test_a_request_opted_out_of_a_mode_all_app_is_left_alone(backend):
     cb.install(lower(second, SHAPE), "all", 2)
     h = step()
     assert applied(h, v + 1) == [True, False, False] and torch.allclose(h[4], v)
+
+
+# ------------------------------------------------------------------ over HTTP: two tenants
+ADMIN, RESEARCH, PRODUCT, OTHER = "admin-key-1", "research-key-2", "product-key-3", "other-key-4"
+DS = 256  # the tiny Llama's hidden size
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory):
+    from xmix_proc import xmix_serve
+
+    tmp = tmp_path_factory.mktemp("tenants")
+    g = torch.Generator().manual_seed(5)
+    steer = xmix.App("steer")
+    steer.write("add", vector=torch.randn(DS, generator=g), scale=4.0).layers([1]).submodule("residual.post")
+    probe = xmix.App("probe")
+    probe.read("probe", weight=torch.randn(DS, generator=g) / 16).layers([2]).submodule("residual.post").named("p")
+    safety = xmix.App("safety")
+    safety.write("add", vector=torch.randn(DS, generator=g), scale=6.0).layers([0]).submodule("residual.post") \
+        .named("push")
+    policy = {"tenants": {"research": {"keys_sha256": [sha(RESEARCH)], "apps": "*", "forced": []},
+                          "product": {"keys_sha256": [sha(PRODUCT)], "apps": ["steer"], "forced": "*"}},
+              "default": {"apps": ["probe"], "forced": "*"}}
+    (tmp / "policy.json").write_text(json.dumps(policy))
+    args = ["--api-key", RESEARCH, PRODUCT, OTHER, "--xmix-admin-key", ADMIN,
+            "--xmix-policy", str(tmp / "policy.json"), "--xmix-audit-log", str(tmp / "audit.jsonl"),
+            "--app", str(steer.save(tmp / "steer.xmix")), "--app", str(probe.save(tmp / "probe.xmix"))]
+    with xmix_serve(tmp, *args, env={"VLLM_SERVER_DEV_MODE": "1"}) as s:
+        clients = {k: s.client(k) for k in (ADMIN, RESEARCH, PRODUCT, OTHER)}
+        yield dict(server=s, c=clients, safety=safety, audit=tmp / "audit.jsonl", tmp=tmp)
+        for c in clients.values():
+            c.close()
+
+
+def _complete(client, control=None, stream=False, **kw):
+    body = {"model": "tiny", "prompt": "The river runs", "max_tokens": 8, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True, **kw}
+    if control is not None:
+        body["vllm_xargs"] = {"xmix": json.dumps(control)}
+    if not stream:
+        return client.post("/v1/completions", json=body)
+    chunks, status = [], None
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        status = r.status_code
+        if status != 200:
+            r.read()
+            return r
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                chunks.append(json.loads(line[6:]))
+    return status, chunks
+
+
+def _tokens(resp) -> list[int]:
+    assert resp.status_code == 200, resp.text
+    return resp.json()["choices"][0]["token_ids"]
+
+
+@pytest.mark.engine
+def test_a_key_that_may_generate_may_not_change_apps(srv):
+    c, log = srv["c"], srv["server"].log_text()
+    assert "control plane on, authenticated by 1 admin key" in log
+    data = srv["safety"].to_bytes()
+    for key in (RESEARCH, PRODUCT):
+        r = c[key].post("/xmix/v1/apps", content=data)
+        assert r.status_code == 403 and "may generate but not change apps" in r.json()["error"]["message"]
+        assert c[key].patch("/xmix/v1/apps/steer", json={"mode": "off"}).status_code == 403
+        assert c[key].delete("/xmix/v1/apps/steer").status_code == 403
+        assert c[key].get("/xmix/v1/status").status_code == 403
+    import httpx
+
+    assert httpx.post(srv["server"].base + "/xmix/v1/apps", content=data).status_code == 401
+    assert c[ADMIN].get("/xmix/v1/status").status_code == 200
+    # listings: what each key may use
+    names = {k: [a["name"] for a in c[k].get("/xmix/v1/apps").json()["apps"]]
+             for k in (ADMIN, RESEARCH, PRODUCT, OTHER)}
+    assert names == {ADMIN: ["steer", "probe"], RESEARCH: ["steer", "probe"], PRODUCT: ["steer"],
+                     OTHER: ["probe"]}
+    # the admin key is not an inference key
+    assert _complete(c[ADMIN]).status_code == 401
+
+
+@pytest.mark.engine
+def test_policy_decides_which_apps_a_key_names_and_which_are_forced_on_it(srv):
+    """product may name steer only; other only probe; research anything. The operator's
+    'safety' app in mode "all" applies to product and other, not to research (forced: [])."""
+    c = srv["c"]
+    vanilla = {k: _tokens(_complete(c[k], cache_salt="v")) for k in (RESEARCH, PRODUCT)}
+    assert vanilla[RESEARCH] == vanilla[PRODUCT]
+    for key, app in ((PRODUCT, "probe"), (OTHER, "steer")):
+        r = _complete(c[key], {"apps": [app]})
+        assert r.status_code == 403 and f"app '{app}' is not allowed for this key" in r.json()["error"]["message"]
+        r = _complete(c[key], {"apps": [app]}, stream=True)  # refused before the stream starts
+        assert r.status_code == 403, r
+    r = c[ADMIN].post("/xmix/v1/apps?mode=all&locked=true", content=srv["safety"].to_bytes())
+    assert r.status_code == 201 and r.json()["locked"] == ["push.scale"]
+    try:
+        research = _complete(c[RESEARCH], cache_salt="s")
+        product = _complete(c[PRODUCT], cache_salt="s")
+        assert _tokens(research) == vanilla[RESEARCH]        # not forced on research
+        assert _tokens(product) != vanilla[PRODUCT]          # forced on product
+        # research may still name it: then it applies, exactly as for product
+        named = _complete(c[RESEARCH], {"apps": ["safety"]}, cache_salt="s")
+        assert _tokens(named) == _tokens(product)
+        assert research.json()["xmix_applied"] == {"apps": [], "tenant": "research", "changed": []}
+        assert product.json()["xmix_applied"] == {
+            "apps": [{"name": "safety", "version": r.json()["version"], "mode": "all",
+                      "params": {"push.scale": 6.0}}], "tenant": "product", "changed": []}
+        # locked: product cannot neutralise it with scale 0 (nor may research)
+        for key in (PRODUCT, RESEARCH):
+            r0 = _complete(c[key], {"params": {"safety": {"scale": 0.0}}} if key == PRODUCT
+                           else {"apps": ["safety"], "params": {"safety": {"scale": 0.0}}})
+            assert r0.status_code == 403 and "locked by the operator" in r0.json()["error"]["message"], r0.text
+        # unlocked: the same request goes through (and neutralises it)
+        assert c[ADMIN].patch("/xmix/v1/apps/safety", json={"locked": False}).json()["locked"] == []
+        off = _complete(c[PRODUCT], {"params": {"safety": {"scale": 0.0}}}, cache_salt="s")
+        assert _tokens(off) == vanilla[PRODUCT]
+    finally:
+        assert c[ADMIN].delete("/xmix/v1/apps/safety").status_code == 200
+
+
+@pytest.mark.engine
+def test_provenance_in_streams_and_per_prompt(srv):
+    c = srv["c"]
+    status, chunks = _complete(c[RESEARCH], {"apps": ["steer", "probe"], "params": {"steer": {"scale": 2.0}}},
+                               stream=True, n=2, temperature=1.0, seed=1)
+    assert status == 200
+    finished = [ch for ch in chunks if any(x.get("finish_reason") for x in ch.get("choices") or [])]
+    assert len(finished) == 2 and all("xmix_applied" in ch for ch in finished)
+    assert [ch for ch in chunks if "xmix_applied" in ch] == finished
+    applied = finished[0]["xmix_applied"]
+    assert [(a["name"], a["params"]) for a in applied["apps"]] == [("steer", {"#0.scale": 2.0}),
+                                                                   ("probe", {"p.bias": 0.0})]
+    two = _complete(c[OTHER], {"apps": ["probe"]}, prompt=["a b", "c d"])
+    assert two.status_code == 200 and len(two.json()["xmix_applied"]) == 2
+    chat = c[OTHER].post("/v1/chat/completions", json={
+        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    assert chat.json()["xmix_applied"] == {"apps": [], "tenant": "default", "changed": []}
+
+
+@pytest.mark.engine
+def test_every_change_is_one_audit_line_with_a_fingerprint(srv):
+    lines = [json.loads(l) for l in srv["audit"].read_text().splitlines()]
+    text = srv["audit"].read_text() + srv["server"].log_text()
+    for k in (ADMIN, RESEARCH, PRODUCT, OTHER):
+        assert k not in text
+    admin_fp = sha(ADMIN)[:12]
+    ours = [(l["action"], l["app"], l["status"]) for l in lines if l["key"] == admin_fp]
+    assert ("deploy", "safety", 201) in ours and ("patch", "safety", 200) in ours
+    assert ("undeploy", "safety", 200) in ours
+    refused = [l for l in lines if l["key"] == sha(PRODUCT)[:12]]
+    assert {(l["action"], l["status"]) for l in refused} >= {("deploy", 403), ("patch", 403), ("undeploy", 403)}
+    assert all(l["time"].endswith("Z") for l in lines)
+    assert [l["action"] for l in lines[:2]] == ["deploy", "deploy"] and lines[0]["key"] == "local"
+
+
+@pytest.mark.engine
+def test_dev_mode_collective_rpc_cannot_change_apps_behind_the_registry(srv):
+    """vLLM's /collective_rpc (VLLM_SERVER_DEV_MODE=1) ran xmix_undeploy on the workers and
+    left a ghost: the registry listed the app, requests naming it ran without it, DELETE
+    answered 500 and POST 409 forever. xmix's worker methods are refused there now."""
+    c, base = srv["c"], srv["server"].base
+    import httpx
+
+    before = _tokens(_complete(c[RESEARCH], {"apps": ["steer"]}, cache_salt="g"))
+    for method in ("xmix_undeploy", "xmix_deploy_abort", "xmix_patch"):
+        r = httpx.post(base + "/collective_rpc", json={"method": method, "args": ["steer"]}, timeout=60)
+        assert r.status_code == 403 and "use /xmix/v1/apps" in r.json()["error"]["message"], r.text
+    r = httpx.post(base + "/collective_rpc", json={"method": "xmix_describe"}, timeout=60)
+    assert r.status_code == 403
+    assert _tokens(_complete(c[RESEARCH], {"apps": ["steer"]}, cache_salt="g2")) == before
+    # vLLM's own methods still pass
+    assert httpx.post(base + "/collective_rpc", json={"method": "check_health"}, timeout=60).status_code == 200

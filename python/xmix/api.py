@@ -17,6 +17,8 @@ import json
 import math
 import os
 import re
+import reprlib
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +43,26 @@ class LimitError(AppError):
 
 
 MAX_JSON_DEPTH = 32          # nesting of metadata objects and lists
+# An app file's JSON (safetensors header, xmix spec) is refused before it is parsed when it
+# could build more Python objects than this: every value costs at least one separator or
+# bracket, so counting those bytes bounds the parse's memory (~100 bytes an object).
+MAX_JSON_VALUES = 1 << 20
+MAX_TENSORS = 1 << 16
+MAX_TENSOR_DIMS = 8
+# safetensors dtype -> (torch dtype, bytes per element); others (BOOL, U8, F8_*, complex) are
+# refused: an artifact is a float (or integer) tensor.
+SAFETENSORS_DTYPES = {"F64": (torch.float64, 8), "F32": (torch.float32, 4), "F16": (torch.float16, 2),
+                      "BF16": (torch.bfloat16, 2), "I64": (torch.int64, 8), "I32": (torch.int32, 4),
+                      "I16": (torch.int16, 2), "I8": (torch.int8, 1)}
+_CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f]")
+_SHOWN = reprlib.Repr()
+_SHOWN.maxstring, _SHOWN.maxother, _SHOWN.maxlevel, _SHOWN.maxlist = 60, 60, 2, 6
+
+
+def max_app_header_bytes() -> int:
+    """Largest safetensors header (the JSON with the xmix spec) an app file may have
+    (``XMIX_MAX_APP_HEADER_BYTES``, default 16 MiB)."""
+    return int(os.environ.get("XMIX_MAX_APP_HEADER_BYTES", str(16 << 20)))
 
 
 def max_app_ops() -> int:
@@ -80,8 +102,99 @@ def check_json_value(value: Any, what: str, depth: int = MAX_JSON_DEPTH) -> None
 
 def _check_name(kind: str, name: Any, pattern=_NAME) -> str:
     if not isinstance(name, str) or not pattern.match(name):
-        raise AppError(f"{kind} name {name!r} is not valid (letters, digits, '_' ; at most 64)")
+        raise AppError(f"{kind} name {_SHOWN.repr(name)} is not valid (letters, digits, '_' ; at most 64)")
     return name
+
+
+def _json_budget(text: bytes | str, source: str, what: str, start: int = 0, end: int | None = None) -> None:
+    """Refuse JSON that could build more than MAX_JSON_VALUES objects, before parsing it
+    (``text[start:end]``, counted in place)."""
+    seps = (b"{", b"[", b",", b":") if isinstance(text, bytes) else ("{", "[", ",", ":")
+    end = len(text) if end is None else end
+    n = sum(text.count(c, start, end) for c in seps)
+    if n > MAX_JSON_VALUES:
+        raise LimitError(f"{source}: the {what} has {n} JSON separators; at most {MAX_JSON_VALUES} "
+                         f"(an app's spec is far smaller)")
+
+
+def _tensor_entries(header: dict, n_data: int, source: str) -> dict[str, tuple]:
+    """Check a safetensors header's tensor entries against the data they claim, without
+    reading the data: name -> (torch dtype, shape, begin, end)."""
+    if len(header) > MAX_TENSORS:
+        raise LimitError(f"{source}: {len(header)} tensors; at most {MAX_TENSORS}")
+    out: dict[str, tuple] = {}
+    spans = []
+    for name, info in header.items():
+        if not isinstance(name, str) or not name or len(name) > 256 or _CONTROL_CHARS.search(name):
+            raise AppError(f"{source}: tensor name {_SHOWN.repr(name)} is not valid (1 to 256 "
+                           f"characters, no control characters)")
+        if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+            raise AppError(f"{source}: tensor {name!r}: entry must have dtype, shape, data_offsets")
+        dt = SAFETENSORS_DTYPES.get(info["dtype"]) if isinstance(info["dtype"], str) else None
+        if dt is None:
+            raise AppError(f"{source}: tensor {name!r} has dtype {_SHOWN.repr(info['dtype'])}; "
+                           f"artifacts are one of {sorted(SAFETENSORS_DTYPES)}")
+        shape, offs = info["shape"], info["data_offsets"]
+        if (not isinstance(shape, list) or len(shape) > MAX_TENSOR_DIMS
+                or not all(type(n) is int and n >= 0 for n in shape)):
+            raise AppError(f"{source}: tensor {name!r}: shape must be a list of at most "
+                           f"{MAX_TENSOR_DIMS} non-negative ints")
+        if (not isinstance(offs, list) or len(offs) != 2 or not all(type(o) is int for o in offs)
+                or not 0 <= offs[0] <= offs[1] <= n_data):
+            raise AppError(f"{source}: tensor {name!r}: data_offsets {_SHOWN.repr(offs)} are outside "
+                           f"the file's {n_data} data bytes (truncated file?)")
+        numel = math.prod(shape)
+        if numel * dt[1] != offs[1] - offs[0]:
+            raise AppError(f"{source}: tensor {name!r}: shape {shape} of {info['dtype']} is "
+                           f"{numel * dt[1]} bytes, its data_offsets span {offs[1] - offs[0]}")
+        out[name] = (dt[0], shape, offs[0], offs[1])
+        spans.append((offs[0], offs[1], name))
+    spans.sort()
+    for (b0, e0, n0), (b1, e1, n1) in zip(spans, spans[1:]):
+        if b1 < e0:
+            raise AppError(f"{source}: tensors {n0!r} and {n1!r} overlap in the file")
+    return out
+
+
+class _Sized:
+    """A tensor entry not read yet: what the size checks need (numel)."""
+
+    def __init__(self, shape: list[int]):
+        self.shape = shape
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def _materialise(data: bytes, base: int, entries: dict[str, tuple], names) -> dict[str, torch.Tensor]:
+    """Zero-copy views of the named tensors in ``data`` (the app copies what it keeps)."""
+    out = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # frombuffer on read-only bytes: nothing writes them
+        for name in names:
+            dtype, shape, b, e = entries[name]
+            n = math.prod(shape)
+            t = torch.frombuffer(data, dtype=dtype, count=n, offset=base + b) if n else \
+                torch.empty(0, dtype=dtype)
+            out[name] = t.reshape(shape)
+    return out
+
+
+def _referenced(spec: Any, names) -> list[str]:
+    """Tensor names an app spec uses: op artifacts and every tensor of a named SAE."""
+    if not isinstance(spec, dict):
+        return []
+    keys: set[str] = set()
+    ops = spec.get("ops")
+    for o in ops if isinstance(ops, list) else []:
+        arts = o.get("artifacts") if isinstance(o, dict) else None
+        if isinstance(arts, dict):
+            keys.update(k for k in arts.values() if isinstance(k, str))
+    saes = spec.get("saes")
+    if isinstance(saes, dict):
+        prefixes = tuple(f"{k}." for k in saes if isinstance(k, str))
+        keys.update(n for n in names if n.startswith(prefixes))
+    return [k for k in keys if k in names]
 
 
 @dataclass
@@ -474,34 +587,46 @@ class App:
     def from_bytes(data: bytes, source: str = "<bytes>", allow_custom: bool = False) -> "App":
         """Parse an app file. ``allow_custom=False`` (the network path) refuses apps that
         would load code (custom kernels)."""
-        from safetensors import SafetensorError
-        from safetensors.torch import load
-
+        # Parsed here rather than by safetensors.torch.load, which copies every tensor of the
+        # file before anything is checked: each claim of the header is checked against the
+        # bytes first, the JSON is bounded before it is parsed, and only the tensors the spec
+        # names are read (once the spec's sizes passed the limits).
         if len(data) < 8:
             raise AppError(f"{source}: not an xmix app file (too short for safetensors)")
+        hlen = int.from_bytes(data[:8], "little")
+        if hlen == 0 or hlen > len(data) - 8:
+            raise AppError(f"{source}: not an xmix app file (its header claims {hlen} bytes; the "
+                           f"file has {len(data) - 8} after the length)")
+        if hlen > max_app_header_bytes():
+            raise LimitError(f"{source}: header of {hlen} bytes; at most {max_app_header_bytes()} "
+                             f"(XMIX_MAX_APP_HEADER_BYTES)")
+        _json_budget(data, source, "header", 8, 8 + hlen)
+        raw = data[8:8 + hlen]
         try:
-            hlen = int.from_bytes(data[:8], "little")
-            if hlen <= 0 or hlen > len(data) - 8:
-                raise AppError(f"{source}: not an xmix app file (bad safetensors header length)")
-            header = json.loads(data[8:8 + hlen])
-            tensors = load(data)
-        except AppError:
-            raise
+            header = json.loads(raw)
         except RecursionError:
             raise AppError(f"{source}: not an xmix app file (header nested too deeply)") from None
-        except (SafetensorError, ValueError, UnicodeDecodeError) as e:
-            raise AppError(f"{source}: not an xmix app file ({e})") from None
+        except (ValueError, UnicodeDecodeError) as e:
+            raise AppError(f"{source}: not an xmix app file (header is not JSON: {e})") from None
+        del raw
         if not isinstance(header, dict):
             raise AppError(f"{source}: not an xmix app file (header is not an object)")
-        meta = header.get("__metadata__") or {}
+        meta = header.pop("__metadata__", None) or {}
+        if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+            raise AppError(f"{source}: not an xmix app file (__metadata__ must map names to strings)")
+        entries = _tensor_entries(header, len(data) - 8 - hlen, source)
         if "xmix.spec" not in meta:
             raise AppError(f"{source}: safetensors file without an xmix spec (metadata 'xmix.spec')")
+        _json_budget(meta["xmix.spec"], source, "xmix spec")
         try:
             spec = json.loads(meta["xmix.spec"])
         except json.JSONDecodeError as e:
             raise AppError(f"{source}: the xmix spec is not valid JSON ({e})") from None
         except RecursionError:
             raise AppError(f"{source}: the xmix spec is nested too deeply") from None
+        if isinstance(spec, dict):
+            _check_spec_size(spec, {k: _Sized(v[1]) for k, v in entries.items()}, source)
+        tensors = _materialise(data, 8 + hlen, entries, _referenced(spec, entries))
         return App.from_spec(spec, tensors, source=source, allow_custom=allow_custom)
 
     @staticmethod

@@ -1333,8 +1333,8 @@ class SlotState:
     def bit(self, inst: "InstalledApp") -> bool:
         """This request's bit of an app in slot_apps: for mode "all" it opts the request
         out (control.h: app_active), otherwise it says the request uses the app."""
-        if inst.mode == "all":
-            return self.forced is not None and inst.name not in self.forced
+        if inst.mode == "all":  # named apps always apply
+            return self.forced is not None and inst.name not in self.forced and inst.name not in self.apps
         return inst.name in self.apps
 
 

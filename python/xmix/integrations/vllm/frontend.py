@@ -122,6 +122,10 @@ _NEEDS = {"ops": ("max_ops", "ops"), "cond": ("max_cond", "condition instruction
           "token_sets": ("max_token_sets", "token sets"), "spans": ("max_spans", "spans")}
 
 
+class EngineGone(RuntimeError):
+    """The engine stopped (a shutdown, or it died) while a control change waited for it."""
+
+
 class CapacityError(DeployError):
     """A deploy the engine has no room for (its control block, or the server's limits):
     HTTP 507 on the server. The message names the limit."""
@@ -726,7 +730,9 @@ class Controller:
     def _undo(self, method: str, name: str) -> None:
         try:
             self._rpc(method, (name,))
-        except Exception:  # pragma: no cover - the engine is gone
+        except EngineGone:
+            logger.info("xmix: %s(%s) not needed: the engine is gone", method, name)
+        except Exception:
             logger.exception("xmix: %s(%s) failed", method, name)
 
     def deploy(self, app: App | str | Path | bytes, mode: str = "request", *,
@@ -741,14 +747,30 @@ class Controller:
             columns_named(param_columns(lowered), locked, f"app {app.name!r}")  # checked first
             version = self.registry.next_version()
             try:
-                self._rpc("xmix_deploy_prepare", (data, mode, version))
+                try:
+                    self._rpc("xmix_deploy_prepare", (data, mode, version))
+                except Exception as e:
+                    if "is already deployed" not in _root(e):
+                        raise
+                    # A worker holds an app of this name that the registry does not know
+                    # (deployed behind the frontend's back, e.g. by vLLM's dev-mode
+                    # /collective_rpc): nothing can use it, so it goes, and the deploy is retried.
+                    self._undo("xmix_deploy_abort", app.name)
+                    logger.warning("xmix: app %r was on a worker but not in the registry; "
+                                   "taken off before deploying it", app.name)
+                    self._rpc("xmix_undeploy_if_present", (app.name,))
+                    self._rpc("xmix_deploy_prepare", (data, mode, version))
             except Exception as e:
                 self._undo("xmix_deploy_abort", app.name)
+                if isinstance(e, EngineGone):
+                    raise
                 raise _deploy_failed(app.name, e) from None
             try:
                 self._rpc("xmix_deploy_commit", (app.name,))
             except Exception as e:  # a worker lost its prepared state: take it off everywhere
                 self._undo("xmix_undeploy_if_present", app.name)
+                if isinstance(e, EngineGone):
+                    raise
                 raise _deploy_failed(app.name, e) from None
             info = self.registry.add(app, lowered, mode, version, needs, locked).describe()
             self.registry.changed("deploy", app.name)

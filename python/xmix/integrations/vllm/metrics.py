@@ -77,6 +77,12 @@ GRAPH_TOTALS = {
     "errors": ("xmix_graph_errors", "CUDA graph patch, instantiation or read-back errors"),
 }
 REFRESH_S = 5.0
+# Per deployed app, from the same answers (counted since the app's deploy).
+APP_COUNTERS = {
+    "nonfinite_writes": "Stream elements an app's writes would have made Inf/NaN, refused (kept, "
+                        "or 0 for user kernels)",
+    "site_errors": "Site-program failures of an app (each fails the requests that used it in that step)",
+}
 
 
 class GraphStatsCollector:
@@ -91,6 +97,7 @@ class GraphStatsCollector:
         self._clock = clock or time.monotonic
         self._lock = threading.Lock()
         self._totals: dict[str, int] = {}
+        self._per_app: dict[str, dict[str, int]] = {}  # nonfinite_writes, site_errors per app
         self._asked_at: float | None = None
         self.workers = 0                 # workers in the last answer that sent counters
         self.thread: threading.Thread | None = None
@@ -99,8 +106,13 @@ class GraphStatsCollector:
         try:
             answers = self._fetch()
             totals: dict[str, int] = {}
+            per_app: dict[str, dict[str, int]] = {k: {} for k in APP_COUNTERS}
             workers = 0
             for a in answers or ():
+                # every rank runs the same site programs: the largest count is the app's
+                for k in APP_COUNTERS:
+                    for app, v in ((a or {}).get(k) or {}).items():
+                        per_app[k][app] = max(per_app[k].get(app, 0), int(v))
                 g = (a or {}).get("graphs")
                 if g is None:
                     continue
@@ -109,6 +121,7 @@ class GraphStatsCollector:
                     totals[k] = totals.get(k, 0) + int(v)
             with self._lock:
                 self._totals = totals
+                self._per_app = per_app
                 self.workers = workers
         except Exception as e:  # an engine shutting down: keep the last values
             import logging
@@ -131,8 +144,13 @@ class GraphStatsCollector:
 
         self.maybe_refresh()
         with self._lock:
-            totals, workers = dict(self._totals), self.workers
+            totals, workers, per_app = dict(self._totals), self.workers, dict(self._per_app)
         labels = ["model_name"]
+        for key, doc in APP_COUNTERS.items():
+            c = CounterMetricFamily(f"vllm:xmix_{key}", doc, labels=labels + ["app"])
+            for app, v in sorted(per_app.get(key, {}).items()):
+                c.add_metric([self.model_name, app], v)
+            yield c
         w = GaugeMetricFamily("vllm:xmix_graph_stats_workers",
                               "Workers whose CUDA graph counters the xmix_graph_* metrics include",
                               labels=labels)

@@ -51,7 +51,7 @@ from xmix.console import console_url
 from xmix.console.router import console_router
 
 from . import metrics, tenants, usage
-from .frontend import XMIX_KEY, CapacityError, Controller, _validation_error, shown
+from .frontend import XMIX_KEY, CapacityError, Controller, EngineGone, _validation_error, shown
 from .request_controls import control_from_args, has_control
 
 logger = logging.getLogger("vllm.xmix")  # vLLM's handlers and format apply
@@ -219,25 +219,35 @@ class XmixEndpointPlugin:
         if env_key and env_key not in keys:
             keys.append(env_key)
         auth = tenants.Auth.from_env(list(keys))
-        closing = asyncio.Event()
+
+        def gone() -> bool:
+            return loop.is_closed() or bool(getattr(engine_client, "errored", False))
 
         def rpc(method: str, rpc_args: tuple):
             # Runs in a worker thread (changes go through asyncio.to_thread). It waits for
-            # the engine in short slices so that a change racing a shutdown ends with an
-            # error instead of holding the thread (and the interpreter's exit) forever.
+            # the engine in short slices, so a change racing a shutdown ends as EngineGone
+            # (HTTP 503) instead of holding the thread, and the interpreter's exit, forever.
+            if gone():
+                raise EngineGone("the engine has stopped (the server is shutting down)")
             fut = asyncio.run_coroutine_threadsafe(
                 engine_client.collective_rpc(method, args=rpc_args), loop)
             while True:
                 try:
                     return fut.result(timeout=0.5)
                 except TimeoutError:
-                    if closing.is_set() or loop.is_closed() or getattr(engine_client, "errored", False):
+                    if gone():
                         fut.cancel()
-                        raise RuntimeError("the server is shutting down") from None
+                        raise EngineGone("the engine stopped while the change waited for it "
+                                         "(the server is shutting down)") from None
+                except Exception as e:
+                    if gone() or type(e).__name__ == "EngineDeadError":
+                        raise EngineGone("the engine stopped while the change waited for it "
+                                         "(the server is shutting down)") from None
+                    raise
 
         ctl = Controller(engine_client.input_processor, rpc)
         ctl.registry.policy = auth.policy
-        state.xmix = ServerState(ctl, auth, closing)
+        state.xmix = ServerState(ctl, auth, gone)
         for line in auth.start_lines():
             (logger.warning if "OPEN" in line else logger.info)(line)
         # The workers' CUDA graph counters (first-replay checks, fallbacks) on /metrics.
@@ -254,12 +264,12 @@ class XmixEndpointPlugin:
 
 
 class ServerState:
-    def __init__(self, ctl: Controller, auth: "tenants.Auth", closing: asyncio.Event | None = None):
+    def __init__(self, ctl: Controller, auth: "tenants.Auth", gone=None):
         self.ctl = ctl
         self.auth = auth
         self.audit = tenants.Audit()
         self.lock = asyncio.Lock()  # one control change at a time
-        self.closing = closing or asyncio.Event()
+        self.gone = gone or (lambda: False)  # whether the engine has stopped
 
     @property
     def keyed(self) -> bool:
@@ -457,8 +467,8 @@ def build_router() -> APIRouter:
                 st.audit.record(tenants.fingerprint(tenants.bearer(header)), action, app, status,
                                 "refused: " + msg.split(":")[0])
             return None, error(status, msg)
-        if write and st.closing.is_set():
-            return None, error(503, "the server is shutting down")
+        if write and st.gone():
+            return None, error(503, "the engine has stopped (the server is shutting down)")
         return st, None
 
     def audit(st: ServerState, request: Request, action: str, app: str | None, status: int,
@@ -480,6 +490,25 @@ def build_router() -> APIRouter:
         if t is not None:
             apps = [a for a in apps if t.may_name(a["name"]) or (a["mode"] == "all" and t.may_force(a["name"]))]
         return {"apps": apps}
+
+    @router.get("/xmix/v1/status", responses=_responses(
+            {200: "what each worker reports"}, 401, 403, 503) | {200: _json_ok(
+            {"type": "object", "properties": {"workers": {"type": "array", "items": {"type": "object"}}}},
+            "what each worker reports")})
+    async def status(request: Request):
+        """Per worker: apps, per-app counters of refused non-finite writes and site-program
+        failures, request slots in use, step counters. The admin key only."""
+        st, err = await guard(request)
+        if err:
+            return err
+        caller = tenants.current()
+        if st.auth.control_on and not (caller is not None and caller.admin) and not st.auth.open_control:
+            return error(403, "forbidden: the status takes the admin key (--xmix-admin-key)")
+        try:
+            workers = await asyncio.to_thread(st.ctl.status)
+        except EngineGone as e:
+            return error(503, str(e))
+        return {"workers": workers}
 
     @router.post("/xmix/v1/apps", status_code=201, responses=_responses(
             {201: "deployed"}, 400, 401, 403, 409, 413, 422, 503, 507) | {201: _json_ok(_APP_SCHEMA, "deployed")},
@@ -516,7 +545,7 @@ def build_router() -> APIRouter:
                 return refuse(413, str(e))
             except AppError as e:
                 return refuse(400, str(e))
-            except RuntimeError as e:  # the engine went away under the change
+            except EngineGone as e:  # the engine went away under the change
                 return refuse(503, f"deploy did not complete: {e}")
         audit(st, request, "deploy", info["name"], 201, "deployed", mode=mode, version=info["version"],
               sites=len(info["sites"]), locked=info["locked"] or None)
@@ -559,7 +588,7 @@ def build_router() -> APIRouter:
                 info = await asyncio.to_thread(st.ctl.patch, name, mode, params, locked)
             except (DeployError, RequestError) as e:
                 return refuse(422, str(e))
-            except RuntimeError as e:
+            except EngineGone as e:
                 return refuse(503, f"change did not complete: {e}")
         audit(st, request, "patch", name, 200, "changed", mode=mode, params=params,
               locked=locked, version=info["version"])
@@ -578,7 +607,7 @@ def build_router() -> APIRouter:
                 return error(404, f"app {shown(name)} is not deployed")
             try:
                 await asyncio.to_thread(st.ctl.undeploy, name)
-            except RuntimeError as e:
+            except EngineGone as e:
                 audit(st, request, "undeploy", name, 503, "refused", reason=str(e)[:300])
                 return error(503, f"undeploy did not complete: {e}")
         audit(st, request, "undeploy", name, 200, "undeployed")
@@ -666,11 +695,12 @@ async def _tap(gen, sink: list, n_choices: int | None, applied: dict):
     index is prompt * n + sequence."""
     async for item in gen:
         if n_choices is None:
-            base, out = 0, item
-            applied[0] = getattr(out, APPLIED_KEY, None) or applied.get(0)
+            base, out, prompt = 0, item, 0
         else:
-            base, out = item[0] * n_choices, item[1]
-            applied[item[0]] = getattr(out, APPLIED_KEY, None) or applied.get(item[0])
+            base, out, prompt = item[0] * n_choices, item[1], item[0]
+        applied[prompt] = getattr(out, APPLIED_KEY, None) or applied.get(prompt)
+        if getattr(out, "xmix_error", None):
+            applied["error"] = out.xmix_error
         for co in getattr(out, "outputs", None) or []:
             new = getattr(co, XMIX_KEY, None)
             if new:
@@ -685,7 +715,13 @@ async def _with_results(stream, sink: list, applied: dict, n_choices: int):
     from .worker import merge_results
 
     async for chunk in stream:
-        if isinstance(chunk, str) and chunk.startswith("data: {") and (
+        if isinstance(chunk, str) and chunk.startswith('data: {"error"') and applied.get("error"):
+            # vLLM reports a failed request as "Internal server error": say what failed
+            body = json.loads(chunk[len("data: "):])
+            if isinstance(body.get("error"), dict):
+                body["error"]["message"] = applied["error"]
+                chunk = f"data: {json.dumps(body)}\n\n"
+        elif isinstance(chunk, str) and chunk.startswith("data: {") and (
                 sink or '"finish_reason":"' in chunk):
             body = json.loads(chunk[len("data: "):])
             choices = body.get("choices") or []
@@ -750,6 +786,15 @@ def _precheck(serving, request, engine_inputs, max_tokens_field: str):
     return None
 
 
+def _said(e: Exception, outputs: list) -> Exception:
+    """vLLM's GenerationError for a request xmix finished with an error ("Internal server
+    error") made to say what failed; any other exception unchanged."""
+    msg = next((o.xmix_error for o in outputs if getattr(o, "xmix_error", None)), None)
+    if msg is None or type(e).__name__ != "GenerationError":
+        return e
+    return type(e)(msg)
+
+
 def patch_openai_serving() -> None:
     from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
     from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
@@ -788,7 +833,12 @@ def patch_openai_serving() -> None:
                 seen[:] = [out]
                 yield out
 
-        resp = await full(self, request, last(result_generator), *args, **kwargs)
+        try:
+            resp = await full(self, request, last(result_generator), *args, **kwargs)
+        except Exception as e:
+            raise _said(e, seen) from None
+        if getattr(resp, "error", None) is not None and seen and getattr(seen[0], "xmix_error", None):
+            resp.error.message = seen[0].xmix_error
         res = _results_of(seen)
         if res and hasattr(resp, "choices"):
             if not _per_choice(resp.choices, sorted(seen[0].outputs, key=lambda co: co.index)):
@@ -805,7 +855,10 @@ def patch_openai_serving() -> None:
                                     *args, **kwargs), sink, applied, request.n or 1)
 
     def completion_response(self, final_res_batch, *args, **kwargs):
-        resp = to_resp(self, final_res_batch, *args, **kwargs)
+        try:
+            resp = to_resp(self, final_res_batch, *args, **kwargs)
+        except Exception as e:
+            raise _said(e, final_res_batch) from None
         res = _results_of(final_res_batch)
         if res:
             done = [r for r in final_res_batch if r is not None]
