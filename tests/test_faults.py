@@ -191,3 +191,53 @@ def test_an_exception_before_the_site_runs_fails_the_sites_requests(monkeypatch)
     hs.run("residual.pre", 0, torch.zeros(4, D), None)
     failed = hs.cb.take_failed()
     assert list(failed) == ["a"] and "MemoryError: no room for scratch rows" in failed["a"]
+
+
+# ------------------------------------------------------------------ one offline engine
+@pytest.fixture(scope="module")
+def llm():
+    from engine_util import make_llm, shutdown
+    from xmix.models.tiny import tiny_model_path
+
+    engine = make_llm(str(tiny_model_path("tiny-llama")), max_num_seqs=4)
+    yield engine
+    shutdown(engine)
+
+
+def _ghost_app(name: str, seed: int) -> App:
+    app = App(name)
+    app.write("add", vector=torch.randn(256, generator=torch.Generator().manual_seed(seed)), scale=3.0) \
+        .layers([1]).submodule("residual.post")
+    return app
+
+
+def _answer(llm, apps) -> list[int]:
+    from engine_util import greedy
+
+    return list(greedy(llm, [[1, 17, 29, 41]], 8, [{"apps": apps}])[0].outputs[0].token_ids)
+
+
+@pytest.mark.engine
+def test_an_app_removed_behind_the_registrys_back_heals(llm):
+    """vLLM's collective_rpc (what dev-mode /collective_rpc calls) took an app off the
+    workers while the frontend's registry kept it: DELETE failed on the workers (500) and a
+    new deploy of the name answered 409 forever. Now the undeploy completes where the app
+    is gone, and a deploy of a name only a worker still holds takes that copy off first."""
+    ghost = _ghost_app("ghost", 1)
+    llm.xmix.deploy(ghost)
+    steered = _answer(llm, ["ghost"])
+    llm.collective_rpc("xmix_undeploy", args=("ghost",))
+    llm.xmix.undeploy("ghost")                        # before: RuntimeError from the worker
+    assert "ghost" not in [a["name"] for a in llm.xmix.apps()]
+    llm.xmix.deploy(ghost)
+    assert _answer(llm, ["ghost"]) == steered
+    llm.xmix.undeploy("ghost")
+    # the other way round: a worker holds an app the registry never saw
+    other = _ghost_app("hidden", 2)
+    llm.collective_rpc("xmix_deploy", args=(other.to_bytes(), "request", 77))
+    info = llm.xmix.deploy(other)                     # before: "already deployed" forever
+    assert info["version"] != 77
+    workers = llm.xmix.status()[0]["apps"]
+    assert [(a["name"], a["version"]) for a in workers if a["name"] == "hidden"] == [("hidden", info["version"])]
+    assert _answer(llm, ["hidden"]) != _answer(llm, [])
+    llm.xmix.undeploy("hidden")

@@ -360,15 +360,16 @@ def test_policy_decides_which_apps_a_key_names_and_which_are_forced_on_it(srv):
         assert product.json()["xmix_applied"] == {
             "apps": [{"name": "safety", "version": r.json()["version"], "mode": "all",
                       "params": {"push.scale": 6.0}}], "tenant": "product", "changed": []}
-        # locked: product cannot neutralise it with scale 0 (nor may research)
-        for key in (PRODUCT, RESEARCH):
-            r0 = _complete(c[key], {"params": {"safety": {"scale": 0.0}}} if key == PRODUCT
-                           else {"apps": ["safety"], "params": {"safety": {"scale": 0.0}}})
-            assert r0.status_code == 403 and "locked by the operator" in r0.json()["error"]["message"], r0.text
+        # product may not set its parameters at all (it may name steer only) ...
+        r0 = _complete(c[PRODUCT], {"params": {"safety": {"scale": 0.0}}})
+        assert r0.status_code == 403 and "may not use" in r0.json()["error"]["message"], r0.text
+        # ... and with its parameters locked, nobody can neutralise it with scale 0
+        r0 = _complete(c[RESEARCH], {"apps": ["safety"], "params": {"safety": {"scale": 0.0}}})
+        assert r0.status_code == 403 and "locked by the operator" in r0.json()["error"]["message"], r0.text
         # unlocked: the same request goes through (and neutralises it)
         assert c[ADMIN].patch("/xmix/v1/apps/safety", json={"locked": False}).json()["locked"] == []
-        off = _complete(c[PRODUCT], {"params": {"safety": {"scale": 0.0}}}, cache_salt="s")
-        assert _tokens(off) == vanilla[PRODUCT]
+        off = _complete(c[RESEARCH], {"apps": ["safety"], "params": {"safety": {"scale": 0.0}}}, cache_salt="s")
+        assert _tokens(off) == vanilla[RESEARCH]
     finally:
         assert c[ADMIN].delete("/xmix/v1/apps/safety").status_code == 200
 

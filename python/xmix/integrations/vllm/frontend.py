@@ -265,8 +265,11 @@ class Registry:
             lowered = lower(app, self.shape, self.tokenizer,
                             max_ops=cap["max_ops"] - used.ops if cap else None)
         except DeployError as e:
-            if cap and "max_ops" in str(e):
-                raise CapacityError(str(e)) from None
+            if cap and ("max_ops" in str(e) or "engine has room" in str(e)):
+                server = tenants.limit("XMIX_MAX_OPS")
+                where = f"XMIX_MAX_OPS={server}" if server is not None and server == cap["max_ops"] \
+                    else f"max_ops={cap['max_ops']}"
+                raise CapacityError(f"{e} ({where})") from None
             raise
         needs = Needs.of(lowered)
         if cap:

@@ -1,0 +1,649 @@
+"""Soak: ``xmix serve`` over HTTP under concurrent requests and continuous control changes.
+
+    python bench/soak.py --requests 2000 --changes 1000 [--concurrency 16] [--url URL
+        --key KEY --admin-key KEY] [--seed 0] [--json out.json]
+
+Without --url it starts ``xmix serve`` on the embedded tiny Llama itself (its log is read
+for server errors afterwards). Requests: chat and completions, streamed and not, with and
+without apps (a steering write, a probe read, apps that the control driver churns), some
+with n = 2, one stream in 8 disconnecting mid-stream. Meanwhile the control driver deploys,
+undeploys, switches modes (off / request / all), changes parameters and has bad changes
+refused, until both the requests and the changes are done.
+
+Checked per request:
+  completes      no hang past --deadline, no 5xx, no truncated stream (every choice has
+                 a finish reason and max_tokens tokens; [DONE] seen)
+  oracle         a request whose provenance (``xmix_applied.changed``) says none of its apps
+                 changed while it ran equals the same request run alone afterwards, with the
+                 same apps and parameter values (tokens exactly, reads to 1e-5)
+  switched off   a request whose app changed mid-flight still completes with every token,
+                 and its reads are a sub-list of its own positions, in order (docs/serving.md:
+                 "What a change does to requests in flight")
+  leaks          no request's reads name an app it did not run, or a position it does not
+                 have; no request slot stays taken once everything finished
+A refusal documented for a race (an app named just as it went away: 400 "unknown app" /
+"switched off") is counted apart, not as a failure.
+
+Prints: requests sent / completed / refused / disconnected / failed / hung, oracle checks
+(equal / wrong), changes applied (and refused as intended), p50 / p99 latency of a
+control-plane change, server errors in the log. Exit status 1 when anything was lost, wrong
+or leaked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+D_MODEL = 256  # the embedded tiny Llama
+PROMPTS = [
+    "The old lighthouse keeper climbed the stairs every evening",
+    "In the morning the market was full of",
+    "She opened the letter and read",
+    "Rivers carry water from the mountains to",
+    "The recipe asks for two cups of",
+    "Once upon a time there was a small village",
+    "The scientist looked at the results and",
+    "A quiet road led through the forest to",
+    "Tomorrow we will travel by train to",
+    "The children played in the garden until",
+    "Numbers like seven and eleven are",
+    "He wrote a long story about a dragon who",
+]
+CHURN = ["c0", "c1", "c2", "c3"]
+
+
+# ---------------------------------------------------------------------- apps
+def build_apps(seed: int) -> dict[str, bytes]:
+    """The fixed apps (never changed) and the churn templates; app bytes by name."""
+    import torch
+
+    import xmix
+
+    g = torch.Generator().manual_seed(seed)
+
+    def unit():
+        v = torch.randn(D_MODEL, generator=g)
+        return v / v.norm()
+
+    out = {}
+    steer = xmix.App("steer")
+    steer.write("add", vector=unit() * 6.0, scale=1.0).layers([1]).submodule("residual.post").named("push")
+    probe = xmix.App("probe")
+    probe.read("probe", weight=unit() * 0.5, bias=0.0).layers([2]).submodule("residual.post").named("p")
+    out["steer"], out["probe"] = steer.to_bytes(), probe.to_bytes()
+    for i, name in enumerate(CHURN):
+        a = xmix.App(name)
+        a.write("add", vector=unit() * 4.0, scale=1.0).layers([i % 4]).submodule("residual.post").named("w")
+        a.read("probe", weight=unit() * 0.5, bias=0.0).layers([3]).submodule("residual.post").named("r")
+        out[name] = a.to_bytes()
+    return out
+
+
+def renamed(data: bytes, name: str) -> bytes:
+    """The same app under another name (for the oracle: same math, an app of its own)."""
+    import xmix
+
+    app = xmix.App.from_bytes(data)
+    spec = app.spec()
+    spec["name"] = name
+    return xmix.App.from_spec(spec, app.tensors(), allow_custom=False).to_bytes()
+
+
+# ---------------------------------------------------------------------- server
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(tmp: Path, apps: dict[str, bytes], key: str, admin: str, timeout: float = 900):
+    from xmix.models.tiny import tiny_model_path
+
+    paths = []
+    for name in ("steer", "probe"):
+        p = tmp / f"{name}.xmix"
+        p.write_bytes(apps[name])
+        paths += ["--app", str(p)]
+    port = _free_port()
+    cmd = [sys.executable, "-m", "xmix.cli", "serve", str(tiny_model_path("tiny-llama")),
+           "--port", str(port), "--dtype", "float32", "--max-model-len", "512",
+           "--served-model-name", "tiny", "--api-key", key, "--xmix-admin-key", admin,
+           "--max-num-seqs", "32", *paths]
+    log = tmp / "serve.log"
+    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True,
+                            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")})
+    base = f"http://127.0.0.1:{port}"
+    t0 = time.time()
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError("xmix serve died:\n" + log.read_text()[-3000:])
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                return proc, base, log
+        except httpx.HTTPError:
+            pass
+        if time.time() - t0 > timeout:
+            proc.kill()
+            raise TimeoutError("xmix serve did not start")
+        time.sleep(1)
+
+
+def stop_server(proc) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+# ---------------------------------------------------------------------- requests
+@dataclass
+class Spec:
+    i: int
+    kind: str                 # "cmpl" | "chat"
+    stream: bool
+    apps: list[str]
+    params: dict
+    n: int
+    max_tokens: int
+    prompt: str
+    seed: int | None
+    disconnect_after: int | None = None   # data chunks, then the client goes away
+
+
+@dataclass
+class Result:
+    spec: Spec
+    status: int | None = None
+    outcome: str = "pending"  # ok | refused | disconnected | failed | hung
+    why: str = ""
+    tokens: dict[int, list[int]] = field(default_factory=dict)     # choice -> token ids
+    reads: dict[int, dict] = field(default_factory=dict)           # choice -> {app: {read: (pos, vals)}}
+    finish: dict[int, str] = field(default_factory=dict)
+    applied: dict | None = None
+    prompt_tokens: int = 0
+    t0: float = 0.0
+    t1: float = 0.0
+
+
+def make_specs(n: int, seed: int) -> list[Spec]:
+    rng = random.Random(seed)
+    choices = [[], [], ["steer"], ["probe"], ["steer", "probe"], ["churn"], ["churn", "probe"]]
+    out = []
+    stream_i = 0
+    for i in range(n):
+        kind = "chat" if rng.random() < 0.4 else "cmpl"
+        stream = rng.random() < 0.6
+        apps = list(rng.choice(choices))
+        params = {}
+        if "steer" in apps and rng.random() < 0.5:
+            params["steer"] = {"scale": rng.choice([0.5, 2.0, -1.0])}
+        sampled = rng.random() < 0.15
+        disconnect = None
+        if stream:
+            stream_i += 1
+            if stream_i % 8 == 0:
+                disconnect = rng.randint(1, 6)
+        out.append(Spec(i, kind, stream, apps, params, 2 if sampled else 1, rng.choice([12, 16, 24]),
+                        rng.choice(PROMPTS), rng.randint(0, 10 ** 6) if sampled else None, disconnect))
+    return out
+
+
+def _body(spec: Spec, apps: list[str], params: dict, salt: str | None = None) -> tuple[str, dict]:
+    body = {"model": "tiny", "max_tokens": spec.max_tokens, "ignore_eos": True, "n": spec.n,
+            "temperature": 1.0 if spec.seed is not None else 0.0, "return_token_ids": True}
+    if spec.seed is not None:
+        body["seed"] = spec.seed
+    if salt:
+        body["cache_salt"] = salt
+    if apps or params:
+        ctl = {"apps": apps}
+        if params:
+            ctl["params"] = params
+        body["vllm_xargs"] = {"xmix": json.dumps(ctl)}
+    if spec.kind == "chat":
+        body["messages"] = [{"role": "user", "content": spec.prompt}]
+        path = "/v1/chat/completions"
+    else:
+        body["prompt"] = spec.prompt
+        path = "/v1/completions"
+    if spec.stream:
+        body["stream"] = True
+    return path, body
+
+
+def _merge_reads(into: dict, x: dict) -> None:
+    for app, reads in (x or {}).items():
+        for key, e in reads.items():
+            pos, vals = into.setdefault(app, {}).setdefault(key, ([], []))
+            pos.extend(e["positions"])
+            vals.extend(e["values"])
+
+
+def _choice_tokens(choice: dict, kind: str) -> list[int]:
+    return list(choice.get("token_ids") or [])
+
+
+async def run_one(client: httpx.AsyncClient, spec: Spec, apps: list[str], params: dict,
+                  deadline: float, salt: str | None = None) -> Result:
+    res = Result(spec)
+    path, body = _body(spec, apps, params, salt)
+    res.t0 = time.monotonic()
+    try:
+        async with asyncio.timeout(deadline):
+            if not spec.stream:
+                r = await client.post(path, json=body)
+                res.status = r.status_code
+                if r.status_code != 200:
+                    res.why = r.text[:300]
+                else:
+                    doc = json.loads(r.text, parse_constant=_no_constant)
+                    res.prompt_tokens = doc["usage"]["prompt_tokens"]
+                    top = doc.get("xmix")
+                    for c in doc["choices"]:
+                        i = c["index"]
+                        res.tokens[i] = _choice_tokens(c, spec.kind)
+                        res.finish[i] = c.get("finish_reason")
+                        res.reads[i] = {}
+                        _merge_reads(res.reads[i], c.get("xmix") or (top if len(doc["choices"]) == 1 else None))
+                    res.applied = doc.get("xmix_applied")
+            else:
+                done = False
+                chunks = 0
+                async with client.stream("POST", path, json={**body, "stream_options": {"include_usage": True}}) as r:
+                    res.status = r.status_code
+                    if r.status_code != 200:
+                        res.why = (await r.aread()).decode(errors="replace")[:300]
+                    else:
+                        async for line in r.aiter_lines():
+                            if line == "data: [DONE]":
+                                done = True
+                                continue
+                            if not line.startswith("data: {"):
+                                continue
+                            ch = json.loads(line[6:], parse_constant=_no_constant)
+                            if "error" in ch:
+                                res.why = f"error event: {ch['error']}"
+                                break
+                            chunks += 1
+                            if ch.get("usage"):
+                                res.prompt_tokens = ch["usage"]["prompt_tokens"]
+                            if "xmix_applied" in ch:
+                                res.applied = ch["xmix_applied"]
+                            idx = [c["index"] for c in ch.get("choices") or []]
+                            for c in ch.get("choices") or []:
+                                i = c["index"]
+                                res.tokens.setdefault(i, []).extend(_choice_tokens(c, spec.kind))
+                                if c.get("finish_reason"):
+                                    res.finish[i] = c["finish_reason"]
+                            if ch.get("xmix"):
+                                i = idx[0] if idx else 0
+                                _merge_reads(res.reads.setdefault(i, {}), ch["xmix"])
+                            if spec.disconnect_after is not None and chunks >= spec.disconnect_after:
+                                res.outcome = "disconnected"
+                                break  # leaving the block closes the connection
+                if res.status == 200 and res.outcome != "disconnected" and not done and not res.why:
+                    res.why = "stream ended without [DONE]"
+    except TimeoutError:
+        res.outcome = "hung"
+        res.why = f"no answer within {deadline:.0f} s"
+    except httpx.HTTPError as e:
+        res.outcome = "failed"
+        res.why = f"{type(e).__name__}: {e}"
+    res.t1 = time.monotonic()
+    if res.outcome == "pending":
+        res.outcome = classify(res)
+    return res
+
+
+def _no_constant(name):
+    raise ValueError(f"non-JSON constant {name} in a response")
+
+
+def classify(res: Result) -> str:
+    s = res.spec
+    if res.status is None:
+        return "failed"
+    if res.status >= 500:
+        res.why = f"HTTP {res.status}: {res.why}"
+        return "failed"
+    if res.status == 400 and ("unknown app" in res.why or "switched off" in res.why) and \
+            any(a in CHURN for a in _named(s)):
+        return "refused"  # raced with an undeploy / mode off of a churn app: documented
+    if res.status != 200:
+        res.why = f"HTTP {res.status}: {res.why}"
+        return "failed"
+    if res.why:
+        return "failed"
+    for i in range(s.n):
+        if len(res.tokens.get(i, [])) != s.max_tokens or not res.finish.get(i):
+            res.why = f"choice {i}: {len(res.tokens.get(i, []))} of {s.max_tokens} tokens, " \
+                      f"finish {res.finish.get(i)!r} (truncated)"
+            return "failed"
+    if res.applied is None:
+        res.why = "no xmix_applied in the response"
+        return "failed"
+    return "ok"
+
+
+def _named(spec: Spec) -> list[str]:
+    return spec.apps
+
+
+# ---------------------------------------------------------------------- control driver
+@dataclass
+class Changes:
+    applied: int = 0
+    refused_ok: int = 0        # bad changes refused as they should be
+    unexpected: list[str] = field(default_factory=list)
+    latencies: list[float] = field(default_factory=list)
+    deployed: dict[str, str] = field(default_factory=dict)   # churn name -> mode
+    versions: dict[tuple[str, int], str] = field(default_factory=dict)  # (name, version) -> template
+
+
+async def drive_changes(client: httpx.AsyncClient, apps: dict[str, bytes], ch: Changes,
+                        target: int, stop: asyncio.Event, seed: int, progress) -> None:
+    """Changes spread over the run: the share of ``target`` applied follows the share of
+    requests finished (``progress()``), then the rest once the requests are done."""
+    rng = random.Random(seed + 1)
+    while not (stop.is_set() and ch.applied >= target):
+        if not stop.is_set() and ch.applied >= target * progress() + 2:
+            await asyncio.sleep(0.01)
+            continue
+        name = rng.choice(CHURN)
+        mode = ch.deployed.get(name)
+        t0 = time.monotonic()
+        if mode is None:
+            # mode "all" reaches every request in flight (all of them count as changed), so
+            # it is one change in ten; the rest touch only the requests naming the app
+            want = "all" if rng.random() < 0.1 else "request"
+            r = await client.post(f"/xmix/v1/apps?mode={want}", content=apps[name])
+            if r.status_code == 201:
+                ch.deployed[name] = want
+                ch.versions[(name, r.json()["version"])] = name
+        else:
+            op = rng.random()
+            if op < 0.2:
+                r = await client.delete(f"/xmix/v1/apps/{name}")
+                if r.status_code == 200:
+                    ch.deployed.pop(name)
+            elif op < 0.5:
+                want = "all" if mode != "all" and rng.random() < 0.1 else ("off" if mode == "request" else "request")
+                r = await client.patch(f"/xmix/v1/apps/{name}", json={"mode": want})
+                if r.status_code == 200:
+                    ch.deployed[name] = want
+            elif op < 0.9:
+                r = await client.patch(f"/xmix/v1/apps/{name}", json={"params": {"w.scale": rng.choice([0.5, 1.0, -2.0])}})
+            else:  # refused on purpose: nothing may change
+                r = await client.patch(f"/xmix/v1/apps/{name}", json={"params": {"w.scale": 1.0}, "mode": "x"})
+                ch.latencies.append(time.monotonic() - t0)
+                if r.status_code == 422:
+                    ch.refused_ok += 1
+                else:
+                    ch.unexpected.append(f"bad PATCH answered {r.status_code}: {r.text[:200]}")
+                continue
+        ch.latencies.append(time.monotonic() - t0)
+        if r.status_code in (200, 201):
+            ch.applied += 1
+        else:
+            ch.unexpected.append(f"{r.request.method} {r.request.url.path} answered {r.status_code}: {r.text[:200]}")
+        await asyncio.sleep(rng.random() * 0.01)
+
+
+# ---------------------------------------------------------------------- checks
+def reads_ok(res: Result) -> str | None:
+    """Leak checks: reads only of apps it ran, only at its own positions, in order."""
+    # apps applied at admission, and those that came to apply while it ran (a mode-"all"
+    # deploy or switch reaches requests in flight from the next step)
+    ran = {a["name"] for a in (res.applied or {}).get("apps", [])} | set((res.applied or {}).get("changed", []))
+    for i, apps in res.reads.items():
+        total = res.prompt_tokens + res.spec.max_tokens - 1
+        for app, reads in apps.items():
+            if app not in ran:
+                return f"choice {i}: reads of app {app!r}, which it did not run"
+            for key, (pos, vals) in reads.items():
+                if len(pos) != len(vals):
+                    return f"choice {i}: {app}.{key} has {len(pos)} positions and {len(vals)} values"
+                if any(p < 0 or p >= total for p in pos) or any(b <= a for a, b in zip(pos, pos[1:])):
+                    return f"choice {i}: {app}.{key} positions outside 0..{total - 1} or not increasing"
+    return None
+
+
+def oracle_key(res: Result) -> str:
+    return json.dumps([res.spec.kind, res.spec.prompt, res.spec.max_tokens, res.spec.n, res.spec.seed,
+                       [(a["name"], a["version"], sorted(a["params"].items())) for a in res.applied["apps"]]])
+
+
+def _close(a: list, b: list, tol: float = 1e-5) -> bool:
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if x is None or y is None:
+            if x is not y:
+                return False
+        elif isinstance(x, (int, float)) and isinstance(y, (int, float)):
+            if not math.isclose(x, y, rel_tol=tol, abs_tol=tol):
+                return False
+        elif isinstance(x, list) and isinstance(y, list):
+            if not _close(x, y, tol):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+async def run_oracle(client: httpx.AsyncClient, admin: httpx.AsyncClient, apps: dict[str, bytes],
+                     results: list[Result], ch: Changes, deadline: float) -> tuple[int, list[str], int]:
+    """Each unchanged request again, alone, with the same apps and parameter values. Churn
+    apps come back as copies of their templates under new names (same math)."""
+    for name in list(ch.deployed):
+        await admin.delete(f"/xmix/v1/apps/{name}")
+    copies: dict[str, str] = {}
+    for name in CHURN:
+        copy = f"oracle_{name}"
+        r = await admin.post("/xmix/v1/apps?mode=request", content=renamed(apps[name], copy))
+        if r.status_code != 201:
+            raise RuntimeError(f"oracle copy of {name}: {r.status_code} {r.text[:200]}")
+        copies[name] = copy
+    todo: dict[str, list[Result]] = {}
+    for res in results:
+        if res.outcome == "ok" and not res.applied.get("changed"):
+            todo.setdefault(oracle_key(res), []).append(res)
+    equal, wrong = 0, []
+    for k, group in todo.items():
+        res = group[0]
+        names, params = [], {}
+        for a in res.applied["apps"]:
+            n = copies.get(a["name"], a["name"])
+            names.append(n)
+            params[n] = a["params"]
+        single = await run_one(client, Spec(**{**res.spec.__dict__, "stream": False, "disconnect_after": None}),
+                               names, params, deadline, salt=f"oracle-{res.spec.i}")
+        if single.outcome != "ok":
+            wrong.append(f"#{res.spec.i}: the oracle run failed: {single.why}")
+            continue
+        back = {v: k2 for k2, v in copies.items()}
+        want_reads = {i: {back.get(a, a): r for a, r in rd.items()} for i, rd in single.reads.items()}
+        for got in group:
+            bad = None
+            if got.tokens != single.tokens:
+                bad = f"tokens {got.tokens} != alone {single.tokens}"
+            else:
+                for i in range(got.spec.n):
+                    g, w = got.reads.get(i, {}), want_reads.get(i, {})
+                    if sorted(g) != sorted(w):
+                        bad = f"choice {i}: reads of {sorted(g)} != alone {sorted(w)}"
+                        break
+                    for app in g:
+                        for key in set(g[app]) | set(w[app]):
+                            gp, gv = g[app].get(key, ([], []))
+                            wp, wv = w[app].get(key, ([], []))
+                            if gp != wp or not _close(gv, wv):
+                                bad = f"choice {i}: {app}.{key} differs from the request alone"
+            if bad:
+                wrong.append(f"#{got.spec.i} ({got.spec.kind}, stream={got.spec.stream}, apps={got.spec.apps}): {bad}")
+            else:
+                equal += 1
+    for copy in copies.values():
+        await admin.delete(f"/xmix/v1/apps/{copy}")
+    return equal, wrong, len(todo)
+
+
+# ---------------------------------------------------------------------- main
+async def soak(args, base: str, apps: dict[str, bytes]) -> dict:
+    specs = make_specs(args.requests, args.seed)
+    limits = httpx.Limits(max_connections=args.concurrency + 8, max_keepalive_connections=args.concurrency + 8)
+    async with httpx.AsyncClient(base_url=base, headers={"Authorization": f"Bearer {args.key}"},
+                                 timeout=httpx.Timeout(args.deadline), limits=limits) as client, \
+            httpx.AsyncClient(base_url=base, headers={"Authorization": f"Bearer {args.admin_key}"},
+                              timeout=httpx.Timeout(args.deadline)) as admin:
+        ch = Changes()
+        stop = asyncio.Event()
+        sem = asyncio.Semaphore(args.concurrency)
+        rng = random.Random(args.seed + 2)
+        done_n = 0
+        t_start = time.monotonic()
+
+        async def one(spec: Spec) -> Result:
+            nonlocal done_n
+            async with sem:
+                names = []
+                for a in spec.apps:
+                    if a == "churn":  # a churn app, as the client last saw it
+                        live = [n for n, m in ch.deployed.items() if m != "off"] or CHURN
+                        a = rng.choice(live)
+                    names.append(a)
+                spec.apps = names
+                res = await run_one(client, spec, names, spec.params, args.deadline)
+                done_n += 1
+                if args.progress and done_n % args.progress == 0:
+                    print(f"[soak] {done_n}/{len(specs)} requests, {ch.applied} changes, "
+                          f"{time.monotonic() - t_start:.0f} s", flush=True)
+                return res
+
+        driver = asyncio.create_task(drive_changes(admin, apps, ch, args.changes, stop, args.seed,
+                                                   lambda: done_n / len(specs)))
+        results = await asyncio.gather(*(one(s) for s in specs))
+        stop.set()
+        await driver
+        soak_s = time.monotonic() - t_start
+        # every request finished: no slot may stay taken (disconnected ones included)
+        slots = None
+        for _ in range(30):
+            st = await admin.get("/xmix/v1/status")
+            if st.status_code == 200:
+                slots = max(w.get("slots_in_use", 0) for w in st.json()["workers"])
+                if slots == 0:
+                    break
+            await asyncio.sleep(1)
+        leaks = [f"#{r.spec.i}: {why}" for r in results if r.outcome == "ok" and (why := reads_ok(r))]
+        if slots:
+            leaks.append(f"{slots} request slot(s) still taken after every request finished")
+        changed = [r for r in results if r.outcome == "ok" and r.applied.get("changed")]
+        t_oracle = time.monotonic()
+        equal, wrong, distinct = await run_oracle(client, admin, apps, results, ch, args.deadline)
+        oracle_s = time.monotonic() - t_oracle
+    lat = sorted(ch.latencies)
+
+    def pct(p):
+        return lat[min(len(lat) - 1, int(p / 100 * len(lat)))] * 1000 if lat else float("nan")
+
+    by = {k: [r for r in results if r.outcome == k] for k in ("ok", "refused", "disconnected", "failed", "hung")}
+    return {
+        "requests": len(specs), "completed": len(by["ok"]), "refused_by_race": len(by["refused"]),
+        "disconnected": len(by["disconnected"]), "failed": len(by["failed"]), "hung": len(by["hung"]),
+        "changed_in_flight": len(changed), "oracle_equal": equal, "oracle_wrong": len(wrong),
+        "oracle_distinct_runs": distinct, "leaked": len(leaks),
+        "changes_applied": ch.applied, "changes_refused_as_intended": ch.refused_ok,
+        "changes_unexpected": len(ch.unexpected),
+        "change_latency_ms": {"p50": round(pct(50), 1), "p99": round(pct(99), 1), "max": round(pct(100), 1)},
+        "soak_s": round(soak_s, 1), "oracle_s": round(oracle_s, 1),
+        "examples": {"failed": [f"#{r.spec.i}: {r.why}" for r in by["failed"][:5]],
+                     "hung": [f"#{r.spec.i}: {r.why}" for r in by["hung"][:5]],
+                     "wrong": wrong[:5], "leaked": leaks[:5], "changes": ch.unexpected[:5]},
+    }
+
+
+def server_errors(log: Path | None) -> dict | None:
+    if log is None:
+        return None
+    text = log.read_text(errors="replace")
+    errs = [l for l in text.splitlines() if " ERROR " in l]
+    return {"error_lines": len(errs), "tracebacks": text.count("Traceback (most recent call last)"),
+            "examples": errs[:5]}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=2000)
+    ap.add_argument("--changes", type=int, default=1000)
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--deadline", type=float, default=600.0, help="seconds one request may take")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--url", help="a running xmix serve (its apps must include this script's steer/probe)")
+    ap.add_argument("--key", default="soak-key")
+    ap.add_argument("--admin-key", default="soak-admin-key")
+    ap.add_argument("--json", help="write the figures here")
+    ap.add_argument("--progress", type=int, default=0, help="print progress every N requests")
+    args = ap.parse_args(argv)
+    apps = build_apps(args.seed)
+    proc = log = None
+    t0 = time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.url:
+            base = args.url
+        else:
+            proc, base, log = start_server(Path(tmp), apps, args.key, args.admin_key)
+            print(f"[soak] xmix serve up in {time.time() - t0:.0f} s at {base}", flush=True)
+        try:
+            fig = asyncio.run(soak(args, base, apps))
+        finally:
+            if proc is not None:
+                stop_server(proc)
+        fig["server_log"] = server_errors(log)
+    fig["wall_s"] = round(time.time() - t0, 1)
+    lat = fig["change_latency_ms"]
+    print(f"[soak] requests sent {fig['requests']}: completed {fig['completed']}, refused by a race "
+          f"{fig['refused_by_race']}, disconnected by the client {fig['disconnected']}, failed "
+          f"{fig['failed']}, hung {fig['hung']}")
+    print(f"[soak] oracle: {fig['oracle_equal']} equal, {fig['oracle_wrong']} wrong "
+          f"({fig['oracle_distinct_runs']} runs alone); {fig['changed_in_flight']} requests lived "
+          f"through a change of their apps (checked for completion and leaks only); leaked {fig['leaked']}")
+    print(f"[soak] changes applied {fig['changes_applied']} (+{fig['changes_refused_as_intended']} refused "
+          f"as intended, {fig['changes_unexpected']} unexpected answers); change latency p50 "
+          f"{lat['p50']} ms, p99 {lat['p99']} ms, max {lat['max']} ms")
+    sl = fig["server_log"]
+    print(f"[soak] server log: {sl['error_lines']} ERROR lines, {sl['tracebacks']} tracebacks" if sl
+          else "[soak] server log: not ours (--url)")
+    print(f"[soak] wall {fig['wall_s']} s (soak {fig['soak_s']} s, oracle {fig['oracle_s']} s)")
+    for k, v in fig["examples"].items():
+        for line in v:
+            print(f"[soak]   {k}: {line}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(fig, indent=2))
+    bad = fig["failed"] + fig["hung"] + fig["oracle_wrong"] + fig["leaked"] + fig["changes_unexpected"]
+    bad += (sl["tracebacks"] if sl else 0)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
