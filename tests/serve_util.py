@@ -31,7 +31,7 @@ def xmix_server(tmp: Path, app_paths: list[Path], *extra: str, timeout: float = 
     port = free_port()
     model = tiny_model_path("tiny-llama")
     cmd = [sys.executable, "-m", "xmix.cli", "serve", str(model), "--port", str(port),
-           "--dtype", "float32", "--max-model-len", "512", "--api-key", KEY,
+           "--dtype", "float32", "--max-model-len", "512", "--api-key", KEY, "--xmix-admin-key", KEY,
            "--served-model-name", MODEL_NAME, *extra]
     for p in app_paths:
         cmd += ["--app", str(p)]

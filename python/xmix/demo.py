@@ -103,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model = tiny_model_path("tiny-llama")
     api_key = "xmix-demo-key"
+    admin_key = "xmix-demo-admin-key"  # the control plane's own key (deploy, switch, undeploy)
     if args.keep:
         if (STATE_DIR / "server.pid").is_file():
             stop_kept()
@@ -115,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         # Loopback only: the demo's API key is printed in the open.
         cmd = [sys.executable, "-m", "xmix.cli", "serve", str(model), "--host", "127.0.0.1",
                "--port", str(args.port), "--dtype", "float32", "--max-model-len", "512",
-               "--api-key", api_key, "--served-model-name", "tiny-llama"]
+               "--api-key", api_key, "--xmix-admin-key", admin_key, "--served-model-name", "tiny-llama"]
         for p in apps:
             cmd += ["--app", str(p)]
         env = dict(os.environ)
@@ -162,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
             assert probed["choices"][0]["text"] == vanilla["choices"][0]["text"], \
                 "a read-only app must not change the answer"
             print("\n[demo] the probe-only answer equals the vanilla answer (reads never write).")
-            print(f"\n[demo] console: {base}/xmix/ui/   (API key: {api_key})")
+            print(f"\n[demo] console: {base}/xmix/ui/   (API key: {api_key}; admin key, to change apps: {admin_key})")
             if args.keep:
                 (STATE_DIR / "server.pid").write_text(f"{proc.pid}\n")
                 keep = True

@@ -5,6 +5,8 @@
 
 const ROOT = location.pathname.replace(/\/xmix\/ui\/?$/, "");
 const KEY_STORE = "xmix-console-key";
+// Changes to apps take the server's admin key (--xmix-admin-key), not the inference key.
+const ADMIN_STORE = "xmix-console-admin-key";
 const state = { model: null, info: null, apps: [], liveTimer: null };
 
 // ------------------------------------------------------------------ helpers
@@ -33,9 +35,9 @@ function setStatus(node, msg, isError) {
   node.classList.toggle("error", !!isError);
 }
 
-function headers(extra) {
+function headers(extra, admin) {
   const h = Object.assign({}, extra || {});
-  const key = sessionStorage.getItem(KEY_STORE) || "";
+  const key = (admin && sessionStorage.getItem(ADMIN_STORE)) || sessionStorage.getItem(KEY_STORE) || "";
   if (key) h["Authorization"] = "Bearer " + key;
   return h;
 }
@@ -51,8 +53,8 @@ async function errorText(resp) {
   return `${resp.status}: ${body.slice(0, 300) || resp.statusText}`;
 }
 
-async function api(method, path, body, extraHeaders) {
-  const init = { method, headers: headers(extraHeaders) };
+async function api(method, path, body, extraHeaders, admin) {
+  const init = { method, headers: headers(extraHeaders, admin) };
   if (body !== undefined) {
     if (body instanceof ArrayBuffer || body instanceof Blob) init.body = body;
     else { init.body = JSON.stringify(body); init.headers["Content-Type"] = "application/json"; }
@@ -79,6 +81,7 @@ function fmtAdded(s) {
 async function connect() {
   const status = $("#conn-status");
   sessionStorage.setItem(KEY_STORE, $("#api-key").value);
+  sessionStorage.setItem(ADMIN_STORE, $("#admin-key").value);
   setStatus(status, "connecting…");
   try {
     const [models, info] = await Promise.all([api("GET", "/v1/models"), api("GET", "/xmix/v1/console/info")]);
@@ -440,14 +443,14 @@ async function change(what, call) {
 
 function patchApp(name, body) {
   return change(name, async () => {
-    await api("PATCH", "/xmix/v1/apps/" + encodeURIComponent(name), body);
+    await api("PATCH", "/xmix/v1/apps/" + encodeURIComponent(name), body, undefined, true);
     return `${name}: ${Object.keys(body).join(" and ")} changed`;
   });
 }
 
 function undeployApp(name) {
   return change(name, async () => {
-    await api("DELETE", "/xmix/v1/apps/" + encodeURIComponent(name));
+    await api("DELETE", "/xmix/v1/apps/" + encodeURIComponent(name), undefined, undefined, true);
     return `${name}: undeployed`;
   });
 }
@@ -458,7 +461,7 @@ async function deployApp() {
   return change("deploy failed", async () => {
     const buf = await file.arrayBuffer();
     const info = await api("POST", "/xmix/v1/apps?mode=" + encodeURIComponent($("#deploy-mode").value), buf,
-      { "Content-Type": "application/octet-stream" });
+      { "Content-Type": "application/octet-stream" }, true);
     return `${info.name}: deployed (mode ${info.mode})`;
   });
 }
@@ -507,6 +510,7 @@ function stopLive() {
 document.addEventListener("DOMContentLoaded", () => {
   for (const t of document.querySelectorAll(".tab")) t.addEventListener("click", () => showView(t.dataset.view));
   $("#api-key").value = sessionStorage.getItem(KEY_STORE) || "";
+  $("#admin-key").value = sessionStorage.getItem(ADMIN_STORE) || "";
   $("#key-connect").addEventListener("click", connect);
   $("#api-key").addEventListener("keydown", e => { if (e.key === "Enter") connect(); });
   $("#pg-run").addEventListener("click", run);

@@ -108,10 +108,14 @@ class Usage:
         control = control if isinstance(control, dict) else {}
         named = [a for a in control.get("apps") or [] if isinstance(a, str)]
         params = control.get("params") or {}
+        applied = control.get("applied")  # what admission decided (a key's policy included)
         with self.registry.lock:
             deployed = self.registry.apps
-            apps = [a for a in named if a in deployed] + sorted(
-                a for a, d in deployed.items() if d.mode == "all" and a not in named)
+            if isinstance(applied, dict):
+                apps = [a["name"] for a in applied.get("apps") or [] if a.get("name") in deployed]
+            else:
+                apps = [a for a in named if a in deployed] + sorted(
+                    a for a, d in deployed.items() if d.mode == "all" and a not in named)
             gates = {}
             for a in apps:
                 d = deployed[a]
