@@ -86,10 +86,13 @@ def build_apps(seed: int) -> dict[str, bytes]:
     probe = xmix.App("probe")
     probe.read("probe", weight=unit() * 0.5, bias=0.0).layers([2]).submodule("residual.post").named("p")
     out["steer"], out["probe"] = steer.to_bytes(), probe.to_bytes()
+    # No two apps share a hook site: ops of different apps at one site run in deployment
+    # order, so a read placed after another app's write at the same site would depend on
+    # which was deployed first, and the oracle (copies deployed afresh) could not repeat it.
     for i, name in enumerate(CHURN):
         a = xmix.App(name)
-        a.write("add", vector=unit() * 4.0, scale=1.0).layers([i % 4]).submodule("residual.post").named("w")
-        a.read("probe", weight=unit() * 0.5, bias=0.0).layers([3]).submodule("residual.post").named("r")
+        a.write("add", vector=unit() * 4.0, scale=1.0).layers([i]).submodule("mlp.post").named("w")
+        a.read("probe", weight=unit() * 0.5, bias=0.0).layers([i]).submodule("attention.post").named("r")
         out[name] = a.to_bytes()
     return out
 
@@ -498,7 +501,9 @@ async def run_oracle(client: httpx.AsyncClient, admin: httpx.AsyncClient, apps: 
                             gp, gv = g[app].get(key, ([], []))
                             wp, wv = w[app].get(key, ([], []))
                             if gp != wp or not _close(gv, wv):
-                                bad = f"choice {i}: {app}.{key} differs from the request alone"
+                                bad = (f"choice {i}: {app}.{key} differs from the request alone "
+                                       f"(positions {'equal' if gp == wp else f'{gp} != {wp}'}, "
+                                       f"values {gv[:6]} vs {wv[:6]})")
             if bad:
                 wrong.append(f"#{got.spec.i} ({got.spec.kind}, stream={got.spec.stream}, apps={got.spec.apps}): {bad}")
             else:

@@ -223,9 +223,14 @@ def test_an_app_removed_behind_the_registrys_back_heals(llm):
     workers while the frontend's registry kept it: DELETE failed on the workers (500) and a
     new deploy of the name answered 409 forever. Now the undeploy completes where the app
     is gone, and a deploy of a name only a worker still holds takes that copy off first."""
+    from engine_util import greedy
+
     ghost = _ghost_app("ghost", 1)
-    llm.xmix.deploy(ghost)
+    info = llm.xmix.deploy(ghost)
     steered = _answer(llm, ["ghost"])
+    out = greedy(llm, [[1, 17, 29, 41]], 4, [{"apps": ["ghost"], "params": {"ghost": {"scale": 2.0}}}])[0]
+    assert out.xmix_applied == {"apps": [{"name": "ghost", "version": info["version"], "mode": "request",
+                                          "params": {"#0.scale": 2.0}}], "changed": []}  # offline provenance
     llm.collective_rpc("xmix_undeploy", args=("ghost",))
     llm.xmix.undeploy("ghost")                        # before: RuntimeError from the worker
     assert "ghost" not in [a["name"] for a in llm.xmix.apps()]

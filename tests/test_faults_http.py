@@ -220,36 +220,64 @@ def _state(c) -> tuple:
         [a["name"] for a in w["apps"]]
 
 
-def test_a_full_control_block_answers_507_naming_the_limit(srv):
-    """Apps (XMIX_MAX_APPS=6), ops (XMIX_MAX_OPS=200), token sets (the engine's 16) and
-    spans (8): each refusal is a 507 that names the limit, and the registry and the workers
-    are as before (same apps, same op-list generation)."""
-    c = srv["c"]
+def _sets_app(name: str, n: int) -> xmix.App:
+    app = xmix.App(name)
     v = torch.ones(D) / 16
-    wide = xmix.App("wide")
-    for _ in range(60):
-        wide.write("add", vector=v).layers("all").submodule("residual.post")     # 240 placed ops
-    sets = xmix.App("sets")
-    sets.read("probe", weight=v).layers([0]).submodule("residual.pre").named("g")
-    for i in range(17):
-        sets.token_set(f"t{i}", ids=[i + 5])
-        sets.write("add", vector=v).layers([1]).submodule("residual.pre").cond(when=f"token_in(t{i})")
-    spans = xmix.App("spans")  # 9 spans from 3 opening x 3 closing token sets
-    for i in range(3):
-        spans.token_set(f"o{i}", ids=[i + 40]).token_set(f"c{i}", ids=[i + 60])
-    for i in range(9):
-        spans.write("add", vector=v).layers([1]).submodule("residual.pre") \
-            .cond(when=f"in_span(o{i // 3}, c{i % 3})")
+    for i in range(n):
+        app.token_set(f"t{i}", ids=[i + 5])
+        app.write("add", vector=v).layers([1]).submodule("residual.pre").cond(when=f"token_in(t{i})")
+    return app
+
+
+def _spans_app(name: str, opens: int, closes: int) -> xmix.App:
+    app = xmix.App(name)
+    v = torch.ones(D) / 16
+    for i in range(opens):
+        app.token_set(f"o{i}", ids=[i + 40])
+    for i in range(closes):
+        app.token_set(f"c{i}", ids=[i + 60])
+    for i in range(opens * closes):
+        app.write("add", vector=v).layers([2]).submodule("residual.pre") \
+            .cond(when=f"in_span(o{i // closes}, c{i % closes})")
+    return app
+
+
+def _wide_app(name: str, ops: int, layers) -> xmix.App:
+    app = xmix.App(name)
+    for _ in range(ops):
+        app.write("add", vector=torch.ones(D) / 16).layers(layers).submodule("residual.post")
+    return app
+
+
+def test_a_full_control_block_answers_507_naming_the_limit(srv):
+    """An app that could never fit (more ops than XMIX_MAX_OPS=200, more token sets or spans
+    than the engine's 16 / 8) is a 422 naming the limit; one that would fit but finds the
+    engine full of other apps is a 507 naming it (ops, token sets, spans, and apps with
+    XMIX_MAX_APPS=6). After every refusal the registry and the workers are as before (same
+    apps and versions, same op-list generation)."""
+    c = srv["c"]
     before = _state(c)
-    for app, limit in ((wide, "XMIX_MAX_OPS"), (sets, "max_token_sets"), (spans, "max_spans")):
+    for app, limit in ((_wide_app("wide", 60, "all"), "XMIX_MAX_OPS=200"),
+                       (_sets_app("sets", 17), "max_token_sets=16"), (_spans_app("spans", 3, 3), "max_spans=8")):
         r = c.post("/xmix/v1/apps", content=app.to_bytes())
-        assert r.status_code == 507 and limit in r.json()["error"]["message"], (app.name, r.text)
+        assert r.status_code == 422 and limit in r.json()["error"]["message"], (app.name, r.text)
         assert _state(c) == before
+    for first, second, limit in ((_wide_app("half_a", 60, [0, 1]), _wide_app("half_b", 60, [2, 3]), "XMIX_MAX_OPS=200"),
+                                 (_sets_app("sets_a", 10), _sets_app("sets_b", 10), "max_token_sets=16"),
+                                 (_spans_app("spans_a", 2, 3), _spans_app("spans_b", 2, 3), "max_spans=8")):
+        assert c.post("/xmix/v1/apps", content=first.to_bytes()).status_code == 201
+        try:
+            filled = _state(c)
+            r = c.post("/xmix/v1/apps", content=second.to_bytes())
+            assert r.status_code == 507 and limit in r.json()["error"]["message"], (second.name, r.text)
+            assert _state(c) == filled
+        finally:
+            assert c.delete(f"/xmix/v1/apps/{first.name}").status_code == 200
     fillers = []
     try:
         for i in range(6):
             small = xmix.App(f"fill{i}")
-            small.read("probe", weight=v).layers([3]).submodule("residual.post")
+            small.read("probe", weight=torch.ones(D) / 16).layers([3]).submodule("residual.post")
             r = c.post("/xmix/v1/apps", content=small.to_bytes())
             if r.status_code != 201:
                 break

@@ -5,7 +5,7 @@ and response schemas) and the routes xmix changes (completions and chat, with ra
 cases. Every response must be a status the document declares for its route and never a 5xx;
 hostile app files are posted too; the server keeps serving throughout.
 
-Bounded for CI: a fixed number of examples per route (XMIX_FUZZ_EXAMPLES, default 40),
+Bounded for CI: a fixed number of examples per route (XMIX_FUZZ_EXAMPLES, default 60),
 derandomised; generated bodies have max_tokens cut to 4 and at most 4 prompts, so one case
 is one short generation."""
 
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.engine
 
 KEY = "fuzz-key"
 D = 256
-EXAMPLES = int(os.environ.get("XMIX_FUZZ_EXAMPLES", "40"))
+EXAMPLES = int(os.environ.get("XMIX_FUZZ_EXAMPLES", "60"))
 ROUTES = {("GET", "/xmix/v1/apps"), ("POST", "/xmix/v1/apps"), ("PATCH", "/xmix/v1/apps/{name}"),
           ("DELETE", "/xmix/v1/apps/{name}"), ("GET", "/xmix/v1/status"),
           ("POST", "/v1/completions"), ("POST", "/v1/chat/completions")}
@@ -57,6 +57,8 @@ def test_the_control_plane_is_in_the_openapi_document(srv):
     props = patch["requestBody"]["content"]["application/json"]["schema"]["properties"]
     assert set(props) == {"mode", "params", "locked"} and props["mode"]["enum"] == ["off", "request", "all"]
     assert "delete" in paths["/xmix/v1/apps/{name}"] and "get" in paths["/xmix/v1/status"]
+    for route in ("/v1/completions", "/v1/chat/completions"):  # policy and locks answer 403 there
+        assert "403" in paths[route]["post"]["responses"]
     listed = paths["/xmix/v1/apps"]["get"]["responses"]["200"]["content"]["application/json"]["schema"]
     assert listed["properties"]["apps"]["items"]["properties"]["mode"]["enum"] == ["off", "request", "all"]
 
@@ -128,16 +130,26 @@ def test_fuzz_control_plane_and_generation_routes(srv):
 
         @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
                   suppress_health_check=list(HealthCheck))
-        @given(case=strategy, ctl=_controls(), use_ctl=st.booleans())
-        def run(case, ctl, use_ctl):
+        @given(case=strategy, ctl=_controls(), use_ctl=st.integers(0, 2), stream=st.booleans(),
+               real=st.sampled_from(["steer", "probe", None]))
+        def run(case, ctl, use_ctl, stream, real):
             if generation and isinstance(case.body, dict):
                 _tame(case.body)
-                if use_ctl:
+                if use_ctl == 1:  # schemathesis's body, with a random xmix control
                     xargs = case.body.get("vllm_xargs")
                     case.body["vllm_xargs"] = {**(xargs if isinstance(xargs, dict) else {}), "xmix": ctl}
-            if op.path == "/xmix/v1/apps/{name}" and isinstance(case.path_parameters, dict) \
-                    and case.path_parameters.get("name") in ("steer", "probe") and op.method.upper() == "DELETE":
-                case.path_parameters["name"] = "not-" + case.path_parameters["name"]
+                elif use_ctl == 2:  # a request vLLM accepts, so the control reaches xmix's admission
+                    body = {"model": "tiny", "max_tokens": 3, "stream": stream, "vllm_xargs": {"xmix": ctl}}
+                    if op.path == "/v1/completions":
+                        body["prompt"] = "fuzz"
+                    else:
+                        body["messages"] = [{"role": "user", "content": "fuzz"}]
+                    case.body = body
+            if op.path == "/xmix/v1/apps/{name}" and isinstance(case.path_parameters, dict):
+                if op.method.upper() == "PATCH" and real:  # random changes to deployed apps too
+                    case.path_parameters["name"] = real
+                elif case.path_parameters.get("name") in ("steer", "probe") and op.method.upper() == "DELETE":
+                    case.path_parameters["name"] = "not-" + case.path_parameters["name"]
             resp = case.call(base_url=s.base, headers=headers, timeout=120)
             seen[label] = seen.get(label, 0) + 1
             try:

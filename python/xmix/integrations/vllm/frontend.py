@@ -127,8 +127,8 @@ class EngineGone(RuntimeError):
 
 
 class CapacityError(DeployError):
-    """A deploy the engine has no room for (its control block, or the server's limits):
-    HTTP 507 on the server. The message names the limit."""
+    """A deploy that would fit the engine but finds it full of other apps (its control
+    block, or the server's limits): HTTP 507 on the server. The message names the limit."""
 
 
 @dataclass
@@ -261,25 +261,32 @@ class Registry:
             max_ops = tenants.limit("XMIX_MAX_OPS")
             if max_ops is not None and max_ops < cap["max_ops"]:
                 cap["max_ops"] = max_ops
+        # An app that could never fit (more than the whole engine, or a server limit, holds)
+        # is the client's error (422); one that fits an engine the other apps have filled is
+        # 507. Either message names the limit.
+        server_ops = tenants.limit("XMIX_MAX_OPS")
+
+        def where(cap_key: str) -> str:
+            if cap_key == "max_ops" and server_ops is not None and server_ops == cap["max_ops"]:
+                return f"XMIX_MAX_OPS={server_ops}"
+            return f"{cap_key}={cap[cap_key]}"
+
         try:
-            lowered = lower(app, self.shape, self.tokenizer,
-                            max_ops=cap["max_ops"] - used.ops if cap else None)
+            lowered = lower(app, self.shape, self.tokenizer, max_ops=cap["max_ops"] if cap else None)
         except DeployError as e:
             if cap and ("max_ops" in str(e) or "engine has room" in str(e)):
-                server = tenants.limit("XMIX_MAX_OPS")
-                where = f"XMIX_MAX_OPS={server}" if server is not None and server == cap["max_ops"] \
-                    else f"max_ops={cap['max_ops']}"
-                raise CapacityError(f"{e} ({where})") from None
+                raise DeployError(f"{e} ({where('max_ops')})") from None
             raise
         needs = Needs.of(lowered)
         if cap:
             for attr, (cap_key, what) in _NEEDS.items():
                 want, have = getattr(needs, attr), cap[cap_key] - getattr(used, attr)
+                if want > cap[cap_key]:
+                    raise DeployError(f"app {app.name!r} needs {want} {what}; the engine holds "
+                                      f"{cap[cap_key]} in all ({where(cap_key)})")
                 if want > have:
-                    where = "XMIX_MAX_OPS" if cap_key == "max_ops" and cap[cap_key] != (self.capacity or {}).get(cap_key) \
-                        else f"{cap_key}={cap[cap_key]}"
                     raise CapacityError(f"app {app.name!r} needs {want} {what}; the engine has room "
-                                        f"for {have} more ({where})")
+                                        f"for {have} more ({where(cap_key)})")
         spec = app.spec()
         spec["token_sets"] = [{"name": n, "ids": ids} for n, ids in lowered.token_sets.items()]
         resolved = App.from_spec(spec, app.tensors(), source=f"app {app.name!r}", allow_custom=True)

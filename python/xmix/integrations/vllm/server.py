@@ -209,6 +209,7 @@ class XmixEndpointPlugin:
     def attach_router(self, app) -> None:
         app.include_router(build_router())
         app.add_middleware(RequestAppsAuth, server=app)
+        _document_statuses(app)
 
     async def init_state(self, engine_client, state, args) -> None:
         if engine_client is None:
@@ -261,6 +262,30 @@ class XmixEndpointPlugin:
                                     mode=mode, version=info["version"], locked=info["locked"] or None)
         usage.install(ctl.registry)
         logger.info("xmix: console at %s", console_url(args))
+
+
+# Routes whose answers xmix adds to: a request whose key's policy forbids an app, or that sets
+# a parameter the operator locked, is a 403 there.
+XMIX_STATUSES = {"/v1/completions": "post", "/v1/chat/completions": "post", "/invocations": "post"}
+
+
+def _document_statuses(app) -> None:
+    """Declare, in the server's OpenAPI document, the statuses xmix adds to vLLM's routes."""
+    orig = app.openapi
+
+    def openapi():
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = orig()
+        for path, method in XMIX_STATUSES.items():
+            op = schema.get("paths", {}).get(path, {}).get(method)
+            if op is not None:
+                op.setdefault("responses", {}).setdefault("403", {
+                    "description": "xmix: the key's policy does not allow an app the request names, "
+                                   "or the request sets a parameter the operator locked"})
+        return schema
+
+    app.openapi = openapi
 
 
 class ServerState:
