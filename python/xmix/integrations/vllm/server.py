@@ -527,7 +527,7 @@ def build_router() -> APIRouter:
         if err:
             return err
         caller = tenants.current()
-        if st.auth.control_on and not (caller is not None and caller.admin) and not st.auth.open_control:
+        if st.auth.has_admin and not (caller is not None and caller.admin):
             return error(403, "forbidden: the status takes the admin key (--xmix-admin-key)")
         try:
             workers = await asyncio.to_thread(st.ctl.status)

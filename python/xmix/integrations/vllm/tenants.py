@@ -311,6 +311,10 @@ class Auth:
     def control_on(self) -> bool:
         return bool(self._admin) or self.open_control
 
+    @property
+    def has_admin(self) -> bool:
+        return bool(self._admin)
+
     def is_admin(self, token: str | None) -> bool:
         return _matches(token, self._admin)
 
@@ -377,7 +381,8 @@ class Audit:
 
     def record(self, key: str, action: str, app: str | None, status: int, result: str,
                **details: Any) -> dict:
-        entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime()) + f".{int(time.time() * 1000) % 1000:03d}Z",
+        now = time.time()
+        entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now * 1000) % 1000:03d}Z",
                  "key": key, "action": action, "app": app, "status": status, "result": result}
         entry.update({k: v for k, v in details.items() if v is not None})
         line = json.dumps(entry, sort_keys=False, default=str)
