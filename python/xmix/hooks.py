@@ -2,7 +2,8 @@
 
 A site id is ``layer * SITES_PER_LAYER + kind``; ``final.post`` is ``n_layers *
 SITES_PER_LAYER``. Ids increase in forward order, which is what "a read that runs earlier"
-means. The numbering matches csrc/include/xmix/control.h (checked by tests/test_hooks.py).
+means. The numbering matches csrc/include/xmix/control.h, the source (checked against
+``_C.constants()`` by tests/test_abi.py; kept here so the API imports without the extension).
 """
 
 from __future__ import annotations
