@@ -649,14 +649,18 @@ def patch_output_processor(out_cls, state_cls, request_output_cls) -> None:
 
     def make_request_output(self, *args, **kwargs):
         out = orig_make(self, *args, **kwargs)
-        if out is None or not self.__dict__.get("_xmix_seen"):
+        if out is None:
+            return out
+        # Provenance is set at admission, so a request xmix admitted carries it even when no
+        # result ever came back (no apps, or apps without reads).
+        applied = self.__dict__.get("_xmix_applied")
+        if applied is not None:
+            out.xmix_applied = provenance(applied)
+        if not self.__dict__.get("_xmix_seen"):
             return out
         err = self.__dict__.get("_xmix_error")
         if err is not None:
             out.xmix_error = err
-        applied = self.__dict__.get("_xmix_applied")
-        if applied is not None:
-            out.xmix_applied = provenance(applied)
         outs = getattr(out, "outputs", None)
         if isinstance(outs, list) and outs:
             out.xmix = getattr(outs[0], XMIX_KEY, None) or {}
