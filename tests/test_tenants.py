@@ -212,6 +212,45 @@ def test_provenance_lists_the_changes_a_request_lived_through():
     assert provenance(opted_out)["changed"] == []
 
 
+def test_an_app_gone_after_the_pre_stream_check_is_a_change_not_a_refusal():
+    """bench/soak.py at 2 000 requests found it: a streamed completion passed the server's
+    pre-stream admission, its app was switched off before vLLM's lazy generator reached the
+    real admission, and the refusal became an error event inside an HTTP 200 stream. After a
+    passed pre-stream check (a context variable clients cannot set), such apps are left out
+    and named in provenance "changed"; without one, the same control is still refused."""
+    import contextvars
+
+    from xmix.integrations.vllm import frontend
+
+    def in_request(fn):
+        return contextvars.copy_context().run(fn)  # one request's context, as the server has
+
+    reg = _registry()
+    control = {"apps": ["steer", "probe"], "params": {"steer": {"push.scale": 2.0}}}
+
+    def served():
+        pre = reg.admit(control, 4, 4, count=False)  # the pre-stream check passes
+        frontend.mark_prechecked(pre.control["applied"]["_rev"])
+        reg.patch("steer", "off", {})                 # a change lands before the generator runs
+        reg.changed("mode", "steer")
+        return reg.admit(control, 4, 4)
+
+    adm = in_request(served)
+    assert adm.control["apps"] == ["probe"] and "steer" not in adm.control["pin"]
+    applied = frontend.provenance(adm.control["applied"])
+    assert [a["name"] for a in applied["apps"]] == ["probe", "safety"]
+    assert applied["changed"] == ["steer"]
+    # no pre-stream check in this context: the switched-off app is refused, naming it
+    with pytest.raises(ValueError, match="'steer' is deployed but switched off"):
+        in_request(lambda: reg.admit(control, 4, 4))
+    # a check made after the change (same revision) stays strict too
+    def checked_after():
+        frontend.mark_prechecked(reg.revision)
+        return reg.admit(control, 4, 4)
+    with pytest.raises(ValueError, match="switched off"):
+        in_request(checked_after)
+
+
 # ------------------------------------------------------------------ kernels: opt-out of mode all
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_request_opted_out_of_a_mode_all_app_is_left_alone(backend):

@@ -24,6 +24,7 @@ carries an error marker there instead; it is finished with ``finish_reason="erro
 
 from __future__ import annotations
 
+import contextvars
 import copy
 import hashlib
 import itertools
@@ -202,6 +203,19 @@ class Admission:
     skip_cache: bool          # skip reading the prefix cache
 
 
+# The registry revision at which the server's pre-stream check admitted the request being
+# served (server._precheck), in that request's own context (clients cannot set it). vLLM
+# admits a streamed request lazily, after the HTTP 200 is committed: an app that went away or
+# was switched off between the check and that admission then applies to the request the way a
+# change in flight would (left out, named in provenance ``changed``), instead of a refusal
+# inside a stream that already answered 200.
+_PRECHECKED: contextvars.ContextVar[int | None] = contextvars.ContextVar("xmix_prechecked", default=None)
+
+
+def mark_prechecked(revision: int) -> None:
+    _PRECHECKED.set(revision)
+
+
 _REGISTRIES: "weakref.WeakValueDictionary[int, Registry]" = weakref.WeakValueDictionary()
 _REGISTRY_IDS = itertools.count(1)
 HISTORY = 4096  # control changes remembered for the provenance of requests in flight
@@ -374,9 +388,12 @@ class Registry:
         runs one before a stream starts) that counts only refusals."""
         caller = tenants.current()
         tenant = caller.tenant if caller is not None else (self.policy.default if self.policy else None)
+        since = _PRECHECKED.get() if count else None
+        dropped: list[str] = []
         with self.lock:
+            gone_ok = since is not None and since != self.revision
             try:
-                cfg, overrides = self._parse(raw, tenant)
+                cfg, overrides = self._parse(raw, tenant, dropped if gone_ok else None)
                 apps = cfg["apps"] if cfg else []
                 effective = [self.apps[a] for a in apps] + [
                     d for a, d in self.apps.items() if d.mode == "all" and a not in apps
@@ -401,7 +418,8 @@ class Registry:
                           "params": d.applied_params(overrides.get(d.app.name, {}))}
                          for d in effective],
                 **({"tenant": tenant.name} if tenant is not None else {}),
-                "_rev": self.revision, "_reg": self.uid, "_forced": forced}
+                "_rev": self.revision, "_reg": self.uid, "_forced": forced,
+                **({"_dropped": dropped} if dropped else {})}
             if not effective and not self.epoch:
                 return Admission(cfg, None, False)
             writes = sorted((d for d in effective if d.lowered.writes), key=lambda d: d.app.name)
@@ -428,8 +446,11 @@ class Registry:
                 f"the server allows {limit} per request (XMIX_MAX_RESULT_BYTES): use fewer "
                 f"tokens, fewer or narrower reads, or n=1")
 
-    def _parse(self, raw: Any, tenant: "tenants.Tenant | None" = None
-               ) -> tuple[dict | None, dict[str, dict[int, float]]]:
+    def _parse(self, raw: Any, tenant: "tenants.Tenant | None" = None,
+               dropped: list[str] | None = None) -> tuple[dict | None, dict[str, dict[int, float]]]:
+        """``dropped`` (a list): the request passed the pre-stream check before a change, so
+        apps that went away or were switched off since are left out and listed there rather
+        than refused."""
         if raw is None:
             return None, {}
         if isinstance(raw, (str, bytes)):
@@ -465,6 +486,9 @@ class Registry:
             if tenant is not None and not tenant.may_name(a):
                 raise tenants.forbidden(f"app {shown(a)} is not allowed for this key "
                                         f"(tenant {tenant.name!r} of the server's policy)")
+            if dropped is not None and (a not in self.apps or self.apps[a].mode == "off"):
+                dropped.append(a)
+                continue
             if a not in self.apps:
                 raise _validation_error(f"unknown app {shown(a)}; deployed: {self._listed(tenant)}")
             if self.apps[a].mode == "off":
@@ -484,6 +508,11 @@ class Registry:
             if tenant is not None and not tenant.may_name(a):
                 raise tenants.forbidden(f"params for app {shown(a)}, which this key may not use "
                                         f"(tenant {tenant.name!r} of the server's policy)")
+            if dropped is not None and (a in dropped or a not in self.apps or (
+                    a not in apps and self.apps[a].mode != "all")):
+                if a not in dropped:
+                    dropped.append(a)
+                continue
             if a not in self.apps:
                 raise _validation_error(f"params for unknown app {shown(a)}; deployed: {self._listed(tenant)}")
             if a not in apps and (self.apps[a].mode != "all"
@@ -498,8 +527,10 @@ class Registry:
                 raise tenants.forbidden(f"app {a!r}: parameter(s) {held} are locked by the operator; "
                                         f"requests may not override them")
             canon[a] = {k: float(v) for k, v in p.items()}
+        if dropped:
+            apps = [a for a in apps if a not in dropped]
         pin = {a: [self.apps[a].version, sorted([c, v] for c, v in overrides.get(a, {}).items())]
-               for a in [*apps, *(a for a in params if a not in apps)]}
+               for a in [*apps, *(a for a in params if a not in apps and a not in (dropped or ()))]}
         return {"apps": list(apps), "params": canon, "pin": pin}, overrides
 
     def _listed(self, tenant: "tenants.Tenant | None") -> list[str]:
@@ -697,7 +728,8 @@ def provenance(applied: dict) -> dict:
     boundary; docs/serving.md) or that came to apply to it."""
     out = {k: v for k, v in applied.items() if not k.startswith("_")}
     reg = _REGISTRIES.get(applied.get("_reg"))
-    out["changed"] = reg.changed_since(applied) if reg is not None else []
+    changed = set(reg.changed_since(applied)) if reg is not None else set()
+    out["changed"] = sorted(changed | set(applied.get("_dropped", ())))
     return out
 
 

@@ -50,7 +50,7 @@ from xmix.lowering import DeployError
 from xmix.console import console_url
 from xmix.console.router import console_router
 
-from . import metrics, tenants, usage
+from . import frontend, metrics, tenants, usage
 from .frontend import XMIX_KEY, CapacityError, Controller, EngineGone, _validation_error, shown
 from .request_controls import control_from_args, has_control
 
@@ -786,6 +786,7 @@ def _precheck(serving, request, engine_inputs, max_tokens_field: str):
     except ValueError as e:
         logger.info("xmix: request refused at admission: %s", e)
         return serving.create_error_response(str(e), param="vllm_xargs.xmix")
+    checked_at = None
     asked = getattr(request, max_tokens_field, None)
     if asked is None:
         asked = getattr(request, "max_tokens", None)
@@ -798,7 +799,8 @@ def _precheck(serving, request, engine_inputs, max_tokens_field: str):
         except Exception:  # vLLM refuses it itself, with its own message
             return None
         try:
-            reg.admit(raw, n_prompt, max_tokens, getattr(request, "n", None) or 1, count=False)
+            adm = reg.admit(raw, n_prompt, max_tokens, getattr(request, "n", None) or 1, count=False)
+            checked_at = adm.control["applied"]["_rev"]
         except ValueError as e:
             logger.info("xmix: request refused at admission: %s", e)
             if tenants.is_forbidden(e):
@@ -808,6 +810,8 @@ def _precheck(serving, request, engine_inputs, max_tokens_field: str):
                                                      status_code=HTTPStatus.FORBIDDEN,
                                                      param="vllm_xargs.xmix")
             return serving.create_error_response(str(e), param="vllm_xargs.xmix")
+    if raw is not None and checked_at is not None:
+        frontend.mark_prechecked(checked_at)
     return None
 
 
