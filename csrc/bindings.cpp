@@ -113,6 +113,7 @@ py::dict control_layout() {
   FIELD(ControlBlock, ops); FIELD(ControlBlock, cond_code); FIELD(ControlBlock, tokset_bits);
   FIELD(ControlBlock, span_def); FIELD(ControlBlock, n_spans); FIELD(ControlBlock, n_token_sets);
   FIELD(ControlBlock, results); FIELD(ControlBlock, capture); FIELD(ControlBlock, capture_size);
+  FIELD(ControlBlock, result_valid);
   d["__size__"] = sizeof(ControlBlock);
   return d;
 }

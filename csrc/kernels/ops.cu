@@ -166,10 +166,8 @@ __device__ void sae_row(const ControlBlock& cb, const OpDesc& op, int32_t t, boo
   const bool is_read = op.kind == OP_SAE_READ;
   const bool listed = op.kind == OP_SAE_CLAMP || (op.flags & SAE_FEATURES);
   const int32_t n_ch = is_read ? (listed ? op.n : 1) : 0;
-  float* results = ptr<float>(cb.results);
-  const int64_t res0 = static_cast<int64_t>(t) * cb.n_channels + op.channel;
   if (t < cb.max_tokens)
-    for (int32_t c = threadIdx.x; c < n_ch; c += blockDim.x) results[res0 + c] = nan_f();
+    for (int32_t c = threadIdx.x; c < n_ch; c += blockDim.x) set_result(cb, t, op.channel + c, 0.f, false);
   if (!sel) return;  // block-uniform
   const int32_t F = op.m, arch = op.flags & SAE_ARCH_MASK;
   const float* w_enc = ptr<const float>(op.a0);
@@ -210,7 +208,7 @@ __device__ void sae_row(const ControlBlock& cb, const OpDesc& op, int32_t t, boo
       if (arch == SAE_TOPK && s_ahead[j] >= k) a = 0.f;
       s_act[j] = a;
       if (is_read) {
-        results[res0 + j] = a;
+        set_result(cb, t, op.channel + j, a, true);
         note_read(cb, op.channel + j, slot, flags, a);
       }
     }
@@ -295,7 +293,7 @@ __device__ void sae_row(const ControlBlock& cb, const OpDesc& op, int32_t t, boo
   __syncthreads();
   if (threadIdx.x == 0) {
     const float v = n_out ? dst[K] : 0.f;
-    if (t < cb.max_tokens) results[res0] = v;
+    if (t < cb.max_tokens) set_result(cb, t, op.channel, v, true);
     note_read(cb, op.channel, slot, flags, v);
   }
 }
@@ -318,15 +316,12 @@ __device__ void run_op_row(const ControlBlock& cb, const OpDesc& op, int32_t t, 
            r ? static_cast<const char*>(r) + t * sr * es : nullptr, d, dtype};
   const uint32_t flags = ptr<const uint32_t>(cb.tok_flags)[t];
   const float* p = slot >= 0 ? slot_params_row(cb, slot) : nullptr;
-  float* results = ptr<float>(cb.results);
-  const int64_t res_i = static_cast<int64_t>(t) * cb.n_channels + op.channel;
-
   switch (op.kind) {
     case OP_PROBE: {
       float v = nan_f();
       if (sel) v = sigmoid(dot_x(row, ptr<const float>(op.a0), red) + p[op.param_base + P_PROBE_BIAS]);
       if (threadIdx.x == 0) {
-        results[res_i] = v;
+        set_result(cb, t, op.channel, v, sel);
         if (sel) note_read(cb, op.channel, slot, flags, v);
       }
       break;
@@ -347,7 +342,7 @@ __device__ void run_op_row(const ControlBlock& cb, const OpDesc& op, int32_t t, 
         v = best;
       }
       if (threadIdx.x == 0) {
-        results[res_i] = v;
+        set_result(cb, t, op.channel, v, sel);
         if (sel) note_read(cb, op.channel, slot, flags, v);
       }
       break;
@@ -358,7 +353,7 @@ __device__ void run_op_row(const ControlBlock& cb, const OpDesc& op, int32_t t, 
         for (int32_t i = threadIdx.x; i < op.n; i += blockDim.x) dst[i] = row.x(op.m + i);
       }
       if (threadIdx.x == 0) {
-        results[res_i] = sel ? 1.f : nan_f();
+        set_result(cb, t, op.channel, 1.f, sel);
         if (sel) note_read(cb, op.channel, slot, flags, 1.f);
       }
       break;
@@ -366,7 +361,7 @@ __device__ void run_op_row(const ControlBlock& cb, const OpDesc& op, int32_t t, 
     case OP_COSINE: {
       // Every block writes its own NaN first; the last block of the request to arrive
       // writes the value at the last prompt token row (see file comment).
-      if (threadIdx.x == 0) results[res_i] = nan_f();
+      if (threadIdx.x == 0) set_result(cb, t, op.channel, 0.f, false);
       if (slot < 0 || t >= cb.n_tokens || !app_active(cb, op.app, slot) || !(flags & TF_PROMPT))
         break;
       float* st = ptr<float>(cb.vec_state) + static_cast<int64_t>(slot) * cb.vec_state_width +
@@ -398,7 +393,7 @@ __device__ void run_op_row(const ControlBlock& cb, const OpDesc& op, int32_t t, 
           if (threadIdx.x == 0) {
             const int32_t t_last = ptr<const int32_t>(cb.row_tok_start)[rw] +
                                    ptr<const int32_t>(cb.row_n_prompt)[rw] - 1;
-            results[static_cast<int64_t>(t_last) * cb.n_channels + op.channel] = v;
+            set_result(cb, t_last, op.channel, v, true);
             note_read(cb, op.channel, slot, TF_PROMPT | TF_LAST, v);
           }
         }
@@ -488,8 +483,7 @@ __device__ void run_op_row(const ControlBlock& cb, const OpDesc& op, int32_t t, 
 }
 
 __device__ void off_op_row(const ControlBlock& cb, const OpDesc& op, int32_t t) {
-  if (op.channel >= 0 && threadIdx.x == 0)
-    ptr<float>(cb.results)[static_cast<int64_t>(t) * cb.n_channels + op.channel] = nan_f();
+  if (op.channel >= 0 && threadIdx.x == 0) set_result(cb, t, op.channel, 0.f, false);
 }
 
 __global__ void __launch_bounds__(kThreads)
@@ -642,8 +636,8 @@ __global__ void xmix_custom_finish(const ControlBlock* __restrict__ cbp, int32_t
   const OpDesc& op =
       ptr<const OpDesc>(cb.ops)[ptr<const int32_t>(cb.site_first)[site] + op_index];
   if (op.channel < 0) return;
-  const float v = select[t] ? out[t] : nan_f();
-  ptr<float>(cb.results)[static_cast<int64_t>(t) * cb.n_channels + op.channel] = v;
+  const float v = out[t];
+  if (t < cb.max_tokens) set_result(cb, t, op.channel, v, select[t] != 0);
   if (select[t] && v == v)
     note_read(cb, op.channel, ptr<const int32_t>(cb.tok_slot)[t], ptr<const uint32_t>(cb.tok_flags)[t], v);
 }

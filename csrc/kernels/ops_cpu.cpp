@@ -294,7 +294,6 @@ struct Cand {
 void run_sae_cpu(const ControlBlock& cb, const OpDesc& op, void* h, const void* r,
                  int32_t n_rows, int32_t d, int64_t sh, int64_t sr, int32_t dtype) {
   const Sae s = sae_of(op, d);
-  float* results = ptr<float>(cb.results);
   const uint32_t* tok_flags = ptr<const uint32_t>(cb.tok_flags);
   const float* params = ptr<const float>(cb.slot_params);
   const bool is_read = op.kind == OP_SAE_READ;
@@ -306,8 +305,7 @@ void run_sae_cpu(const ControlBlock& cb, const OpDesc& op, void* h, const void* 
     int32_t slot;
     const bool sel = op_selects(cb, op, t, &slot);
     if (is_read && t < cb.max_tokens)
-      for (int32_t c = 0; c < n_ch; ++c)
-        results[static_cast<int64_t>(t) * cb.n_channels + op.channel + c] = kNaN;
+      for (int32_t c = 0; c < n_ch; ++c) set_result(cb, t, op.channel + c, 0.f, false);
     if (sel) {
       rows.push_back(t);
       slots.push_back(slot);
@@ -327,7 +325,7 @@ void run_sae_cpu(const ControlBlock& cb, const OpDesc& op, void* h, const void* 
       sae_listed_acts(s, xin.data() + static_cast<int64_t>(j) * d, op.n, acts);
       if (is_read) {
         for (int32_t c = 0; c < op.n; ++c) {
-          results[static_cast<int64_t>(t) * cb.n_channels + op.channel + c] = acts[c];
+          set_result(cb, t, op.channel + c, acts[c], true);
           note_read(cb, op.channel + c, slot, tok_flags[t], acts[c]);
         }
         continue;
@@ -388,7 +386,7 @@ void run_sae_cpu(const ControlBlock& cb, const OpDesc& op, void* h, const void* 
       dst[K + i] = 0.f;
     }
     const float v = n_out ? dst[K] : 0.f;
-    if (t < cb.max_tokens) results[static_cast<int64_t>(t) * cb.n_channels + op.channel] = v;
+    if (t < cb.max_tokens) set_result(cb, t, op.channel, v, true);
     note_read(cb, op.channel, slots[j], tok_flags[t], v);
   }
 }
@@ -398,7 +396,6 @@ void run_sae_cpu(const ControlBlock& cb, const OpDesc& op, void* h, const void* 
 void run_op_cpu(const ControlBlock& cb, const OpDesc& op, void* h, const void* r,
                 int32_t n_rows, int32_t d, int64_t stride_h, int64_t stride_r, int32_t dtype) {
   const bool is_read = op_is_read(op.kind);
-  float* results = ptr<float>(cb.results);
   const uint32_t* tok_flags = ptr<const uint32_t>(cb.tok_flags);
   const float* params = ptr<const float>(cb.slot_params);
   std::vector<float> scratch;
@@ -440,8 +437,8 @@ void run_op_cpu(const ControlBlock& cb, const OpDesc& op, void* h, const void* r
     count_refused(cb, op, refused);
     if (op.channel >= 0) {
       for (int32_t t = 0; t < n_rows; ++t) {
-        const float v = select[t] ? out[t] : kNaN;
-        results[static_cast<int64_t>(t) * cb.n_channels + op.channel] = v;
+        const float v = out[t];
+        if (t < cb.max_tokens) set_result(cb, t, op.channel, v, select[t] != 0);
         if (select[t] && v == v)
           note_read(cb, op.channel, ptr<const int32_t>(cb.tok_slot)[t], tok_flags[t], v);
       }
@@ -462,19 +459,23 @@ void run_op_cpu(const ControlBlock& cb, const OpDesc& op, void* h, const void* r
       continue;
     }
     float v = kNaN;
+    bool has = false;
     const float* p = slot >= 0 ? params + static_cast<int64_t>(slot) * cb.n_params : nullptr;
     switch (op.kind) {
       case OP_PROBE:
         if (sel) v = probe_value(row, op, p);
+        has = sel;
         break;
       case OP_DISTANCE:
         if (sel) v = distance_value(row, op);
+        has = sel;
         break;
       case OP_CAPTURE:
         if (sel) {
           float* dst = ptr<float>(cb.capture) + op.capture_offset + static_cast<int64_t>(t) * op.n;
           for (int32_t i = 0; i < op.n; ++i) dst[i] = row.x(op.m + i);
           v = 1.f;
+          has = true;
         }
         break;
       case OP_COSINE: {
@@ -488,14 +489,16 @@ void run_op_cpu(const ControlBlock& cb, const OpDesc& op, void* h, const void* r
         }
         if ((flags & TF_PROMPT) && (flags & TF_LAST) && st[d] > 0.f) {
           v = cosine_of_mean(st, st[d], op, d);
+          has = true;
         }
         break;
       }
       default:
         break;
     }
-    if (t < cb.max_tokens) results[static_cast<int64_t>(t) * cb.n_channels + op.channel] = v;
-    if (v == v && slot >= 0) note_read(cb, op.channel, slot, flags, v);
+    if (t < cb.max_tokens) set_result(cb, t, op.channel, v, has);
+    // A NaN read is reported but kept out of the latch sums (as before validity flags).
+    if (has && v == v && slot >= 0) note_read(cb, op.channel, slot, flags, v);
   }
 }
 

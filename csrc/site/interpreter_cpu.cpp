@@ -24,9 +24,7 @@ std::vector<SiteFailure> run_site_cpu(const ControlBlock& cb, int32_t site, void
     if (ptr<const int32_t>(cb.app_mode)[op.app] == MODE_OFF) {
       // An app switched off still owns its result channel: it reports nothing this step.
       if (op.channel >= 0) {
-        float* res = ptr<float>(cb.results);
-        for (int32_t t = 0; t < n_rows && t < cb.max_tokens; ++t)
-          res[static_cast<int64_t>(t) * cb.n_channels + op.channel] = __builtin_nanf("");
+        for (int32_t t = 0; t < n_rows && t < cb.max_tokens; ++t) set_result(cb, t, op.channel, 0.f, false);
       }
       continue;
     }

@@ -30,6 +30,8 @@ from xmix import conditions as C
 from xmix.catalog import FLT_MAX, KERNELS
 from xmix.hooks import ModelShape, n_sites
 from xmix.lowering import DeployError, LoweredApp, LoweredOp, latch_from_generated, param_bounds
+from xmix.results_codec import (DEFAULT_OPTIONS, TRUNCATED_KEY, ReadResult, ResultOptions,
+                                max_result_bytes, position_bytes, read_shape, to_dtype)
 from xmix.staging import CudaQueue, DeviceQueue, PinnedRing, PinnedSet
 
 logger = logging.getLogger("xmix")
@@ -250,7 +252,7 @@ class ControlBlock:
             "cond_code": (cap.max_cond * 4, i32),
             "tokset_bits": (K["MAX_TOKEN_SETS"] * self.vocab_words, i32),
             "span_def": (K["MAX_SPANS"] * 2, i32), "results": (T * R, f32),
-            "capture": (max(cap.capture_floats, 1), f32),
+            "result_valid": (T * R, torch.uint8), "capture": (max(cap.capture_floats, 1), f32),
         }
         self.dev: dict[str, torch.Tensor] = {}
         self.host: dict[str, np.ndarray] = {}
@@ -268,7 +270,7 @@ class ControlBlock:
         self.host["tok_row"][:] = -1
         self.host["span_def"][:] = -1
         self.host["read_state"].reshape(-1, K["READ_STATE_WIDTH"])[:, 2] = np.nan
-        self.host["results"][:] = np.nan
+        self.host["results"][:] = np.nan  # and result_valid 0: nothing reported yet
         self.block = torch.zeros(CTRL_LAYOUT["__size__"], dtype=torch.uint8, device=self.device)
         self._block_host = (self.xfer.pinned(CTRL_LAYOUT["__size__"], torch.uint8) if self.staged
                             else torch.zeros(CTRL_LAYOUT["__size__"], dtype=torch.uint8))
@@ -331,7 +333,8 @@ class ControlBlock:
                      "dirty_params": (self._param_stage, f32)})
         self._ring = PinnedRing(self.xfer, cap.staging_depth, spec)
         self._readback = PinnedRing(self.xfer, cap.staging_depth,
-                                    {"results": (T * R, f32), "capture": (cap.capture_floats, f32)},
+                                    {"results": (T * R, f32), "valid": (T * R, torch.uint8),
+                                     "capture": (cap.capture_floats, f32)},
                                     eager=False)
         self._rows_dev = {"idx": torch.zeros(S, dtype=i64, device=dev),
                           "apps": torch.zeros(S, dtype=i64, device=dev),
@@ -588,7 +591,7 @@ class ControlBlock:
                 state[id(o)] = self._take(self._state_used, o.state_width, "per-request vector state", name, claims)
             if o.capture_width:
                 captures[id(o)] = self._take(self._capture_used, o.capture_width * self.cap.max_tokens,
-                                             "capture buffer", name, claims)
+                                             "capture buffer (XMIX_CAPTURE_MB)", name, claims)
         inst = InstalledApp(lowered=lw, index=index, seq=self._seq, mode=mode, param_base=base,
                             param_cols=cols, channels=channels, token_sets=sets, spans=spans,
                             state=state, captures=captures)
@@ -922,7 +925,7 @@ class ControlBlock:
 
     # ------------------------------------------------------------------ requests
     def admit(self, req_id: str, apps: list[str], params: dict[str, dict[str, Any]] | None = None,
-              prompt_len: int = 0) -> int:
+              prompt_len: int = 0, results: ResultOptions | None = None) -> int:
         """Give a request a slot by app names and named parameters, checked here (raises
         RequestError). The engine admits through ``admit_pinned``, which cannot fail on
         what a request carries."""
@@ -937,11 +940,13 @@ class ControlBlock:
                 if a not in self.apps:
                     raise RequestError(f"params for unknown app {a!r}; deployed: {sorted(self.apps)}")
                 overrides[a] = self._resolve_params(self.apps[a], p, who=f"app {a!r}")
-            st = SlotState(req_id=req_id, apps=set(apps), overrides=overrides, prompt_len=prompt_len)
+            st = SlotState(req_id=req_id, apps=set(apps), overrides=overrides, prompt_len=prompt_len,
+                           options=results or DEFAULT_OPTIONS)
             return self._occupy(st)
 
     def admit_pinned(self, req_id: str, apps: list[str], pins: dict[str, Any],
-                     prompt_len: int = 0, forced: list[str] | None = None) -> tuple[int, list[str]]:
+                     prompt_len: int = 0, forced: list[str] | None = None,
+                     results: ResultOptions | None = None) -> tuple[int, list[str]]:
         """Give a request a slot from the control the frontend checked and resolved: each
         app pinned to the deployment version it was checked against (``pins``: {app:
         [version, [[column, value], ...]]}), parameters as column values. An app that is
@@ -972,7 +977,8 @@ class ControlBlock:
                                 and math.isfinite(v)}
             st = SlotState(req_id=req_id, apps={a for a in apps if a not in dropped},
                            overrides=overrides, prompt_len=prompt_len,
-                           forced=frozenset(forced) if forced is not None else None)
+                           forced=frozenset(forced) if forced is not None else None,
+                           options=results or DEFAULT_OPTIONS)
             return self._occupy(st), dropped
 
     def _occupy(self, st: "SlotState") -> int:
@@ -1164,8 +1170,10 @@ class ControlBlock:
                 plan.append((inst.name, key, ch, cap, op))
         return plan
 
-    def drain(self) -> dict[str, dict[str, dict[str, Any]]]:
-        """Read results of this step; returns {req_id: {app: {read: {positions, values}}}}.
+    def drain(self) -> dict[str, dict[str, dict[str, ReadResult]]]:
+        """Read results of this step: {req_id: {app: {read: ReadResult}}} (arrays; each
+        ReadResult reads as {positions, values} in the default shape), and a request's
+        ``TRUNCATED_KEY`` marker in the step its byte cap was reached.
 
         Only rank 0 drains (hidden states are replicated across tensor-parallel ranks). Staged
         (GPU), this waits for the device; the engine path uses drain_async instead."""
@@ -1176,14 +1184,15 @@ class ControlBlock:
         n_tok = self.step_tokens
         R, T = self.cap.max_channels, self.cap.max_tokens
         res = self.host["results"][: n_tok * R].reshape(n_tok, R)
+        valid = self.host["result_valid"][: n_tok * R].reshape(n_tok, R)
         slots, _ = self.step_rows
-        capture = self.dev["capture"]
+        capture = self.host["capture"]
 
         def captured(cap, idx):
             base, w = cap
-            return capture[base:base + T * w].view(-1, w)[torch.as_tensor(idx)].numpy()
+            return capture[base:base + T * w].reshape(-1, w)[idx]
 
-        return self._collect(res, self.host["tok_pos"][:n_tok], self.host["tok_row"][:n_tok],
+        return self._collect(res, valid, self.host["tok_pos"][:n_tok], self.host["tok_row"][:n_tok],
                              lambda row: self.slot_req.get(int(slots[row])), self._read_plan(), captured)
 
     def drain_async(self) -> "PendingReads | None":
@@ -1195,7 +1204,8 @@ class ControlBlock:
         n_tok, R = self.step_tokens, self.cap.max_channels
         plan = self._read_plan()
         s = self._readback.next()
-        pairs = [(s.buf("results")[: n_tok * R], self.dev["results"][: n_tok * R])]
+        pairs = [(s.buf("results")[: n_tok * R], self.dev["results"][: n_tok * R]),
+                 (s.buf("valid")[: n_tok * R], self.dev["result_valid"][: n_tok * R])]
         placed, off = [], 0
         for app, key, ch, cap, op in plan:
             if cap is not None:
@@ -1222,53 +1232,61 @@ class ControlBlock:
                 head.event.synchronize()
                 n, R = head.n_tok, self.cap.max_channels
                 res = head.set.np["results"][: n * R].reshape(n, R)
+                valid = head.set.np["valid"][: n * R].reshape(n, R)
 
                 def captured(cap, idx, head=head, n=n):
                     off, w = cap
                     return head.set.np["capture"][off:off + n * w].reshape(n, w)[idx]
 
-                head.out = self._collect(res, head.pos, head.rows, head.states.__getitem__, head.plan, captured)
+                head.out = self._collect(res, valid, head.pos, head.rows, head.states.__getitem__,
+                                         head.plan, captured)
                 head.set = None
             return p.out
 
-    def _collect(self, res, pos, rows, state_of_row, plan, captured) -> dict[str, dict[str, dict[str, Any]]]:
-        """Per request, the hits of each planned read: ``res`` the step's result channels,
-        ``captured(cap, idx)`` the capture-buffer rows of the tokens idx."""
-        out: dict[str, dict[str, dict[str, Any]]] = {}
+    def _collect(self, res, valid, pos, rows, state_of_row, plan, captured) -> dict[str, dict]:
+        """Per request, the hits of each planned read as arrays: ``res`` and ``valid`` the
+        step's result channels and their flags, ``captured(cap, idx)`` the capture-buffer rows
+        of the tokens idx (only those are copied). Each request's window and byte budget
+        apply here, so nothing it does not report leaves the worker."""
+        out: dict[str, dict] = {}
         for app, key, ch, cap, op in plan:
-            col = res[:, ch]
-            idx = np.flatnonzero(~np.isnan(col))
+            idx = np.flatnonzero(valid[:, ch])
             if not len(idx):
                 continue
+            shape = read_shape(op)
             # tokens of one request are contiguous: split the hits at row changes
             r = rows[idx]
             cuts = np.flatnonzero(np.diff(r)) + 1
             bounds = [0, *cuts.tolist(), len(idx)]
-            p_list = pos[idx].tolist()
-            if op.kernel == "sae":
-                v_list = _sae_values(op, res, ch, idx, captured(cap, idx) if cap is not None else None)
-            elif cap is not None:
-                v_list = captured(cap, idx).tolist()
-            else:
-                v_list = col[idx].tolist()
+            picks: list[tuple[SlotState, np.ndarray]] = []
             for j in range(len(bounds) - 1):
-                b0, b1 = bounds[j], bounds[j + 1]
-                st = state_of_row(int(r[b0]))
+                st = state_of_row(int(r[bounds[j]]))
                 if st is None:
                     continue
+                sel = idx[bounds[j]:bounds[j + 1]]
+                p = pos[sel]
                 # A preempted request recomputes positions it already reported (with the
                 # same values): report each position once.
                 done = st.reported.get((app, key), -1)
-                if p_list[b0] <= done:
-                    while b0 < b1 and p_list[b0] <= done:
-                        b0 += 1
-                    if b0 == b1:
+                if p[0] <= done:
+                    sel = sel[p > done]
+                    if not len(sel):
                         continue
-                st.reported[(app, key)] = p_list[b1 - 1]
-                e = out.setdefault(st.req_id, {}).setdefault(app, {}).setdefault(
-                    key, {"positions": [], "values": []})
-                e["positions"].extend(p_list[b0:b1])
-                e["values"].extend(v_list[b0:b1])
+                st.reported[(app, key)] = int(pos[sel[-1]])
+                sel = st.admit(sel, pos[sel], shape, app, out)
+                if len(sel):
+                    picks.append((st, sel))
+            if not picks:
+                continue
+            every = np.concatenate([sel for _, sel in picks])
+            values, ids = _gather(op, shape, res, ch, every, captured(cap, every) if cap is not None else None)
+            at = 0
+            for st, sel in picks:
+                k = len(sel)
+                rr = ReadResult.of(shape.kind, pos[sel], to_dtype(values[at:at + k], st.options.dtype),
+                                   None if ids is None else ids[at:at + k], st.options.dtype, op.features)
+                at += k
+                out.setdefault(st.req_id, {}).setdefault(app, {})[key] = rr
         return out
 
     # ------------------------------------------------------------------ introspection
@@ -1285,18 +1303,19 @@ class ControlBlock:
         return out
 
 
-def _sae_values(op: LoweredOp, res: np.ndarray, ch: int, idx: np.ndarray,
-                rows: np.ndarray | None) -> list[dict[str, list]]:
-    """Per token {"ids": [...], "acts": [...]}: the active features, largest first (a top-K
-    read; ``rows`` its capture rows, unused slots hold id -1), or the listed features in order."""
-    if op.features:
-        acts = res[idx, ch:ch + op.n_channels].tolist()
-        return [{"ids": list(op.features), "acts": a} for a in acts]
-    K = op.top_k
-    counts = np.count_nonzero(rows[:, :K] >= 0, axis=1).tolist()
-    ids = rows[:, :K].astype(np.int64).tolist()
-    acts = rows[:, K:].tolist()
-    return [{"ids": i[:c], "acts": a[:c]} for i, a, c in zip(ids, acts, counts)]
+def _gather(op: LoweredOp, shape, res: np.ndarray, ch: int, idx: np.ndarray,
+            rows: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
+    """(values, ids) of the tokens idx: a scalar read's channel, a capture read's rows, an SAE
+    read's listed features (consecutive channels) or its top-K rows (ids, activations;
+    unused places hold id -1)."""
+    if shape.kind == "features":
+        return res[idx, ch:ch + op.n_channels], None
+    if shape.kind == "topk":
+        K = op.top_k
+        return rows[:, K:], rows[:, :K].astype(np.int32)
+    if shape.kind == "vector":
+        return rows, None
+    return res[idx, ch], None
 
 
 class PendingReads:
@@ -1329,6 +1348,9 @@ class SlotState:
     # Apps in mode "all" that may apply to this request (a server's per-key policy); None:
     # every one. An app in mode "all" not listed is opted out: its bit in slot_apps is set.
     forced: frozenset | None = None
+    options: ResultOptions = DEFAULT_OPTIONS       # encoding, window, byte budget
+    spent: int = 0                                 # result bytes accounted so far
+    truncated: bool = False
 
     def bit(self, inst: "InstalledApp") -> bool:
         """This request's bit of an app in slot_apps: for mode "all" it opts the request
@@ -1336,6 +1358,30 @@ class SlotState:
         if inst.mode == "all":  # named apps always apply
             return self.forced is not None and inst.name not in self.forced and inst.name not in self.apps
         return inst.name in self.apps
+
+    def admit(self, sel: np.ndarray, pos: np.ndarray, shape, app: str, out: dict) -> np.ndarray:
+        """The tokens of ``sel`` (positions ``pos``) this request reports: those in its window,
+        up to its byte budget. Past the budget nothing more is reported, and the step's
+        results carry the marker."""
+        if self.truncated:
+            return sel[:0]
+        win = self.options.window
+        if win is not None:
+            keep = win.mask(pos, self.prompt_len)
+            sel, pos = sel[keep], pos[keep]
+        budget = self.options.max_bytes
+        if budget is None:
+            budget = max_result_bytes()
+        per = position_bytes(shape, self.options)
+        fit = (budget - self.spent) // per
+        if len(sel) > fit:
+            sel = sel[:max(fit, 0)]
+            self.truncated = True
+            out.setdefault(self.req_id, {})[TRUNCATED_KEY] = (
+                f"truncated at {budget} bytes: this sequence's read results reached its cap "
+                f"(max_result_bytes / XMIX_MAX_RESULT_BYTES); later results were dropped")
+        self.spent += len(sel) * per
+        return sel
 
 
 def _load_custom_cuda(app: str, o: LoweredOp, ck) -> int:

@@ -451,7 +451,7 @@ class _RawRegion:
         G.copy_device(self.addr, saved.data_ptr(), self.nbytes, torch.cuda.current_stream().cuda_stream)
 
 
-_CB_STATE = (("results", False), ("capture", False), ("read_state", False), ("vec_state", False),
+_CB_STATE = (("results", False), ("result_valid", True), ("capture", False), ("read_state", False), ("vec_state", False),
              ("counters", True))
 
 

@@ -33,6 +33,7 @@ struct Block {
   std::vector<int32_t> span_def = std::vector<int32_t>(kMaxSpans * 2, -1);
   std::vector<float> results = std::vector<float>(T * R, NAN);
   std::vector<float> capture = std::vector<float>(64, 0.f);
+  std::vector<uint8_t> result_valid = std::vector<uint8_t>(T * R, 0);
   ControlBlock cb{};
 
   ControlBlock& build(int n_tokens, int n_rows) {
@@ -53,6 +54,7 @@ struct Block {
     cb.tokset_bits = u(sets.data()); cb.span_def = u(span_def.data());
     cb.n_spans = 1; cb.n_token_sets = 2;
     cb.results = u(results.data()); cb.capture = u(capture.data()); cb.capture_size = 64;
+    cb.result_valid = u(result_valid.data());
     return cb;
   }
   // One request per row, tokens contiguous.

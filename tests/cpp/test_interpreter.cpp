@@ -222,3 +222,35 @@ TEST(Reads, ProbeFeedsLatchStateOnPromptTokens) {
   EXPECT_FLOAT_EQ(st[1], 2.f);
   EXPECT_FLOAT_EQ(st[2], s1);  // value at the last prompt token
 }
+
+TEST(Reads, ValidityFlagSaysWhereAReadRanEvenWhenItsValueIsNaN) {
+  // request 0 (slot 0, 3 tokens) uses the app, request 1 (slot 1, 1 token) does not; token 1's
+  // stream holds a NaN, so the probe's value there is NaN, and it still ran there.
+  Block b;
+  b.request(0, 0, 0, 3, 0, 3);
+  b.request(1, 1, 3, 1, 0, 1);
+  b.slot_apps[0] = 1;
+  const float w[Block::D] = {1, 0, 0, 0};
+  OpDesc op{};
+  op.kind = OP_PROBE; op.app = 0; op.cond_begin = -1; op.param_base = 0; op.channel = 2;
+  op.state_base = -1; op.n = Block::D; op.a0 = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(w));
+  b.ops.push_back(op);
+  b.site_count[0] = 1;
+  std::vector<float> h = {0, 0, 0, 0, NAN, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+  run_site_cpu(b.build(4, 2), 0, h.data(), nullptr, 4, Block::D, Block::D, 0, DT_F32);
+  const auto valid = [&](int t) { return b.result_valid[t * Block::R + 2]; };
+  EXPECT_EQ(valid(0), 1);
+  EXPECT_EQ(valid(1), 1);
+  EXPECT_TRUE(std::isnan(b.results[1 * Block::R + 2]));
+  EXPECT_EQ(valid(2), 1);
+  EXPECT_FLOAT_EQ(b.results[2 * Block::R + 2], 0.5f);
+  EXPECT_EQ(valid(3), 0);  // request 1 does not use the app
+  EXPECT_TRUE(std::isnan(b.results[3 * Block::R + 2]));
+  // the NaN stays out of the latch sums: two prompt tokens counted
+  const float* st = &b.read_state[(0 * Block::R + 2) * kReadStateWidth];
+  EXPECT_FLOAT_EQ(st[1], 2.f);
+  // switched off: the channel reports nothing, whatever it held
+  b.app_mode[0] = MODE_OFF;
+  run_site_cpu(b.build(4, 2), 0, h.data(), nullptr, 4, Block::D, Block::D, 0, DT_F32);
+  for (int t = 0; t < 4; ++t) EXPECT_EQ(valid(t), 0) << t;
+}

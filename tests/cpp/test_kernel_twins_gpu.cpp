@@ -57,7 +57,7 @@ struct DeviceMirror {
     cb.counters = up(b.counters); cb.app_mode = up(b.app_mode); cb.site_first = up(b.site_first);
     cb.site_count = up(b.site_count); cb.ops = up(dev_ops); cb.cond_code = up(b.cond);
     cb.tokset_bits = up(b.sets); cb.span_def = up(b.span_def); cb.results = up(b.results);
-    cb.capture = up(b.capture);
+    cb.capture = up(b.capture); cb.result_valid = up(b.result_valid);
     std::vector<ControlBlock> one{cb};
     d_cb = reinterpret_cast<ControlBlock*>(static_cast<uintptr_t>(up(one)));
   }
@@ -118,8 +118,10 @@ TEST(KernelTwins, SiteAnchorMatchesTheCpuInterpreter) {
                                Block::D, Block::D, Block::D, DT_F32, nullptr), 0);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   std::vector<float> res_gpu(b.results.size()), state_gpu(b.read_state.size());
+  std::vector<uint8_t> valid_gpu(b.result_valid.size());
   m.down(dh, h_gpu);
   m.down(m.cb.results, res_gpu);
+  m.down(m.cb.result_valid, valid_gpu);
   m.down(m.cb.read_state, state_gpu);
 
   run_site_cpu(b.cb, 1, h.data(), r.data(), 5, Block::D, Block::D, Block::D, DT_F32);
@@ -128,6 +130,8 @@ TEST(KernelTwins, SiteAnchorMatchesTheCpuInterpreter) {
     if (std::isnan(b.results[i])) EXPECT_TRUE(std::isnan(res_gpu[i])) << "results[" << i << "]";
     else EXPECT_NEAR(res_gpu[i], b.results[i], 1e-5f) << "results[" << i << "]";
   }
+  for (size_t i = 0; i < b.result_valid.size(); ++i)
+    EXPECT_EQ(valid_gpu[i], b.result_valid[i]) << "result_valid[" << i << "]";
   for (size_t i = 0; i < b.read_state.size(); ++i) {
     if (std::isnan(b.read_state[i])) EXPECT_TRUE(std::isnan(state_gpu[i]));
     else EXPECT_NEAR(state_gpu[i], b.read_state[i], 1e-5f) << "read_state[" << i << "]";

@@ -34,7 +34,8 @@ constexpr int32_t kSitesPerLayer = 6;
 
 enum OpKind : int32_t {
   OP_NONE = 0,
-  // reads: write one float per token into their result channel (NaN where they did not run)
+  // reads: write one float per token into their result channel and its validity flag
+  //   (set_result: no result = flag 0, value NaN)
   OP_PROBE = 1,     // sigmoid(w . x + b)
   OP_CAPTURE = 2,   // x[dim_begin:dim_begin+n] copied to the capture buffer; channel = 1
   OP_COSINE = 3,    // CAST: cos(m, tanh(P m)), m = mean of x over the request's prompt
@@ -201,6 +202,7 @@ struct ControlBlock {
   uint64_t results;       // float[T*R]
   uint64_t capture;       // float[capture_size]
   int64_t capture_size;
+  uint64_t result_valid;  // uint8[T*R]  1 where results[t][c] is a read's output this step
 };
 static_assert(sizeof(ControlBlock) % 8 == 0, "ControlBlock must stay 8-byte aligned");
 
@@ -367,5 +369,14 @@ XMIX_HD const float* slot_params_row(const ControlBlock& cb, int32_t slot) {
 
 // expf (not __expf) on both sides: one semantics for the two twins.
 XMIX_HD float sigmoid(float z) { return 1.f / (1.f + expf(-z)); }
+
+// A read's output for token t in channel c. Whether there is one is the flag, never the value:
+// a read of a stream driven to NaN reports NaN. Without one the channel holds NaN, which no
+// gate comparison passes.
+XMIX_HD void set_result(const ControlBlock& cb, int32_t t, int32_t c, float v, bool has) {
+  const int64_t i = static_cast<int64_t>(t) * cb.n_channels + c;
+  ptr<float>(cb.results)[i] = has ? v : bits_to_float(0x7fc00000u);
+  ptr<uint8_t>(cb.result_valid)[i] = has ? 1 : 0;
+}
 
 }  // namespace xmix

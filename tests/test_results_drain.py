@@ -1,0 +1,156 @@
+"""Read results out of the control block, without an engine: a read whose real value is NaN
+is reported (the kernels say where a read ran; NaN is a value, never "no result"), on the
+CPU twin, the CUDA twin (gpu) and the staged read-back; windows, dtypes and byte caps apply
+in the drain, before anything leaves the worker.
+
+Oracles: xmix.reference (probe, stream), torch's dtype conversions, hand-counted positions
+and bytes."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import xmix
+from xmix import _C
+from xmix import reference as R
+from xmix.control import ControlBlock
+from xmix.hooks import ModelShape, site_id
+from xmix.lowering import lower
+from xmix.results_codec import TRUNCATED_KEY, ReadShape, parse_options, position_bytes
+
+from fake_device import FakeDevice
+from harness import SMALL, Harness, Req
+
+D = 16
+SHAPE = ModelShape(n_layers=2, hidden_size=D, vocab_size=64)
+BACKENDS = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def probe_app():
+    w = torch.linspace(-1, 1, D)
+    app = xmix.App("k")
+    app.read("probe", weight=w, bias=0.1).layers([0]).submodule("residual.pre").named("p")
+    return app, w
+
+
+def stream(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, D, generator=g), torch.randn(n, D, generator=g)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_read_whose_value_is_nan_is_reported(backend):
+    """Token 1 of "a" carries a NaN in its stream (a stream driven to NaN): its probe value is
+    NaN and it is reported at its position, like every other token the read ran on. Before
+    validity flags the drain took NaN for "no result" and the position silently vanished."""
+    app, w = probe_app()
+    hs = Harness(SHAPE, [app], backend)
+    h, r = stream(5)
+    h[1, 3] = math.nan
+    hs.step({"a": Req(3, 0, 3, ("k",)), "b": Req(2, 0, 2, ())})
+    want = R.probe(R.stream(h, r), w, 0.1)
+    hs.run("residual.pre", 0, h.to(backend), r.to(backend))
+    res = hs.drain()
+    assert set(res) == {"a"}
+    got = res["a"]["k"]["p"]
+    assert got["positions"] == [0, 1, 2]
+    assert math.isnan(got["values"][1])
+    assert got["values"][0] == pytest.approx(float(want[0]), rel=1e-5)
+    assert got["values"][2] == pytest.approx(float(want[2]), rel=1e-5)
+
+
+def test_a_nan_read_is_reported_through_the_staged_read_back():
+    """The GPU path's read-back (pinned sets, side-stream copy) carries the validity flags."""
+    app, w = probe_app()
+    dev = FakeDevice()
+    cb = ControlBlock(SHAPE, "cpu", SMALL, queue=dev)
+    cb.install(lower(app, SHAPE))
+    dev.run()
+    cb.admit("a", ["k"], {}, 4)
+    h, r = stream(4, seed=3)
+    h[2, 0] = math.nan
+    cb.begin_step(np.array([cb.slots["a"]], np.int32), np.array([4]), np.array([0]), np.array([4]), 4)
+    site = site_id("residual.pre", 0, SHAPE.n_layers)
+    F32 = _C.constants()["DT_F32"]
+    dev.launch(lambda: _C.run_site_cpu(cb.ptr, site, h.data_ptr(), r.data_ptr(), 4, D, D, D, F32))
+    p = cb.drain_async()
+    cb.end_step()
+    got = p.result()["a"]["k"]["p"]
+    assert got["positions"] == [0, 1, 2, 3]
+    want = R.probe(R.stream(h, r), w, 0.1)
+    assert math.isnan(got["values"][2]) and got["values"][3] == pytest.approx(float(want[3]), rel=1e-5)
+
+
+def capture_app(width=D):
+    app = xmix.App("c")
+    app.read("capture", dims=(0, width)).layers([1]).submodule("residual.post").named("h")
+    return app
+
+
+@pytest.mark.parametrize("spec,want_a,want_b", [
+    ("prompt", [0, 1, 2, 3], []),
+    ([[-1, None]], [3], []),                 # the last prompt token
+    ("last_token", [3], [6]),
+    ("generated", [], [6]),
+    ([[1, 3], [6, 7]], [1, 2], [6]),
+])
+def test_windows_report_exactly_the_positions_asked_for(spec, want_a, want_b):
+    """Two requests with a capture read on every token: "a" prefills 4 prompt tokens, "b" (a
+    3-token prompt) decodes position 6; each reports only its window's positions."""
+    hs = Harness(SHAPE, [capture_app()])
+    opts = parse_options({"positions": spec})
+    for name, plen in (("a", 4), ("b", 3)):
+        hs.slots[name] = hs.cb.admit(name, ["c"], {}, plen, opts)
+    h, r = stream(5, seed=1)
+    hs.step({"a": Req(4, 0, 4, ("c",)), "b": Req(1, 6, 3, ("c",))})
+    hs.run("residual.post", 1, h, r)
+    res = hs.drain()
+    x = R.stream(h, r)
+    rows = {"a": {p: p for p in range(4)}, "b": {6: 4}}
+    for name, want in (("a", want_a), ("b", want_b)):
+        if not want:
+            assert name not in res
+            continue
+        got = res[name]["c"]["h"]
+        assert got["positions"] == want
+        torch.testing.assert_close(torch.tensor(got["values"]), x[[rows[name][p] for p in want]])
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_the_drain_rounds_to_the_requests_dtype(dtype):
+    hs = Harness(SHAPE, [capture_app()])
+    hs.slots["a"] = hs.cb.admit("a", ["c"], {}, 3, parse_options({"dtype": dtype}))
+    h, r = stream(3, seed=2)
+    hs.step({"a": Req(3, 0, 3, ("c",))})
+    hs.run("residual.post", 1, h, r)
+    got = hs.drain()["a"]["c"]["h"]
+    t = xmix.results_codec.ReadResult.tensors(got)
+    want = R.stream(h, r).to({"bfloat16": torch.bfloat16, "float16": torch.float16}[dtype])
+    assert t["values"].dtype == want.dtype and torch.equal(t["values"], want)
+
+
+def test_results_past_the_byte_cap_are_cut_with_a_marker():
+    """A budget of 2.5 positions of a probe (JSON: 52 bytes a position): the first step reports
+    2 of its 3 positions and the marker; later steps report nothing more."""
+    app, _ = probe_app()
+    hs = Harness(SHAPE, [app])
+    per = position_bytes(ReadShape("scalar", 1), parse_options({}))
+    assert per == 52
+    opts = parse_options({"max_result_bytes": 130})
+    hs.slots["a"] = hs.cb.admit("a", ["k"], {}, 3, opts)
+    hs.slots["b"] = hs.cb.admit("b", ["k"], {}, 3)
+    h, r = stream(6, seed=4)
+    hs.step({"a": Req(3, 0, 3, ("k",)), "b": Req(3, 0, 3, ("k",))})
+    hs.run("residual.pre", 0, h, r)
+    res = hs.drain()
+    assert res["a"]["k"]["p"]["positions"] == [0, 1]
+    assert res["a"][TRUNCATED_KEY].startswith("truncated at 130 bytes")
+    assert res["b"]["k"]["p"]["positions"] == [0, 1, 2]  # the other request is not affected
+    hs.step({"a": Req(1, 3, 3, ("k",)), "b": Req(1, 3, 3, ("k",))})
+    hs.run("residual.pre", 0, h[:2].clone(), r[:2].clone())
+    res = hs.drain()
+    assert "a" not in res and res["b"]["k"]["p"]["positions"] == [3]
