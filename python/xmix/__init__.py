@@ -12,12 +12,27 @@ from xmix.lowering import DeployError
 from xmix.sae import SAE
 
 __version__ = "0.1.0"
-__all__ = ["App", "AppError", "DeployError", "LLM", "SAE", "custom_include_dir", "results", "__version__"]
+__all__ = ["App", "AppError", "DeployError", "LLM", "SAE", "capture", "custom_include_dir", "decode_results",
+           "results", "__version__"]
 
 
-def results(output) -> dict:
-    """Read results of a request: {app: {read: {"positions": [...], "values": [...]}}}."""
-    return getattr(output, "xmix", None) or {}
+def results(output, as_tensors: bool = False) -> dict:
+    """Read results of a request: {app: {read: {"positions": [...], "values": [...]}}}; with
+    ``as_tensors`` {app: {read: {"positions", "values"[, "ids"]}}} as torch tensors (values
+    in the request's "dtype"). A request cut at its byte cap carries ``"!truncated"``."""
+    from xmix.results_codec import as_lists
+    from xmix.results_codec import as_tensors as tensors_of
+
+    res = getattr(output, "xmix", None) or {}
+    return tensors_of(res) if as_tensors else as_lists(res)
+
+
+def decode_results(payload) -> dict:
+    """The ``"xmix"`` payload of a server response (or the payloads of a stream's chunks, in
+    order) as torch tensors, whatever its encoding (JSON, base64, zstd)."""
+    from xmix.results_codec import decode_results as decode
+
+    return decode(payload)
 
 
 def custom_include_dir() -> str:
@@ -39,4 +54,9 @@ def __getattr__(name):
         cls = _make_llm_class()
         globals()["LLM"] = cls
         return cls
+    if name == "capture":
+        from xmix.capture_run import capture
+
+        globals()["capture"] = capture
+        return capture
     raise AttributeError(name)

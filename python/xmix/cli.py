@@ -1,9 +1,15 @@
-"""The `xmix` command line: serve, models, derive, import."""
+"""The `xmix` command line: serve, capture, models, derive, import."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+
+
+def _cmd_capture(argv: list[str]) -> int:
+    from xmix.capture_run import main as capture_main
+
+    return capture_main(argv)
 
 
 def _cmd_models(argv: list[str]) -> int:
@@ -32,6 +38,8 @@ def _cmd_import(argv: list[str]) -> int:
 
 COMMANDS = {
     "serve": (_cmd_serve, "vllm serve with xmix: xmix serve MODEL --app PATH ... [vllm serve args]"),
+    "capture": (_cmd_capture, "activations of a prompt set to sharded safetensors: xmix capture MODEL "
+                              "--prompts data.jsonl --sites layers.10.residual.post --out DIR"),
     "models": (_cmd_models, "make the embedded tiny models: xmix models KIND|all (one per supported family)"),
     "derive": (_cmd_derive, "derive an app's artifacts from prompt files: "
                             "xmix derive APP --model M --positive F --negative F"),

@@ -4,10 +4,15 @@ frontend on the request's next EngineCoreOutput.
 The workers put a step's results on the ModelRunnerOutput (rank 0 only). The scheduler keeps
 them per request until it emits an output for that request (partial prefill chunks emit
 none), then rides them in ``kv_transfer_params["xmix"]``, which the frontend takes out again
-before anything else in vLLM looks at it.
+before anything else in vLLM looks at it. They stay arrays (``ReadResult``) all the way: on
+the output each read is packed as raw bytes with its dtype and shape
+(``results_codec.pack_results``), which vLLM's msgpack encoder carries as binary, where a bare
+numpy array in an untyped field would not survive decoding.
 """
 
 from __future__ import annotations
+
+from xmix.results_codec import pack_results
 
 from .worker import RESULTS_ATTR, merge_results
 
@@ -32,7 +37,7 @@ def patch_scheduler(cls) -> None:
                 for o in eco_batch.outputs:
                     res = store.pop(o.request_id, None)
                     if res:
-                        o.kv_transfer_params = {**(o.kv_transfer_params or {}), XMIX_KEY: res}
+                        o.kv_transfer_params = {**(o.kv_transfer_params or {}), XMIX_KEY: pack_results(res)}
             for rid in scheduler_output.finished_req_ids:
                 store.pop(rid, None)
         return outs

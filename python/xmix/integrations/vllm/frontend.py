@@ -8,7 +8,9 @@ Per request, in ``InputProcessor.process_inputs`` (before the request reaches th
     SamplingParams for many calls keeps working). The canonical dict pins every app it
     names to its deployment version and carries parameters as column values, so the
     workers admit it without any check that could fail;
-  - the bytes of read results it could produce are bounded (``XMIX_MAX_RESULT_BYTES``);
+  - its result options (encoding, dtype, window of positions, byte cap) are checked, and a
+    request whose reads over its prompt would exceed its byte cap is refused; reads of
+    generated tokens are cut at the cap by the worker, with a marker (``results_codec``);
   - requests whose effective apps write get a ``cache_salt`` describing everything that
     shapes their KV (apps, deployment versions, every parameter value, defaults included,
     and the control epoch), so their prompt KV is never shared with another configuration;
@@ -16,16 +18,16 @@ Per request, in ``InputProcessor.process_inputs`` (before the request reaches th
     prefix cache, so every prompt token is computed and read.
 
 Results come back per step inside ``EngineCoreOutput.kv_transfer_params["xmix"]`` (set by
-the engine core, engine_core.py); ``OutputProcessor.process_outputs`` takes them out before
-vLLM sees them and attaches them as ``.xmix`` to each sequence's ``CompletionOutput`` and to
-the ``RequestOutput`` (the reads of its first sequence). A request a worker could not serve
+the engine core, engine_core.py, as packed arrays); ``OutputProcessor.process_outputs`` takes
+them out before vLLM sees them and attaches them as ``.xmix`` ({app: {read: ReadResult}}) to
+each sequence's ``CompletionOutput`` and to the ``RequestOutput`` (the reads of its first
+sequence). A request a worker could not serve
 carries an error marker there instead; it is finished with ``finish_reason="error"``.
 """
 
 from __future__ import annotations
 
 import contextvars
-import copy
 import hashlib
 import itertools
 import json
@@ -44,6 +46,9 @@ from xmix.conditions import n_instructions
 from xmix.control import MODES, ParamCol, RequestError, param_columns, resolve_params
 from xmix.hooks import ModelShape
 from xmix.lowering import DeployError, LoweredApp, lower
+from xmix.results_codec import (OPTION_KEYS, TRUNCATED_KEY, ResultOptions, as_lists, as_tensors as tensors_of,
+                                copy_results, max_result_bytes, parse_options, position_bytes,
+                                read_shape, unpack_results)
 
 from . import tenants
 from .request_controls import control_from_args
@@ -51,10 +56,7 @@ from .request_controls import control_from_args
 logger = logging.getLogger("vllm.xmix")  # vLLM's handlers and format apply
 
 XMIX_KEY = "xmix"
-REQUEST_KEYS = {"apps", "params"}
-# Bytes a read result is accounted at in the response, per number (a value, or a position):
-# the longest number the JSON encoder writes ("-1.2345678901234567e-308") plus ", ".
-RESULT_BYTES_PER_NUMBER = 26
+REQUEST_KEYS = {"apps", "params"} | OPTION_KEYS
 
 _short = reprlib.Repr()
 _short.maxlevel, _short.maxstring, _short.maxother, _short.maxlist, _short.maxdict = 2, 60, 60, 6, 6
@@ -67,10 +69,6 @@ def shown(v: Any) -> str:
 
 def max_control_bytes() -> int:
     return int(os.environ.get("XMIX_MAX_CONTROL_BYTES", "65536"))
-
-
-def max_result_bytes() -> int:
-    return int(os.environ.get("XMIX_MAX_RESULT_BYTES", str(16 << 20)))
 
 
 _ERROR_CLASS = None
@@ -146,16 +144,17 @@ class Deployed:
     def defaults(self) -> dict[str, float]:
         return {c.key: c.default for c in self.cols if c.public}
 
-    def result_numbers(self, positions: int) -> int:
-        """Numbers (values and positions) its reads can report over ``positions`` tokens."""
+    def prompt_result_bytes(self, prompt_len: int, opts: ResultOptions) -> int:
+        """Bytes its reads can report over the prompt's positions in the request's window."""
+        win = opts.window
         n = 0
         for op in self.lowered.reads.values():
-            if op.kernel == "cosine":  # once per request
-                n += 2
-            elif op.kernel == "sae":  # {"ids": [...], "acts": [...]} per position
-                n += (1 + 2 * (op.top_k or len(op.features))) * positions
+            shape = read_shape(op)
+            if shape.once:  # CAST: once per request, at the last prompt token
+                k = 1 if prompt_len and (win is None or win.count(prompt_len - 1, prompt_len, prompt_len)) else 0
             else:
-                n += (1 + (op.capture_width or 1)) * positions
+                k = prompt_len if win is None else int(win.count(0, prompt_len, prompt_len))
+            n += k * position_bytes(shape, opts)
         return n
 
     def describe(self) -> dict[str, Any]:
@@ -398,7 +397,7 @@ class Registry:
                 effective = [self.apps[a] for a in apps] + [
                     d for a, d in self.apps.items() if d.mode == "all" and a not in apps
                     and (tenant is None or tenant.may_force(a))]
-                self._check_result_bytes(effective, prompt_len, max_tokens, n)
+                cfg = self._result_options(cfg, effective, prompt_len, n)
             except ValueError:
                 self.count("rejected")
                 raise
@@ -432,19 +431,37 @@ class Registry:
             skip = any(d.lowered.reads_prompt or d.lowered.stateful for d in effective)
             return Admission(cfg, salt, skip)
 
-    def _check_result_bytes(self, effective: list[Deployed], prompt_len: int, max_tokens: int,
-                            n: int) -> None:
-        # The last sampled token is never fed back: prompt + max_tokens - 1 positions at most.
-        positions = max(prompt_len + max_tokens - 1, 0)
-        numbers = sum(d.result_numbers(positions) for d in effective) * max(n, 1)
-        nbytes = numbers * RESULT_BYTES_PER_NUMBER
-        limit = max_result_bytes()
-        if nbytes > limit:
+    def _result_options(self, cfg: dict | None, effective: list[Deployed], prompt_len: int,
+                        n: int) -> dict | None:
+        """The request's result options into its canonical control (each sequence's byte
+        budget included). The bytes its reads report over the prompt are known now (prompt
+        length x window x read width): above the budget, the request is refused. Reads of
+        generated tokens depend on how long it runs: the worker cuts them at the budget and
+        marks the results (``TRUNCATED_KEY``)."""
+        raw = cfg.pop("results_raw", {}) if cfg else {}
+        n = max(n, 1)
+        try:
+            opts = parse_options(raw, n)
+        except ValueError as e:
+            raise _validation_error(str(e)) from None
+        readers = [d for d in effective if d.lowered.reads]
+        if not readers:
+            return cfg
+        known = sum(d.prompt_result_bytes(prompt_len, opts) for d in readers)
+        if known > opts.max_bytes:
+            self.count("result_cap_refusals")
+            total = raw.get("max_result_bytes", max_result_bytes())
+            source = "max_result_bytes" if "max_result_bytes" in raw else "XMIX_MAX_RESULT_BYTES"
             raise _validation_error(
-                f"the reads of this request could return up to {nbytes} bytes ({positions} "
-                f"positions x {max(n, 1)} sequences of {', '.join(d.app.name for d in effective if d.lowered.reads)}); "
-                f"the server allows {limit} per request (XMIX_MAX_RESULT_BYTES): use fewer "
-                f"tokens, fewer or narrower reads, or n=1")
+                f"the reads of this request return {known} bytes over its {prompt_len} prompt tokens "
+                f"({', '.join(d.app.name for d in readers)}, {opts.encoding}, {opts.dtype}"
+                f"{', ' + str(n) + ' sequences' if n > 1 else ''}); the cap is {total} bytes per "
+                f"request ({source}){', ' + str(opts.max_bytes) + ' per sequence' if n > 1 else ''}: "
+                f'report fewer positions ("positions"), fewer or narrower reads, a smaller '
+                f'"dtype", "encoding": "base64", or n=1')
+        ctl = dict(cfg) if cfg else {"apps": [], "params": {}, "pin": {}}
+        ctl["results"] = opts.to_control()
+        return ctl
 
     def _parse(self, raw: Any, tenant: "tenants.Tenant | None" = None,
                dropped: list[str] | None = None) -> tuple[dict | None, dict[str, dict[int, float]]]:
@@ -531,7 +548,9 @@ class Registry:
             apps = [a for a in apps if a not in dropped]
         pin = {a: [self.apps[a].version, sorted([c, v] for c, v in overrides.get(a, {}).items())]
                for a in [*apps, *(a for a in params if a not in apps and a not in (dropped or ()))]}
-        return {"apps": list(apps), "params": canon, "pin": pin}, overrides
+        out = {"apps": list(apps), "params": canon, "pin": pin}
+        out["results_raw"] = {k: raw[k] for k in OPTION_KEYS if k in raw}  # checked in admit
+        return out, overrides
 
     def _listed(self, tenant: "tenants.Tenant | None") -> list[str]:
         """The deployed apps a caller may know of."""
@@ -632,13 +651,15 @@ def patch_output_processor(out_cls, state_cls, request_output_cls) -> None:
             kvp = eco.kv_transfer_params
             if kvp and XMIX_KEY in kvp:
                 kvp = dict(kvp)
-                res = dict(kvp.pop(XMIX_KEY) or {})
+                res = unpack_results(kvp.pop(XMIX_KEY) or {})
                 eco.kv_transfer_params = kvp or None
                 err = res.pop(ERROR_KEY, None)
                 st = self.request_states.get(eco.request_id)
                 if st is None:
                     continue
                 st.__dict__["_xmix_seen"] = True
+                if TRUNCATED_KEY in res:
+                    _count_truncated(st)
                 if res:
                     merge_results(st.__dict__.setdefault("_xmix_new", {}), res)
                 if err is not None:
@@ -667,7 +688,7 @@ def patch_output_processor(out_cls, state_cls, request_output_cls) -> None:
         acc = state.__dict__.setdefault("_xmix_all", {})
         if new:
             merge_results(acc, new)
-        return copy.deepcopy(acc)
+        return copy_results(acc)
 
     # Only requests that ever carried reads get an ``.xmix`` attribute: outputs of an engine
     # without xmix (or of a request without reads) are vLLM's objects untouched, and
@@ -733,10 +754,22 @@ def provenance(applied: dict) -> dict:
     return out
 
 
-def results(output) -> dict:
-    """Read results: {app: {read: {"positions": [...], "values": [...]}}}. ``output`` is a
-    RequestOutput (its first sequence) or one CompletionOutput (that sequence, for n > 1)."""
-    return getattr(output, "xmix", None) or {}
+
+def _count_truncated(state) -> None:
+    """One sequence cut at its byte cap, counted on the registry that admitted it."""
+    reg = _REGISTRIES.get((state.__dict__.get("_xmix_applied") or {}).get("_reg"))
+    if reg is not None:
+        reg.count("results_truncated")
+
+
+def results(output, as_tensors: bool = False) -> dict:
+    """Read results: {app: {read: {"positions": [...], "values": [...]}}}, or with
+    ``as_tensors`` {app: {read: {"positions", "values"[, "ids"]}}} as torch tensors (values
+    in the request's "dtype"). ``output`` is a RequestOutput (its first sequence) or one
+    CompletionOutput (that sequence, for n > 1). A request cut at its byte cap carries the
+    marker under ``"!truncated"``."""
+    res = getattr(output, "xmix", None) or {}
+    return tensors_of(res) if as_tensors else as_lists(res)
 
 
 # ---------------------------------------------------------------------- control plane

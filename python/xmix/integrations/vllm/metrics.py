@@ -43,6 +43,12 @@ def _make(registry=None):
         "plain_tpot": Histogram("vllm:xmix_no_app_time_per_output_token_seconds",
                                 "Mean time per output token of finished requests that used no xmix app",
                                 ["model_name"], buckets=LATENCY_BUCKETS, **kw),
+        "result_cap_refusals": Counter("vllm:xmix_result_cap_refusals",
+                                       "Requests refused at admission: their reads over the prompt "
+                                       "exceed their result byte cap", ["model_name"], **kw),
+        "results_truncated": Counter("vllm:xmix_results_truncated",
+                                     "Sequences whose read results were cut at their byte cap",
+                                     ["model_name"], **kw),
     }
 
 

@@ -34,7 +34,6 @@ import asyncio
 import hashlib
 import json
 import logging
-import math
 import os
 import secrets
 import sys
@@ -49,6 +48,8 @@ from xmix.lowering import DeployError
 
 from xmix.console import console_url
 from xmix.console.router import console_router
+
+from xmix.results_codec import DEFAULT_OPTIONS, ResultOptions, encode_results, options_of_control
 
 from . import frontend, metrics, tenants, usage
 from .frontend import XMIX_KEY, CapacityError, Controller, EngineGone, _validation_error, shown
@@ -643,44 +644,15 @@ def build_router() -> APIRouter:
 
 
 # ---------------------------------------------------------------------- responses
-def _finite(values: Any) -> tuple[Any, int]:
-    """(values with every non-finite number replaced by None, how many were replaced);
-    values are numbers, lists (captures) or objects of lists (SAE reads), copied only where
-    something is replaced."""
-    if isinstance(values, float):
-        return (values, 0) if math.isfinite(values) else (None, 1)
-    if isinstance(values, dict):
-        parts = {k: _finite(v) for k, v in values.items()}
-        bad = sum(b for _, b in parts.values())
-        return ({k: v for k, (v, _) in parts.items()} if bad else values), bad
-    if not isinstance(values, list):
-        return values, 0
-    if all(type(v) is float and math.isfinite(v) for v in values):  # the common case
-        return values, 0
-    bad = 0
-    out = values
-    for i, v in enumerate(values):
-        w, b = _finite(v)
-        if b:
-            if out is values:
-                out = list(values)
-            out[i], bad = w, bad + b
-    return out, bad
+def json_results(res: dict, opts: ResultOptions = DEFAULT_OPTIONS) -> dict:
+    """Read results as strict JSON in the request's encoding (``results_codec.encode_results``:
+    JSON numbers with non-finite values as null and counted under ``"nonfinite"``, or
+    base64 arrays)."""
+    return encode_results(res, opts)
 
 
-def json_results(res: dict) -> dict:
-    """Read results as strict JSON. A value that is not finite (NaN or +-Inf, e.g. from a
-    write scaled beyond the fp32 range) is sent as null, and its read's entry carries
-    ``"nonfinite"``: how many values of the entry are null."""
-    out: dict = {}
-    for app, reads in res.items():
-        dst = out[app] = {}
-        for key, e in reads.items():
-            values, bad = _finite(e["values"])
-            dst[key] = {"positions": e["positions"], "values": values}
-            if bad:
-                dst[key]["nonfinite"] = bad
-    return out
+def _options(request) -> ResultOptions:
+    return options_of_control((getattr(request, "vllm_xargs", None) or {}).get(XMIX_KEY))
 
 
 APPLIED_KEY = "xmix_applied"
@@ -695,14 +667,14 @@ def _applied_of(outputs: list) -> Any:
     return got[0] if len(got) == 1 else got
 
 
-def _results_of(outputs: list) -> Any:
-    res = [json_results(getattr(o, XMIX_KEY, None) or {}) for o in outputs if o is not None]
+def _results_of(outputs: list, opts: ResultOptions) -> Any:
+    res = [json_results(getattr(o, XMIX_KEY, None) or {}, opts) for o in outputs if o is not None]
     if not res:
         return None
     return res[0] if len(res) == 1 else res
 
 
-def _per_choice(choices: list, completions: list) -> bool:
+def _per_choice(choices: list, completions: list, opts: ResultOptions) -> bool:
     """With n > 1 every choice carries its own sequence's reads (pairs in response order);
     True when it did (the top level then carries none)."""
     if len(completions) <= 1 or len(choices) != len(completions):
@@ -710,7 +682,7 @@ def _per_choice(choices: list, completions: list) -> bool:
     for choice, co in zip(choices, completions):
         res = getattr(co, XMIX_KEY, None)
         if res:
-            setattr(choice, XMIX_KEY, json_results(res))
+            setattr(choice, XMIX_KEY, json_results(res, opts))
     return True
 
 
@@ -733,10 +705,11 @@ async def _tap(gen, sink: list, n_choices: int | None, applied: dict):
         yield item
 
 
-async def _with_results(stream, sink: list, applied: dict, n_choices: int):
+async def _with_results(stream, sink: list, applied: dict, n_choices: int, opts: ResultOptions):
     """Put the reads produced since the previous chunk of a choice into that choice's next
-    data chunk (vLLM streams one choice per chunk), as the chunk's top-level "xmix"; the
-    chunk that finishes a choice carries its request's provenance as "xmix_applied"."""
+    data chunk (vLLM streams one choice per chunk), as the chunk's top-level "xmix" in the
+    request's encoding; the chunk that finishes a choice carries its request's provenance
+    as "xmix_applied"."""
     from .worker import merge_results
 
     async for chunk in stream:
@@ -758,7 +731,7 @@ async def _with_results(stream, sink: list, applied: dict, n_choices: int):
                 merged: dict = {}
                 for r in mine:
                     merge_results(merged, r)
-                body[XMIX_KEY] = json_results(merged)
+                body[XMIX_KEY] = json_results(merged, opts)
                 touched = True
             done = [c.get("index") for c in choices if c.get("finish_reason")]
             prov = [applied.get((i or 0) // max(n_choices, 1)) for i in done]
@@ -868,9 +841,10 @@ def patch_openai_serving() -> None:
             raise _said(e, seen) from None
         if getattr(resp, "error", None) is not None and seen and getattr(seen[0], "xmix_error", None):
             resp.error.message = seen[0].xmix_error
-        res = _results_of(seen)
+        opts = _options(request)
+        res = _results_of(seen, opts)
         if res and hasattr(resp, "choices"):
-            if not _per_choice(resp.choices, sorted(seen[0].outputs, key=lambda co: co.index)):
+            if not _per_choice(resp.choices, sorted(seen[0].outputs, key=lambda co: co.index), opts):
                 setattr(resp, XMIX_KEY, res)
         applied = _applied_of(seen)
         if applied is not None and hasattr(resp, "choices"):
@@ -881,18 +855,20 @@ def patch_openai_serving() -> None:
         sink: list = []
         applied: dict = {}
         return _with_results(stream(self, request, _tap(result_generator, sink, None, applied),
-                                    *args, **kwargs), sink, applied, request.n or 1)
+                                    *args, **kwargs), sink, applied, request.n or 1,
+                             _options(request))
 
-    def completion_response(self, final_res_batch, *args, **kwargs):
+    def completion_response(self, final_res_batch, request, *args, **kwargs):
         try:
-            resp = to_resp(self, final_res_batch, *args, **kwargs)
+            resp = to_resp(self, final_res_batch, request, *args, **kwargs)
         except Exception as e:
             raise _said(e, final_res_batch) from None
-        res = _results_of(final_res_batch)
+        opts = _options(request)
+        res = _results_of(final_res_batch, opts)
         if res:
             done = [r for r in final_res_batch if r is not None]
             if not (any(len(r.outputs) > 1 for r in done)
-                    and _per_choice(resp.choices, [co for r in done for co in r.outputs])):
+                    and _per_choice(resp.choices, [co for r in done for co in r.outputs], opts)):
                 setattr(resp, XMIX_KEY, res)
         applied = _applied_of(final_res_batch)
         if applied is not None and hasattr(resp, "choices"):
@@ -905,7 +881,7 @@ def patch_openai_serving() -> None:
         n = request.n or 1
         return _with_results(cstream(self, request, engine_inputs,
                                      _tap(result_generator, sink, n, applied), *args, **kwargs),
-                             sink, applied, n)
+                             sink, applied, n, _options(request))
 
     OpenAIServingChat.render_chat_request = render_chat_request
     OpenAIServingChat.chat_completion_full_generator = chat_full

@@ -25,6 +25,7 @@ from xmix.architectures import Family, architecture_of, require_family
 from xmix.control import Capacity, ControlBlock, PendingReads
 from xmix.hooks import ModelShape, n_sites
 from xmix.lowering import lower
+from xmix.results_codec import ERROR_KEY, ResultOptions, merge_results  # noqa: F401 (re-exported)
 
 from . import enable
 from .model_wrap import place_sites
@@ -32,7 +33,7 @@ from .model_wrap import place_sites
 logger = logging.getLogger("vllm.xmix")  # vLLM's handlers and format apply
 
 RESULTS_ATTR = "xmix_results"
-ERROR_KEY = "!error"  # in a request's results: the worker could not serve it; the frontend ends it
+# ERROR_KEY in a request's results: the worker could not serve it; the frontend ends it
 
 
 def _tp_rank() -> int:
@@ -57,7 +58,8 @@ class WorkerXmix:
         # VllmConfig.max_concurrent_batches), so the host never waits for a set in steady state.
         depth = max(3, int(getattr(cfg, "max_concurrent_batches", 2)) + 1)
         cap = Capacity(max_tokens=max(int(sched.max_num_batched_tokens), 512),
-                       max_slots=max(int(sched.max_num_seqs), 1) + 8, staging_depth=depth)
+                       max_slots=max(int(sched.max_num_seqs), 1) + 8, staging_depth=depth,
+                       capture_floats=capture_floats())
         self._attach(ControlBlock(self.shape, runner.device, cap), _tp_rank() == 0)
         opts = enable.options(enable.config_value(cfg))
         self.sites, self.placed = place_sites(runner.model, self.shape.n_layers, family,
@@ -116,11 +118,11 @@ class WorkerXmix:
                     self.stats["restarts"] += 1
                     self._started[slot] = False
                     continue
-                apps, pins, params, forced = _control(nr.sampling_params)
+                apps, pins, params, forced, opts = _control(nr.sampling_params)
                 if pins is None:  # not resolved by xmix's frontend: by name, checked here
-                    slot, dropped = cb.admit(nr.req_id, apps, params, n_prompt), []
+                    slot, dropped = cb.admit(nr.req_id, apps, params, n_prompt, opts), []
                 else:
-                    slot, dropped = cb.admit_pinned(nr.req_id, apps, pins, n_prompt, forced)
+                    slot, dropped = cb.admit_pinned(nr.req_id, apps, pins, n_prompt, forced, opts)
                 self._started[slot] = False
                 if dropped:
                     self.stats["stale_apps"] = self.stats.get("stale_apps", 0) + 1
@@ -223,8 +225,8 @@ class WorkerXmix:
 
     def take_results(self):
         """A function returning the reads of the steps since the last call:
-        {req_id: {app: {read: {positions, values}}}}. Calling it waits for reads still on
-        their way to the host."""
+        {req_id: {app: {read: ReadResult}}}. Calling it waits for reads still on their way
+        to the host."""
         direct, reads = self.pending, self.pending_reads
         self.pending, self.pending_reads = {}, []
 
@@ -260,6 +262,12 @@ class WorkerXmix:
         return self.cb.describe()
 
 
+def capture_floats() -> int:
+    """Room for captured vectors per step (``XMIX_CAPTURE_MB``, default 16 MiB): a capture
+    read of width w takes w x max_num_batched_tokens floats of it."""
+    return max(int(float(os.environ.get("XMIX_CAPTURE_MB", "16")) * 2**20) // 4, 1)
+
+
 def _prompt_len(nr) -> int:
     n = getattr(nr, "prompt_len", None)
     if isinstance(n, int):
@@ -269,18 +277,20 @@ def _prompt_len(nr) -> int:
     return len(nr.prompt_embeds) if nr.prompt_embeds is not None else 0
 
 
-def _control(sp) -> tuple[list[str], dict | None, dict, list[str] | None]:
-    """(apps, pins, named params, mode-"all" apps allowed) of the control on a request's
-    SamplingParams; pins is None when the control did not come through xmix's frontend
-    (which always pins); the allowed list is None when every mode-"all" app applies."""
+def _control(sp) -> tuple[list[str], dict | None, dict, list[str] | None, ResultOptions | None]:
+    """(apps, pins, named params, mode-"all" apps allowed, result options) of the control
+    on a request's SamplingParams; pins is None when the control did not come through
+    xmix's frontend (which always pins); the allowed list is None when every mode-"all"
+    app applies."""
     cfg = (sp.extra_args or {}).get("xmix") if sp is not None else None
     if not isinstance(cfg, dict):
-        return [], {}, {}, None
+        return [], {}, {}, None, None
     pins = cfg.get("pin")
     forced = cfg.get("forced")
     return (list(cfg.get("apps") or []), dict(pins) if pins is not None else None,
             dict(cfg.get("params") or {}),
-            [a for a in forced if isinstance(a, str)] if isinstance(forced, list) else None)
+            [a for a in forced if isinstance(a, str)] if isinstance(forced, list) else None,
+            ResultOptions.from_control(cfg.get("results")))
 
 
 def _warn_lost_fusion(cfg, family: Family, model, counts: dict[str, int]) -> None:
@@ -298,21 +308,6 @@ def _warn_lost_fusion(cfg, family: Family, model, counts: dict[str, int]) -> Non
                        "and the RMSNorm vLLM fuses it with, so the all-reduce + RMSNorm fusion does not "
                        "apply where they are placed; place fewer with additional_config['xmix'] "
                        "sites / layers (docs/models.md)", tp, ", ".join(gaps))
-
-
-def merge_results(into: dict, new: dict) -> dict:
-    """{app: {read: {positions, values}}}: extend in step order. ``ERROR_KEY`` carries a
-    request's failure message."""
-    for app, reads in new.items():
-        if app == ERROR_KEY:
-            into[app] = reads
-            continue
-        dst_app = into.setdefault(app, {})
-        for key, entry in reads.items():
-            dst = dst_app.setdefault(key, {"positions": [], "values": []})
-            dst["positions"].extend(entry["positions"])
-            dst["values"].extend(entry["values"])
-    return into
 
 
 # ---------------------------------------------------------------------- patches
