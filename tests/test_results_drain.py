@@ -154,3 +154,37 @@ def test_results_past_the_byte_cap_are_cut_with_a_marker():
     hs.run("residual.pre", 0, h[:2].clone(), r[:2].clone())
     res = hs.drain()
     assert "a" not in res and res["b"]["k"]["p"]["positions"] == [3]
+
+
+def test_staged_read_back_copies_only_the_rows_a_window_lets_through():
+    """GPU path (fake stream): with windows, a capture read's rows are gathered on the device
+    and only those cross to the host. Request "a" wants its last prompt token, "b" its whole
+    prompt, "c" does not use the app: 1 + 3 of 9 rows are copied, and what is reported equals
+    the stream there."""
+    dev = FakeDevice()
+    cb = ControlBlock(SHAPE, "cpu", SMALL, queue=dev)
+    cb.install(lower(capture_app(), SHAPE))
+    dev.run()
+    cb.admit("a", ["c"], {}, 4, parse_options({"positions": [[-1, None]]}))
+    cb.admit("b", ["c"], {}, 3)
+    cb.admit("c", [], {}, 2)
+    h, r = stream(9, seed=5)
+    slots = np.array([cb.slots[x] for x in "abc"], np.int32)
+    cb.begin_step(slots, np.array([4, 3, 2]), np.array([0, 0, 0]), np.array([4, 3, 2]), 9)
+    site = site_id("residual.post", 1, SHAPE.n_layers)
+    F32 = _C.constants()["DT_F32"]
+    dev.launch(lambda: _C.run_site_cpu(cb.ptr, site, h.data_ptr(), r.data_ptr(), 9, D, D, D, F32))
+    dev.run()
+    dev.take_bytes()
+    p = cb.drain_async()
+    cb.end_step()
+    res = p.result()
+    _, d2h = dev.take_bytes()
+    R_ = SMALL.max_channels
+    assert d2h == 9 * R_ * 4 + 9 * R_ + 4 * D * 4  # results, flags, 4 captured rows
+    x = R.stream(h, r)
+    assert res["a"]["c"]["h"]["positions"] == [3]
+    torch.testing.assert_close(torch.tensor(res["a"]["c"]["h"]["values"]), x[[3]])
+    assert res["b"]["c"]["h"]["positions"] == [0, 1, 2]
+    torch.testing.assert_close(torch.tensor(res["b"]["c"]["h"]["values"]), x[4:7])
+    assert "c" not in res

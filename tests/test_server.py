@@ -520,22 +520,32 @@ def test_an_app_of_1000_ops_sharing_one_tensor_costs_one_copy(server):
 
 
 def test_read_results_are_bounded(server):
-    """A request whose reads could return more than XMIX_MAX_RESULT_BYTES (2 MiB here) is
-    refused at admission with a message, streamed or not; below the cap it is served."""
+    """Read results never pass XMIX_MAX_RESULT_BYTES (2 MiB here, shared by a request's n
+    sequences). What the prompt's positions return is known at admission: above the cap the
+    request is refused with a message, streamed or not. Generated positions are cut at the
+    cap, with the "!truncated" marker (issue 16; before, the worst case over max_tokens was
+    refused)."""
     c = server["client"]
     cap = xmix.App("cap")
     cap.read("capture").submodule("final.post").named("h")
     assert c.post("/xmix/v1/apps", content=cap.to_bytes()).status_code == 201
     try:
-        # accounted: (10 prompt + 99) positions x (256 values + 1 position) x 26 bytes
+        # accounted: (256 values + 1 position) x 26 bytes a position
         ok = complete(server, control={"apps": ["cap"]}, max_tokens=100)
         assert ok.status_code == 200, ok.text
         assert len(ok.json()["xmix"]["cap"]["h"]["values"][0]) == D
-        for stream in (False, True):  # x 4 sequences: over 2 MiB
-            r = complete(server, control={"apps": ["cap"]}, max_tokens=100, n=4, temperature=1.0,
-                         stream=stream)
+        assert "!truncated" not in ok.json()["xmix"]
+        for stream in (False, True):  # 350 prompt positions: over 2 MiB
+            r = complete(server, prompt=[5] * 350, control={"apps": ["cap"]}, max_tokens=4, stream=stream)
             assert r.status_code == 400, r.text
             assert "XMIX_MAX_RESULT_BYTES" in r.json()["error"]["message"]
+        # x 4 sequences of 10 + 99 positions: each is cut at its quarter of the cap
+        r = complete(server, control={"apps": ["cap"]}, max_tokens=100, n=4, temperature=1.0)
+        assert r.status_code == 200, r.text
+        for choice in r.json()["choices"]:
+            res = choice["xmix"]
+            assert res["!truncated"].startswith(f"truncated at {(2 << 20) // 4} bytes")
+            assert len(res["cap"]["h"]["positions"]) == ((2 << 20) // 4) // (257 * 26)
     finally:
         c.delete("/xmix/v1/apps/cap")
 

@@ -49,6 +49,7 @@ _INT32_FIELDS = {"max_tokens", "max_slots", "max_apps", "n_params", "n_channels"
 _INT32_OP_FIELDS = {"kind", "app", "cond_begin", "cond_len", "param_base", "channel",
                     "state_base", "n", "m", "flags"}
 TOK_MAPS = ("tok_slot", "tok_pos", "tok_flags", "tok_row")
+GATHER_ROWS = 4  # staged read-back: row indices per token of a step, for windowed capture copies
 ROW_MAPS = ("row_slot", "row_tok_start", "row_n_tok", "row_reset", "row_n_prompt", "row_done")
 ROW_BUFFERS = ("slot_apps", "slot_params")  # per slot, sent as changed rows with the next step
 
@@ -334,8 +335,10 @@ class ControlBlock:
         self._ring = PinnedRing(self.xfer, cap.staging_depth, spec)
         self._readback = PinnedRing(self.xfer, cap.staging_depth,
                                     {"results": (T * R, f32), "valid": (T * R, torch.uint8),
-                                     "capture": (cap.capture_floats, f32)},
+                                     "capture": (cap.capture_floats, f32),
+                                     "gather_idx": (GATHER_ROWS * T, i64)},
                                     eager=False)
+        self._gather_dev: dict[str, torch.Tensor] = {}  # made when a window first narrows a copy
         self._rows_dev = {"idx": torch.zeros(S, dtype=i64, device=dev),
                           "apps": torch.zeros(S, dtype=i64, device=dev),
                           "params": torch.zeros(self._param_stage, dtype=f32, device=dev)}
@@ -1198,30 +1201,83 @@ class ControlBlock:
     def drain_async(self) -> "PendingReads | None":
         """Staged: queue this step's results (and captured rows) to pinned host memory on a
         side stream; the host waits only when the returned handle's result() is asked for,
-        which the worker does where vLLM resolves its own async output (get_output)."""
+        which the worker does where vLLM resolves its own async output (get_output).
+
+        A capture read's rows are copied whole unless the requests' windows (or requests
+        without the app) leave some out: then only the rows that can be reported are gathered
+        on the device first, and only those cross to the host."""
         if not self._step_reads or not self.staged:
             return None
         n_tok, R = self.step_tokens, self.cap.max_channels
         plan = self._read_plan()
         s = self._readback.next()
+        st = self._step_set
+        slots, n_req = self.step_rows
+        states = [self.slot_req.get(int(x)) for x in slots[:n_req]]
+        pos, rows = st.np["tok_pos"][:n_tok].copy(), st.np["tok_row"][:n_tok].copy()
         pairs = [(s.buf("results")[: n_tok * R], self.dev["results"][: n_tok * R]),
                  (s.buf("valid")[: n_tok * R], self.dev["result_valid"][: n_tok * R])]
-        placed, off = [], 0
+        placed, off, used = [], 0, 0
         for app, key, ch, cap, op in plan:
             if cap is not None:
                 base, w = cap
-                pairs.append((s.buf("capture")[off:off + n_tok * w], self.dev["capture"][base:base + n_tok * w]))
-                cap = (off, w)
-                off += n_tok * w
+                src = self.dev["capture"][base:base + n_tok * w]
+                take = self._rows_to_copy(app, pos, st, slots[:n_req], states)
+                if take is None or used + len(take) > GATHER_ROWS * self.cap.max_tokens:
+                    pairs.append((s.buf("capture")[off:off + n_tok * w], src))
+                    cap = (off, w, None)
+                    off += n_tok * w
+                else:
+                    k = len(take)
+                    if k:
+                        self._queue_gather(s, src.view(n_tok, w), take, used, off, w)
+                        pairs.append((s.buf("capture")[off:off + k * w], self._gather_dev["rows"][off:off + k * w]))
+                    rowmap = np.full(n_tok, -1, dtype=np.int64)
+                    rowmap[take] = np.arange(k)
+                    cap = (off, w, rowmap)
+                    off += k * w
+                    used += k
             placed.append((app, key, ch, cap, op))
         ev = self._readback_event = self.xfer.side_copy(pairs)
-        st = self._step_set
-        slots, n_req = self.step_rows
-        p = PendingReads(self, ev, s, n_tok, st.np["tok_pos"][:n_tok].copy(), st.np["tok_row"][:n_tok].copy(),
-                         [self.slot_req.get(int(x)) for x in slots[:n_req]], placed)
+        p = PendingReads(self, ev, s, n_tok, pos, rows, states, placed)
         PinnedRing.hold(s, p)
         self._pending_reads.append(p)
         return p
+
+    def _rows_to_copy(self, app: str, pos: np.ndarray, st: PinnedSet, slots: np.ndarray,
+                      states: list) -> np.ndarray | None:
+        """The tokens of this step whose capture rows a read of ``app`` can report (in the
+        window of a request that uses the app), or None when that is every token."""
+        inst = self.apps[app]
+        n_tok = len(pos)
+        mask = np.zeros(n_tok, dtype=bool)
+        bit = np.int64(1) << np.int64(inst.index)
+        starts, counts = st.np["row_tok_start"], st.np["row_n_tok"]
+        for j, sst in enumerate(states):
+            if sst is None or sst.truncated:
+                continue
+            if inst.mode != "all" and not (self.host["slot_apps"][slots[j]] & bit):
+                continue
+            t0, n = int(starts[j]), int(counts[j])
+            win = sst.options.window
+            mask[t0:t0 + n] = True if win is None else win.mask(pos[t0:t0 + n], sst.prompt_len)
+        return None if mask.all() else np.flatnonzero(mask)
+
+    def _queue_gather(self, s: PinnedSet, src: torch.Tensor, take: np.ndarray, used: int, off: int,
+                      w: int) -> None:
+        """Rows ``take`` of ``src`` into the device gather buffer at ``off``, in stream order
+        (the indices go through the read-back set, which nothing rewrites before it resolves)."""
+        if not self._gather_dev:
+            self._gather_dev = {
+                "rows": torch.empty(max(self.cap.capture_floats, 1), dtype=torch.float32, device=self.device),
+                "idx": torch.empty(GATHER_ROWS * self.cap.max_tokens, dtype=torch.int64, device=self.device)}
+        k = len(take)
+        s.buf("gather_idx")
+        s.np["gather_idx"][used:used + k] = take
+        idx = self._gather_dev["idx"][used:used + k]
+        dst = self._gather_dev["rows"][off:off + k * w].view(k, w)
+        self.xfer.copy(idx, s.t["gather_idx"][used:used + k])
+        self.xfer.launch(lambda: torch.index_select(src, 0, idx, out=dst))
 
     def _resolve_reads(self, p: "PendingReads") -> dict:
         """Steps resolve in order (a position a preempted request already reported is
@@ -1235,8 +1291,12 @@ class ControlBlock:
                 valid = head.set.np["valid"][: n * R].reshape(n, R)
 
                 def captured(cap, idx, head=head, n=n):
-                    off, w = cap
-                    return head.set.np["capture"][off:off + n * w].reshape(n, w)[idx]
+                    off, w, rowmap = cap
+                    buf = head.set.np["capture"]
+                    if rowmap is None:
+                        return buf[off:off + n * w].reshape(n, w)[idx]
+                    k = int(rowmap.max()) + 1
+                    return buf[off:off + k * w].reshape(k, w)[rowmap[idx]]
 
                 head.out = self._collect(res, valid, head.pos, head.rows, head.states.__getitem__,
                                          head.plan, captured)
@@ -1278,6 +1338,10 @@ class ControlBlock:
                     picks.append((st, sel))
             if not picks:
                 continue
+            if cap is not None and len(cap) == 3 and cap[2] is not None:
+                picks = _copied_only(picks, cap[2], app, key)
+            if not picks:
+                continue
             every = np.concatenate([sel for _, sel in picks])
             values, ids = _gather(op, shape, res, ch, every, captured(cap, every) if cap is not None else None)
             at = 0
@@ -1301,6 +1365,19 @@ class ControlBlock:
                 "metadata": lw.app.metadata,
             })
         return out
+
+
+def _copied_only(picks, rowmap, app, key):
+    out = []
+    for st, sel in picks:
+        ok = rowmap[sel] >= 0
+        if not ok.all():  # a read ran where no request's window asked for it: a bug, said aloud
+            logger.error("xmix: %d rows of read %s.%s for request %s were not copied to the host; "
+                         "they are left out", int((~ok).sum()), app, key, st.req_id)
+            sel = sel[ok]
+        if len(sel):
+            out.append((st, sel))
+    return out
 
 
 def _gather(op: LoweredOp, shape, res: np.ndarray, ch: int, idx: np.ndarray,
