@@ -11,8 +11,8 @@ from its first prompt to its last file written:
             ExampleHiddenStatesConnector (one safetensors file per request), the ids k as
             ``eagle_aux_hidden_state_layer_ids`` (vLLM collects the stream after k layers);
             xmix is off in that process (it refuses speculative decoding and KV connectors)
-  hf        transformers, one prompt per forward (batch 1: no padding to remove),
-            hidden_states[k], one safetensors file per shard of prompts
+  hf        transformers, batches of 16 prompts of one length (no padding), hidden_states[k],
+            one safetensors file
 
     python bench/capture_throughput.py [--hidden 512 --layers 8 | --model PATH]
                                        [--prompts 96 --prompt-tokens 96 --capture 2,4,6,8]
@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -100,17 +101,67 @@ def run_xmix(cfg: dict) -> dict:
             "bytes": sum(f.stat().st_size for f in (out / "run").glob("*.safetensors"))}
 
 
-def run_vllm(cfg: dict) -> dict:
+def __getattr__(name: str):
+    # vLLM's connector factory imports connectors by module path and class name in the worker
+    if name == "CpuHiddenStatesConnector":
+        return _cpu_connector()
+    raise AttributeError(name)
+
+
+def _cpu_connector():
+    """vLLM's ExampleHiddenStatesConnector, unchanged but for what the CPU engine cannot do:
+    its host copy of the hidden states asks for pinned memory (``torch.empty_like(...,
+    pin_memory=True)``: "pin_memory=True requires a CUDA or other accelerator backend"), and it
+    tracks that copy with ``torch.cuda.Event``s, which the CPU build only has as placeholders
+    without ``query`` ("'_EventPlaceholder' object has no attribute 'query'"). Here the copy is
+    a plain one and its events are done when made (on a CPU the copy is finished when it
+    returns)."""
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+        ExampleHiddenStatesConnector,
+    )
+
+    class DoneEvent:
+        def record(self, stream=None):
+            pass
+
+        def query(self) -> bool:
+            return True
+
+        def synchronize(self) -> None:
+            pass
+
+    class CpuHiddenStatesConnector(ExampleHiddenStatesConnector):
+        def _submit_async_write(self, pending) -> None:
+            orig_like, orig_event = torch.empty_like, torch.cuda.Event
+
+            def empty_like(t, *a, **kw):
+                kw.pop("pin_memory", None)
+                return orig_like(t, *a, **kw)
+
+            torch.empty_like, torch.cuda.Event = empty_like, DoneEvent
+            try:
+                super()._submit_async_write(pending)
+            finally:
+                torch.empty_like, torch.cuda.Event = orig_like, orig_event
+
+    return CpuHiddenStatesConnector
+
+
+def run_vllm(cfg: dict, connector: str = "ExampleHiddenStatesConnector") -> dict:
     os.environ["XMIX_DISABLE"] = "1"
     from vllm import LLM, SamplingParams
 
     out = Path(cfg["out"])
+    kv = {"kv_connector": connector, "kv_role": "kv_producer",
+          "kv_connector_extra_config": {"shared_storage_path": str(out)}}
+    if connector != "ExampleHiddenStatesConnector":
+        kv["kv_connector_module_path"] = HERE.stem
     llm = LLM(model=cfg["model"], **ENGINE,
               speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
                                   "draft_model_config": {"hf_config": {
                                       "eagle_aux_hidden_state_layer_ids": list(cfg["capture"])}}},
-              kv_transfer_config={"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
-                                  "kv_connector_extra_config": {"shared_storage_path": str(out)}})
+              kv_transfer_config=kv)
     from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
         load_hidden_states,
     )
@@ -133,6 +184,9 @@ def run_vllm(cfg: dict) -> dict:
             "bytes": sum(f.stat().st_size for f in out.rglob("*.safetensors"))}
 
 
+HF_BATCH = 16
+
+
 def run_hf(cfg: dict) -> dict:
     import torch
     from safetensors.torch import save_file
@@ -146,12 +200,15 @@ def run_hf(cfg: dict) -> dict:
     def once(prompts, name):
         acts = {k: [] for k in cfg["capture"]}
         n = 0
+        # prompts of one length go in batches (no padding to remove), others one by one
+        b = HF_BATCH if len({len(p) for p in prompts}) == 1 else 1
         with torch.inference_mode():
-            for p in prompts:
-                hs = model(torch.tensor([p]), output_hidden_states=True).hidden_states
+            for i in range(0, len(prompts), b):
+                ids = torch.tensor(prompts[i:i + b])
+                hs = model(ids, output_hidden_states=True).hidden_states
                 for k in cfg["capture"]:
-                    acts[k].append(hs[k][0])
-                n += len(p)
+                    acts[k].append(hs[k].reshape(-1, hs[k].shape[-1]))
+                n += ids.numel()
         save_file({f"layer_{k}": torch.cat(v) for k, v in acts.items()}, str(out / f"{name}.safetensors"))
         return n
 
@@ -162,7 +219,8 @@ def run_hf(cfg: dict) -> dict:
     return {"tokens": n, "seconds": dt, "bytes": (out / "run.safetensors").stat().st_size}
 
 
-METHODS = {"xmix": run_xmix, "vllm": run_vllm, "hf": run_hf}
+METHODS = {"xmix": run_xmix, "vllm": run_vllm,
+           "vllm_cpu": lambda cfg: run_vllm(cfg, "CpuHiddenStatesConnector"), "hf": run_hf}
 
 
 def worker(method: str, cfg_json: str) -> int:
@@ -209,7 +267,7 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=96)
     ap.add_argument("--capture", default="2,4,6,8", help="layer ids k: the stream after k layers")
     ap.add_argument("--shard-mb", type=float, default=64.0)
-    ap.add_argument("--methods", default="xmix,vllm,hf")
+    ap.add_argument("--methods", default="xmix,vllm,vllm_cpu,hf")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--config", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -233,13 +291,17 @@ def main() -> int:
                    "capture": capture, "out": str(work / m), "result": str(work / f"{m}.json"),
                    "shard_mb": args.shard_mb}
             print(f"[bench] {m} ...", file=sys.stderr, flush=True)
-            env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
+            env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
+                   "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")]))}
             r = subprocess.run([sys.executable, str(HERE), "--worker", m, "--config", json.dumps(cfg)],
                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
             try:
                 results[m] = json.loads((work / f"{m}.json").read_text())
             except (OSError, ValueError):
                 results[m] = {"error": f"the {m} process exited with {r.returncode}: {r.stderr[-2000:]}"}
+            root = re.search(r"Worker failed with error '(.*?)', please check", r.stderr or "")
+            if "error" in results[m] and root:  # the engine's root cause, not "EngineDeadError"
+                results[m]["error"] = root.group(1)
             shutil.rmtree(work / m, ignore_errors=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
