@@ -250,3 +250,36 @@ def test_byte_accounting_bounds_the_encoded_size():
 def test_options_per_request_budget_is_split_between_sequences():
     assert parse_options({}, n=4, server_cap=1000).max_bytes == 250
     assert parse_options({"max_result_bytes": 600}, n=2, server_cap=1000).max_bytes == 300
+
+
+def test_gate_counters_read_the_packed_results_the_engine_core_sends():
+    """The per-app gate counters (/metrics, the console's Live view) see each output's results
+    as the engine core packs them (raw arrays), not as lists. Hand count: gate p >= 0.5 over
+    0.2, 0.9, NaN, 0.7 ran on 4 positions and held on 2 (NaN compares false)."""
+    import threading
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry
+
+    from xmix.hooks import ModelShape
+    from xmix.integrations.vllm import metrics
+    from xmix.integrations.vllm.usage import Usage
+    from xmix.lowering import lower
+
+    shape = ModelShape(n_layers=2, hidden_size=8, vocab_size=50, model_name="m")
+    app = xmix.App("a")
+    app.read("probe", weight=torch.ones(8), bias=0.0).layers([0]).submodule("residual.post").named("p")
+    app.write("add", vector=torch.ones(8), scale=1.0).layers([1]).submodule("residual.post") \
+        .cond(gate="p >= 0.5")
+    reg = SimpleNamespace(apps={"a": SimpleNamespace(mode="request", lowered=lower(app, shape, None),
+                                                     defaults={})},
+                          lock=threading.RLock(), shape=shape)
+    m = metrics._make(CollectorRegistry())
+    u = Usage(reg, m)
+    u.admitted("r", {"apps": ["a"]})
+    vals = np.array([0.2, 0.9, np.nan, 0.7], dtype=np.float32)
+    packed = pack_results({"a": {"p": ReadResult.of("scalar", [0, 1, 2, 3], vals)}})
+    u.output("r", packed, 1, True)
+    ran = m["gate_tokens"].labels(model_name="m", app="a", gate="p >= 0.5")._value.get()
+    held = m["gate_fired"].labels(model_name="m", app="a", gate="p >= 0.5")._value.get()
+    assert (ran, held) == (4, 2)

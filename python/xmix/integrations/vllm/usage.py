@@ -24,12 +24,14 @@ import math
 import struct
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from xmix import conditions as C
 from xmix import reference as R
 from xmix.console.decisions import read_scalar
+from xmix.results_codec import ReadResult
 
 logger = logging.getLogger("vllm.xmix")
 
@@ -95,6 +97,16 @@ def count_gate(values: list, gate: _Gate) -> tuple[int, int]:
     return ran, fired
 
 
+def _values_of(entry: Any) -> list | None:
+    """A gate read's values in the default JSON shape. The engine core sends results packed
+    as raw arrays (``results_codec.ReadResult.pack``); only gate reads are unpacked here."""
+    if isinstance(entry, dict) and "k" in entry and "v" in entry:
+        return ReadResult.unpack(entry).json_values()
+    if isinstance(entry, Mapping) and isinstance(entry.get("values"), list):
+        return entry["values"]
+    return None
+
+
 class Usage:
     def __init__(self, registry, metrics: dict, clock=time.monotonic):
         self.registry = registry
@@ -142,10 +154,10 @@ class Usage:
                 if not isinstance(reads, dict):
                     continue
                 for g in gates:
-                    entry = reads.get(g.read)
-                    if not isinstance(entry, dict) or not isinstance(entry.get("values"), list):
+                    values = _values_of(reads.get(g.read))
+                    if values is None:
                         continue
-                    ran, fired = count_gate(entry["values"], g)
+                    ran, fired = count_gate(values, g)
                     if ran:
                         self._inc("gate_tokens", ran, app=app, gate=g.label)
                         self._inc("gate_fired", fired, app=app, gate=g.label)
