@@ -283,3 +283,21 @@ def test_gate_counters_read_the_packed_results_the_engine_core_sends():
     ran = m["gate_tokens"].labels(model_name="m", app="a", gate="p >= 0.5")._value.get()
     held = m["gate_fired"].labels(model_name="m", app="a", gate="p >= 0.5")._value.get()
     assert (ran, held) == (4, 2)
+
+
+def test_flat_result_options_become_the_json_forms_keys():
+    from xmix.integrations.vllm.request_controls import control_from_args
+
+    got = control_from_args({"xmix_apps": "cap", "xmix_encoding": "base64", "xmix_compression": "zstd",
+                             "xmix_dtype": "float16", "xmix_positions": "prompt, -8:, 0:4",
+                             "xmix_max_result_bytes": 4096})
+    assert got == {"apps": ["cap"], "params": {}, "encoding": "base64", "compression": "zstd",
+                   "dtype": "float16", "positions": ["prompt", [-8, None], [0, 4]],
+                   "max_result_bytes": 4096}
+    assert parse_options(got).window.mask(np.arange(12), 10).tolist() == [True] * 10 + [False] * 2
+    assert control_from_args({"xmix_positions": ["last_token", "generated"]})["positions"] == \
+        ["last_token", "generated"]
+    with pytest.raises(ValueError, match="'xmix_positions'.*not a START:STOP range"):
+        control_from_args({"xmix_positions": "1:x"})
+    with pytest.raises(ValueError, match="unknown flat control 'xmix_encodings'"):
+        control_from_args({"xmix_encodings": "base64"})

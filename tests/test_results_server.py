@@ -56,7 +56,7 @@ def server(tmp_path_factory):
     port = _free_port()
     model = str(tiny_model_path("tiny-llama"))
     cmd = [sys.executable, "-m", "xmix.cli", "serve", model, "--port", str(port), "--dtype", "float32",
-           "--max-model-len", "512", "--served-model-name", "tiny", "--max-result-bytes", str(SERVER_CAP)]
+           "--max-model-len", "512", "--served-model-name", "tiny", "--xmix-max-result-bytes", str(SERVER_CAP)]
     for p in paths:
         cmd += ["--app", str(p)]
     log = open(tmp / "serve.log", "w")
@@ -160,6 +160,34 @@ def test_windows_over_http(server):
         res = r.json()["xmix"]["cap"]
         assert res["h"]["positions"] == want and res["p"]["positions"] == want
         assert len(res["h"]["values"]) == len(want) and len(res["h"]["values"][0]) == D
+
+
+def test_result_options_in_the_flat_form(server):
+    """xmix_<option> keys are the JSON form's options: same positions and numbers, and the
+    response and every stream chunk in the encoding they ask for."""
+    p = len(server["tok"].encode(PROMPT))
+    flat = {"xmix_apps": "cap", "xmix_encoding": "base64", "xmix_dtype": "bfloat16",
+            "xmix_positions": "1:3,generated"}
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "vllm_xargs": flat}
+    r = server["client"].post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert all(e["encoding"] == "base64" for e in r.json()["xmix"]["cap"].values())
+    got = xmix.decode_results(r.json()["xmix"])
+    ref = xmix.decode_results(complete(server, {"apps": ["cap"], "encoding": "base64", "dtype": "bfloat16",
+                                                "positions": [[1, 3], "generated"]}).json()["xmix"])
+    for key in ("h", "p"):
+        assert got["cap"][key]["positions"].tolist() == [1, 2, *range(p, p + 5)]
+        assert torch.equal(got["cap"][key]["positions"], ref["cap"][key]["positions"])
+        _same(got["cap"][key]["values"], ref["cap"][key]["values"])
+    chunks = []
+    with server["client"].stream("POST", "/v1/completions", json={**body, "stream": True}) as s:
+        assert s.status_code == 200
+        chunks = [json.loads(line[6:])["xmix"] for line in s.iter_lines()
+                  if line.startswith("data: {") and '"xmix"' in line]
+    assert chunks and all(e["encoding"] == "base64" for c in chunks for e in c["cap"].values())
+    r = server["client"].post("/v1/completions", json={**body, "vllm_xargs": {**flat, "xmix_positions": "a:b"}})
+    assert r.status_code == 400 and "'xmix_positions'" in r.json()["error"]["message"]
 
 
 def test_a_nan_read_is_null_and_counted(server):

@@ -32,7 +32,7 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-from xmix.results_codec import DTYPES, Window, _window, to_tensor
+from xmix.results_codec import DTYPES, Window, _window, positions_from_text, to_tensor
 
 FORMAT = "xmix-capture-1"
 APP_NAME = "xmix_capture"
@@ -92,22 +92,10 @@ def parse_sites(sites: str | Iterable[str], n_layers: int | None = None) -> list
 def parse_positions(spec: Any) -> Window:
     """The window of positions: "prompt", "last_token", "A:B" ranges (Python slice syntax,
     negative bounds count from the prompt's end), comma-separated; or the control's JSON form."""
-    if isinstance(spec, str):
-        items: list = []
-        for part in (p.strip() for p in spec.split(",")):
-            if ":" in part:
-                a, _, b = part.partition(":")
-                try:
-                    items.append([int(a) if a.strip() else None, int(b) if b.strip() else None])
-                except ValueError:
-                    raise CaptureError(f"--positions: {part!r} is not a START:STOP range") from None
-            else:
-                items.append(part)
-        spec = items
     try:
-        return _window(spec)
+        return _window(positions_from_text(spec))
     except ValueError as e:
-        raise CaptureError(str(e)) from None
+        raise CaptureError(f"--positions: {e}") from None
 
 
 @dataclass

@@ -408,6 +408,29 @@ def _window(spec: Any) -> Window:
     return Window(tuple(out))
 
 
+def positions_from_text(spec: Any) -> Any:
+    """The "positions" of a control from its text form (the ``xmix capture --positions`` and
+    flat ``xmix_positions`` syntax): "prompt", "generated", "last_token" and "START:STOP"
+    ranges (Python slice syntax: empty = open, negative bounds count from the prompt's end),
+    comma-separated, or a list of such strings; anything else is returned as it is (the JSON
+    form). ValueError for a range that is not two integers."""
+    if isinstance(spec, str):
+        spec = [spec]
+    if not isinstance(spec, list) or not spec or not all(isinstance(x, str) for x in spec):
+        return spec
+    items: list = []
+    for part in (p.strip() for x in spec for p in x.split(",")):
+        if ":" in part:
+            a, _, b = part.partition(":")
+            try:
+                items.append([int(a) if a.strip() else None, int(b) if b.strip() else None])
+            except ValueError:
+                raise ValueError(f'"positions": {_shown(part)} is not a START:STOP range') from None
+        else:
+            items.append(part)
+    return items
+
+
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 

@@ -9,6 +9,12 @@ with one key per item:
     "xmix.steer.scale": 2.0                  one parameter: xmix.<app>.<name>
     "xmix.steer.push.scale": 2.0             <name> as in the JSON form (may hold a dot)
 
+    "xmix_encoding": "base64"            result options (docs/serving.md, Results):
+    "xmix_compression": "zstd"           xmix_<option> = the JSON form's "<option>";
+    "xmix_dtype": "bfloat16"             "xmix_positions" also takes the text form
+    "xmix_positions": "-1:"              "prompt", "-8:", "0:4,generated" (or a list of
+    "xmix_max_result_bytes": 65536       such strings), as vllm_xargs has no null
+
 App names are letters, digits and '_' (``xmix.api``), so the first dot after ``xmix.`` ends
 the app name. The same keys work in offline ``SamplingParams.extra_args``. A request carries
 either the JSON form or the flat form: both at once is refused, naming the keys of each.
@@ -25,6 +31,8 @@ JSON_KEY = "xmix"
 APPS_KEY = "xmix_apps"
 PARAM_PREFIX = "xmix."
 FLAT_PREFIXES = ("xmix_", PARAM_PREFIX)
+OPTION_PREFIX = "xmix_"
+OPTION_NAMES = ("encoding", "compression", "dtype", "positions", "max_result_bytes")
 
 
 def is_flat_key(key: Any) -> bool:
@@ -74,18 +82,31 @@ def control_from_args(extra_args: Mapping | None,
         return None
     apps: list[str] = []
     params: dict[str, dict[str, Any]] = {}
+    options: dict[str, Any] = {}
     for key in flat:
         value = extra_args[key]
         if key == APPS_KEY:
             apps = _apps(value, error)
             continue
+        option = key[len(OPTION_PREFIX):] if key.startswith(OPTION_PREFIX) else None
+        if option in OPTION_NAMES:
+            if option == "positions":
+                from xmix.results_codec import positions_from_text
+
+                try:
+                    value = positions_from_text(value)
+                except ValueError as e:
+                    raise error(f"{key!r}: {e}") from None
+            options[option] = value  # checked by admission with the JSON form's options
+            continue
         if not key.startswith(PARAM_PREFIX):
-            raise error(f"unknown flat control {key!r}; the flat form has {APPS_KEY!r} and "
-                        f"'{PARAM_PREFIX}<app>.<parameter>' keys")
+            raise error(f"unknown flat control {key!r}; the flat form has {APPS_KEY!r}, "
+                        f"'{PARAM_PREFIX}<app>.<parameter>' and "
+                        f"{', '.join(repr(OPTION_PREFIX + o) for o in OPTION_NAMES)} keys")
         app, _, name = key[len(PARAM_PREFIX):].partition(".")
         if not app or not name:
             raise error(f"flat control {key!r} must be '{PARAM_PREFIX}<app>.<parameter>'")
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise error(f"{key!r} must be a number, got {_short(value)}")
         params.setdefault(app, {})[name] = value
-    return {"apps": apps, "params": params}
+    return {"apps": apps, "params": params, **options}

@@ -652,7 +652,13 @@ def json_results(res: dict, opts: ResultOptions = DEFAULT_OPTIONS) -> dict:
 
 
 def _options(request) -> ResultOptions:
-    return options_of_control((getattr(request, "vllm_xargs", None) or {}).get(XMIX_KEY))
+    """The request's result encoding, from either form of its control (checked at admission:
+    anything unreadable here means the defaults)."""
+    try:
+        raw = control_from_args(getattr(request, "vllm_xargs", None))
+    except ValueError:
+        return DEFAULT_OPTIONS
+    return options_of_control(raw)
 
 
 APPLIED_KEY = "xmix_applied"
