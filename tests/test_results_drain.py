@@ -188,3 +188,33 @@ def test_staged_read_back_copies_only_the_rows_a_window_lets_through():
     assert res["b"]["c"]["h"]["positions"] == [0, 1, 2]
     torch.testing.assert_close(torch.tensor(res["b"]["c"]["h"]["values"]), x[4:7])
     assert "c" not in res
+
+
+def test_a_site_that_did_not_run_leaves_no_earlier_results(monkeypatch):
+    """Step 1: "a" reads on rows 0-1. Step 2: "b" (no apps) holds rows 0-1 and "a" row 2, and
+    the whole site program fails before any op ran. The flags of step 1 must not be reported
+    for "b" (nor anything for "a", which fails)."""
+    from xmix import ops
+
+    app, _ = probe_app()
+    hs = Harness(SHAPE, [app])
+    h, r = stream(3)
+    hs.step({"a": Req(2, 0, 2, ("k",))})
+    hs.run("residual.pre", 0, h[:2], r[:2])
+    assert hs.drain()["a"]["k"]["p"]["positions"] == [0, 1]
+    hs.cb.end_step()
+
+    class Broken:
+        def __getattr__(self, name):
+            if name == "run_site_cpu":
+                def fail(*a):
+                    raise MemoryError("no room for scratch rows")
+                return fail
+            return getattr(ops._C, name)
+
+    hs.step({"b": Req(2, 0, 2, ()), "a": Req(1, 2, 2, ("k",))})
+    monkeypatch.setattr(ops, "_C", Broken())
+    hs.run("residual.pre", 0, h, r)
+    monkeypatch.undo()
+    assert list(hs.cb.take_failed()) == ["a"]
+    assert hs.drain() == {}

@@ -6,6 +6,18 @@
 #include "xmix/site.h"
 
 namespace xmix {
+namespace {
+
+// The op reports nothing this step on any of its channels (an SAE read of listed features
+// owns op.n consecutive ones).
+void clear_results(const ControlBlock& cb, const OpDesc& op, int32_t n_rows) {
+  if (op.channel < 0) return;
+  const int32_t n_ch = op.kind == OP_SAE_READ && (op.flags & SAE_FEATURES) ? op.n : 1;
+  for (int32_t t = 0; t < n_rows && t < cb.max_tokens; ++t)
+    for (int32_t c = 0; c < n_ch; ++c) set_result(cb, t, op.channel + c, 0.f, false);
+}
+
+}  // namespace
 
 std::vector<SiteFailure> run_site_cpu(const ControlBlock& cb, int32_t site, void* h, const void* r,
                                       int32_t n_rows, int32_t d, int64_t stride_h, int64_t stride_r,
@@ -22,14 +34,13 @@ std::vector<SiteFailure> run_site_cpu(const ControlBlock& cb, int32_t site, void
     const OpDesc& op = ops[first + k];
     if ((op.kind == OP_CUSTOM) != (pass == 1)) continue;
     if (ptr<const int32_t>(cb.app_mode)[op.app] == MODE_OFF) {
-      // An app switched off still owns its result channel: it reports nothing this step.
-      if (op.channel >= 0) {
-        for (int32_t t = 0; t < n_rows && t < cb.max_tokens; ++t) set_result(cb, t, op.channel, 0.f, false);
-      }
+      // An app switched off still owns its result channels: it reports nothing this step.
+      clear_results(cb, op, n_rows);
       continue;
     }
     // One op's failure must not cost the other ops of the site (other requests' apps) their
     // turn: it is recorded and the site goes on.
+    const size_t n_failed = failed.size();
     try {
       run_op_cpu(cb, op, h, r, n_rows, d, stride_h, stride_r, dtype);
     } catch (const std::exception& e) {
@@ -37,6 +48,9 @@ std::vector<SiteFailure> run_site_cpu(const ControlBlock& cb, int32_t site, void
     } catch (...) {
       failed.push_back({op.app, "unknown exception"});
     }
+    // A read that failed before it set its flags would leave an earlier step's there, and the
+    // drain would report them for whichever request holds those rows now.
+    if (failed.size() != n_failed) clear_results(cb, op, n_rows);
   }
   return failed;
 }

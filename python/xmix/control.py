@@ -726,6 +726,8 @@ class ControlBlock:
                            if (int(self.site_app_mask[site]) >> i) & 1]
                 else:
                     hit = [by_index[index]] if index in by_index else []
+                if index is None:
+                    self._clear_reads(hit)
                 for inst in hit:
                     self.site_errors[inst.name] = self.site_errors.get(inst.name, 0) + 1
                     for slot in slots:
@@ -737,6 +739,16 @@ class ControlBlock:
                         if uses:
                             self.failed[st.req_id] = (f"app {inst.name!r} failed in its site program "
                                                       f"at site {site}: {msg[:500]}")
+
+    def _clear_reads(self, insts) -> None:
+        """These apps report nothing this step: a site program that did not run leaves an
+        earlier step's flags in their channels, which the drain would report for whichever
+        request holds those rows now. Every request of the step that used them fails, so
+        clearing all their channels drops nothing another request should get."""
+        chans = sorted({ch for inst in insts for ch in inst.channels.values()})
+        n_tok, R = getattr(self, "step_tokens", 0), self.cap.max_channels
+        if chans and n_tok:
+            self.dev["result_valid"][: n_tok * R].view(n_tok, R)[:, chans] = 0
 
     def take_failed(self) -> dict[str, str]:
         with self.lock:

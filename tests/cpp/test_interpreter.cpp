@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <stdexcept>
 #include <vector>
 
 #include "xmix/control.h"
@@ -253,4 +254,42 @@ TEST(Reads, ValidityFlagSaysWhereAReadRanEvenWhenItsValueIsNaN) {
   b.app_mode[0] = MODE_OFF;
   run_site_cpu(b.build(4, 2), 0, h.data(), nullptr, 4, Block::D, Block::D, 0, DT_F32);
   for (int t = 0; t < 4; ++t) EXPECT_EQ(valid(t), 0) << t;
+}
+
+namespace {
+int g_position_reads = 0;
+// A user read kernel that reports each row's position, and throws from its second call on.
+void position_then_throw(const xmix_custom_args* a) {
+  if (++g_position_reads > 1) throw std::runtime_error("lookup table gone");
+  for (int32_t t = 0; t < a->n_rows; ++t)
+    if (a->select[t]) a->out[t] = static_cast<float>(a->tok_pos[t]);
+}
+}  // namespace
+
+TEST(Reads, AReadThatFailsReportsNothingThatStep) {
+  // Step 1: the read runs on request 0's two tokens (flags 1). Step 2: it throws; the flags
+  // of step 1 must not stay, or the drain reports them for whoever holds those rows now.
+  Block b;
+  b.request(0, 0, 0, 2, 0, 2);
+  b.slot_apps[0] = 1;
+  OpDesc op{};
+  op.kind = OP_CUSTOM; op.app = 0; op.cond_begin = -1; op.param_base = 0; op.channel = 1;
+  op.state_base = -1;
+  op.fn = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(&position_then_throw));
+  b.ops.push_back(op);
+  b.site_count[0] = 1;
+  std::vector<float> h(2 * Block::D, 0.f);
+  const auto valid = [&](int t) { return b.result_valid[t * Block::R + 1]; };
+  g_position_reads = 0;
+  auto failed = run_site_cpu(b.build(2, 1), 0, h.data(), nullptr, 2, Block::D, Block::D, 0, DT_F32);
+  ASSERT_TRUE(failed.empty());
+  EXPECT_EQ(valid(0), 1);
+  EXPECT_EQ(valid(1), 1);
+  EXPECT_FLOAT_EQ(b.results[1 * Block::R + 1], 1.f);
+  failed = run_site_cpu(b.cb, 0, h.data(), nullptr, 2, Block::D, Block::D, 0, DT_F32);
+  ASSERT_EQ(failed.size(), 1u);
+  EXPECT_EQ(failed[0].app, 0);
+  EXPECT_EQ(failed[0].what, "lookup table gone");
+  EXPECT_EQ(valid(0), 0);
+  EXPECT_EQ(valid(1), 0);
 }
