@@ -754,7 +754,6 @@ def provenance(applied: dict) -> dict:
     return out
 
 
-
 def _count_truncated(state) -> None:
     """One sequence cut at its byte cap, counted on the registry that admitted it."""
     reg = _REGISTRIES.get((state.__dict__.get("_xmix_applied") or {}).get("_reg"))
