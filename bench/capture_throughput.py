@@ -299,9 +299,14 @@ def main() -> int:
                 results[m] = json.loads((work / f"{m}.json").read_text())
             except (OSError, ValueError):
                 results[m] = {"error": f"the {m} process exited with {r.returncode}: {r.stderr[-2000:]}"}
-            root = re.search(r"Worker failed with error '(.*?)', please check", r.stderr or "")
-            if "error" in results[m] and root:  # the engine's root cause, not "EngineDeadError"
-                results[m]["error"] = root.group(1)
+            if "error" in results[m]:  # the engine's root cause, not "EngineDeadError"
+                root = re.search(r"Worker failed with error '(.*?)', please check", r.stderr or "")
+                causes = [l.strip() for l in (r.stderr or "").splitlines()
+                          if re.search(r"\b\w*(Error|Exception): ", l) and "EngineDeadError" not in l]
+                if root:
+                    results[m]["error"] = root.group(1)
+                elif causes:
+                    results[m]["error"] = causes[0][-500:]
             shutil.rmtree(work / m, ignore_errors=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
