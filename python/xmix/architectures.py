@@ -191,6 +191,47 @@ FAMILIES: tuple[Family, ...] = (
                "mlp.post": "sparse MoE block output"},
         tiny="tiny-mixtral",
     ),
+    Family(
+        "qwen3_moe", "Qwen3-MoE", ("Qwen3MoeForCausalLM",),
+        EngineMap({**_LLAMA_VLLM, "router.logits": Tap("mlp.gate", "out")}, fusion_gaps=_LLAMA_GAPS),
+        EngineMap({**_LLAMA_HF, "router.logits": Tap("mlp.gate", "out", router="qwen3_moe")}),
+        notes={"router.logits": "gate logits [T, n_experts] before softmax and top-k "
+                                "(norm_topk_prob renormalises the k chosen); vLLM computes them "
+                                "inside its fused-MoE runner, which calls mlp.gate",
+               "mlp.post": "sparse MoE block output (MoE layers) or the dense MLP's "
+                           "(mlp_only_layers, decoder_sparse_step)"},
+        tiny="tiny-qwen3-moe",
+    ),
+    Family(
+        "deepseek_v2", "DeepSeek-V2", ("DeepseekV2ForCausalLM",),
+        EngineMap({**_LLAMA_VLLM, "router.logits": Tap("mlp.gate", "out")}, fusion_gaps=_LLAMA_GAPS),
+        EngineMap({**_LLAMA_HF, "router.logits": Tap("mlp.gate", "out", router="deepseek_v2")}),
+        notes={"attention.post": "self_attn output: multi-head latent attention (MLA), after o_proj",
+               "router.logits": "gate logits [T, n_routed_experts] (the linear gate, in fp32) "
+                                "before the softmax scores, the group-limited choice (n_group, "
+                                "topk_group) and top-k; shared experts are not routed",
+               "mlp.post": "MoE block output: routed experts (times routed_scaling_factor) plus "
+                           "the shared experts; the dense MLP's in the first_k_dense_replace layers"},
+        tiny="tiny-deepseek-v2",
+    ),
+    Family(
+        "gpt_oss", "GPT-OSS", ("GptOssForCausalLM",),
+        EngineMap({"residual.pre": Tap("", "in", arg=(0, "hidden_states"), fused=True,
+                                       residual_arg=(2, "residual")),
+                   "attention.post": Tap("attn", "out"),
+                   "residual.mid": _vllm_norm_in("post_attention_layernorm"),
+                   "router.logits": Tap("mlp.router", "out"),
+                   "mlp.post": Tap("mlp", "out"),
+                   "residual.post": _VLLM_LAYER_OUT}, fusion_gaps=_LLAMA_GAPS),
+        EngineMap({**_LLAMA_HF, "router.logits": Tap("mlp.router", "out", router="gpt_oss")}),
+        notes={"attention.post": "attention output after o_proj (vLLM's module is attn, "
+                                 "transformers' self_attn; attention sinks inside)",
+               "router.logits": "router logits [T, n_experts] with the router's bias, before "
+                                "top-k; the softmax runs over the k chosen logits only",
+               "mlp.post": "MoE block output (transformers' mlp returns (output, scores): "
+                           "the output)"},
+        tiny="tiny-gpt-oss",
+    ),
     Family("gemma2", "Gemma 2", ("Gemma2ForCausalLM",), EngineMap(_GEMMA_VLLM), EngineMap(_GEMMA_HF),
            notes=_GEMMA_NOTES, tiny="tiny-gemma2"),
     Family("gemma3", "Gemma 3 (text)", ("Gemma3ForCausalLM",), EngineMap(_GEMMA_VLLM), EngineMap(_GEMMA_HF),

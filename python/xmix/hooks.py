@@ -60,9 +60,16 @@ class ModelShape:
     def from_hf_config(config, model_name: str = "") -> "ModelShape":
         text = getattr(config, "text_config", None) or config
         n_layers = int(text.num_hidden_layers)
-        n_experts = int(getattr(text, "num_local_experts", 0) or getattr(text, "num_experts", 0) or 0)
+        n_experts = int(getattr(text, "num_local_experts", 0) or getattr(text, "num_experts", 0)
+                        or getattr(text, "n_routed_experts", 0) or 0)
         moe_layers: tuple[int, ...] = ()
-        if n_experts:
+        if getattr(text, "n_routed_experts", None):
+            # DeepSeek-V2/V3: dense before first_k_dense_replace, then every moe_layer_freq-th
+            # layer (vLLM's rule; transformers ignores the frequency, 1 in every checkpoint)
+            first = int(getattr(text, "first_k_dense_replace", 0) or 0)
+            freq = int(getattr(text, "moe_layer_freq", 1) or 1)
+            moe_layers = tuple(l for l in range(n_layers) if l >= first and l % freq == 0)
+        elif n_experts:
             step = int(getattr(text, "decoder_sparse_step", 1) or 1)
             dense = set(getattr(text, "mlp_only_layers", []) or [])
             moe_layers = tuple(l for l in range(n_layers) if (l + 1) % step == 0 and l not in dense)

@@ -21,6 +21,7 @@ from pathlib import Path
 KINDS = (
     "tiny-llama", "tiny-qwen3", "tiny-mixtral",
     "tiny-gemma2", "tiny-gemma3", "tiny-qwen2", "tiny-mistral", "tiny-phi3", "tiny-olmo2",
+    "tiny-qwen3-moe", "tiny-deepseek-v2", "tiny-gpt-oss",
 )
 
 # Bump when the output of the recipe changes, so cached folders are rebuilt.
@@ -95,6 +96,36 @@ SPECS = {
     "tiny-mistral": ("MistralForCausalLM", {**_COMMON, "sliding_window": None}),
     "tiny-phi3": ("Phi3ForCausalLM", _COMMON),  # fused qkv_proj and gate_up_proj
     "tiny-olmo2": ("Olmo2ForCausalLM", _COMMON),  # post-norm blocks, q/k norms
+    # Layer 0 dense (mlp_only_layers), layers 1-3 MoE: 8 experts, top-2, renormalised.
+    "tiny-qwen3-moe": (
+        "Qwen3MoeForCausalLM",
+        {**_COMMON, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
+         "decoder_sparse_step": 1, "mlp_only_layers": [0], "norm_topk_prob": True},
+    ),
+    # DeepSeek-V2-Lite's shape, shrunk: MLA without a query LoRA; vLLM's CPU MLA kernel only
+    # has the latent size kv_lora_rank + qk_rope_head_dim = 512 + 64. Layer 0 dense
+    # (first_k_dense_replace), layers 1-3 one shared + 8 routed experts, top-2 of the best 2
+    # of 4 groups (group_limited_greedy, DeepSeek-V2's own scoring), softmax scores.
+    "tiny-deepseek-v2": (
+        "DeepseekV2ForCausalLM",
+        {**{k: v for k, v in _COMMON.items() if k != "head_dim"},
+         "num_key_value_heads": 4, "q_lora_rank": None, "kv_lora_rank": 512,
+         "qk_rope_head_dim": 64, "qk_nope_head_dim": 64, "v_head_dim": 64, "head_dim": 64,
+         "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2,
+         "moe_intermediate_size": 128, "first_k_dense_replace": 1, "moe_layer_freq": 1,
+         "topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2,
+         "norm_topk_prob": False, "routed_scaling_factor": 1.0, "scoring_func": "softmax"},
+    ),
+    # GPT-OSS: router with a bias, top-k on the logits then softmax over the k; attention
+    # sinks; alternating sliding / full layers (the window is longer than any test prompt);
+    # the config's own YaRN RoPE (vLLM's GPT-OSS attention reads its factor).
+    "tiny-gpt-oss": (
+        "GptOssForCausalLM",
+        {**{k: v for k, v in _COMMON.items() if k not in ("rope_theta", "intermediate_size")},
+         "intermediate_size": 256, "num_local_experts": 4, "num_experts_per_tok": 2,
+         "sliding_window": 4096,
+         "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]},
+    ),
 }
 # Config classes whose name is not the architecture's with "Config" for "ForCausalLM".
 CONFIG_CLASSES = {"Gemma3ForCausalLM": "Gemma3TextConfig"}
@@ -226,7 +257,7 @@ def _init_weights(model, seed: int, overrides: dict | None = None) -> None:
                 std = over.get("embed_std", EMBED_STD)
             elif name.startswith("lm_head"):
                 std = LM_HEAD_GAIN / math.sqrt(fan_in)
-            elif name.endswith("mlp.gate.weight"):  # the MoE router, not gate_proj
+            elif name.endswith(("mlp.gate.weight", "mlp.router.weight")):  # MoE routers, not gate_proj
                 std = ROUTER_GAIN / math.sqrt(fan_in)
             else:
                 std = 1.0 / math.sqrt(fan_in)

@@ -21,7 +21,7 @@ from torch import nn
 
 import xmix.ops  # noqa: F401  (registers torch.ops.xmix.site)
 from xmix.architectures import EngineMap, Family, Tap, engine_map, resolve
-from xmix.hooks import LAYER_SITES, MODEL_SITES, site_id
+from xmix.hooks import LAYER_SITES, MODEL_SITES, ModelShape, site_id
 
 logger = logging.getLogger("vllm.xmix")  # vLLM's handlers and format apply
 
@@ -67,6 +67,15 @@ def _missing(obj) -> bool:
     return obj is None or type(obj).__name__ == "PPMissingLayer"
 
 
+def _moe_layers(model: nn.Module, family: Family, n_layers: int) -> frozenset[int]:
+    if not family.moe:
+        return frozenset()
+    config = getattr(model, "config", None)
+    if config is None:
+        return frozenset(range(n_layers))
+    return frozenset(ModelShape.from_hf_config(config).moe_layers)
+
+
 def place_sites(model: nn.Module, n_layers: int, family: Family, sites: list[str] | None = None,
                 layers: list[int] | None = None) -> tuple[dict[str, int], frozenset[int]]:
     """Put the hook sites of ``family`` in (only the kinds in ``sites`` and, for per-layer
@@ -87,6 +96,10 @@ def place_sites(model: nn.Module, n_layers: int, family: Family, sites: list[str
         raise RuntimeError(f"xmix: {type(model).__name__} has {len(decoder)} decoder layers at "
                            f"{emap.layers!r}, the config says {n_layers}")
     counts = {name: 0 for name in (*LAYER_SITES, *MODEL_SITES)}
+    # A router exists only in MoE layers (Qwen3-MoE's mlp_only_layers, DeepSeek's first dense
+    # layers): the config says which, and a MoE layer without the table's router module is
+    # still an error. Lowering refuses router ops at other layers with the MoE layer list.
+    moe = _moe_layers(model, family, n_layers)
     # Check every module first, then wrap: nothing half-placed.
     plan: list[tuple[nn.Module, int, Tap, str]] = []
     elsewhere: set[int] = set()            # sites of layers another pipeline stage owns
@@ -95,6 +108,8 @@ def place_sites(model: nn.Module, n_layers: int, family: Family, sites: list[str
             continue
         for name, tap in emap.sites.items():
             if kinds is not None and name not in kinds:
+                continue
+            if name == "router.logits" and idx not in moe:
                 continue
             if _missing(layer):
                 elsewhere.add(site_id(name, idx, n_layers))
