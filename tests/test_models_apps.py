@@ -34,3 +34,15 @@ def test_models_without_a_source_are_asked_for_their_layer():
         with pytest.raises(AppError, match="give layer="):
             seal(torch.ones(3584), model=model)
     assert seal(torch.ones(3584), 12, model="google/gemma-2-9b-it").ops[0].layer_spec == [12]
+
+
+def test_steer_moe_knows_the_moe_models_its_sources_use():
+    from xmix.apps import steer_moe
+
+    for hf_id, L, E in (("Qwen/Qwen3-30B-A3B", 48, 128), ("openai/gpt-oss-20b", 24, 32)):
+        app = steer_moe(torch.zeros(L, E), model=hf_id)
+        assert app.ops[0].site == "router.logits" and app.ops[0].layer_spec == "all"
+        with pytest.raises(AppError, match="mask"):
+            steer_moe(torch.zeros(L, 8), model=hf_id)        # Mixtral's expert count
+    # a model without a source (DeepSeek-V2-Lite): the mask's own shape, nothing checked against it
+    assert steer_moe(torch.zeros(26, 64), model="deepseek-ai/DeepSeek-V2-Lite").ops[0].layer_spec == "all"

@@ -35,8 +35,10 @@ PAPER_MODELS: dict[str, PaperModel] = {
 }
 # Models of the other supported families whose layers an app's own source gives (the
 # defaults tables cite it): Mistral-7B-Instruct-v0.2 is the truthfulness probe paper's model,
-# DeepSeek-R1-Distill-Qwen-1.5B / 7B (Qwen2 architecture) are SEAL's. Gemma 2/3, Phi-3 and
-# OLMo 2 have no such source: the factories ask for their layers.
+# DeepSeek-R1-Distill-Qwen-1.5B / 7B (Qwen2 architecture) are SEAL's; Qwen3-30B-A3B is one of
+# SteerMoE's own models and GPT-OSS-20B one its results are replicated on (MASCing, 2026), both
+# with every layer a MoE layer, which is all steer_moe needs. Gemma 2/3, Phi-3, OLMo 2 and
+# DeepSeek-V2 have no such source: the factories ask for their layers.
 SOURCE_MODELS: dict[str, PaperModel] = {
     m.key: m
     for m in (
@@ -45,6 +47,8 @@ SOURCE_MODELS: dict[str, PaperModel] = {
                    family="qwen2"),
         PaperModel("deepseek-r1-distill-qwen-1.5b", "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", 28, 1536,
                    family="qwen2"),
+        PaperModel("qwen3-30b-a3b", "Qwen/Qwen3-30B-A3B", 48, 2048, 128, 8, family="qwen3_moe"),
+        PaperModel("gpt-oss-20b", "openai/gpt-oss-20b", 24, 2880, 32, 4, family="gpt_oss"),
     )
 }
 KNOWN_MODELS: dict[str, PaperModel] = {**PAPER_MODELS, **SOURCE_MODELS}

@@ -8,8 +8,10 @@ max(s) + ε, experts to deactivate min(s) - ε; then the model's usual top-k.
 xmix mapping: ``write("router", mask=M, delta=ε)`` at router.logits of every MoE layer, all
 tokens, M in {-1, 0, 1}^{L×E} (+1 on, -1 off). No state.
 
-Defaults: Mixtral-8x7B-Instruct only (32 MoE layers, 8 experts, top-2); ε = 0.01. The mask
-comes from ``derive.steer_moe_mask`` (pass ``top_k=2`` there).
+Defaults (the mask's shape, checked): Mixtral-8x7B-Instruct (32 MoE layers, 8 experts, top-2),
+Qwen3-30B-A3B (48, 128, top-8; the paper's), GPT-OSS-20B (24, 32, top-4; SteerMoE replicated on
+it by MASCing); ε = 0.01. The mask comes from ``derive.steer_moe_mask`` (pass the model's
+``top_k`` there). What the rewrite guarantees per family's routing: docs/models.md.
 """
 
 from __future__ import annotations
