@@ -240,8 +240,8 @@ def test_router_edit_runs_the_experts_the_reference_routes_to(env):
     layer = model.model.layers[l]
     (out,) = greedy(env["llm"], env["ids"][:1], 1, [{"apps": ["router1"]}])
     res = xmix.results(out)["router1"]
-    mid = torch.tensor(res[f"mid.{l}"]["values"], dtype=torch.float32)       # [T, d], the prompt
-    got = np.asarray(res[f"mlp.{l}"]["values"], np.float64)
+    mid = torch.tensor(res["mid"]["values"], dtype=torch.float32)       # [T, d], the prompt
+    got = np.asarray(res["mlp"]["values"], np.float64)
     with torch.no_grad():
         x = layer.post_attention_layernorm(mid)
     logits = gate_logits(kind, layer, x)
