@@ -256,3 +256,17 @@ def test_router_edit_runs_the_experts_the_reference_routes_to(env):
     # and the unedited choice gives a clearly different block output (the check can fail)
     other = moe_output(kind, layer, x, plain_idx, route(kind, model.config, logits)[1]).double().numpy()
     assert np.abs(other - want).max() > 100 * 1e-4 * scale
+
+
+def test_derive_steer_moe_refuses_routers_it_does_not_recompute():
+    """``xmix derive steer_moe`` recomputes routing as a softmax top-k (Mixtral, Qwen3-MoE):
+    on DeepSeek-V2 (group-limited) and GPT-OSS (biased router) its counts would be wrong."""
+    from types import SimpleNamespace as NS
+
+    from xmix.apps.derive_cli import DeriveError, derive_steer_moe
+
+    for kind in ("tiny-deepseek-v2", "tiny-gpt-oss"):
+        shape = ModelShape.from_hf_config(transformers.AutoConfig.from_pretrained(tiny_model_path(kind)))
+        llm = NS(xmix=NS(registry=NS(shape=shape)))       # refused before the engine is used
+        with pytest.raises(DeriveError, match=f"{shape.architecture} routes otherwise"):
+            derive_steer_moe(NS(model=kind), llm)

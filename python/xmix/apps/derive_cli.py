@@ -529,6 +529,9 @@ def _router_weights(model_path: str, moe_layers) -> tuple[dict, dict]:
     return norms, gates
 
 
+_SOFTMAX_TOPK_ROUTERS = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
+
+
 def derive_steer_moe(args, llm) -> App:
     """SteerMoE (Fayyaz et al.): which experts each prompt token selects at every MoE layer,
     counted per set; risk difference of activation rates; top experts by sign forced on / off.
@@ -541,6 +544,12 @@ def derive_steer_moe(args, llm) -> App:
     shape = _shape(llm)
     if not shape.n_experts:
         raise DeriveError(f"{args.model} is not a mixture-of-experts model")
+    if shape.architecture not in _SOFTMAX_TOPK_ROUTERS:
+        # DeepSeek-V2's group-limited choice and GPT-OSS's biased router pick other experts
+        # than the softmax top-k recomputed below; counts from it would be silently wrong.
+        raise DeriveError(f"xmix derive steer_moe recomputes routing as softmax top-k "
+                          f"({', '.join(_SOFTMAX_TOPK_ROUTERS)}); {shape.architecture} routes "
+                          f"otherwise (docs/models.md, router.logits per family)")
     cfg = llm.llm_engine.model_config.hf_config
     text = getattr(cfg, "text_config", None) or cfg
     top_k = int(getattr(text, "num_experts_per_tok"))
