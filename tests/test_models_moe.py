@@ -34,7 +34,7 @@ from xmix.integrations.hf import attach
 from xmix.models.tiny import tiny_model_path
 
 from engine_util import PROMPTS, greedy, make_llm, shutdown, tokenize
-from test_models_engine import CONTROLS, _check_convention, assert_reads_match, build_apps
+from test_models_engine import CONTROLS, READ_RTOL, _check_convention, build_apps
 
 transformers = pytest.importorskip("transformers")
 
@@ -43,6 +43,26 @@ MAX_TOKENS = 16
 N_PROMPTS = 9
 DELTA = 0.05
 SITES = ("residual.pre", "attention.post", "residual.mid", "mlp.post", "residual.post")
+
+
+# Absolute tolerance of captured elements near zero, relative to the vector's scale. vLLM's
+# MLA (DeepSeek-V2) attends in the 512-wide latent space with the key/value up-projections
+# folded into the query and output (decode) where transformers attends per head: another
+# summation order, ~3e-5 on elements of rms ~1 in the tiny model (seen here).
+CAPTURE_ATOL = {"tiny-deepseek-v2": 1e-4}
+
+
+def assert_reads_match(engine_res: dict, oracle_res: dict, what: str, atol: float = 1e-5) -> None:
+    assert set(engine_res) == set(oracle_res), f"{what}: apps with results differ"
+    for app, reads in oracle_res.items():
+        assert set(engine_res[app]) == set(reads), f"{what}: reads of {app} differ"
+        for key, o in reads.items():
+            e = engine_res[app][key]
+            assert e["positions"] == o["positions"], f"{what}: {app}.{key} positions differ"
+            want = np.asarray(o["values"], np.float64)
+            scale = max(1.0, float(np.sqrt(np.mean(want ** 2)))) if want.size else 1.0
+            np.testing.assert_allclose(np.asarray(e["values"], np.float64), want, rtol=READ_RTOL,
+                                       atol=atol * scale, err_msg=f"{what}: {app}.{key}")
 
 
 # ------------------------------------------------------------------------------ the reference
@@ -200,9 +220,11 @@ def env(request):
 @pytest.mark.engine
 def test_router_sites_at_the_moe_layers_only(env):
     (st,) = env["llm"].xmix.status()
-    L = env["shape"].n_layers
-    assert len(env["shape"].moe_layers) == L - 1       # each tiny MoE model has one dense layer 0
-    assert st["sites"] == {**{s: L for s in SITES}, "router.logits": L - 1, "final.post": 1}
+    L, moe = env["shape"].n_layers, env["shape"].moe_layers
+    # tiny Qwen3-MoE (mlp_only_layers) and DeepSeek-V2 (first_k_dense_replace) have a dense
+    # layer 0 without a router; every GPT-OSS layer is MoE
+    assert moe == ((0, 1, 2, 3) if env["kind"] == "tiny-gpt-oss" else (1, 2, 3))
+    assert st["sites"] == {**{s: L for s in SITES}, "router.logits": len(moe), "final.post": 1}
 
 
 @pytest.mark.engine
@@ -227,7 +249,7 @@ def test_mixed_batch_matches_the_oracle(env):
                                                params=ctl.get("params"))
         what = f"{env['kind']} request {i} ({ctl})"
         assert toks == o_toks, f"{what} differs from the oracle"
-        assert_reads_match(xmix.results(out), o_res, what)
+        assert_reads_match(xmix.results(out), o_res, what, CAPTURE_ATOL.get(env["kind"], 1e-5))
         changed += toks != env["plain"][i]
         if ctl["apps"] == ["cap"]:
             _check_convention(xmix.results(out)["cap"], env["shape"].n_layers, f"request {i}")
