@@ -177,6 +177,19 @@ def test_router_edit_on_the_transformers_path_routes_as_the_reference(kind):
     assert not torch.equal(plain_sorted, want_idx), "the edit should change the routing"
 
 
+def test_a_deepseek_router_the_site_does_not_follow_is_refused_at_attach():
+    from xmix.lowering import DeployError
+
+    _, tok, model = load("tiny-deepseek-v2")
+    gate = model.model.layers[3].mlp.gate
+    gate.topk_method = "noaux_tc"                  # DeepSeek-V3's scoring, not V2's
+    app = App("moe")
+    app.write("router", mask=torch.ones(8)).layers([3]).submodule("router.logits")
+    with pytest.raises(DeployError, match="topk_method 'noaux_tc'"):
+        attach(model, [app], tokenizer=tok)
+    assert "forward" not in gate.__dict__           # nothing left patched
+
+
 # ------------------------------------------------------------------------------ the engine
 @pytest.fixture(scope="module", params=KINDS)
 def env(request):

@@ -95,7 +95,7 @@ def _deepseek_v2_tail(gate, router_logits):
     scores = router_logits.softmax(dim=-1, dtype=torch.float32)
     if gate.topk_method == "greedy":
         topk_weights, topk_indices = torch.topk(scores, k=gate.top_k, dim=-1, sorted=False)
-    elif gate.topk_method == "group_limited_greedy":
+    else:  # "group_limited_greedy" (_patch_router refuses any other method at attach)
         group_scores = scores.view(-1, gate.num_group, gate.num_experts // gate.num_group).max(dim=-1).values
         group_idx = torch.topk(group_scores, k=gate.topk_group, dim=-1, sorted=False)[1]
         group_mask = torch.zeros_like(group_scores)
@@ -105,9 +105,6 @@ def _deepseek_v2_tail(gate, router_logits):
                       .reshape(-1, gate.num_experts))
         scores = scores.masked_fill(~score_mask.bool(), 0.0)
         topk_weights, topk_indices = torch.topk(scores, k=gate.top_k, dim=-1, sorted=False)
-    else:
-        raise DeployError(f"xmix.integrations.hf: DeepSeek-V2 topk_method {gate.topk_method!r} "
-                          f"is not one transformers 5.19 has")
     topk_weights = topk_weights * gate.routed_scaling_factor
     return router_logits, topk_weights, topk_indices
 
@@ -667,6 +664,11 @@ class Attachment:
         if type(gate).__name__ != want:
             raise TypeError(f"xmix.integrations.hf: router.logits at layer {layer} needs a {want} "
                             f"at {tap.module}, found {type(gate).__name__}")
+        method = getattr(gate, "topk_method", None)
+        if tap.router == "deepseek_v2" and method not in ("greedy", "group_limited_greedy"):
+            raise DeployError(f"xmix.integrations.hf: DeepSeek-V2 router at layer {layer} uses "
+                              f"topk_method {method!r}; the router.logits site follows 'greedy' and "
+                              f"'group_limited_greedy' (transformers 5.19's)")
         attachment = self
 
         def forward(hidden_states):
