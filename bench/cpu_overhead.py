@@ -6,6 +6,10 @@ Configurations (same engine settings, tiny Llama, greedy, fixed output length):
                  no request uses them
   steer-1layer   xmix, every request uses one single-layer steering app
   probe-1layer   xmix, every request uses one single-layer probe (results returned)
+  ablate-all     xmix, every request uses directional ablation at residual.pre,
+                 attention.post and mlp.post of every layer
+  cast           xmix, every request uses CAST (cosine read over the prompt at one layer, a
+                 latch, an add at the second half of the layers; xmix.apps.cast)
 
 Rounds are interleaved (vanilla, unused, steer, probe, vanilla, ...) so that machine noise
 hits every configuration alike; the table gives the median tokens/s per configuration and the
@@ -37,6 +41,7 @@ def main() -> None:
     from vllm import SamplingParams
 
     import xmix
+    from xmix.apps import cast
     from xmix.models.tiny import tiny_model_path
 
     path = str(tiny_model_path(args.model))
@@ -58,7 +63,11 @@ def main() -> None:
     r = torch.randn(d, generator=g)
     for site in ("residual.pre", "attention.post", "mlp.post"):
         ablate.write("ablate", direction=r).layers("all").submodule(site)
-    for a in (steer, probe, ablate):
+    n = llm.llm_engine.model_config.hf_config.num_hidden_layers
+    cast_app = cast(torch.randn(d, generator=g), torch.randn(d, generator=g) / d ** 0.5,
+                    condition_layer=max(1, n // 4), behavior_layers=list(range(n // 2, n)),
+                    threshold=-1.0, name="cast")
+    for a in (steer, probe, ablate, cast_app):
         llm.xmix.deploy(a)
 
     prompts = [{"prompt_token_ids": [1] + [(7 * i + 13 * j) % 400 + 3 for j in range(24)]}
@@ -73,6 +82,8 @@ def main() -> None:
         "unused": (llm, sp(None)),
         "steer-1layer": (llm, sp(["steer"])),
         "probe-1layer": (llm, sp(["probe"])),
+        "ablate-all": (llm, sp(["ablate"])),
+        "cast": (llm, sp(["cast"])),
     }
     # warm-up (compilation, allocator) once per configuration
     for eng, p in configs.values():

