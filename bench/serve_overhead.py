@@ -221,14 +221,16 @@ class Server:
             time.sleep(1)
 
     def engine_pids(self) -> dict[str, int]:
-        """The API server (frontend) and engine-core processes, for the profiler."""
+        """The API server (frontend), engine-core and worker (model runner) processes."""
         import psutil
 
         out = {"api_server": self.proc.pid}
         for ch in psutil.Process(self.proc.pid).children(recursive=True):
             with contextlib.suppress(psutil.Error):
-                if "EngineCore" in ch.name() or "EngineCore" in " ".join(ch.cmdline()):
-                    out["engine_core"] = ch.pid
+                title = " ".join(ch.cmdline())
+                for role, name in (("engine_core", "EngineCore"), ("worker", "Worker")):
+                    if name in title:
+                        out[role] = ch.pid
         return out
 
     def stop(self) -> None:
@@ -355,7 +357,50 @@ def profile(args, model: Path, apps: list[Path], configs: list[str], out: Path, 
                     s.wait(timeout=120)
         finally:
             server.stop()
-    print(f"profiles (py-spy collapsed stacks) in {out}")
+    report = profile_report(out)
+    (out / "summary.txt").write_text(report)
+    print(report + f"\nprofiles (py-spy collapsed stacks) and summary.txt in {out}")
+
+
+def profile_report(folder: Path, top: int = 12) -> str:
+    """Per collapsed-stack file: samples, the share with an xmix frame on the stack, and the
+    functions (inclusive, by file:function) that hold most samples, xmix's and the rest."""
+    lines = []
+    for f in sorted(folder.glob("*.txt")):
+        if f.name == "summary.txt":
+            continue
+        total, in_xmix, incl, self_ = 0, 0, {}, {}
+        for line in f.read_text().splitlines():
+            stack, _, n = line.rpartition(" ")
+            if not n.isdigit():
+                continue
+            n = int(n)
+            frames = [fr.strip() for fr in stack.split(";")]
+            total += n
+            names = []
+            for fr in frames:
+                fn, _, loc = fr.partition(" (")
+                path = loc.split(":")[0]
+                if "/xmix/" in path:
+                    short = "xmix/" + path.split("/xmix/", 1)[1]
+                elif "site-packages/" in path:
+                    short = path.split("site-packages/", 1)[1]
+                else:
+                    short = "/".join(path.split("/")[-2:])
+                names.append(f"{short}:{fn}")
+            if any("/xmix/" in fr for fr in frames):
+                in_xmix += n
+            for nm in set(names):
+                incl[nm] = incl.get(nm, 0) + n
+            if names:
+                self_[names[-1]] = self_.get(names[-1], 0) + n
+        if not total:
+            continue
+        lines.append(f"== {f.stem}: {total} samples, {100 * in_xmix / total:.1f} % with an xmix frame")
+        xm = sorted(((v, k) for k, v in incl.items() if k.startswith("xmix/")), reverse=True)[:top]
+        lines += [f"   xmix incl {100 * v / total:5.1f} %  {k}" for v, k in xm]
+        lines += [f"   self      {100 * v / total:5.1f} %  {k}" for v, k in sorted(((v, k) for k, v in self_.items()), reverse=True)[:top]]
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------- main
