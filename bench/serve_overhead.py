@@ -363,43 +363,42 @@ def profile(args, model: Path, apps: list[Path], configs: list[str], out: Path, 
 
 
 def profile_report(folder: Path, top: int = 12) -> str:
-    """Per collapsed-stack file: samples, the share with an xmix frame on the stack, and the
-    functions (inclusive, by file:function) that hold most samples, xmix's and the rest."""
+    """Per collapsed-stack file (py-spy --format raw): samples, xmix's own share and where it
+    goes, and the functions with the most self samples. A sample is xmix's own when, among
+    its frames from xmix and vLLM, the innermost is xmix's (xmix code or what it calls: torch,
+    numpy, json), not a wrapper of xmix that called back into vLLM; it is attributed to that
+    innermost xmix function."""
+    def short(frame: str) -> tuple[str, str]:
+        fn, _, loc = frame.strip().partition(" (")
+        path = loc.split(":")[0]
+        for root in ("xmix/", "vllm/"):
+            if path.startswith(root) or f"/{root}" in path:
+                return root[:-1], root + path.split(root, 1)[1] + ":" + fn
+        return "", "/".join(path.split("/")[-2:]) + ":" + fn
+
     lines = []
     for f in sorted(folder.glob("*.txt")):
         if f.name == "summary.txt":
             continue
-        total, in_xmix, incl, self_ = 0, 0, {}, {}
+        total, own, by_fn, self_ = 0, 0, {}, {}
         for line in f.read_text().splitlines():
             stack, _, n = line.rpartition(" ")
             if not n.isdigit():
                 continue
             n = int(n)
-            frames = [fr.strip() for fr in stack.split(";")]
+            frames = [short(fr) for fr in stack.split(";")]
             total += n
-            names = []
-            for fr in frames:
-                fn, _, loc = fr.partition(" (")
-                path = loc.split(":")[0]
-                if "/xmix/" in path:
-                    short = "xmix/" + path.split("/xmix/", 1)[1]
-                elif "site-packages/" in path:
-                    short = path.split("site-packages/", 1)[1]
-                else:
-                    short = "/".join(path.split("/")[-2:])
-                names.append(f"{short}:{fn}")
-            if any("/xmix/" in fr for fr in frames):
-                in_xmix += n
-            for nm in set(names):
-                incl[nm] = incl.get(nm, 0) + n
-            if names:
-                self_[names[-1]] = self_.get(names[-1], 0) + n
+            if frames:
+                self_[frames[-1][1]] = self_.get(frames[-1][1], 0) + n
+            inner = next(((o, nm) for o, nm in reversed(frames) if o), None)
+            if inner and inner[0] == "xmix":
+                own += n
+                by_fn[inner[1]] = by_fn.get(inner[1], 0) + n
         if not total:
             continue
-        lines.append(f"== {f.stem}: {total} samples, {100 * in_xmix / total:.1f} % with an xmix frame")
-        xm = sorted(((v, k) for k, v in incl.items() if k.startswith("xmix/")), reverse=True)[:top]
-        lines += [f"   xmix incl {100 * v / total:5.1f} %  {k}" for v, k in xm]
-        lines += [f"   self      {100 * v / total:5.1f} %  {k}" for v, k in sorted(((v, k) for k, v in self_.items()), reverse=True)[:top]]
+        lines.append(f"== {f.stem}: {total} samples, xmix's own {100 * own / total:.1f} %")
+        lines += [f"   xmix {100 * v / total:5.1f} %  {k}" for v, k in sorted(((v, k) for k, v in by_fn.items()), reverse=True)[:top]]
+        lines += [f"   self {100 * v / total:5.1f} %  {k}" for v, k in sorted(((v, k) for k, v in self_.items()), reverse=True)[:top]]
     return "\n".join(lines)
 
 
