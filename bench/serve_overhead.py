@@ -466,10 +466,13 @@ def main() -> None:
 
     table = ratio_table(rounds, configs, conc)
     cmd = "python bench/serve_overhead.py " + " ".join(sys.argv[1:])
+    rev = subprocess.run(["git", "-C", str(Path(__file__).parent), "describe", "--always", "--dirty"],
+                         capture_output=True, text=True).stdout.strip() or "unknown"
     header = (f"machine: {platform.machine()} {platform.processor() or ''}, {os.cpu_count()} cores, "
               f"no GPU; torch {torch.__version__}, vLLM {vllm.__version__}\n"
               f"date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC\n"
               f"command: {cmd}\n"
+              f"code: {rev}\n"
               f"model: {args.model} ({model.name}), float32; random dataset, {args.input_len} input / "
               f"{args.output_len} output tokens (ignore_eos), {args.num_prompts} prompts, "
               f"request rate {args.request_rate}; {args.rounds} interleaved rounds\n"
