@@ -234,13 +234,17 @@ class Server:
         return out
 
     def stop(self) -> None:
+        # SIGTERM to the API server alone: it shuts its engine down in order. A SIGTERM to the
+        # whole group kills the engine core under it, and the server then logs EngineDeadError.
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGTERM)
+            os.kill(self.proc.pid, signal.SIGTERM)
         try:
             self.proc.wait(timeout=90)
         except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+            pass
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # whatever outlived it
+        self.proc.wait()
         self._log.close()
 
 
