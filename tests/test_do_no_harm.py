@@ -90,6 +90,8 @@ def test_worker_gate(monkeypatch):
     calls = []
 
     class Runner:
+        __xmix_stands_for__ = "vllm.v1.worker.cpu_model_runner:CPUModelRunner"
+
         def __init__(self, extra, arch):
             hf = SimpleNamespace(architectures=[arch])
             self.vllm_config = SimpleNamespace(additional_config=extra,

@@ -32,7 +32,10 @@ SHAPE = ModelShape(n_layers=2, hidden_size=D, vocab_size=32)
 
 
 class FakeRunnerV2:
-    """Just the methods the adapter wraps, with V2's signatures."""
+    """Just the methods the adapter wraps, with V2's signatures (checked against
+    fence.PATCHES by test_v2_stand_ins_match_the_fence_table)."""
+
+    __xmix_stands_for__ = "vllm.v1.worker.gpu.model_runner:GPUModelRunner"
 
     def __init__(self):
         self.calls = []
@@ -48,13 +51,29 @@ class FakeRunnerV2:
     def prepare_inputs(self, scheduler_output, batch_req_state, batch_desc, num_active_loras):
         return batch_req_state  # the test passes the InputBatch it wants returned
 
-    def execute_model(self, scheduler_output, intermediate_tensors=None, dummy_run=False, **kw):
+    def execute_model(self, scheduler_output, intermediate_tensors=None, dummy_run=False,
+                      skip_attn_for_dummy_run=False, is_profile=False, context_len=None,
+                      valid_dummy_state_slots=None, randomize_inputs=False):
         if self.forward is not None and not dummy_run:
             self.forward()
         return None
 
     def sample_tokens(self, grammar_output=None):
         return self.outputs.pop(0) if self.outputs else NS(req_ids=["a", "b"])
+
+
+def test_v2_stand_ins_match_the_fence_table():
+    """The stand-in has exactly the parameters the fence expects of vLLM's runner V2, and
+    every V2 method the fence wraps exists on it: neither can drift silently."""
+    from xmix.integrations.vllm import fence
+
+    target = FakeRunnerV2.__xmix_stands_for__
+    wrapped = [p for p in fence.PATCHES if p.target == target and p.method != "load_model"]
+    assert wrapped, "the fence table has no runner V2 entries"
+    for p in wrapped:
+        orig = fence.original(FakeRunnerV2, p.method)
+        assert orig is not None, f"stand-in lacks {p.method}"
+        assert fence.params_of(orig) == p.params, p.method
 
 
 def _worker(apps, queue=None) -> WorkerXmix:

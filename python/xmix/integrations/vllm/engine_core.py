@@ -14,16 +14,17 @@ from __future__ import annotations
 
 from xmix.results_codec import pack_results
 
+from . import fence
 from .worker import RESULTS_ATTR, merge_results
 
 XMIX_KEY = "xmix"
 
 
 def patch_scheduler(cls) -> None:
-    if getattr(cls, "_xmix_patched", False):
+    if fence.applied(cls, "update_from_output", "engine_core"):
         return
-    orig_update = cls.update_from_output
-    orig_finish = cls.finish_requests
+    orig_update = fence.current(cls, "update_from_output")
+    orig_finish = fence.current(cls, "finish_requests")
 
     def update_from_output(self, scheduler_output, model_runner_output):
         store: dict = self.__dict__.setdefault("_xmix_results", {})
@@ -51,6 +52,5 @@ def patch_scheduler(cls) -> None:
                 store.pop(rid, None)
         return orig_finish(self, request_ids, finished_status)
 
-    cls.update_from_output = update_from_output
-    cls.finish_requests = finish_requests
-    cls._xmix_patched = True
+    fence.replace(cls, "update_from_output", update_from_output, by="engine_core")
+    fence.replace(cls, "finish_requests", finish_requests, by="engine_core")

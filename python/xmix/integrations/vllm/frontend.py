@@ -50,7 +50,7 @@ from xmix.results_codec import (OPTION_KEYS, TRUNCATED_KEY, ResultOptions, as_li
                                 copy_results, max_result_bytes, parse_options, position_bytes,
                                 read_shape, unpack_results)
 
-from . import tenants
+from . import fence, tenants
 from .request_controls import control_from_args
 
 logger = logging.getLogger("vllm.xmix")  # vLLM's handlers and format apply
@@ -587,9 +587,9 @@ def _prompt_len(req) -> int:
 
 
 def patch_input_processor(cls) -> None:
-    if getattr(cls, "_xmix_patched", False):
+    if fence.applied(cls, "process_inputs", "frontend"):
         return
-    orig = cls.process_inputs
+    orig = fence.current(cls, "process_inputs")
 
     def process_inputs(self, *args, **kwargs):
         req = orig(self, *args, **kwargs)
@@ -617,21 +617,20 @@ def patch_input_processor(cls) -> None:
             sp.skip_reading_prefix_cache = True
         return req
 
-    cls.process_inputs = process_inputs
-    cls._xmix_patched = True
+    fence.replace(cls, "process_inputs", process_inputs, by="frontend")
 
 
 def patch_output_processor(out_cls, state_cls, request_output_cls) -> None:
     """Results live on each CompletionOutput (``.xmix``: one sequence's reads, so ``n > 1``
     keeps its sequences apart) and on the RequestOutput (``.xmix``: those of ``outputs[0]``,
     the only sequence when ``n == 1``)."""
-    if getattr(out_cls, "_xmix_patched", False):
+    if fence.applied(out_cls, "process_outputs", "frontend"):
         return
-    orig_process = out_cls.process_outputs
-    orig_make = state_cls.make_request_output
-    orig_new_completion = state_cls._new_completion_output
-    orig_add = request_output_cls.add
-    orig_from_new = state_cls.__dict__["from_new_request"].__func__
+    orig_process = fence.current(out_cls, "process_outputs")
+    orig_make = fence.current(state_cls, "make_request_output")
+    orig_new_completion = fence.current(state_cls, "_new_completion_output")
+    orig_add = fence.current(request_output_cls, "add")
+    orig_from_new = fence.current(state_cls, "from_new_request").__func__
 
     def from_new_request(cls, tokenizer, request, *args, **kwargs):
         st = orig_from_new(cls, tokenizer, request, *args, **kwargs)
@@ -733,12 +732,11 @@ def patch_output_processor(out_cls, state_cls, request_output_cls) -> None:
         if self.outputs and hasattr(self.outputs[0], XMIX_KEY):
             self.xmix = getattr(self.outputs[0], XMIX_KEY, None) or {}
 
-    out_cls.process_outputs = process_outputs
-    state_cls.from_new_request = classmethod(from_new_request)
-    state_cls.make_request_output = make_request_output
-    state_cls._new_completion_output = _new_completion_output
-    request_output_cls.add = add
-    out_cls._xmix_patched = True
+    fence.replace(out_cls, "process_outputs", process_outputs, by="frontend")
+    fence.replace(state_cls, "from_new_request", classmethod(from_new_request), by="frontend")
+    fence.replace(state_cls, "make_request_output", make_request_output, by="frontend")
+    fence.replace(state_cls, "_new_completion_output", _new_completion_output, by="frontend")
+    fence.replace(request_output_cls, "add", add, by="frontend")
 
 
 def provenance(applied: dict) -> dict:

@@ -6,29 +6,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from . import enable
-from .frontend import Controller
+from . import enable, fence
+from .offline import controller  # noqa: F401  (kept importable from here)
 from .plugin import register
 
 logger = logging.getLogger("vllm.xmix")
-
-
-def controller(llm) -> Controller:
-    """The xmix control plane of an offline ``vllm.LLM`` (made on first use)."""
-    ctl = llm.__dict__.get("_xmix_controller")
-    if ctl is None:
-        engine = llm.llm_engine
-        if not enable.requested(engine.vllm_config):
-            raise RuntimeError("xmix is not enabled on this engine: use xmix.LLM, or pass "
-                               "additional_config={'xmix': True} to vllm.LLM (or set XMIX_ENABLE=1 "
-                               "before it starts)")
-
-        def rpc(method: str, args: tuple):
-            return engine.collective_rpc(method, None, args, {})
-
-        ctl = Controller(engine.input_processor, rpc)
-        llm.__dict__["_xmix_controller"] = ctl
-    return ctl
 
 
 def check_architecture(model: str, **kwargs) -> None:
@@ -58,6 +40,7 @@ def _make_llm_class():
 
         def __init__(self, model: str, apps: list[Any] | None = None, **kwargs):
             kwargs["additional_config"] = enable.with_xmix(kwargs.get("additional_config"))
+            fence.check()  # a vLLM xmix does not match stops here, before any engine process
             check_architecture(model, **kwargs)
             super().__init__(model=model, **kwargs)
             for app in apps or []:

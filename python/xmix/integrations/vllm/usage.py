@@ -210,9 +210,11 @@ def install(registry, output_processor_cls=None) -> Usage | None:
     if output_processor_cls is None:
         from vllm.v1.engine.output_processor import OutputProcessor as output_processor_cls
     _usage = Usage(registry, m)
-    orig_add = output_processor_cls.add_request
-    orig_process = output_processor_cls.process_outputs
-    orig_abort = output_processor_cls.abort_requests
+    from . import fence
+
+    orig_add = fence.current(output_processor_cls, "add_request")
+    orig_process = fence.current(output_processor_cls, "process_outputs")
+    orig_abort = fence.current(output_processor_cls, "abort_requests")
 
     def add_request(self, request, *args, **kwargs):
         orig_add(self, request, *args, **kwargs)
@@ -239,7 +241,7 @@ def install(registry, output_processor_cls=None) -> Usage | None:
         _usage.dropped(aborted or ())
         return aborted
 
-    output_processor_cls.add_request = add_request
-    output_processor_cls.process_outputs = process_outputs
-    output_processor_cls.abort_requests = abort_requests
+    fence.replace(output_processor_cls, "add_request", add_request, by="usage")
+    fence.replace(output_processor_cls, "process_outputs", process_outputs, by="usage")
+    fence.replace(output_processor_cls, "abort_requests", abort_requests, by="usage")
     return _usage

@@ -27,7 +27,7 @@ from xmix.hooks import ModelShape, n_sites
 from xmix.lowering import lower
 from xmix.results_codec import ERROR_KEY, ResultOptions, merge_results  # noqa: F401 (re-exported)
 
-from . import enable
+from . import enable, fence
 from .model_wrap import place_sites
 
 logger = logging.getLogger("vllm.xmix")  # vLLM's handlers and format apply
@@ -317,12 +317,12 @@ def _runner_xmix(runner) -> WorkerXmix | None:
 
 def patch_model_runner(cls) -> None:
     """Wrap the V1 GPUModelRunner (and so the CPU runner that subclasses it)."""
-    if getattr(cls, "_xmix_patched", False):
+    if fence.applied(cls, "execute_model", "worker"):
         return
 
-    orig_execute = cls.execute_model
-    orig_forward = cls._model_forward
-    orig_sample = cls.sample_tokens
+    orig_execute = fence.current(cls, "execute_model")
+    orig_forward = fence.current(cls, "_model_forward")
+    orig_sample = fence.current(cls, "sample_tokens")
 
     def execute_model(self, scheduler_output, *args, **kwargs):
         x = _runner_xmix(self)
@@ -343,10 +343,9 @@ def patch_model_runner(cls) -> None:
     def sample_tokens(self, *args, **kwargs):
         return _attach_results(self, orig_sample(self, *args, **kwargs))
 
-    cls.execute_model = execute_model
-    cls._model_forward = _model_forward
-    cls.sample_tokens = sample_tokens
-    cls._xmix_patched = True
+    for name, fn in (("execute_model", execute_model), ("_model_forward", _model_forward),
+                     ("sample_tokens", sample_tokens)):
+        fence.replace(cls, name, fn, by="worker")
 
 
 def _attach_results(self, out):
@@ -381,13 +380,13 @@ def patch_model_runner_v2(cls) -> None:
     ``prepare_inputs`` (the step's InputBatch: requests, token counts, computed tokens,
     input ids on the device), before the forward or replay on the same stream. Written
     against vLLM 0.32's source; the CPU engine runs V1, so this path has not run here."""
-    if getattr(cls, "_xmix_patched", False):
+    if fence.applied(cls, "execute_model", "worker"):
         return
-    orig_finish = cls.finish_requests
-    orig_add = cls.add_requests
-    orig_prepare = cls.prepare_inputs
-    orig_execute = cls.execute_model
-    orig_sample = cls.sample_tokens
+    orig_finish = fence.current(cls, "finish_requests")
+    orig_add = fence.current(cls, "add_requests")
+    orig_prepare = fence.current(cls, "prepare_inputs")
+    orig_execute = fence.current(cls, "execute_model")
+    orig_sample = fence.current(cls, "sample_tokens")
 
     def finish_requests(self, scheduler_output):
         orig_finish(self, scheduler_output)
@@ -424,12 +423,10 @@ def patch_model_runner_v2(cls) -> None:
     def sample_tokens(self, *args, **kwargs):
         return _attach_results(self, orig_sample(self, *args, **kwargs))
 
-    cls.finish_requests = finish_requests
-    cls.add_requests = add_requests
-    cls.prepare_inputs = prepare_inputs
-    cls.execute_model = execute_model
-    cls.sample_tokens = sample_tokens
-    cls._xmix_patched = True
+    for name, fn in (("finish_requests", finish_requests), ("add_requests", add_requests),
+                     ("prepare_inputs", prepare_inputs), ("execute_model", execute_model),
+                     ("sample_tokens", sample_tokens)):
+        fence.replace(cls, name, fn, by="worker")
 
 
 def _key_compile_cache(vllm_config) -> None:
@@ -445,9 +442,10 @@ def _key_compile_cache(vllm_config) -> None:
 
 
 def patch_load_model(cls) -> None:
-    if "load_model" not in cls.__dict__ or cls.__dict__["load_model"].__dict__.get("_xmix"):
+    # Only a class with its own load_model: a subclass inheriting a wrapped one is covered.
+    if "load_model" not in cls.__dict__ or fence.applied(cls, "load_model", "worker"):
         return
-    orig = cls.__dict__["load_model"]
+    orig = fence.current(cls, "load_model")
 
     def load_model(self, *args, **kwargs):
         if _runner_xmix(self) is not None or not enable.requested(self.vllm_config):
@@ -456,8 +454,10 @@ def patch_load_model(cls) -> None:
 
         from . import support
 
-        # Before loading anything: the engine does not start and the message says why (a
-        # configuration xmix cannot serve, a family without a site table, bad options).
+        # Before loading anything: the engine does not start and the message says why (a vLLM
+        # the fence does not describe, a configuration xmix cannot serve, a family without a
+        # site table, bad options).
+        fence.check()
         support.check(self.vllm_config)
         mc = self.vllm_config.model_config
         family = require_family(architecture_of(mc.hf_config), mc.model)
@@ -473,8 +473,7 @@ def patch_load_model(cls) -> None:
                     time.perf_counter() - t0)
         return r
 
-    load_model._xmix = True
-    cls.load_model = load_model
+    fence.replace(cls, "load_model", load_model, by="worker")
 
 
 def _wx(worker) -> WorkerXmix:
@@ -553,5 +552,4 @@ WORKER_METHODS = {f.__name__: f for f in (
 
 def patch_worker_base(cls) -> None:
     for name, fn in WORKER_METHODS.items():
-        if not hasattr(cls, name):
-            setattr(cls, name, fn)
+        fence.add(cls, name, fn, by="worker")

