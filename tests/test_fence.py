@@ -161,7 +161,7 @@ def test_xmix_serve_runs_vllms_serve_without_patching_importlib_metadata(capsys)
     with pytest.raises(SystemExit) as e:
         server._run_vllm_serve(["--help"])
     assert e.value.code == 0
-    assert "--additional-config" in capsys.readouterr().out
+    assert capsys.readouterr().out.startswith("usage: vllm serve")
     assert importlib.metadata.version is before
     assert "_vllm_version_shim" not in (PKG / "server.py").read_text()
 
