@@ -26,6 +26,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_until_healthy(proc: subprocess.Popen, base: str, log_path: Path, timeout: float) -> None:
+    """Until the server answers /health; its log's tail in the error if it dies or is late."""
+    t0 = time.time()
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError("xmix serve died:\n" + log_path.read_text()[-4000:])
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.time() - t0 > timeout:
+            raise TimeoutError("xmix serve did not start:\n" + log_path.read_text()[-4000:])
+        time.sleep(1)
+
+
 @contextlib.contextmanager
 def xmix_server(tmp: Path, app_paths: list[Path], *extra: str, timeout: float = 400):
     port = free_port()
@@ -41,18 +57,7 @@ def xmix_server(tmp: Path, app_paths: list[Path], *extra: str, timeout: float = 
                             env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
     base = f"http://127.0.0.1:{port}"
     try:
-        t0 = time.time()
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError("xmix serve died:\n" + log_path.read_text()[-4000:])
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.time() - t0 > timeout:
-                raise TimeoutError("xmix serve did not start:\n" + log_path.read_text()[-4000:])
-            time.sleep(1)
+        wait_until_healthy(proc, base, log_path, timeout)
         client = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
         yield {"base": base, "port": port, "client": client, "model": model, "log": log_path,
                "key": KEY, "name": MODEL_NAME}

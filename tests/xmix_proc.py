@@ -6,23 +6,17 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 
 from xmix.models.tiny import tiny_model_path
 
+from serve_util import free_port, wait_until_healthy
+
 MODEL_NAME = "tiny"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
@@ -69,18 +63,7 @@ def xmix_serve(tmp: Path, *args: str, env: dict[str, str] | None = None, timeout
                             env=full_env)
     server = Server(proc, f"http://127.0.0.1:{port}", log_path)
     try:
-        t0 = time.time()
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError("xmix serve died:\n" + log_path.read_text()[-4000:])
-            try:
-                if httpx.get(f"{server.base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.time() - t0 > timeout:
-                raise TimeoutError("xmix serve did not start:\n" + log_path.read_text()[-4000:])
-            time.sleep(1)
+        wait_until_healthy(proc, server.base, log_path, timeout)
         yield server
     finally:
         if proc.poll() is None:
