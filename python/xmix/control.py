@@ -29,7 +29,8 @@ from xmix import _C
 from xmix import conditions as C
 from xmix.catalog import FLT_MAX, KERNELS
 from xmix.hooks import ModelShape, n_sites
-from xmix.lowering import DeployError, LoweredApp, LoweredOp, latch_from_generated, param_bounds
+from xmix.lowering import (APP_MODES, DeployError, LoweredApp, LoweredOp, RequestError,
+                           latch_from_generated, param_bounds)
 from xmix.results_codec import (DEFAULT_OPTIONS, TRUNCATED_KEY, ReadResult, ResultOptions,
                                 max_result_bytes, position_bytes, read_shape, to_dtype)
 from xmix.staging import CudaQueue, DeviceQueue, PinnedRing, PinnedSet
@@ -40,7 +41,7 @@ K = _C.constants()
 CTRL_LAYOUT = _C.control_layout()
 OP_LAYOUT = _C.op_layout()
 OP_SIZE = OP_LAYOUT["__size__"]
-MODES = {"off": K["MODE_OFF"], "request": K["MODE_REQUEST"], "all": K["MODE_ALL"]}
+MODES = {m: K[f"MODE_{m.upper()}"] for m in APP_MODES}
 CMP_CODES = {">=": K["CMP_GE"], ">": K["CMP_GT"], "<=": K["CMP_LE"], "<": K["CMP_LT"],
              "==": K["CMP_EQ"], "!=": K["CMP_NE"]}
 FLAG_BITS = {"prompt": 1, "generated": 2, "last_token": 3}
@@ -52,10 +53,6 @@ TOK_MAPS = ("tok_slot", "tok_pos", "tok_flags", "tok_row")
 GATHER_ROWS = 4  # staged read-back: row indices per token of a step, for windowed capture copies
 ROW_MAPS = ("row_slot", "row_tok_start", "row_n_tok", "row_reset", "row_n_prompt", "row_done")
 ROW_BUFFERS = ("slot_apps", "slot_params")  # per slot, sent as changed rows with the next step
-
-
-class RequestError(ValueError):
-    """A per-request xmix control that cannot be honoured; the message says why."""
 
 
 @dataclass

@@ -26,6 +26,15 @@ class DeployError(AppError):
     """An app that does not fit the model it is deployed on."""
 
 
+class RequestError(ValueError):
+    """A per-request xmix control that cannot be honoured (unknown app or parameter, bad value);
+    the message says why. One class for the engine and the transformers path."""
+
+
+# How a deployed app applies: to nobody, to requests that name it, to every request.
+APP_MODES = ("off", "request", "all")
+
+
 # The largest magnitude a write may give an element of the stream. Far beyond any model's
 # activations, and far enough below fp32's 3.4e38 that sums of writes and the model's own
 # residual additions stay finite: a stream driven to Inf/NaN puts Inf/NaN into the KV cache,

@@ -64,9 +64,9 @@ from xmix.api import App
 from xmix.architectures import Tap, require_family, resolve
 from xmix.catalog import FLT_MAX, KERNELS
 from xmix.hooks import ModelShape, site_id
-from xmix.lowering import DeployError, LoweredApp, LoweredOp, latch_from_generated, lower
+from xmix.lowering import (APP_MODES, DeployError, LoweredApp, LoweredOp, RequestError,
+                           latch_from_generated, lower)
 
-MODES = ("off", "request", "all")
 NAN = float("nan")
 
 # Routers whose forward this module reproduces around the hook (site table name -> module
@@ -135,10 +135,6 @@ _ROUTERS = {
     "gpt_oss": ("GptOssTopKRouter", _gpt_oss_logits, _gpt_oss_tail),
 }
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-
-
-class RequestError(ValueError):
-    """A request that cannot be run as asked (unknown app or parameter, bad value)."""
 
 
 def _f32(x: float) -> float:
@@ -582,8 +578,8 @@ class Attachment:
     def set_mode(self, name: str, mode: str) -> None:
         if name not in self.by_name:
             raise DeployError(f"app {name!r} is not attached; attached: {sorted(self.by_name)}")
-        if mode not in MODES:
-            raise DeployError(f"app {name!r}: mode must be one of {list(MODES)}, got {mode!r}")
+        if mode not in APP_MODES:
+            raise DeployError(f"app {name!r}: mode must be one of {list(APP_MODES)}, got {mode!r}")
         self.by_name[name].mode = mode
 
     def _order_sites(self) -> dict[int, list[tuple[_Attached, LoweredOp]]]:

@@ -15,9 +15,8 @@ from __future__ import annotations
 from xmix.results_codec import pack_results
 
 from . import fence
+from .frontend import XMIX_KEY
 from .worker import RESULTS_ATTR, merge_results
-
-XMIX_KEY = "xmix"
 
 
 def patch_scheduler(cls) -> None:

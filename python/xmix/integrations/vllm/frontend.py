@@ -46,7 +46,7 @@ from xmix.conditions import n_instructions
 from xmix.control import MODES, ParamCol, RequestError, param_columns, resolve_params
 from xmix.hooks import ModelShape
 from xmix.lowering import DeployError, LoweredApp, lower
-from xmix.results_codec import (OPTION_KEYS, TRUNCATED_KEY, ResultOptions, as_lists, as_tensors as tensors_of,
+from xmix.results_codec import (OPTION_KEYS, TRUNCATED_KEY, ResultOptions,
                                 copy_results, max_result_bytes, parse_options, position_bytes,
                                 read_shape, unpack_results)
 
@@ -757,16 +757,6 @@ def _count_truncated(state) -> None:
     reg = _REGISTRIES.get((state.__dict__.get("_xmix_applied") or {}).get("_reg"))
     if reg is not None:
         reg.count("results_truncated")
-
-
-def results(output, as_tensors: bool = False) -> dict:
-    """Read results: {app: {read: {"positions": [...], "values": [...]}}}, or with
-    ``as_tensors`` {app: {read: {"positions", "values"[, "ids"]}}} as torch tensors (values
-    in the request's "dtype"). ``output`` is a RequestOutput (its first sequence) or one
-    CompletionOutput (that sequence, for n > 1). A request cut at its byte cap carries the
-    marker under ``"!truncated"``."""
-    res = getattr(output, "xmix", None) or {}
-    return tensors_of(res) if as_tensors else as_lists(res)
 
 
 # ---------------------------------------------------------------------- control plane

@@ -33,9 +33,9 @@ from xmix import reference as R
 from xmix.console.decisions import read_scalar
 from xmix.results_codec import ReadResult
 
-logger = logging.getLogger("vllm.xmix")
+from .frontend import XMIX_KEY
 
-XMIX_KEY = "xmix"
+logger = logging.getLogger("vllm.xmix")
 
 
 @dataclass
