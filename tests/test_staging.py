@@ -267,6 +267,8 @@ class FakeRunnerV1:
     """V1's GPUModelRunner as patch_model_runner wraps it: execute_model calls _model_forward,
     sample_tokens returns an async output (async scheduling)."""
 
+    __xmix_stands_for__ = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"  # its fence entries
+
     def __init__(self):
         self.h = self.ids = self.input_batch = self.dev = None
 
