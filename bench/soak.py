@@ -596,6 +596,11 @@ def server_errors(log: Path | None) -> dict | None:
     if log is None:
         return None
     text = log.read_text(errors="replace")
+    # Only what the server logged while serving: once vLLM's shutdown starts (its "[shutdown]"
+    # lines), its output handler may log EngineDeadError for the engine it is stopping.
+    cut = text.find("[shutdown]")
+    if cut >= 0:
+        text = text[:text.rfind("\n", 0, cut) + 1]
     errs = [l for l in text.splitlines() if " ERROR " in l]
     return {"error_lines": len(errs), "tracebacks": text.count("Traceback (most recent call last)"),
             "examples": errs[:5]}
