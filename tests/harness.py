@@ -67,3 +67,23 @@ class Harness:
     def finish(self, name: str):
         self.cb.release(name)
         self.slots.pop(name, None)
+
+
+def build_user_kernels(directory, source: str) -> str:
+    """A shared library of user kernels (C++ against xmix's shipped custom.h), built with the
+    system compiler; the test skips, saying why, where there is none."""
+    import shutil
+    import subprocess
+
+    import pytest
+
+    import xmix
+
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("needs a C++ compiler to build a user kernel")
+    src, out = directory / "kernels.cpp", directory / "libkernels.so"
+    src.write_text(source)
+    subprocess.run([cxx, "-shared", "-fPIC", "-O1", "-I", str(xmix.custom_include_dir()),
+                    "-o", str(out), str(src)], check=True)
+    return str(out)

@@ -4,8 +4,6 @@ interpreter. Expected values are hand-computed."""
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 
 import pytest
 import torch
@@ -13,7 +11,7 @@ import torch
 import xmix
 from xmix.hooks import ModelShape
 
-from harness import Harness, Req
+from harness import Harness, Req, build_user_kernels
 
 D = 16
 SHAPE = ModelShape(n_layers=2, hidden_size=D, vocab_size=64)
@@ -44,15 +42,7 @@ extern "C" void stamp_position(const xmix_custom_args* a) {
 
 @pytest.fixture(scope="module")
 def lib(tmp_path_factory):
-    cxx = shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
-        pytest.skip("needs a C++ compiler to build a user kernel")
-    d = tmp_path_factory.mktemp("kernel")
-    (d / "k.cpp").write_text(KERNELS_CPP)
-    out = d / "libk.so"
-    subprocess.run([cxx, "-shared", "-fPIC", "-O1", "-I", str(xmix.custom_include_dir()),
-                    "-o", str(out), str(d / "k.cpp")], check=True)
-    return str(out)
+    return build_user_kernels(tmp_path_factory.mktemp("kernel"), KERNELS_CPP)
 
 
 def test_custom_read_and_write_on_cpu(lib):

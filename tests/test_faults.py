@@ -13,8 +13,6 @@
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 
 import numpy as np
 import pytest
@@ -25,7 +23,7 @@ from xmix import reference as R
 from xmix.api import App
 from xmix.hooks import ModelShape
 
-from harness import Harness, Req
+from harness import Harness, Req, build_user_kernels
 
 D = 64
 SHAPE = ModelShape(n_layers=2, hidden_size=D, vocab_size=64)
@@ -119,15 +117,7 @@ extern "C" void stamp_position(const xmix_custom_args* a) {
 
 @pytest.fixture(scope="module")
 def lib(tmp_path_factory):
-    cxx = shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
-        pytest.skip("needs a C++ compiler to build a user kernel")
-    d = tmp_path_factory.mktemp("kernel")
-    (d / "k.cpp").write_text(KERNELS_CPP)
-    out = d / "libfaults.so"
-    subprocess.run([cxx, "-shared", "-fPIC", "-O1", "-I", str(xmix.custom_include_dir()),
-                    "-o", str(out), str(d / "k.cpp")], check=True)
-    return str(out)
+    return build_user_kernels(tmp_path_factory.mktemp("kernel"), KERNELS_CPP)
 
 
 def test_a_user_kernel_that_writes_nan_gets_zeros_and_is_counted(lib):
