@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "xmix/control.h"
 #include "xmix/custom.h"
@@ -129,6 +130,39 @@ py::dict op_layout() {
 }
 #undef FIELD
 
+// sizeof of every field, for tests/test_abi.py to hold Python's declared field types to.
+#define SIZE(T, f) d[#f] = sizeof(std::declval<T>().f)
+py::dict control_field_sizes() {
+  py::dict d;
+  SIZE(ControlBlock, max_tokens); SIZE(ControlBlock, max_slots); SIZE(ControlBlock, max_apps);
+  SIZE(ControlBlock, n_params); SIZE(ControlBlock, n_channels); SIZE(ControlBlock, n_sites);
+  SIZE(ControlBlock, vec_state_width); SIZE(ControlBlock, vocab_words);
+  SIZE(ControlBlock, n_tokens); SIZE(ControlBlock, n_rows);
+  SIZE(ControlBlock, tok_slot); SIZE(ControlBlock, tok_pos); SIZE(ControlBlock, tok_flags);
+  SIZE(ControlBlock, tok_row);
+  SIZE(ControlBlock, row_slot); SIZE(ControlBlock, row_tok_start); SIZE(ControlBlock, row_n_tok);
+  SIZE(ControlBlock, row_reset); SIZE(ControlBlock, row_n_prompt); SIZE(ControlBlock, row_done);
+  SIZE(ControlBlock, slot_apps); SIZE(ControlBlock, slot_params); SIZE(ControlBlock, slot_span);
+  SIZE(ControlBlock, read_state); SIZE(ControlBlock, vec_state); SIZE(ControlBlock, counters);
+  SIZE(ControlBlock, app_nonfinite);
+  SIZE(ControlBlock, app_mode); SIZE(ControlBlock, site_first); SIZE(ControlBlock, site_count);
+  SIZE(ControlBlock, ops); SIZE(ControlBlock, cond_code); SIZE(ControlBlock, tokset_bits);
+  SIZE(ControlBlock, span_def); SIZE(ControlBlock, n_spans); SIZE(ControlBlock, n_token_sets);
+  SIZE(ControlBlock, results); SIZE(ControlBlock, capture); SIZE(ControlBlock, capture_size);
+  SIZE(ControlBlock, result_valid);
+  return d;
+}
+
+py::dict op_field_sizes() {
+  py::dict d;
+  SIZE(OpDesc, kind); SIZE(OpDesc, app); SIZE(OpDesc, cond_begin); SIZE(OpDesc, cond_len);
+  SIZE(OpDesc, param_base); SIZE(OpDesc, channel); SIZE(OpDesc, state_base); SIZE(OpDesc, n);
+  SIZE(OpDesc, m); SIZE(OpDesc, flags); SIZE(OpDesc, a0); SIZE(OpDesc, a1); SIZE(OpDesc, a2);
+  SIZE(OpDesc, fn); SIZE(OpDesc, capture_offset); SIZE(OpDesc, a3);
+  return d;
+}
+#undef SIZE
+
 py::dict constants() {
   py::dict d;
   d["DT_F32"] = int(DT_F32); d["DT_BF16"] = int(DT_BF16); d["DT_F16"] = int(DT_F16);
@@ -174,6 +208,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("control_layout", &control_layout);
   m.def("op_layout", &op_layout);
   m.def("constants", &constants);
+  m.def("control_field_sizes", &control_field_sizes);
+  m.def("op_field_sizes", &op_field_sizes);
   register_graph_bindings(m);
 
   using G = py::call_guard<py::gil_scoped_release>;

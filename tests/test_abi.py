@@ -1,39 +1,81 @@
-"""The hook surface is numbered twice, in ``xmix.hooks`` (pure Python, so the API and lowering
-import without the extension) and in ``csrc/include/xmix/control.h`` (the kernels). The C++
-header is the source: ``_C.constants()`` exports its enum, and this test holds the Python
-table to it, so a site added or reordered on one side only fails here, not as a write landing
-on the wrong tensor."""
+"""The host and the kernels share one ABI, csrc/include/xmix/control.h. Python takes every
+number from it (``_C.constants()``, field offsets and struct sizes); what Python still declares
+itself is the hook surface's names and the type of each struct field it packs. These tests
+hold those to the header: a site renumbered, or a field added, moved or widened on one side,
+fails here rather than as a write landing on the wrong tensor or a corrupted op."""
 
 from __future__ import annotations
 
+import numpy as np
+
 from xmix import _C, hooks
+from xmix.control import layout
 
 K = _C.constants()
 
-CPP_KIND = {
-    "residual.pre": "SITE_RESIDUAL_PRE",
-    "attention.post": "SITE_ATTENTION_POST",
-    "residual.mid": "SITE_RESIDUAL_MID",
-    "router.logits": "SITE_ROUTER_LOGITS",
-    "mlp.post": "SITE_MLP_POST",
-    "residual.post": "SITE_RESIDUAL_POST",
-}
+# The forward order of a decoder layer's sites, as docs/apps.md teaches them.
+FORWARD_ORDER = ["residual.pre", "attention.post", "residual.mid", "router.logits", "mlp.post",
+                 "residual.post"]
 
 
-def test_sites_per_layer_matches_control_h():
-    assert hooks.SITES_PER_LAYER == K["SITES_PER_LAYER"] == 6
-
-
-def test_every_layer_site_has_the_kernels_number():
-    assert set(hooks.LAYER_SITES) == set(CPP_KIND)
-    for name, kind in hooks.LAYER_SITES.items():
-        assert kind == K[CPP_KIND[name]], name
+def test_layer_sites_in_forward_order():
+    assert list(hooks.LAYER_SITES) == FORWARD_ORDER
+    assert list(hooks.LAYER_SITES.values()) == list(range(6)) and hooks.SITES_PER_LAYER == 6
 
 
 def test_site_ids_follow_forward_order_and_final_post_closes_the_model():
     n_layers = 3
     ids = [hooks.site_id(n, layer, n_layers) for layer in range(n_layers) for n in hooks.LAYER_SITES]
     assert ids == list(range(n_layers * 6))
-    assert hooks.site_id("final.post", None, n_layers) == n_layers * K["SITES_PER_LAYER"]
-    assert hooks.n_sites(n_layers) == n_layers * 6 + 1
+    assert hooks.site_id("final.post", None, n_layers) == 18
+    assert hooks.n_sites(n_layers) == 19
     assert hooks.site_name(2 * 6 + 3, n_layers) == "layers.2.router.logits"
+    assert hooks.site_name(18, n_layers) == "final.post"
+    assert hooks.site_of(7, n_layers) == (1, "attention.post")
+
+
+def test_condition_flag_bits():
+    # control.h TokenFlag: valid is bit 0, then prompt, generated, last token
+    assert layout.FLAG_BITS == {"prompt": 1, "generated": 2, "last_token": 3}
+
+
+def _natural_offsets(fields, sizes):
+    """C's layout of the declared fields in order: each at the next multiple of its size."""
+    off, out = 0, {}
+    for name, fmt in fields:
+        n = np.dtype(fmt).itemsize
+        assert n == sizes[name], f"{name}: Python packs {n} bytes, control.h has {sizes[name]}"
+        off = (off + n - 1) // n * n
+        out[name] = off
+        off += n
+    return out, (off + 7) // 8 * 8
+
+
+def _check(fields, offsets, sizes):
+    names = [n for n, _ in fields]
+    assert sorted(names) == sorted(sizes), "Python's declared fields differ from control.h's"
+    natural, size = _natural_offsets(fields, sizes)
+    assert natural == {n: offsets[n] for n in names}
+    assert size == offsets["__size__"]
+
+
+def test_control_block_layout():
+    _check(layout.CONTROL_FIELDS, _C.control_layout(), _C.control_field_sizes())
+    assert layout.CTRL_DTYPE.itemsize == _C.control_layout()["__size__"]
+
+
+def test_op_desc_layout():
+    _check(layout.OP_FIELDS, _C.op_layout(), _C.op_field_sizes())
+    assert layout.OP_DTYPE.itemsize == layout.OP_SIZE == 10 * 4 + 6 * 8
+
+
+def test_packed_header_reads_back_at_the_headers_offsets():
+    """A header value written through the record type lands at control.h's offset, in the
+    field's width (little-endian, as every supported host)."""
+    buf = np.zeros(layout.CTRL_SIZE, dtype=np.uint8)
+    rec = buf.view(layout.CTRL_DTYPE)
+    rec["n_rows"][0] = 0x01020304
+    rec["capture_size"][0] = -2
+    off = _C.control_layout()
+    assert buf[off["n_rows"]:off["n_rows"] + 4].tolist() == [4, 3, 2, 1]
+    assert buf[off["capture_size"]:off["capture_size"] + 8].view(np.int64)[0] == -2

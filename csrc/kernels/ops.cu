@@ -127,7 +127,7 @@ __device__ __forceinline__ float warp_dot(const float* w, const float* xs, int32
 __device__ float sae_input_row(const DRow& row, const OpDesc& op, const float* b_dec, int32_t d,
                                float* red, float* xs) {
   for (int32_t i = threadIdx.x; i < d; i += blockDim.x) xs[i] = row.x(i);
-  const int32_t norm = (op.flags >> SAE_NORM_SHIFT) & 0xf;
+  const int32_t norm = sae_norm(op);
   float scale = 1.f;
   if (norm == SAE_NORM_RESCALE) {
     float ss = 0.f;
@@ -149,7 +149,7 @@ __device__ float sae_input_row(const DRow& row, const OpDesc& op, const float* b
     for (int32_t i = threadIdx.x; i < d; i += blockDim.x) xs[i] /= sd + kSaeLnEps;
     scale = sd;
   }
-  if (op.flags & SAE_B_DEC_IN)
+  if (sae_b_dec_in(op))
     for (int32_t i = threadIdx.x; i < d; i += blockDim.x) xs[i] -= b_dec[i];
   __syncthreads();
   return scale;
@@ -164,12 +164,12 @@ __device__ void sae_row(const ControlBlock& cb, const OpDesc& op, int32_t t, boo
   __shared__ float s_pre[kSaeMaxFeatures], s_act[kSaeMaxFeatures];
   __shared__ int32_t s_ahead[kSaeMaxFeatures], s_pos;
   const bool is_read = op.kind == OP_SAE_READ;
-  const bool listed = op.kind == OP_SAE_CLAMP || (op.flags & SAE_FEATURES);
-  const int32_t n_ch = is_read ? (listed ? op.n : 1) : 0;
+  const bool listed = sae_listed(op);
+  const int32_t n_ch = read_channels(op);
   if (t < cb.max_tokens)
     for (int32_t c = threadIdx.x; c < n_ch; c += blockDim.x) set_result(cb, t, op.channel + c, 0.f, false);
   if (!sel) return;  // block-uniform
-  const int32_t F = op.m, arch = op.flags & SAE_ARCH_MASK;
+  const int32_t F = sae_n_features(op), arch = sae_arch(op);
   const float* w_enc = ptr<const float>(op.a0);
   const float* aux = ptr<const float>(op.a2);
   const float* b_enc = aux;
@@ -349,8 +349,9 @@ __device__ void run_op_row(const ControlBlock& cb, const OpDesc& op, int32_t t, 
     }
     case OP_CAPTURE: {
       if (sel) {
-        float* dst = ptr<float>(cb.capture) + op.capture_offset + static_cast<int64_t>(t) * op.n;
-        for (int32_t i = threadIdx.x; i < op.n; i += blockDim.x) dst[i] = row.x(op.m + i);
+        const int32_t w = capture_width(op), d0 = capture_first_dim(op);
+        float* dst = ptr<float>(cb.capture) + op.capture_offset + static_cast<int64_t>(t) * w;
+        for (int32_t i = threadIdx.x; i < w; i += blockDim.x) dst[i] = row.x(d0 + i);
       }
       if (threadIdx.x == 0) {
         set_result(cb, t, op.channel, 1.f, sel);
@@ -558,52 +559,12 @@ __global__ void xmix_gate_kernel(const ControlBlock* __restrict__ cbp, int32_t s
 // Prologue: per-slot resets, then one thread per scheduled request walks its tokens in
 // order (span state is sequential within a request).
 __global__ void xmix_prologue_reset(const ControlBlock* __restrict__ cbp) {
-  const ControlBlock& cb = *cbp;
-  const int32_t row = blockIdx.x;
-  if (row >= cb.n_rows || !ptr<const int32_t>(cb.row_reset)[row]) return;
-  const int32_t slot = ptr<const int32_t>(cb.row_slot)[row];
-  if (threadIdx.x == 0) ptr<uint32_t>(cb.slot_span)[slot] = 0;
-  float* rs = ptr<float>(cb.read_state) + static_cast<int64_t>(slot) * cb.n_channels * kReadStateWidth;
-  for (int32_t c = threadIdx.x; c < cb.n_channels; c += blockDim.x) {
-    rs[c * kReadStateWidth + 0] = 0.f;
-    rs[c * kReadStateWidth + 1] = 0.f;
-    rs[c * kReadStateWidth + 2] = nan_f();
-  }
-  float* vs = ptr<float>(cb.vec_state) + static_cast<int64_t>(slot) * cb.vec_state_width;
-  for (int32_t i = threadIdx.x; i < cb.vec_state_width; i += blockDim.x) vs[i] = 0.f;
+  prologue_reset_row(*cbp, blockIdx.x, threadIdx.x, blockDim.x);
 }
 
 __global__ void xmix_prologue_tokens(const ControlBlock* __restrict__ cbp, const void* ids,
                                      int32_t ids_dtype) {
-  const ControlBlock& cb = *cbp;
-  const int32_t row = blockIdx.x * blockDim.x + threadIdx.x;
-  if (row >= cb.n_rows) return;
-  const int32_t slot = ptr<const int32_t>(cb.row_slot)[row];
-  const int32_t start = ptr<const int32_t>(cb.row_tok_start)[row];
-  const int32_t n = ptr<const int32_t>(cb.row_n_tok)[row];
-  uint32_t* flags = ptr<uint32_t>(cb.tok_flags);
-  const uint32_t* sets = ptr<const uint32_t>(cb.tokset_bits);
-  const int32_t* span_def = ptr<const int32_t>(cb.span_def);
-  const int64_t vocab = static_cast<int64_t>(cb.vocab_words) * 32;
-  uint32_t state = ptr<uint32_t>(cb.slot_span)[slot];
-  for (int32_t t = start; t < start + n; ++t) {
-    const int64_t id = ids_dtype == 8 ? static_cast<const int64_t*>(ids)[t]
-                                      : static_cast<const int32_t*>(ids)[t];
-    uint32_t f = flags[t];
-    if (id >= 0 && id < vocab) {
-      for (int32_t s = 0; s < cb.n_token_sets; ++s)
-        if ((sets[static_cast<int64_t>(s) * cb.vocab_words + (id >> 5)] >> (id & 31)) & 1u)
-          f |= 1u << (kTokenSetBit0 + s);
-    }
-    for (int32_t k = 0; k < cb.n_spans; ++k) {
-      const int32_t open = span_def[2 * k], close = span_def[2 * k + 1];
-      if (open >= 0 && ((f >> (kTokenSetBit0 + open)) & 1u)) state |= 1u << k;
-      if (close >= 0 && ((f >> (kTokenSetBit0 + close)) & 1u)) state &= ~(1u << k);
-      if ((state >> k) & 1u) f |= 1u << (kSpanBit0 + k);
-    }
-    flags[t] = f;
-  }
-  ptr<uint32_t>(cb.slot_span)[slot] = state;
+  prologue_row_tokens(*cbp, blockIdx.x * blockDim.x + threadIdx.x, ids, ids_dtype);
 }
 
 // Custom ops: a select kernel materialises the mask, the user kernel runs, a finish kernel

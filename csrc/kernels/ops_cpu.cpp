@@ -220,7 +220,7 @@ struct Sae {
 Sae sae_of(const OpDesc& op, int32_t d) {
   Sae s;
   const float* aux = ptr<const float>(op.a2);
-  s.F = op.m;
+  s.F = sae_n_features(op);
   s.d = d;
   s.w_enc = ptr<const float>(op.a0);
   s.w_dec = ptr<const float>(op.a1);
@@ -229,9 +229,9 @@ Sae sae_of(const OpDesc& op, int32_t d) {
   s.b_dec = aux + 2 * static_cast<int64_t>(s.F);
   s.k = static_cast<int32_t>(aux[2 * static_cast<int64_t>(s.F) + d]);
   s.feats = ptr<const float>(op.a3);
-  s.arch = op.flags & SAE_ARCH_MASK;
-  s.norm = (op.flags >> SAE_NORM_SHIFT) & 0xf;
-  s.b_dec_in = (op.flags & SAE_B_DEC_IN) != 0;
+  s.arch = sae_arch(op);
+  s.norm = sae_norm(op);
+  s.b_dec_in = sae_b_dec_in(op);
   return s;
 }
 
@@ -297,8 +297,8 @@ void run_sae_cpu(const ControlBlock& cb, const OpDesc& op, void* h, const void* 
   const uint32_t* tok_flags = ptr<const uint32_t>(cb.tok_flags);
   const float* params = ptr<const float>(cb.slot_params);
   const bool is_read = op.kind == OP_SAE_READ;
-  const bool listed = op.kind == OP_SAE_CLAMP || (op.flags & SAE_FEATURES);
-  const int32_t n_ch = is_read ? (listed ? op.n : 1) : 0;
+  const bool listed = sae_listed(op);
+  const int32_t n_ch = read_channels(op);
   // Selected rows only: rows of requests without the app are skipped, never computed.
   std::vector<int32_t> rows, slots;
   for (int32_t t = 0; t < n_rows; ++t) {
@@ -419,7 +419,7 @@ void run_op_cpu(const ControlBlock& cb, const OpDesc& op, void* h, const void* r
     args.tok_slot = ptr<const int32_t>(cb.tok_slot);
     args.tok_pos = ptr<const int32_t>(cb.tok_pos);
     args.slot_params = params; args.param_base = op.param_base;
-    args.artifact = ptr<const float>(op.a0); args.artifact_numel = op.m;
+    args.artifact = ptr<const float>(op.a0); args.artifact_numel = custom_artifact_numel(op);
     args.out = op.channel >= 0 ? out.data() : nullptr;
     reinterpret_cast<xmix_custom_cpu_fn>(static_cast<uintptr_t>(op.fn))(&args);
     // A user kernel's non-finite elements in the rows it was given become 0 (its value
@@ -472,8 +472,9 @@ void run_op_cpu(const ControlBlock& cb, const OpDesc& op, void* h, const void* r
         break;
       case OP_CAPTURE:
         if (sel) {
-          float* dst = ptr<float>(cb.capture) + op.capture_offset + static_cast<int64_t>(t) * op.n;
-          for (int32_t i = 0; i < op.n; ++i) dst[i] = row.x(op.m + i);
+          const int32_t w = capture_width(op), d0 = capture_first_dim(op);
+          float* dst = ptr<float>(cb.capture) + op.capture_offset + static_cast<int64_t>(t) * w;
+          for (int32_t i = 0; i < w; ++i) dst[i] = row.x(d0 + i);
           v = 1.f;
           has = true;
         }

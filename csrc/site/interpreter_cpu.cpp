@@ -1,5 +1,4 @@
 // The site program on the CPU: the reference behaviour of the CUDA anchor kernel.
-#include <cstring>
 #include <exception>
 
 #include "xmix/control.h"
@@ -12,7 +11,7 @@ namespace {
 // owns op.n consecutive ones).
 void clear_results(const ControlBlock& cb, const OpDesc& op, int32_t n_rows) {
   if (op.channel < 0) return;
-  const int32_t n_ch = op.kind == OP_SAE_READ && (op.flags & SAE_FEATURES) ? op.n : 1;
+  const int32_t n_ch = read_channels(op);
   for (int32_t t = 0; t < n_rows && t < cb.max_tokens; ++t)
     for (int32_t c = 0; c < n_ch; ++c) set_result(cb, t, op.channel + c, 0.f, false);
 }
@@ -64,53 +63,9 @@ bool op_any_selected_cpu(const ControlBlock& cb, const OpDesc& op) {
 }
 
 void run_prologue_cpu(const ControlBlock& cb, const void* input_ids, int32_t ids_dtype) {
-  const int32_t* row_slot = ptr<const int32_t>(cb.row_slot);
-  const int32_t* row_start = ptr<const int32_t>(cb.row_tok_start);
-  const int32_t* row_n = ptr<const int32_t>(cb.row_n_tok);
-  const int32_t* row_reset = ptr<const int32_t>(cb.row_reset);
-  uint32_t* flags = ptr<uint32_t>(cb.tok_flags);
-  uint32_t* span = ptr<uint32_t>(cb.slot_span);
-  const uint32_t* sets = ptr<const uint32_t>(cb.tokset_bits);
-  const int32_t* span_def = ptr<const int32_t>(cb.span_def);
-  const int64_t vocab = static_cast<int64_t>(cb.vocab_words) * 32;
-
-  for (int32_t row = 0; row < cb.n_rows; ++row) {
-    const int32_t slot = row_slot[row];
-    if (!row_reset[row]) continue;
-    span[slot] = 0;
-    float* rs = ptr<float>(cb.read_state) + static_cast<int64_t>(slot) * cb.n_channels * kReadStateWidth;
-    for (int32_t c = 0; c < cb.n_channels; ++c) {
-      rs[c * kReadStateWidth + 0] = 0.f;
-      rs[c * kReadStateWidth + 1] = 0.f;
-      rs[c * kReadStateWidth + 2] = __builtin_nanf("");
-    }
-    std::memset(ptr<float>(cb.vec_state) + static_cast<int64_t>(slot) * cb.vec_state_width, 0,
-                sizeof(float) * cb.vec_state_width);
-  }
-  for (int32_t row = 0; row < cb.n_rows; ++row) {
-    const int32_t slot = row_slot[row];
-    uint32_t state = span[slot];
-    for (int32_t t = row_start[row]; t < row_start[row] + row_n[row]; ++t) {
-      const int64_t id = ids_dtype == 8 ? static_cast<const int64_t*>(input_ids)[t]
-                                        : static_cast<const int32_t*>(input_ids)[t];
-      uint32_t f = flags[t];
-      if (id >= 0 && id < vocab) {
-        for (int32_t s = 0; s < cb.n_token_sets; ++s) {
-          if ((sets[static_cast<int64_t>(s) * cb.vocab_words + (id >> 5)] >> (id & 31)) & 1u)
-            f |= 1u << (kTokenSetBit0 + s);
-        }
-      }
-      // A span covers [opener, closer): the opener is inside, the closer is not.
-      for (int32_t k = 0; k < cb.n_spans; ++k) {
-        const int32_t open = span_def[2 * k], close = span_def[2 * k + 1];
-        if (open >= 0 && ((f >> (kTokenSetBit0 + open)) & 1u)) state |= 1u << k;
-        if (close >= 0 && ((f >> (kTokenSetBit0 + close)) & 1u)) state &= ~(1u << k);
-        if ((state >> k) & 1u) f |= 1u << (kSpanBit0 + k);
-      }
-      flags[t] = f;
-    }
-    span[slot] = state;
-  }
+  // Resets first for every row, then tokens: the CUDA twin's two kernels, in the same order.
+  for (int32_t row = 0; row < cb.n_rows; ++row) prologue_reset_row(cb, row, 0, 1);
+  for (int32_t row = 0; row < cb.n_rows; ++row) prologue_row_tokens(cb, row, input_ids, ids_dtype);
 }
 
 }  // namespace xmix

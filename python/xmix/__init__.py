@@ -1,7 +1,7 @@
 """xmix: serving-native mechanistic-interpretability apps for vLLM.
 
     app = xmix.App("steer")
-    app.write("add", vector=v, scale=4.0).layers([2]).submodule("residual.post")
+    app.write("add", vector=v, scale=4.0).layers([2]).at("residual.post")
     llm = xmix.LLM(model=path, apps=[app])
     outs = llm.generate(prompts, SamplingParams(extra_args={"xmix": {"apps": ["steer"]}}))
     xmix.results(outs[0])

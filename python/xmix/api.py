@@ -1,8 +1,8 @@
 """The public app API: declare reads, writes and conditional writes at the hook surface.
 
     app = xmix.App("guarded_steer")
-    app.read("probe", weight=w, bias=0.0).layers([18]).submodule("residual.post").named("p18")
-    app.write("add", vector=v, scale=4.0).layers([22]).submodule("attention.post") \\
+    app.read("probe", weight=w, bias=0.0).layers([18]).at("residual.post").named("p18")
+    app.write("add", vector=v, scale=4.0).layers([22]).at("attention.post") \\
        .cond(when="token_in(trigger)", gate="p18 >= 0")
     app.token_set("trigger", strings=["\\n\\n"])
     app.save("guarded_steer.xmix"); xmix.App.load("guarded_steer.xmix")
@@ -268,12 +268,20 @@ class Op:
             self.layer_spec = lst
         return self
 
-    def submodule(self, site: str) -> "Op":
+    def at(self, site: str) -> "Op":
+        """Place the op at hook site ``site`` of each of its layers: "residual.pre",
+        "attention.post", "residual.mid", "router.logits", "mlp.post", "residual.post" (per
+        layer, in forward order) or "final.post" (after the final norm; no layers).
+        Raises AppError for a name outside the hook surface."""
         if site not in SITE_NAMES:
             raise AppError(f"app {self.app.name!r}, op {self.label}: unknown site {site!r}; "
                            f"the hook surface is {', '.join(SITE_NAMES)}")
         self.site = site
         return self
+
+    def submodule(self, site: str) -> "Op":
+        """The same as ``at(site)`` (the name of the first releases)."""
+        return self.at(site)
 
     def named(self, name: str) -> "Op":
         _check_name(f"app {self.app.name!r}: op", name, _OP_NAME)
@@ -458,7 +466,7 @@ class App:
         self.ops.append(op)
         if sae is not None:
             op.sae = sae
-            if sae.hook is not None:  # where the SAE was trained; .layers/.submodule override
+            if sae.hook is not None:  # where the SAE was trained; .layers/.at override
                 from xmix.sae import parse_hook
 
                 site, layer = parse_hook(sae.hook)
@@ -671,7 +679,7 @@ class App:
                 if o.get("layers") is not None:
                     op.layers(o["layers"])
                 if o.get("site") is not None:
-                    op.submodule(o["site"])
+                    op.at(o["site"])
                 if o.get("name"):
                     op.named(o["name"])
                 cond = o.get("cond") or {}

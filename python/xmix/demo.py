@@ -43,9 +43,9 @@ def demo_apps(model_dir: Path, out_dir: Path, word: str = " the") -> tuple[list[
     u = w_u / w_u.norm()
 
     steer = xmix.App("steer_the", metadata={"demo": f"push generation towards {tok.decode([tid])!r}"})
-    steer.write("add", vector=u, scale=12.0).layers([n_layers - 1]).submodule("residual.post")
+    steer.write("add", vector=u, scale=12.0).layers([n_layers - 1]).at("residual.post")
     probe = xmix.App("lens_probe", metadata={"demo": f"logit lens towards {tok.decode([tid])!r}"})
-    probe.read("probe", weight=u, bias=-2.0).submodule("final.post").named("lean")
+    probe.read("probe", weight=u, bias=-2.0).at("final.post").named("lean")
     paths = [steer.save(out_dir / "steer_the.xmix"), probe.save(out_dir / "lens_probe.xmix")]
     return paths, tok.decode([tid])
 

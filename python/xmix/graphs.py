@@ -166,15 +166,15 @@ def is_gated(op) -> bool:
     return any(isinstance(n, (C.Gate, C.Latch)) for n in C.walk(op.cond))
 
 
-def _custom_args(cb, inst, o) -> Any:
+def _custom_args(cb, lo) -> Any:
     a = G.CustomArgs()
-    a.kernel = int(inst.custom_fns.get(id(o), 0))
+    a.kernel = int(lo.fn)
     a.tok_slot = cb.dev["tok_slot"].data_ptr()
     a.tok_pos = cb.dev["tok_pos"].data_ptr()
     a.slot_params = cb.dev["slot_params"].data_ptr()
     a.n_params = cb.cap.max_params
-    a.param_base = inst.param_base + inst._op_param_col[id(o)]
-    art = inst._dev_artifacts.get((id(o), "a0"))
+    a.param_base = lo.param_col
+    art = lo.artifacts.get("a0")
     a.artifact = art.data_ptr() if art is not None else 0
     a.artifact_numel = int(art.numel()) if art is not None else 0
     sel = getattr(cb, "_custom_select", None)
@@ -191,12 +191,13 @@ def program_for(cb, expected_anchors: int = -1, use_conditionals: bool | None = 
         use_conditionals = bool(getattr(G, "conditionals_supported", lambda: False)())
     ops = []
     for site, lst in enumerate(getattr(cb, "_site_ops", None) or ()):
-        for k, (inst, o) in enumerate(lst):
+        for k, so in enumerate(lst):
+            inst, o = so.inst, so.op
             custom = o.kernel == "custom"
             spec = G.OpSpec(site, k, inst.index, enabled=inst.mode != "off", gated=is_gated(o),
                             custom=custom)
             if custom:
-                spec.custom_args = _custom_args(cb, inst, o)
+                spec.custom_args = _custom_args(cb, so.linked)
             ops.append(spec)
     return G.Program(cb.ptr, cb.n_sites, ops, expected_anchors, use_conditionals)
 

@@ -2,26 +2,29 @@
 
 A site id is ``layer * SITES_PER_LAYER + kind``; ``final.post`` is ``n_layers *
 SITES_PER_LAYER``. Ids increase in forward order, which is what "a read that runs earlier"
-means. The numbering matches csrc/include/xmix/control.h, the source (checked against
-``_C.constants()`` by tests/test_abi.py; kept here so the API imports without the extension).
+means. The numbers are csrc/include/xmix/control.h's (``SiteKind``, ``kSitesPerLayer``), read
+from ``_C.constants()``: the kernels and the host cannot number a site differently.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-SITES_PER_LAYER = 6
+from xmix import _C
 
-# Per-layer sites in forward order, with whether the stream there is split as hidden +
-# residual (a read sees the sum, a write changes the sum).
-LAYER_SITES: dict[str, int] = {
-    "residual.pre": 0,     # stream entering layer l
-    "attention.post": 1,   # self-attention output after o_proj, before it joins the stream
-    "residual.mid": 2,     # stream between attention and MLP
-    "router.logits": 3,    # MoE router logits (MoE layers only)
-    "mlp.post": 4,         # MLP / MoE block output before it joins the stream
-    "residual.post": 5,    # stream leaving layer l
-}
+_K = _C.constants()
+SITES_PER_LAYER: int = _K["SITES_PER_LAYER"]
+
+# Per-layer sites in forward order (control.h's SITE_RESIDUAL_PRE -> "residual.pre", ...):
+#   residual.pre    stream entering layer l
+#   attention.post  self-attention output after o_proj, before it joins the stream
+#   residual.mid    stream between attention and MLP
+#   router.logits   MoE router logits (MoE layers only)
+#   mlp.post        MLP / MoE block output before it joins the stream
+#   residual.post   stream leaving layer l
+LAYER_SITES: dict[str, int] = dict(sorted(
+    ((k[len("SITE_"):].lower().replace("_", "."), v) for k, v in _K.items() if k.startswith("SITE_")),
+    key=lambda kv: kv[1]))
 MODEL_SITES = ("final.post",)  # after the final norm
 SITE_NAMES = tuple(LAYER_SITES) + MODEL_SITES
 
@@ -32,12 +35,17 @@ def site_id(submodule: str, layer: int | None, n_layers: int) -> int:
     return layer * SITES_PER_LAYER + LAYER_SITES[submodule]
 
 
-def site_name(sid: int, n_layers: int) -> str:
+def site_of(sid: int, n_layers: int) -> tuple[int | None, str]:
+    """(layer, site name) of a site id; layer None for ``final.post``."""
     if sid == n_layers * SITES_PER_LAYER:
-        return "final.post"
+        return None, "final.post"
     layer, kind = divmod(sid, SITES_PER_LAYER)
-    name = next(n for n, k in LAYER_SITES.items() if k == kind)
-    return f"layers.{layer}.{name}"
+    return layer, next(n for n, k in LAYER_SITES.items() if k == kind)
+
+
+def site_name(sid: int, n_layers: int) -> str:
+    layer, name = site_of(sid, n_layers)
+    return name if layer is None else f"layers.{layer}.{name}"
 
 
 def n_sites(n_layers: int) -> int:

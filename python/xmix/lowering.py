@@ -67,7 +67,7 @@ class LoweredOp:
     label: str
     primitive: str
     kernel: str
-    site: str                         # submodule name
+    site: str                         # site name (Op.at)
     layer: int | None
     site_id: int
     result_key: str | None            # reads: key under which results are reported
@@ -251,7 +251,7 @@ def lower(app: App, shape: ModelShape, tokenizer=None, max_ops: int | None = Non
         what = f"op {op.label}"
         spec = KERNELS[op.kernel]
         if op.site is None:
-            raise _fail(name, what, "no site: call .submodule(...)")
+            raise _fail(name, what, "no site: call .at(site)")
         if spec.sites is not None and op.site not in spec.sites:
             raise _fail(name, what, f"kernel {op.kernel!r} only runs at {', '.join(spec.sites)}, not {op.site!r}")
         if spec.sites is None and op.site == "router.logits" and op.kernel != "custom":

@@ -133,9 +133,9 @@ struct OpDesc {
   int32_t param_base;   // first of this op's scalars in each slot's param row
   int32_t channel;      // result channel for reads, -1 for writes
   int32_t state_base;   // offset into vec_state per slot (cosine), -1 if none
-  int32_t n;            // probe/add/...: d; distance: K; router: n experts; capture: width
-  int32_t m;            // capture: first dimension captured; custom: artifact numel (low)
-  int32_t flags;        // op-specific bits
+  int32_t n;            // per kind: see the accessors below
+  int32_t m;            // per kind: see the accessors below
+  int32_t flags;        // OP_SAE_*: SaeFlag bits; 0 for every other kind
   uint64_t a0;          // weight / vector / direction / A / mask / centroids
   uint64_t a1;          // mu_s
   uint64_t a2;          // mu_t
@@ -145,15 +145,34 @@ struct OpDesc {
 };
 static_assert(sizeof(OpDesc) % 8 == 0, "OpDesc must stay 8-byte aligned");
 
+// OpDesc stays flat (the host packs it from offsets); n, m and flags mean different things per
+// op kind, so kernels read them through these names.
+XMIX_HD int32_t capture_width(const OpDesc& op) { return op.n; }      // OP_CAPTURE: floats per token
+XMIX_HD int32_t capture_first_dim(const OpDesc& op) { return op.m; }  // OP_CAPTURE: first dim taken
+XMIX_HD int32_t custom_artifact_numel(const OpDesc& op) { return op.m; }  // OP_CUSTOM
+XMIX_HD int32_t sae_n_features(const OpDesc& op) { return op.m; }     // OP_SAE_*: F
+// OP_SAE_READ: top-K, or the listed features; OP_SAE_CLAMP: the listed features.
+XMIX_HD int32_t sae_count(const OpDesc& op) { return op.n; }
+XMIX_HD bool sae_listed(const OpDesc& op) {
+  return op.kind == OP_SAE_CLAMP || (op.flags & SAE_FEATURES) != 0;
+}
+XMIX_HD int32_t sae_arch(const OpDesc& op) { return op.flags & SAE_ARCH_MASK; }
+XMIX_HD int32_t sae_norm(const OpDesc& op) { return (op.flags >> SAE_NORM_SHIFT) & 0xf; }
+XMIX_HD bool sae_b_dec_in(const OpDesc& op) { return (op.flags & SAE_B_DEC_IN) != 0; }
+// Result channels an op owns: none without a channel (writes), one per feature for an SAE read
+// of listed features, else one (built-in and custom reads).
+XMIX_HD int32_t read_channels(const OpDesc& op) {
+  if (op.channel < 0) return 0;
+  return op.kind == OP_SAE_READ && sae_listed(op) ? sae_count(op) : 1;
+}
+
 // Scalar params of each op kind, at param_base + index in the slot's param row.
 enum ParamIndex : int32_t {
   P_PROBE_BIAS = 0,
   P_ADD_SCALE = 0,
   P_CLAMP_LO = 0, P_CLAMP_HI = 1,
   P_ROUTER_DELTA = 0,
-  P_COSINE_UNUSED = 0,
-  P_AFFINE_UNUSED = 0,
-  P_SAE_CLAMP_VALUE = 0,
+  P_SAE_CLAMP_VALUE = 0,  // cosine, affine, capture, distance, ablate, SAE reads: none
 };
 
 struct ControlBlock {
@@ -377,6 +396,59 @@ XMIX_HD void set_result(const ControlBlock& cb, int32_t t, int32_t c, float v, b
   const int64_t i = static_cast<int64_t>(t) * cb.n_channels + c;
   ptr<float>(cb.results)[i] = has ? v : bits_to_float(0x7fc00000u);
   ptr<uint8_t>(cb.result_valid)[i] = has ? 1 : 0;
+}
+
+// ---------------------------------------------------------------- per-step prologue
+// The same code runs on the host (run_prologue_cpu) and on the device (the prologue kernels).
+
+// A request that starts at position 0 this step starts with empty latch sums, spans and CAST
+// means; lanes split the work (a CUDA block's threads; one lane on the CPU).
+XMIX_HD void prologue_reset_row(const ControlBlock& cb, int32_t row, int32_t lane, int32_t lanes) {
+  if (row >= cb.n_rows || !ptr<const int32_t>(cb.row_reset)[row]) return;
+  const int32_t slot = ptr<const int32_t>(cb.row_slot)[row];
+  if (lane == 0) ptr<uint32_t>(cb.slot_span)[slot] = 0;
+  float* rs = ptr<float>(cb.read_state) + static_cast<int64_t>(slot) * cb.n_channels * kReadStateWidth;
+  for (int32_t c = lane; c < cb.n_channels; c += lanes) {
+    rs[c * kReadStateWidth + 0] = 0.f;
+    rs[c * kReadStateWidth + 1] = 0.f;
+    rs[c * kReadStateWidth + 2] = bits_to_float(0x7fc00000u);  // NaN: no last value yet
+  }
+  float* vs = ptr<float>(cb.vec_state) + static_cast<int64_t>(slot) * cb.vec_state_width;
+  for (int32_t i = lane; i < cb.vec_state_width; i += lanes) vs[i] = 0.f;
+}
+
+// Token-set and span bits of one scheduled request's tokens, in order (span state is
+// sequential within a request). ids: int64 (ids_size 8) or int32.
+XMIX_HD void prologue_row_tokens(const ControlBlock& cb, int32_t row, const void* ids,
+                                 int32_t ids_size) {
+  if (row >= cb.n_rows) return;
+  const int32_t slot = ptr<const int32_t>(cb.row_slot)[row];
+  const int32_t start = ptr<const int32_t>(cb.row_tok_start)[row];
+  const int32_t n = ptr<const int32_t>(cb.row_n_tok)[row];
+  uint32_t* flags = ptr<uint32_t>(cb.tok_flags);
+  const uint32_t* sets = ptr<const uint32_t>(cb.tokset_bits);
+  const int32_t* span_def = ptr<const int32_t>(cb.span_def);
+  const int64_t vocab = static_cast<int64_t>(cb.vocab_words) * 32;
+  uint32_t state = ptr<uint32_t>(cb.slot_span)[slot];
+  for (int32_t t = start; t < start + n; ++t) {
+    const int64_t id = ids_size == 8 ? static_cast<const int64_t*>(ids)[t]
+                                     : static_cast<const int32_t*>(ids)[t];
+    uint32_t f = flags[t];
+    if (id >= 0 && id < vocab) {
+      for (int32_t s = 0; s < cb.n_token_sets; ++s)
+        if ((sets[static_cast<int64_t>(s) * cb.vocab_words + (id >> 5)] >> (id & 31)) & 1u)
+          f |= 1u << (kTokenSetBit0 + s);
+    }
+    // A span covers [opener, closer): the opener is inside, the closer is not.
+    for (int32_t k = 0; k < cb.n_spans; ++k) {
+      const int32_t open = span_def[2 * k], close = span_def[2 * k + 1];
+      if (open >= 0 && ((f >> (kTokenSetBit0 + open)) & 1u)) state |= 1u << k;
+      if (close >= 0 && ((f >> (kTokenSetBit0 + close)) & 1u)) state &= ~(1u << k);
+      if ((state >> k) & 1u) f |= 1u << (kSpanBit0 + k);
+    }
+    flags[t] = f;
+  }
+  ptr<uint32_t>(cb.slot_span)[slot] = state;
 }
 
 }  // namespace xmix

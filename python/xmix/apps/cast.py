@@ -83,7 +83,7 @@ def cast(condition_vector: Any, behavior_vectors: Any, *, condition_layer: int |
                                "cos(h_mean, tanh(P h_mean)) on positive/negative prompts",
                     extra=metadata)
     app.param("theta", theta)
-    app.read("cosine", vector=v).layers([cl]).submodule("residual.pre").named("cast_sim").cond("prompt")
-    app.write("add", vector=u, scale=alpha).layers(bl).submodule("residual.pre") \
+    app.read("cosine", vector=v).layers([cl]).at("residual.pre").named("cast_sim").cond("prompt")
+    app.write("add", vector=u, scale=alpha).layers(bl).at("residual.pre") \
        .cond(f"prompt_last(cast_sim) {cmp} theta")
     return app

@@ -142,7 +142,7 @@ def _capture_app(pieces, cond: str) -> tuple[App, list[str]]:
     app = App(name, metadata={"purpose": "xmix derive: activation collection"})
     keys = []
     for i, (site, layer, lo, hi) in enumerate(pieces):
-        op = app.read("capture", dims=(lo, hi)).submodule(site).named(f"c{i}").cond(cond)
+        op = app.read("capture", dims=(lo, hi)).at(site).named(f"c{i}").cond(cond)
         if layer is not None:
             op.layers([layer])
         keys.append(f"c{i}")  # one layer per op: the result key is the op name

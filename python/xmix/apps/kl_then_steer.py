@@ -69,8 +69,8 @@ def kl_then_steer(directions: Any, scales: Any, probe_weight: Any, probe_bias: f
                                "probe = logistic regression on prompt activations at the probe layer",
                     extra=metadata)
     app.param("threshold", th)
-    app.read("probe", weight=w, bias=b).layers([pl]).submodule("residual.post").named("kts_probe") \
+    app.read("probe", weight=w, bias=b).layers([pl]).at("residual.post").named("kts_probe") \
        .cond("prompt")
-    app.write("add", vector=s[:, None] * u, scale=coeff).layers(ls).submodule("residual.post") \
+    app.write("add", vector=s[:, None] * u, scale=coeff).layers(ls).at("residual.post") \
        .cond(f"{reduce}(kts_probe) >= threshold")
     return app

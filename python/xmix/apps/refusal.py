@@ -55,7 +55,7 @@ def refusal(direction: Any, *, variant: str = "ablate", layer: int | None = None
                         extra=metadata)
         for site in ABLATE_SITES:
             # One tensor per op: safetensors refuses to save tensors that share memory.
-            app.write("ablate", direction=r.clone()).layers("all").submodule(site)
+            app.write("ablate", direction=r.clone()).layers("all").at(site)
         return app
     if layer is None:
         layer = c.model_defaults(DEFAULTS, model).get("layer")
@@ -69,5 +69,5 @@ def refusal(direction: Any, *, variant: str = "ablate", layer: int | None = None
                     derivation="r = mean(harmful) - mean(harmless) at residual.pre of this layer; "
                                "added unnormalised, x += coeff * r",
                     extra=metadata)
-    app.write("add", vector=r, scale=coeff).layers([layer]).submodule("residual.pre")
+    app.write("add", vector=r, scale=coeff).layers([layer]).at("residual.pre")
     return app

@@ -59,6 +59,6 @@ def sake(A: Any, mu_s: Any, mu_t: Any, threshold: float, *, centroids: Any = Non
                                "distance distribution",
                     extra=metadata)
     app.param("t", t)
-    app.read("distance", centroids=cen).submodule("final.post").named("dist").cond("last_token")
-    app.write("affine", matrix=a, mu_s=ms, mu_t=mt).submodule("final.post").cond("last_token and dist <= t")
+    app.read("distance", centroids=cen).at("final.post").named("dist").cond("last_token")
+    app.write("affine", matrix=a, mu_s=ms, mu_t=mt).at("final.post").cond("last_token and dist <= t")
     return app

@@ -66,5 +66,5 @@ def seal(vector: Any, layer: int | None = None, *, coeff: float = 1.0, only_gene
     app.token_set("nl2", contains=[separator])
     app.token_set("think_open", strings=[think_open])
     app.token_set("think_close", strings=[think_close])
-    app.write("add", vector=s, scale=coeff).layers([layer]).submodule("residual.pre").cond(cond)
+    app.write("add", vector=s, scale=coeff).layers([layer]).at("residual.pre").cond(cond)
     return app

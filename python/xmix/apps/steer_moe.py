@@ -42,5 +42,5 @@ def steer_moe(mask: Any, *, delta: float = 0.01, model: str | None = None, name:
                     derivation="risk difference of expert activation rates on paired prompts; top "
                                "positive experts forced on, top negative forced off",
                     extra=metadata)
-    app.write("router", mask=m, delta=delta).layers("all").submodule("router.logits")
+    app.write("router", mask=m, delta=delta).layers("all").at("router.logits")
     return app

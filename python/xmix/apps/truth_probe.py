@@ -51,7 +51,7 @@ def truth_probe(weight: Any, bias: float, layer: int | None = None, *, tokens: s
                     derivation="logistic regression (L2, C=1) on mlp.post activations at the last "
                                "exact-answer token, label 1 = correct answer",
                     extra=metadata)
-    op = app.read("probe", weight=w, bias=b).layers([layer]).submodule("mlp.post").named("truth")
+    op = app.read("probe", weight=w, bias=b).layers([layer]).at("mlp.post").named("truth")
     if TOKENS[tokens] is not None:
         op.cond(TOKENS[tokens])
     return app

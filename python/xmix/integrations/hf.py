@@ -764,12 +764,10 @@ _MISSING = object()
 
 def site_id_name(sid: int, n_layers: int):
     """"final.post", or (layer, site name) of a per-layer site id."""
-    from xmix.hooks import LAYER_SITES, SITES_PER_LAYER
+    from xmix.hooks import site_of
 
-    if sid == n_layers * SITES_PER_LAYER:
-        return "final.post"
-    layer, kind = divmod(sid, SITES_PER_LAYER)
-    return layer, next(n for n, k in LAYER_SITES.items() if k == kind)
+    layer, name = site_of(sid, n_layers)
+    return name if layer is None else (layer, name)
 
 
 class _Rows:

@@ -56,7 +56,7 @@ def vectors_app(name: str, directions: Mapping[int, Any], *, site: str = "residu
     if layers[0] < 0:
         raise InteropError(f"{source}: negative layer index {layers[0]}")
     app = App(name, metadata=metadata)
-    app.write("add", vector=torch.stack(rows), scale=scale).layers(layers).submodule(site).named("steer")
+    app.write("add", vector=torch.stack(rows), scale=scale).layers(layers).at(site).named("steer")
     return app
 
 

@@ -31,11 +31,9 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import logging
 import os
-import secrets
 import sys
 from typing import Any
 

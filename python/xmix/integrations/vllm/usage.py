@@ -25,7 +25,7 @@ import struct
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from xmix import conditions as C

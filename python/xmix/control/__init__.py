@@ -1,0 +1,30 @@
+"""The control block on the Python side, one job per module:
+
+- ``layout``: the binary layout Python writes (field types; offsets, sizes and every number
+  from ``_C``, i.e. csrc/include/xmix/control.h) and the buffers' capacities
+- ``arena``: room in the shared tables (parameter columns, channels, token sets, spans,
+  vector state, capture buffer), first fit, with rollback of a refused deploy
+- ``params``: an app's parameter columns and a request's named values resolved to them
+- ``link``: after lowering, an app placed (``InstalledApp``, per op by its position in the
+  lowered op list) and a set of apps turned into the op list (OpDesc records, condition code,
+  site tables, token sets, spans)
+- ``custom``: user kernels loaded at deploy
+- ``slots``: request slots and what each request asked for and has reported
+- ``stage``: a step's host data to the device on staged (GPU) engines
+- ``drain``: a step's reads to per-request results, and their staged read-back
+- ``block``: ``ControlBlock``, the buffers and the host operations between steps, composed
+  from the above
+"""
+
+from xmix.control.block import ControlBlock
+from xmix.control.drain import PendingReads
+from xmix.control.layout import (CMP_CODES, CTRL_LAYOUT, FLAG_BITS, MODES, OP_LAYOUT, OP_SIZE,
+                                 Capacity, K)
+from xmix.control.link import InstalledApp, LinkedOp
+from xmix.control.params import ParamCol, param_columns, resolve_params
+from xmix.control.slots import SlotState
+from xmix.lowering import DeployError, RequestError
+
+__all__ = ["CMP_CODES", "CTRL_LAYOUT", "Capacity", "ControlBlock", "DeployError", "FLAG_BITS",
+           "InstalledApp", "K", "LinkedOp", "MODES", "OP_LAYOUT", "OP_SIZE", "ParamCol",
+           "PendingReads", "RequestError", "SlotState", "param_columns", "resolve_params"]

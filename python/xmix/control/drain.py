@@ -1,0 +1,273 @@
+"""Draining a step's reads: which result channels and capture rows hold what, and turning
+them into per-request ``ReadResult`` arrays within each request's window and byte budget.
+
+On a CPU engine the drain reads the buffers themselves. Staged (GPU), ``ReadBack`` queues the
+step's results (and only the capture rows some request can report) to a pinned read-back set
+on a side stream; the host waits only when the step's ``PendingReads`` is asked for them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from typing import TYPE_CHECKING, Any, Callable, Iterable, NamedTuple
+
+import numpy as np
+import torch
+
+from xmix.control.layout import GATHER_ROWS, Capacity
+from xmix.lowering import LoweredOp
+from xmix.results_codec import ReadResult, read_shape, to_dtype
+from xmix.staging import DeviceQueue, PinnedRing, PinnedSet
+
+if TYPE_CHECKING:
+    from xmix.control.link import InstalledApp
+    from xmix.control.slots import SlotState
+
+logger = logging.getLogger("xmix")
+
+Arr = np.ndarray[Any, Any]
+Results = dict[str, dict[str, Any]]  # req id -> {app: {read: ReadResult}, TRUNCATED_KEY: str}
+
+
+class PlannedRead(NamedTuple):
+    """One active read of a step. ``capture``: where its rows are (capture or top-K SAE
+    reads): (offset, row width) in the capture buffer, or, staged, (offset, width, row map)
+    in the read-back set (row map: token -> copied row, None when every row was copied)."""
+
+    app: str
+    key: str
+    channel: int
+    capture: tuple[Any, ...] | None
+    op: LoweredOp
+
+
+def read_plan(apps: Iterable[InstalledApp], step_active: int) -> list[PlannedRead]:
+    """This step's active reads; rows in the capture buffer are a capture read's vectors or a
+    top-K SAE read's ids and activations."""
+    plan = []
+    for inst in apps:
+        if not (step_active >> inst.index) & 1 or not inst.channels:
+            continue
+        for key, ch in inst.channels.items():
+            if key not in inst.lowered.reads:
+                continue  # one feature of an SAE read, reported with the read
+            lo = inst.read(key)
+            op = lo.op
+            cap: tuple[int, int] | None
+            if op.kernel == "capture":
+                cap = (lo.capture_offset, op.capture_width)
+            elif op.kernel == "sae" and not op.features:
+                cap = (lo.capture_offset, 2 * op.top_k)
+            else:
+                cap = None
+            plan.append(PlannedRead(inst.name, key, ch, cap, op))
+    return plan
+
+
+def collect(res: Arr, valid: Arr, pos: Arr, rows: Arr, state_of_row: Callable[[int], SlotState | None],
+            plan: list[PlannedRead], captured: Callable[[tuple[Any, ...], Arr], Arr]) -> Results:
+    """Per request, the hits of each planned read as arrays: ``res`` and ``valid`` the
+    step's result channels and their flags, ``captured(cap, idx)`` the capture-buffer rows
+    of the tokens idx (only those are copied). Each request's window and byte budget
+    apply here, so nothing it does not report leaves the worker."""
+    out: Results = {}
+    for app, key, ch, cap, op in plan:
+        idx = np.flatnonzero(valid[:, ch])
+        if not len(idx):
+            continue
+        shape = read_shape(op)
+        # tokens of one request are contiguous: split the hits at row changes
+        r = rows[idx]
+        cuts = np.flatnonzero(np.diff(r)) + 1
+        bounds = [0, *cuts.tolist(), len(idx)]
+        picks: list[tuple[SlotState, Arr]] = []
+        for j in range(len(bounds) - 1):
+            st = state_of_row(int(r[bounds[j]]))
+            if st is None:
+                continue
+            sel = idx[bounds[j]:bounds[j + 1]]
+            p = pos[sel]
+            # A preempted request recomputes positions it already reported (with the
+            # same values): report each position once.
+            done = st.reported.get((app, key), -1)
+            if p[0] <= done:
+                sel = sel[p > done]
+                if not len(sel):
+                    continue
+            st.reported[(app, key)] = int(pos[sel[-1]])
+            sel = st.admit(sel, pos[sel], shape, app, out)
+            if len(sel):
+                picks.append((st, sel))
+        if not picks:
+            continue
+        if cap is not None and len(cap) == 3 and cap[2] is not None:
+            picks = copied_only(picks, cap[2], app, key)
+        if not picks:
+            continue
+        every = np.concatenate([sel for _, sel in picks])
+        values, ids = gather(op, shape, res, ch, every, captured(cap, every) if cap is not None else None)
+        at = 0
+        for st, sel in picks:
+            k = len(sel)
+            rr = ReadResult.of(shape.kind, pos[sel], to_dtype(values[at:at + k], st.options.dtype),
+                               None if ids is None else ids[at:at + k], st.options.dtype, op.features)
+            at += k
+            out.setdefault(st.req_id, {}).setdefault(app, {})[key] = rr
+    return out
+
+
+def copied_only(picks: list[tuple[SlotState, Arr]], rowmap: Arr, app: str,
+                key: str) -> list[tuple[SlotState, Arr]]:
+    out = []
+    for st, sel in picks:
+        ok = rowmap[sel] >= 0
+        if not ok.all():  # a read ran where no request's window asked for it: a bug, said aloud
+            logger.error("xmix: %d rows of read %s.%s for request %s were not copied to the host; "
+                         "they are left out", int((~ok).sum()), app, key, st.req_id)
+            sel = sel[ok]
+        if len(sel):
+            out.append((st, sel))
+    return out
+
+
+def gather(op: LoweredOp, shape: Any, res: Arr, ch: int, idx: Arr,
+           rows: Arr | None) -> tuple[Arr, Arr | None]:
+    """(values, ids) of the tokens idx: a scalar read's channel, a capture read's rows, an SAE
+    read's listed features (consecutive channels) or its top-K rows (ids, activations;
+    unused places hold id -1)."""
+    if shape.kind == "features":
+        return res[idx, ch:ch + op.n_channels], None
+    if shape.kind == "topk":
+        assert rows is not None
+        k = op.top_k
+        return rows[:, k:], rows[:, :k].astype(np.int32)
+    if shape.kind == "vector":
+        assert rows is not None
+        return rows, None
+    return res[idx, ch], None
+
+
+class PendingReads:
+    """One step's reads on their way to the host (staged engines). Also what keeps its pinned
+    read-back set busy: query() is whether it was resolved, synchronize() resolves it."""
+
+    def __init__(self, rb: ReadBack, event: Any, pinned: PinnedSet, n_tok: int, pos: Arr,
+                 rows: Arr, states: list[SlotState | None], plan: list[PlannedRead]):
+        self.rb, self.event, self.n_tok = rb, event, n_tok
+        self.set: PinnedSet | None = pinned   # None once resolved (the set is free again)
+        self.pos, self.rows, self.states, self.plan = pos, rows, states, plan
+        self.out: Results | None = None
+
+    def result(self) -> Results:
+        return self.out if self.out is not None else self.rb.resolve(self)
+
+    def query(self) -> bool:
+        return self.out is not None
+
+    def synchronize(self) -> None:
+        self.result()
+
+
+class ReadBack:
+    """Staged read-back: results and capture rows to pinned host sets on a side stream."""
+
+    def __init__(self, xfer: DeviceQueue, cap: Capacity, device: torch.device):
+        T, R = cap.max_tokens, cap.max_channels
+        self.xfer, self.cap, self.device = xfer, cap, device
+        self.ring = PinnedRing(xfer, cap.staging_depth,
+                               {"results": (T * R, torch.float32), "valid": (T * R, torch.uint8),
+                                "capture": (cap.capture_floats, torch.float32),
+                                "gather_idx": (GATHER_ROWS * T, torch.int64)},
+                               eager=False)
+        self.gather_dev: dict[str, torch.Tensor] = {}  # made when a window first narrows a copy
+        # The last step's copy: the next forward rewrites the results buffer only after it.
+        self.event: Any = None
+        self.pending: deque[PendingReads] = deque()
+        self.lock = threading.Lock()
+
+    def queue(self, dev: dict[str, torch.Tensor], plan: list[PlannedRead], n_tok: int,
+              st: PinnedSet, slots: Arr, states: list[SlotState | None],
+              wanted_rows: Callable[[str, Arr], Arr | None]) -> PendingReads:
+        """Queue this step's results and capture rows; ``wanted_rows(app, pos)`` is the
+        tokens whose capture rows a read of the app can report (None: every one).
+
+        A capture read's rows are copied whole unless the requests' windows (or requests
+        without the app) leave some out: then only the rows that can be reported are gathered
+        on the device first, and only those cross to the host."""
+        R = self.cap.max_channels
+        s = self.ring.next()
+        pos, rows = st.np["tok_pos"][:n_tok].copy(), st.np["tok_row"][:n_tok].copy()
+        pairs = [(s.buf("results")[: n_tok * R], dev["results"][: n_tok * R]),
+                 (s.buf("valid")[: n_tok * R], dev["result_valid"][: n_tok * R])]
+        placed: list[PlannedRead] = []
+        off, used = 0, 0
+        for pr in plan:
+            cap: tuple[Any, ...] | None = pr.capture
+            if cap is not None:
+                base, w = cap
+                src = dev["capture"][base:base + n_tok * w]
+                take = wanted_rows(pr.app, pos)
+                if take is None or used + len(take) > GATHER_ROWS * self.cap.max_tokens:
+                    pairs.append((s.buf("capture")[off:off + n_tok * w], src))
+                    cap = (off, w, None)
+                    off += n_tok * w
+                else:
+                    k = len(take)
+                    if k:
+                        self._queue_gather(s, src.view(n_tok, w), take, used, off, w)
+                        pairs.append((s.buf("capture")[off:off + k * w], self.gather_dev["rows"][off:off + k * w]))
+                    rowmap = np.full(n_tok, -1, dtype=np.int64)
+                    rowmap[take] = np.arange(k)
+                    cap = (off, w, rowmap)
+                    off += k * w
+                    used += k
+            placed.append(pr._replace(capture=cap))
+        ev = self.event = self.xfer.side_copy(pairs)
+        p = PendingReads(self, ev, s, n_tok, pos, rows, states, placed)
+        PinnedRing.hold(s, p)
+        self.pending.append(p)
+        return p
+
+    def _queue_gather(self, s: PinnedSet, src: torch.Tensor, take: Arr, used: int, off: int,
+                      w: int) -> None:
+        """Rows ``take`` of ``src`` into the device gather buffer at ``off``, in stream order
+        (the indices go through the read-back set, which nothing rewrites before it resolves)."""
+        if not self.gather_dev:
+            self.gather_dev = {
+                "rows": torch.empty(max(self.cap.capture_floats, 1), dtype=torch.float32, device=self.device),
+                "idx": torch.empty(GATHER_ROWS * self.cap.max_tokens, dtype=torch.int64, device=self.device)}
+        k = len(take)
+        s.buf("gather_idx")
+        s.np["gather_idx"][used:used + k] = take
+        idx = self.gather_dev["idx"][used:used + k]
+        dst = self.gather_dev["rows"][off:off + k * w].view(k, w)
+        self.xfer.copy(idx, s.t["gather_idx"][used:used + k])
+        self.xfer.launch(lambda: torch.index_select(src, 0, idx, out=dst))
+
+    def resolve(self, p: PendingReads) -> Results:
+        """Steps resolve in order (a position a preempted request already reported is
+        skipped by comparing with the last one reported), whichever thread asks."""
+        with self.lock:
+            while p.out is None:
+                head = self.pending.popleft()
+                head.event.synchronize()
+                n, R = head.n_tok, self.cap.max_channels
+                hs = head.set
+                assert hs is not None
+                res = hs.np["results"][: n * R].reshape(n, R)
+                valid = hs.np["valid"][: n * R].reshape(n, R)
+
+                def captured(cap: tuple[Any, ...], idx: Arr, hs: PinnedSet = hs, n: int = n) -> Arr:
+                    off, w, rowmap = cap
+                    buf = hs.np["capture"]
+                    if rowmap is None:
+                        return buf[off:off + n * w].reshape(n, w)[idx]
+                    k = int(rowmap.max()) + 1
+                    return buf[off:off + k * w].reshape(k, w)[rowmap[idx]]
+
+                head.out = collect(res, valid, head.pos, head.rows, head.states.__getitem__,
+                                   head.plan, captured)
+                head.set = None
+            return p.out
