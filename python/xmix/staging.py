@@ -32,7 +32,7 @@ class DeviceQueue:
     def launch(self, fn: Callable[[], Any]) -> None:
         raise NotImplementedError
 
-    def record(self):
+    def record(self) -> Any:
         raise NotImplementedError
 
     def wait(self, event) -> None:

@@ -262,10 +262,13 @@ class ReadBack:
                 def captured(cap: tuple[Any, ...], idx: Arr, hs: PinnedSet = hs, n: int = n) -> Arr:
                     off, w, rowmap = cap
                     buf = hs.np["capture"]
+                    rows_out: Arr
                     if rowmap is None:
-                        return buf[off:off + n * w].reshape(n, w)[idx]
-                    k = int(rowmap.max()) + 1
-                    return buf[off:off + k * w].reshape(k, w)[rowmap[idx]]
+                        rows_out = buf[off:off + n * w].reshape(n, w)[idx]
+                    else:
+                        k = int(rowmap.max()) + 1
+                        rows_out = buf[off:off + k * w].reshape(k, w)[rowmap[idx]]
+                    return rows_out
 
                 head.out = collect(res, valid, head.pos, head.rows, head.states.__getitem__,
                                    head.plan, captured)

@@ -132,11 +132,11 @@ def link_app(lw: LoweredApp, index: int, seq: int, mode: str, arena: Arena, clai
     copies: dict[tuple[Any, ...], torch.Tensor] = {}
     for lo in linked:
         for k, t in lo.op.artifacts.items():
-            key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
-            if key not in copies:
+            ident = (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
+            if ident not in copies:
                 sources.append(t)
-                copies[key] = t.to(device, torch.float32).contiguous()
-            lo.artifacts[k] = copies[key]
+                copies[ident] = t.to(device, torch.float32).contiguous()
+            lo.artifacts[k] = copies[ident]
     position = {id(o): k for k, o in enumerate(lw.ops)}  # identity, only while linking
     read_ops = {key: position[id(o)] for key, o in lw.reads.items()}
     return InstalledApp(lowered=lw, index=index, seq=seq, mode=mode, param_base=base,
