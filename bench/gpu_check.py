@@ -345,7 +345,7 @@ class Runner:
             cb.release(r)
         self.live = []
         slots = []
-        for n_tok, start, plen, apps in rows:
+        for _n_tok, _start, plen, apps in rows:
             self.n += 1
             rid = f"r{self.n}"
             slots.append(cb.admit(rid, list(apps), None, plen))

@@ -126,7 +126,7 @@ def valid_apps(draw, custom=False):
         atoms = [C.Flag(f) for f in C.FLAGS] + [C.TokenIn(s) for s in sets]
         atoms += [C.InSpan(a, b) for a in sets for b in sets]
         values = st.one_of(finite.map(float), *( [st.sampled_from(sorted(app.app_params))] if app.app_params else []))
-        for key, sid, j, k in reads:
+        for key, sid, _j, k in reads:
             if sid < first or (sid == first and k != "cosine"):
                 atoms.append(C.Gate(key, draw(st.sampled_from(C.CMPS)), draw(values)))
             if sid < first:

@@ -74,7 +74,7 @@ def _random_apps(d: int, seed: int = 0) -> dict[str, tuple[App, dict]]:
 def test_registry_has_the_seven_apps_with_schemas():
     assert list(APPS) == ["refusal", "seal", "cast", "truth_probe", "sake", "kl_then_steer", "steer_moe"]
     assert set(SCHEMAS) == set(APPS)
-    for name, schema in SCHEMAS.items():
+    for schema in SCHEMAS.values():
         assert schema.source["arxiv"] and schema.source["repo"].startswith("https://github.com/")
         assert schema.artifacts and schema.collect and schema.derive
 

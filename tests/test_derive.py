@@ -398,7 +398,7 @@ def test_derive_seal_kts_sake(env, tmp_path):
         got = generate(llm, [tok.encode(p) for p in pos + neg], [kts.name])
     finally:
         llm.xmix.undeploy(kts.name)
-    for k, (hs, (_, res)) in enumerate(zip(hp + hn, got)):
+    for hs, (_, res) in zip(hp + hn, got):
         probe = torch.sigmoid(hs[2][0].double() @ w + b)  # residual.post of layer 1
         np.testing.assert_allclose(res[kts.name]["kts_probe"]["values"], probe.numpy(),
                                    rtol=1e-4, atol=1e-5)

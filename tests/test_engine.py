@@ -26,7 +26,7 @@ READ_RTOL = 1e-4
 
 def build_apps(shape: ModelShape, tok) -> list[xmix.App]:
     g = torch.Generator().manual_seed(1234)
-    d, L = shape.hidden_size, shape.n_layers
+    d = shape.hidden_size
 
     def unit():
         v = torch.randn(d, generator=g)

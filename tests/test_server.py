@@ -255,7 +255,6 @@ def test_bad_requests_are_rejected_and_serving_continues(server):
 
 def test_deploy_patch_delete_over_http(server):
     c = server["client"]
-    tmp = server["tmp"]
     extra = xmix.App("extra")
     extra.read("probe", weight=torch.ones(D) / 64).layers([0]).submodule("residual.pre").named("e")
     data = extra.to_bytes()
@@ -598,7 +597,6 @@ def test_writes_that_would_overflow_are_refused_and_cannot_poison_other_requests
     differently (seen here before the fix). Parameters whose write would pass 1e30 per
     element are now refused (400, naming the range); at the largest allowed scale other
     requests' answers stay exactly the same."""
-    c = server["client"]
 
     def batch(salt):
         async def one(client, i):
@@ -645,7 +643,7 @@ def test_soak_live_changes_under_16_streams(server):
         valid.append(a.to_bytes())
     overflow = xmix.App("overflow")
     overflow.read("probe", weight=torch.ones(D) / 64).layers([0]).submodule("residual.pre").named("g")
-    for i in range(3):
+    for _ in range(3):
         overflow.write("add", vector=torch.ones(D)).layers("all").submodule("residual.post") \
             .cond(" or ".join(["g >= 0.5"] * 200))
     refused = [overflow.to_bytes(), b"\0" * 64,

@@ -150,7 +150,7 @@ def _tensor_entries(header: dict, n_data: int, source: str) -> dict[str, tuple]:
         out[name] = (dt[0], shape, offs[0], offs[1])
         spans.append((offs[0], offs[1], name))
     spans.sort()
-    for (b0, e0, n0), (b1, e1, n1) in zip(spans, spans[1:]):
+    for (_, e0, n0), (b1, _, n1) in zip(spans, spans[1:]):
         if b1 < e0:
             raise AppError(f"{source}: tensors {n0!r} and {n1!r} overlap in the file")
     return out
@@ -341,7 +341,7 @@ def _check_spec_size(spec: dict, tensors: dict[str, torch.Tensor], source: str) 
     if len(ops) > limit:
         raise LimitError(f"{source}: {len(ops)} ops; at most {limit} per app (XMIX_MAX_APP_OPS)")
     keys: set[str] = set()
-    for i, o in enumerate(ops):
+    for o in ops:
         arts = o.get("artifacts") if isinstance(o, dict) else None
         if isinstance(arts, dict):
             keys.update(k for k in arts.values() if isinstance(k, str) and k in tensors)
