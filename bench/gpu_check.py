@@ -52,7 +52,7 @@ def check(ok: bool, what: str) -> bool:
     return ok
 
 
-# ---------------------------------------------------------------- pure helpers (tests/test_gpu_check.py)
+# ---------------------------------------------------------------- pure helpers (tests/unit/test_gpu_check.py)
 def probe_median(results: torch.Tensor, channel: int) -> float | None:
     """The median of one read channel over the rows that hold a value (B x R result rows):
     a gate threshold true for about half of the tokens. None when fewer than two rows have

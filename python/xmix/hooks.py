@@ -3,7 +3,7 @@
 A site id is ``layer * SITES_PER_LAYER + kind``; ``final.post`` is ``n_layers *
 SITES_PER_LAYER``. Ids increase in forward order, which is what "a read that runs earlier"
 means. The numbering matches csrc/include/xmix/control.h, the source (checked against
-``_C.constants()`` by tests/test_abi.py; kept here so the API imports without the extension).
+``_C.constants()`` by tests/unit/test_abi.py; kept here so the API imports without the extension).
 """
 
 from __future__ import annotations

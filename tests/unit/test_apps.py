@@ -540,7 +540,7 @@ def test_factory_argument_errors():
 
 
 # ============================================================================ (d) end to end, tiny model
-PROMPTS = __import__("pathlib").Path(__file__).resolve().parents[1] / "examples" / "prompts"
+PROMPTS = __import__("pathlib").Path(__file__).resolve().parents[2] / "examples" / "prompts"
 
 
 def _lines(name: str) -> list[str]:

@@ -78,7 +78,7 @@ def valid_apps(draw, custom=False):
     names = iter(draw(st.lists(ident, min_size=8, max_size=8, unique=True)))
     reads = []                                 # (key, site id, op index, kernel)
     n_ops = draw(st.integers(0, 6))
-    # SAE kernels take an xmix.SAE and one layer: tests/test_sae_kernels.py covers them.
+    # SAE kernels take an xmix.SAE and one layer: tests/unit/test_sae_kernels.py covers them.
     kernels = sorted(k for k in KERNELS if k != "custom" and k not in SAE_KERNELS) + (["custom"] if custom else [])
     for i in range(n_ops):
         kernel = draw(st.sampled_from(kernels))
