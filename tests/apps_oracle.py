@@ -37,7 +37,7 @@ import xmix
 from xmix.apps import cast, derive as D, kl_then_steer, refusal, sake, seal, steer_moe, truth_probe
 from xmix.models.tiny import tiny_model_path
 
-from engine_util import hf_model, make_llm, shutdown
+from engine_util import assert_reads_match, hf_model, make_llm, shutdown
 
 
 PROMPTS_DIR = Path(__file__).resolve().parents[1] / "examples" / "prompts"
@@ -570,19 +570,6 @@ def run_engine(env: Env, reqs: list[Req]):
     return [(list(o.outputs[0].token_ids), xmix.results(o)) for o in outs]
 
 
-def assert_reads(engine: dict, oracle: dict, what: str) -> None:
-    assert set(engine) == set(oracle), f"{what}: apps with results {sorted(engine)} != {sorted(oracle)}"
-    for app, reads in oracle.items():
-        assert set(engine[app]) == set(reads), \
-            f"{what}: reads of {app}: {sorted(engine[app])} != {sorted(reads)}"
-        for key, o in reads.items():
-            e = engine[app][key]
-            assert e["positions"] == o["positions"], f"{what}: {app}.{key} positions"
-            np.testing.assert_allclose(np.asarray(e["values"], dtype=np.float64),
-                                       np.asarray(o["values"], dtype=np.float64),
-                                       rtol=RTOL, atol=ATOL, err_msg=f"{what}: {app}.{key}")
-
-
 def check(env: Env, reqs: list[Req]) -> list[tuple[list[int], dict, dict, Ctx]]:
     """Run ``reqs`` in one engine batch; each must match its own oracle run. Returns
     (tokens, engine reads, oracle reads, oracle context of the last forward) per request."""
@@ -592,7 +579,7 @@ def check(env: Env, reqs: list[Req]) -> list[tuple[list[int], dict, dict, Ctx]]:
         o_toks, o_reads, ctx = env.ref.generate(r.ids, env.ops(r.apps, r.params), G, r.allowed)
         what = f"{env.kind} request {i} apps={r.apps} params={r.params}"
         assert toks == o_toks, f"{what}: tokens {toks} != oracle {o_toks}"
-        assert_reads(res, o_reads, what)
+        assert_reads_match(res, o_reads, what, rtol=RTOL, atol=ATOL)
         out.append((toks, res, o_reads, ctx))
     return out
 
