@@ -338,7 +338,8 @@ class Op:
         return d
 
 
-def _check_spec_size(spec: dict[str, Any], tensors: dict[str, torch.Tensor], source: str) -> None:
+def _check_spec_size(spec: dict[str, Any], tensors: dict[str, torch.Tensor] | dict[str, _Sized],
+                     source: str) -> None:
     """Op count and artifact bytes of a spec, before any op is built or artifact copied.
     Artifacts are counted once per distinct file key (ops naming one key share it)."""
     ops = spec.get("ops") or []

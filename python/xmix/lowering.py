@@ -305,8 +305,8 @@ def lower(app: App, shape: ModelShape, tokenizer: Any = None, max_ops: int | Non
         for a, kind in kinds.items():
             per_layer[a] = _per_layer(name, what, a, as_fp32(op.artifacts[a]), kind, layers, shape)
         if op.kernel == "router":
-            for m in per_layer["mask"]:
-                if not torch.isin(m, torch.tensor([-1.0, 0.0, 1.0])).all():
+            for mask in per_layer["mask"]:
+                if not torch.isin(mask, torch.tensor([-1.0, 0.0, 1.0])).all():
                     raise _fail(name, what, "artifact 'mask' must hold only -1, 0 and 1")
 
         if op.kernel == "custom":
@@ -342,11 +342,11 @@ def lower(app: App, shape: ModelShape, tokenizer: Any = None, max_ops: int | Non
             elif op.kernel == "cosine":
                 # P = v v^T / v^T v does not depend on |v|: store v / |v| (computed in
                 # float64, so tiny or huge vectors stay finite) and 1 / (v^T v) = 1.
-                v = per_layer["vector"][li].double()
-                norm = float(v.norm())
+                vec = per_layer["vector"][li].double()
+                norm = float(vec.norm())
                 if not norm > 0:
                     raise _fail(name, what, "artifact 'vector' has zero norm")
-                arts["a0"] = (v / norm).float().contiguous()
+                arts["a0"] = (vec / norm).float().contiguous()
                 arts["a1"] = torch.ones(1, dtype=torch.float32)
                 state = d + 1
             elif op.kernel == "distance":
@@ -359,7 +359,7 @@ def lower(app: App, shape: ModelShape, tokenizer: Any = None, max_ops: int | Non
                 lo_d, hi_d = op.options.get("dims", [0, d])
                 if hi_d > d:
                     raise _fail(name, what, f"dims {op.options['dims']} exceed the hidden size {d}")
-                m, n = lo_d, hi_d - lo_d
+                m, n = int(lo_d), int(hi_d - lo_d)
                 cap = n
             elif op.kernel == "custom":
                 if "artifact" in per_layer:
