@@ -52,7 +52,7 @@ def check(ok: bool, what: str) -> bool:
     return ok
 
 
-# ---------------------------------------------------------------- pure helpers (tests/test_gpu_check.py)
+# ---------------------------------------------------------------- pure helpers (tests/unit/test_gpu_check.py)
 def probe_median(results: torch.Tensor, channel: int) -> float | None:
     """The median of one read channel over the rows that hold a value (B x R result rows):
     a gate threshold true for about half of the tokens. None when fewer than two rows have
@@ -345,7 +345,7 @@ class Runner:
             cb.release(r)
         self.live = []
         slots = []
-        for n_tok, start, plen, apps in rows:
+        for _n_tok, _start, plen, apps in rows:
             self.n += 1
             rid = f"r{self.n}"
             slots.append(cb.admit(rid, list(apps), None, plen))

@@ -189,8 +189,8 @@ stage quick 60 "$RESULTS/quick.log" "$PY" bench/gpu_check.py --layers 2 --batche
   --rounds 3 --tag quick --table "$RESULTS/table.md"
 run_tests() {
   local rc=0
-  "$PY" -m pytest -q -m gpu -p no:cacheprovider --rootdir "$ROOT" tests/test_kernels.py \
-    tests/test_graphs.py tests/test_gpu_check_kernels.py || rc=1
+  "$PY" -m pytest -q -m gpu -p no:cacheprovider --rootdir "$ROOT" tests/unit/test_kernels.py \
+    tests/unit/test_graphs.py tests/gpu/test_gpu_check_kernels.py || rc=1
   if [ -n "$TESTBIN" ]; then
     "$TESTBIN" --gtest_filter='KernelTwins.*' || rc=1
   else

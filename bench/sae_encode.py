@@ -95,8 +95,8 @@ def main() -> None:
                 cb, x, sid, sae = setup(d, F, K, n_sel, n_other, args.device)
                 W, b = sae.W_enc.to(x.device), sae.b_enc.to(x.device)
                 xs = x[:n_sel]
-                t_x = timed(lambda: torch.ops.xmix.site(x, None, sid), args.repeats, args.device)
-                t_t = timed(lambda: torch.topk(torch.relu(xs @ W + b), K), args.repeats, args.device)
+                t_x = timed(lambda x=x, sid=sid: torch.ops.xmix.site(x, None, sid), args.repeats, args.device)
+                t_t = timed(lambda xs=xs, W=W, b=b: torch.topk(torch.relu(xs @ W + b), K), args.repeats, args.device)
                 got = cb.drain().get("use", {}).get("bench", {}).get("s", {}).get("values", [])
                 ref = torch.topk(torch.relu(xs @ W + b), K).indices.cpu()
                 eq = np.mean([set(v["ids"]) == set(ref[i].tolist()[: len(v["ids"])]) for i, v in enumerate(got)]) \

@@ -1,6 +1,6 @@
 """Serving overhead of xmix measured with vLLM's own load client (`vllm bench serve`).
 
-`vllm serve` (plugins off: VLLM_PLUGINS=none, as tests/test_do_no_harm.py gets a vanilla
+`vllm serve` (plugins off: VLLM_PLUGINS=none, as tests/engine/test_do_no_harm.py gets a vanilla
 engine) and `xmix serve` (every app below deployed, mode `request`) are started in turn on the
 same model and flags, and each is driven with `vllm bench serve --save-result --save-detailed`
 (random dataset, streamed completions, fixed output length), so every figure is what an

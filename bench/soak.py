@@ -476,7 +476,7 @@ async def run_oracle(client: httpx.AsyncClient, admin: httpx.AsyncClient, apps: 
         if res.outcome == "ok" and not res.applied.get("changed"):
             todo.setdefault(oracle_key(res), []).append(res)
     equal, wrong = 0, []
-    for k, group in todo.items():
+    for group in todo.values():
         res = group[0]
         names, params = [], {}
         for a in res.applied["apps"]:

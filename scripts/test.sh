@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
-# Build, then run every test: GoogleTest through ctest, the part of the GPU check that needs no
-# GPU (bench/gpu_check.sh --cpu-only), then pytest. Prints the counts.
+# Build, then run every test: the lint, format and type checks (scripts/lint.sh), GoogleTest
+# through ctest, the part of the GPU check that needs no GPU (bench/gpu_check.sh --cpu-only),
+# then pytest. Prints the counts; any failure fails the run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
 
 BUILD=build/xmix
-echo "== GoogleTest (ctest) =="
 set +e
+echo "== lint (scripts/lint.sh) =="
+scripts/lint.sh 2>&1 | tee /tmp/xmix-lint.log
+LINT_RC=${PIPESTATUS[0]}
+echo "== GoogleTest (ctest) =="
 .venv/bin/ctest --test-dir "$BUILD" --output-on-failure 2>&1 | tee /tmp/xmix-ctest.log
 CTEST_RC=${PIPESTATUS[0]}
 echo "== GPU check, the part that needs no GPU (bench/gpu_check.sh --cpu-only) =="
@@ -30,6 +34,7 @@ echo
 echo "GoogleTest: ${CT:-no result}"
 echo "gpu_check:  $([ "$GPU_CHECK_RC" = 0 ] && echo "build, symbols, import and CPU part passed" || echo "FAILED (build/gpu_check/ci/summary.txt)")"
 echo "pytest:     ${PT:-no result}"
-[ "$CTEST_RC" = 0 ] && [ "$GPU_CHECK_RC" = 0 ] && [ "$PYTEST_RC" = 0 ] && { echo "ALL TESTS PASSED"; exit 0; }
-echo "TESTS FAILED (ctest rc=$CTEST_RC, gpu_check rc=$GPU_CHECK_RC, pytest rc=$PYTEST_RC)"
+echo "lint:       $(tail -1 /tmp/xmix-lint.log)"
+[ "$LINT_RC" = 0 ] && [ "$CTEST_RC" = 0 ] && [ "$GPU_CHECK_RC" = 0 ] && [ "$PYTEST_RC" = 0 ] && { echo "ALL TESTS PASSED"; exit 0; }
+echo "TESTS FAILED (lint rc=$LINT_RC, ctest rc=$CTEST_RC, gpu_check rc=$GPU_CHECK_RC, pytest rc=$PYTEST_RC)"
 exit 1

@@ -1,7 +1,30 @@
+"""Tests, grouped by what they need (a module sits in the group of its most demanding test):
+
+- unit/: no vLLM engine (kernels on CPU, the planner, app files, transformers models);
+  tests parametrized over "cuda" are marked ``gpu`` and skip without one
+- engine/: start an offline vLLM engine (``vllm.LLM`` / ``xmix.LLM``) on the tiny models
+- server/: start an HTTP server (``xmix serve`` / ``vllm serve``)
+- gpu/: every test needs a CUDA GPU
+- cpp/: GoogleTest (ctest)
+
+The shared helpers (harness, engine_util, serve_util, xmix_proc, xmix_faults, fake_device,
+apps_oracle) stay here, imported as top-level modules: tests/ goes on sys.path below, and engine
+worker processes (spawned) inherit that path, so ``worker_extension_cls="xmix_faults..."``
+resolves there too. The group folders go on it as well: some modules reuse another's building
+blocks across groups (test_results_server takes test_results_engine's kernel, test_fuzz_http
+test_app_files_hostile's cases), whichever subset of files a run collects.
+"""
+
 import os
+import sys
+from pathlib import Path
 
 import pytest
 
+_HERE = Path(__file__).resolve().parent
+for _p in (_HERE, *(_HERE / g for g in ("unit", "engine", "server", "gpu"))):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 

@@ -6,6 +6,7 @@ import contextlib
 import gc
 import os
 
+import numpy as np
 import torch
 
 ENGINE_KW = dict(dtype="float32", max_model_len=512, seed=0, gpu_memory_utilization=0.3,
@@ -86,3 +87,22 @@ def hf_model(path: str):
     m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     m.eval()
     return m
+
+
+def assert_reads_match(engine_res: dict, oracle_res: dict, what: str, rtol: float = 1e-4,
+                       atol: float = 1e-5, scaled: bool = False) -> None:
+    """Read results of one request (``xmix.results``) against an oracle's: the same apps, reads
+    and positions, values within rtol/atol. ``scaled``: atol is relative to the RMS of the
+    oracle's values (elements near zero of a captured vector)."""
+    assert set(engine_res) == set(oracle_res), \
+        f"{what}: apps with results {sorted(engine_res)} != {sorted(oracle_res)}"
+    for app, reads in oracle_res.items():
+        assert set(engine_res[app]) == set(reads), \
+            f"{what}: reads of {app}: {sorted(engine_res[app])} != {sorted(reads)}"
+        for key, o in reads.items():
+            e = engine_res[app][key]
+            assert e["positions"] == o["positions"], f"{what}: {app}.{key} positions differ"
+            want = np.asarray(o["values"], np.float64)
+            scale = max(1.0, float(np.sqrt(np.mean(want ** 2)))) if scaled and want.size else 1.0
+            np.testing.assert_allclose(np.asarray(e["values"], np.float64), want, rtol=rtol,
+                                       atol=atol * scale, err_msg=f"{what}: {app}.{key}")

@@ -1,5 +1,5 @@
-"""One ``xmix serve`` process on the tiny Llama for a test module (tests/test_console.py,
-tests/test_openai_client.py): started with the given app files, stopped with its process group."""
+"""One ``xmix serve`` process on the tiny Llama for a test module (tests/server/test_console.py,
+tests/server/test_openai_client.py): started with the given app files, stopped with its process group."""
 
 from __future__ import annotations
 

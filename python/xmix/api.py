@@ -21,13 +21,17 @@ import reprlib
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from collections.abc import Collection, Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from xmix import conditions
 from xmix.catalog import FLT_MAX, KERNELS, MAX_SAE_FEATURES, MAX_TOP_K, SAE_KERNELS
 from xmix.hooks import SITE_NAMES
+
+if TYPE_CHECKING:
+    from xmix.sae import SAE
 
 FORMAT = "xmix.app/1"
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]{0,63}$")
@@ -100,7 +104,7 @@ def check_json_value(value: Any, what: str, depth: int = MAX_JSON_DEPTH) -> None
             raise AppError(f"{what} contains a {type(v).__name__}, which JSON cannot carry")
 
 
-def _check_name(kind: str, name: Any, pattern=_NAME) -> str:
+def _check_name(kind: str, name: Any, pattern: re.Pattern[str] = _NAME) -> str:
     if not isinstance(name, str) or not pattern.match(name):
         raise AppError(f"{kind} name {_SHOWN.repr(name)} is not valid (letters, digits, '_' ; at most 64)")
     return name
@@ -109,20 +113,22 @@ def _check_name(kind: str, name: Any, pattern=_NAME) -> str:
 def _json_budget(text: bytes | str, source: str, what: str, start: int = 0, end: int | None = None) -> None:
     """Refuse JSON that could build more than MAX_JSON_VALUES objects, before parsing it
     (``text[start:end]``, counted in place)."""
-    seps = (b"{", b"[", b",", b":") if isinstance(text, bytes) else ("{", "[", ",", ":")
     end = len(text) if end is None else end
-    n = sum(text.count(c, start, end) for c in seps)
+    if isinstance(text, bytes):
+        n = sum(text.count(c, start, end) for c in (b"{", b"[", b",", b":"))
+    else:
+        n = sum(text.count(c, start, end) for c in ("{", "[", ",", ":"))
     if n > MAX_JSON_VALUES:
         raise LimitError(f"{source}: the {what} has {n} JSON separators; at most {MAX_JSON_VALUES} "
                          f"(an app's spec is far smaller)")
 
 
-def _tensor_entries(header: dict, n_data: int, source: str) -> dict[str, tuple]:
+def _tensor_entries(header: dict[str, Any], n_data: int, source: str) -> dict[str, tuple[Any, ...]]:
     """Check a safetensors header's tensor entries against the data they claim, without
     reading the data: name -> (torch dtype, shape, begin, end)."""
     if len(header) > MAX_TENSORS:
         raise LimitError(f"{source}: {len(header)} tensors; at most {MAX_TENSORS}")
-    out: dict[str, tuple] = {}
+    out: dict[str, tuple[Any, ...]] = {}
     spans = []
     for name, info in header.items():
         if not isinstance(name, str) or not name or len(name) > 256 or _CONTROL_CHARS.search(name):
@@ -150,7 +156,7 @@ def _tensor_entries(header: dict, n_data: int, source: str) -> dict[str, tuple]:
         out[name] = (dt[0], shape, offs[0], offs[1])
         spans.append((offs[0], offs[1], name))
     spans.sort()
-    for (b0, e0, n0), (b1, e1, n1) in zip(spans, spans[1:]):
+    for (_, e0, n0), (b1, _, n1) in zip(spans, spans[1:]):
         if b1 < e0:
             raise AppError(f"{source}: tensors {n0!r} and {n1!r} overlap in the file")
     return out
@@ -166,7 +172,8 @@ class _Sized:
         return math.prod(self.shape)
 
 
-def _materialise(data: bytes, base: int, entries: dict[str, tuple], names) -> dict[str, torch.Tensor]:
+def _materialise(data: bytes, base: int, entries: dict[str, tuple[Any, ...]],
+                 names: Iterable[str]) -> dict[str, torch.Tensor]:
     """Zero-copy views of the named tensors in ``data`` (the app copies what it keeps)."""
     out = {}
     with warnings.catch_warnings():
@@ -180,7 +187,7 @@ def _materialise(data: bytes, base: int, entries: dict[str, tuple], names) -> di
     return out
 
 
-def _referenced(spec: Any, names) -> list[str]:
+def _referenced(spec: Any, names: Collection[str]) -> list[str]:
     """Tensor names an app spec uses: op artifacts and every tensor of a named SAE."""
     if not isinstance(spec, dict):
         return []
@@ -204,7 +211,7 @@ class TokenSet:
     strings: list[str] | None = None      # strings that must each be exactly one token
     contains: list[str] | None = None     # every vocab token whose text contains one of these
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {k: v for k, v in (("name", self.name), ("ids", self.ids), ("strings", self.strings),
                                   ("contains", self.contains)) if v is not None}
 
@@ -221,7 +228,7 @@ class CustomKernel:
     cuda_symbol: str | None = None
     params: dict[str, float] = field(default_factory=dict)
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if v is not None}
 
 
@@ -243,10 +250,10 @@ class Op:
         self.cond_expr: str | None = None
         self.cond_when: str | None = None
         self.cond_gate: str | None = None
-        self.sae = None                    # xmix.SAE of an SAE kernel (shared within the app)
+        self.sae: SAE | None = None        # xmix.SAE of an SAE kernel (shared within the app)
 
     # -- builder ---------------------------------------------------------------------------
-    def layers(self, layers) -> "Op":
+    def layers(self, layers: Any) -> "Op":
         if isinstance(layers, str):
             if layers != "all":
                 raise AppError(f"app {self.app.name!r}, op {self.label}: layers must be a list, "
@@ -312,10 +319,10 @@ class Op:
     def result_name(self) -> str:
         return self.name or self.kernel
 
-    def condition(self):
+    def condition(self) -> conditions.Node | None:
         return conditions.combine(self.cond_expr, self.cond_when, self.cond_gate)
 
-    def to_json(self, index: int, keys: dict[int, str] | None = None) -> dict:
+    def to_json(self, index: int, keys: dict[int, str] | None = None) -> dict[str, Any]:
         d: dict[str, Any] = {
             "primitive": self.primitive,
             "kernel": self.kernel,
@@ -339,7 +346,8 @@ class Op:
         return d
 
 
-def _check_spec_size(spec: dict, tensors: dict[str, torch.Tensor], source: str) -> None:
+def _check_spec_size(spec: dict[str, Any], tensors: dict[str, torch.Tensor] | dict[str, _Sized],
+                     source: str) -> None:
     """Op count and artifact bytes of a spec, before any op is built or artifact copied.
     Artifacts are counted once per distinct file key (ops naming one key share it)."""
     ops = spec.get("ops") or []
@@ -349,7 +357,7 @@ def _check_spec_size(spec: dict, tensors: dict[str, torch.Tensor], source: str) 
     if len(ops) > limit:
         raise LimitError(f"{source}: {len(ops)} ops; at most {limit} per app (XMIX_MAX_APP_OPS)")
     keys: set[str] = set()
-    for i, o in enumerate(ops):
+    for o in ops:
         arts = o.get("artifacts") if isinstance(o, dict) else None
         if isinstance(arts, dict):
             keys.update(k for k in arts.values() if isinstance(k, str) and k in tensors)
@@ -364,7 +372,7 @@ def _check_spec_size(spec: dict, tensors: dict[str, torch.Tensor], source: str) 
                          f"(XMIX_MAX_ARTIFACT_BYTES)")
 
 
-def _as_artifact(app: str, what: str, name: str, value) -> torch.Tensor:
+def _as_artifact(app: str, what: str, name: str, value: Any) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         t = value.detach().cpu()
     else:
@@ -380,7 +388,7 @@ def _as_artifact(app: str, what: str, name: str, value) -> torch.Tensor:
     return t.contiguous().clone()
 
 
-def _as_param(app: str, what: str, name: str, value) -> float:
+def _as_param(app: str, what: str, name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise AppError(f"app {app!r}, {what}: parameter {name!r} must be a number, got {value!r}")
     try:
@@ -415,7 +423,7 @@ class App:
     def __repr__(self) -> str:
         return f"App({self.name!r}, {len(self.ops)} ops)"
 
-    def _op(self, primitive: str, kernel: str, kwargs: dict) -> Op:
+    def _op(self, primitive: str, kernel: str, kwargs: dict[str, Any]) -> Op:
         what = f"{primitive}({kernel!r})"
         if kernel not in KERNELS:
             raise AppError(f"app {self.name!r}, {what}: unknown kernel {kernel!r}; built-in "
@@ -474,21 +482,21 @@ class App:
                 op.layer_spec = [layer] if layer is not None else None
         return op
 
-    def _sae_key(self, sae) -> str:
+    def _sae_key(self, sae: SAE) -> str:
         """The SAE's name in the app file: one entry per distinct SAE object."""
         for i, s in enumerate(self._saes()):
             if s is sae:
                 return f"sae{i}"
         raise AppError(f"app {self.name!r}: SAE {sae!r} is not used by any op")
 
-    def _saes(self) -> list:
-        out: list = []
+    def _saes(self) -> list[SAE]:
+        out: list[SAE] = []
         for op in self.ops:
             if op.sae is not None and not any(op.sae is s for s in out):
                 out.append(op.sae)
         return out
 
-    def _artifact(self, what: str, name: str, value) -> torch.Tensor:
+    def _artifact(self, what: str, name: str, value: Any) -> torch.Tensor:
         hit = self._copies.get(id(value))
         if hit is not None and hit[0] is value:
             return hit[1]
@@ -496,16 +504,17 @@ class App:
         self._copies[id(value)] = (value, t)  # the source is kept, so its id stays unique
         return t
 
-    def read(self, kernel: str, **kwargs) -> Op:
+    def read(self, kernel: str, **kwargs: Any) -> Op:
         """Read the activation at a site: probe, capture, cosine, distance, sae (or custom)."""
         return self._op("read", kernel, kwargs)
 
-    def write(self, kernel: str, **kwargs) -> Op:
+    def write(self, kernel: str, **kwargs: Any) -> Op:
         """Change the activation at a site: add, ablate, affine, clamp, router, sae_steer,
         sae_clamp (or custom)."""
         return self._op("write", kernel, kwargs)
 
-    def token_set(self, name: str, ids=None, strings=None, contains=None) -> "App":
+    def token_set(self, name: str, ids: Any = None, strings: Any = None,
+                  contains: Any = None) -> "App":
         """A set of token ids for conditions: ids, single-token strings (resolved with the
         tokenizer at deploy), or every token whose text contains a substring."""
         _check_name(f"app {self.name!r}: token set", name, _OP_NAME)
@@ -532,7 +541,7 @@ class App:
         return self
 
     # -- serialisation: one safetensors file, the JSON spec in its metadata ---------------
-    def spec(self) -> dict:
+    def spec(self) -> dict[str, Any]:
         keys = self._artifact_keys()
         return {
             "format": FORMAT,
@@ -575,7 +584,8 @@ class App:
     def to_bytes(self) -> bytes:
         from safetensors.torch import save
 
-        return save(self.tensors(), metadata={"xmix.spec": json.dumps(self.spec(), sort_keys=True)})
+        data: bytes = save(self.tensors(), metadata={"xmix.spec": json.dumps(self.spec(), sort_keys=True)})
+        return data
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -638,7 +648,7 @@ class App:
         return App.from_spec(spec, tensors, source=source, allow_custom=allow_custom)
 
     @staticmethod
-    def from_spec(spec: dict, tensors: dict[str, torch.Tensor], source: str = "<spec>",
+    def from_spec(spec: dict[str, Any], tensors: dict[str, torch.Tensor], source: str = "<spec>",
                   allow_custom: bool = False) -> "App":
         if not isinstance(spec, dict) or spec.get("format") != FORMAT:
             raise AppError(f"{source}: unknown app format {spec.get('format') if isinstance(spec, dict) else spec!r}; "
@@ -692,7 +702,8 @@ class App:
         return app
 
 
-def _sae_options(app: str, what: str, kernel: str, kwargs: dict, options: dict):
+def _sae_options(app: str, what: str, kernel: str, kwargs: dict[str, Any],
+                 options: dict[str, Any]) -> SAE:
     """Take the SAE and its options out of an SAE kernel's arguments."""
     from xmix.sae import SAE, SAEError
 
@@ -731,7 +742,7 @@ def _sae_options(app: str, what: str, kernel: str, kwargs: dict, options: dict):
     return sae
 
 
-def _saes_from_spec(saes: Any, tensors: dict[str, torch.Tensor], source: str) -> dict:
+def _saes_from_spec(saes: Any, tensors: dict[str, torch.Tensor], source: str) -> dict[str, SAE]:
     from xmix.sae import SAE, SAEError
 
     if not isinstance(saes, dict):

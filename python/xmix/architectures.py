@@ -18,7 +18,7 @@ The MI convention, for every family:
   residual.post   the stream leaving decoder layer l
   final.post      the output of the final norm (what the LM head reads)
 so that ``residual.mid == residual.pre + attention.post`` and ``residual.post ==
-residual.mid + mlp.post`` hold in every family (tests/test_models_sites.py checks both).
+residual.mid + mlp.post`` hold in every family (tests/unit/test_models_sites.py checks both).
 
 A ``Tap`` names a module inside the decoder layer (dotted path, ``""`` the layer itself) and
 one tensor of its call: ``io="in"`` the argument at ``arg`` (position, keyword), ``io="out"``

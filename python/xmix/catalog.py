@@ -24,7 +24,7 @@ MAX_SAE_FEATURES = 64        # features=[...] of an "sae" read, feature=[...] of
 
 @dataclass(frozen=True)
 class Param:
-    default: float | None
+    default: float
     lo: float = -FLT_MAX
     hi: float = FLT_MAX
     doc: str = ""

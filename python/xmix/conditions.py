@@ -27,6 +27,7 @@ an SAE read with ``features=[...]``: ``sae18.f1234 > 2.0``, docs/saes.md).
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 FLAGS = ("all", "prompt", "generated", "last_token")
@@ -75,19 +76,19 @@ class Latch:
 
 @dataclass(frozen=True)
 class And:
-    a: object
-    b: object
+    a: Node
+    b: Node
 
 
 @dataclass(frozen=True)
 class Or:
-    a: object
-    b: object
+    a: Node
+    b: Node
 
 
 @dataclass(frozen=True)
 class Not:
-    a: object
+    a: Node
 
 
 Node = Flag | TokenIn | InSpan | Gate | Latch | And | Or | Not
@@ -101,13 +102,15 @@ _TOKEN = re.compile(
 
 
 def _lex(text: str) -> list[tuple[str, str]]:
-    out, pos = [], 0
+    out: list[tuple[str, str]] = []
+    pos = 0
     text = text.strip()
     while pos < len(text):
         m = _TOKEN.match(text, pos)
         if not m or m.end() == pos:
             raise ConditionError(f"cannot read condition {text!r} at {text[pos:]!r}")
         kind = m.lastgroup
+        assert kind is not None  # every alternative of _TOKEN is a named group
         out.append((kind, m.group(kind)))
         pos = m.end()
         while pos < len(text) and text[pos].isspace():
@@ -125,12 +128,12 @@ class _Parser:
         self.depth = 0
         self.terms = 0
 
-    def peek(self):
+    def peek(self) -> tuple[str | None, str | None]:
         return self.toks[self.i] if self.i < len(self.toks) else (None, None)
 
-    def take(self, kind=None, value=None):
+    def take(self, kind: str | None = None, value: str | None = None) -> str:
         k, v = self.peek()
-        if k is None or (kind and k != kind) or (value is not None and v != value):
+        if k is None or v is None or (kind and k != kind) or (value is not None and v != value):
             want = value or kind or "more input"
             got = v if v is not None else "end of condition"
             raise ConditionError(f"in condition {self.text!r}: expected {want}, got {got!r}")
@@ -145,21 +148,21 @@ class _Parser:
             raise ConditionError(f"in condition {self.text!r}: unexpected {self.peek()[1]!r}")
         return node
 
-    def or_(self):
+    def or_(self) -> Node:
         node = self.and_()
         while self.peek() == ("name", "or"):
             self.i += 1
             node = Or(node, self.and_())
         return node
 
-    def and_(self):
+    def and_(self) -> Node:
         node = self.unary()
         while self.peek() == ("name", "and"):
             self.i += 1
             node = And(node, self.unary())
         return node
 
-    def unary(self):
+    def unary(self) -> Node:
         k, v = self.peek()
         if (k, v) in (("name", "not"), ("punct", "(")):
             self.depth += 1
@@ -167,7 +170,7 @@ class _Parser:
                 raise ConditionError(f"condition nested more than {MAX_DEPTH} levels deep")
             self.i += 1
             if v == "not":
-                node = Not(self.unary())
+                node: Node = Not(self.unary())
             else:
                 node = self.or_()
                 self.take("punct", ")")
@@ -175,20 +178,20 @@ class _Parser:
             return node
         return self.atom()
 
-    def value(self):
+    def value(self) -> float | str:
         k, v = self.peek()
-        if k == "num":
+        if k == "num" and v is not None:
             self.i += 1
             f = float(v)
             if f in (float("inf"), float("-inf")):
                 raise ConditionError(f"in condition {self.text!r}: number {v} is out of range")
             return f
-        if k == "name":
+        if k == "name" and v is not None:
             self.i += 1
             return v
         raise ConditionError(f"in condition {self.text!r}: expected a number or parameter name")
 
-    def atom(self):
+    def atom(self) -> Node:
         self.terms += 1
         if self.terms > MAX_TERMS:
             raise ConditionError(f"condition has more than {MAX_TERMS} terms")
@@ -243,7 +246,7 @@ def combine(expr: str | None, when: str | None, gate: str | None) -> Node | None
     return node
 
 
-def walk(node: Node):
+def walk(node: Node) -> Iterator[Node]:
     """Every node, parents before children (iterative: a left-deep chain of terms is as
     deep as it is long)."""
     stack = [node]

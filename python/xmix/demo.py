@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
                 (STATE_DIR / "server.pid").write_text(f"{proc.pid}\n")
                 keep = True
                 print(f"[demo] the server keeps running (process group {proc.pid}, log {log_path}).")
-                print("[demo] stop it with: scripts/demo.sh --stop   (or: kill -TERM -- -%d)" % proc.pid)
+                print(f"[demo] stop it with: scripts/demo.sh --stop   (or: kill -TERM -- -{proc.pid})")
             else:
                 print("[demo] run scripts/demo.sh --keep to leave the server up and open the console.")
             return 0

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -20,6 +20,10 @@ from xmix import conditions as C
 from xmix.api import App, AppError
 from xmix.catalog import CENTROIDS, EXPERTS, FLT_MAX, KERNELS, MAT_DD, SAE_KERNELS, VEC
 from xmix.hooks import LAYER_SITES, ModelShape, site_id
+
+if TYPE_CHECKING:
+    from xmix.api import Op
+    from xmix.sae import SAE
 
 
 class DeployError(AppError):
@@ -191,7 +195,7 @@ def _per_layer(app: str, what: str, name: str, t: torch.Tensor, kind: str, layer
     raise _fail(app, what, f"artifact {name!r} has shape {tuple(t.shape)}; expected {kind}")
 
 
-def resolve_token_sets(app: App, shape: ModelShape, tokenizer) -> dict[str, list[int]]:
+def resolve_token_sets(app: App, shape: ModelShape, tokenizer: Any) -> dict[str, list[int]]:
     out: dict[str, list[int]] = {}
     for ts in app.token_sets.values():
         ids: set[int] = set()
@@ -220,7 +224,7 @@ def resolve_token_sets(app: App, shape: ModelShape, tokenizer) -> dict[str, list
     return out
 
 
-def _layers_of(op, shape: ModelShape) -> int:
+def _layers_of(op: Op, shape: ModelShape) -> int:
     if op.site == "final.post" or op.layer_spec is None:
         return 1
     if op.layer_spec == "all":
@@ -228,7 +232,7 @@ def _layers_of(op, shape: ModelShape) -> int:
     return len(op.layer_spec)
 
 
-def lower(app: App, shape: ModelShape, tokenizer=None, max_ops: int | None = None) -> LoweredApp:
+def lower(app: App, shape: ModelShape, tokenizer: Any = None, max_ops: int | None = None) -> LoweredApp:
     """Check ``app`` against ``shape`` and lower it. Raises DeployError naming app, op, field.
     ``max_ops`` bounds the lowered ops (one per op and layer), checked before any work."""
     name = app.name
@@ -274,7 +278,7 @@ def lower(app: App, shape: ModelShape, tokenizer=None, max_ops: int | None = Non
             else:
                 layers = list(range(shape.n_layers)) if op.layer_spec == "all" else list(op.layer_spec)
             for l in layers:
-                if not 0 <= l < shape.n_layers:
+                if l is None or not 0 <= l < shape.n_layers:
                     raise _fail(name, what, f"layer {l} out of range (model has {shape.n_layers} layers)")
 
         for a, t in op.artifacts.items():
@@ -285,6 +289,7 @@ def lower(app: App, shape: ModelShape, tokenizer=None, max_ops: int | None = Non
             if len(layers) != 1:
                 raise _fail(name, what, f"an SAE runs at the one site it was trained on; give "
                                         f"one layer, got {len(layers)}")
+            assert op.sae is not None  # App sets it for every SAE kernel
             if op.sae.d_in != shape.hidden_size:
                 raise _fail(name, what, f"the SAE reads vectors of width {op.sae.d_in}, the "
                                         f"model's hidden size is {shape.hidden_size}")
@@ -300,11 +305,12 @@ def lower(app: App, shape: ModelShape, tokenizer=None, max_ops: int | None = Non
         for a, kind in kinds.items():
             per_layer[a] = _per_layer(name, what, a, as_fp32(op.artifacts[a]), kind, layers, shape)
         if op.kernel == "router":
-            for m in per_layer["mask"]:
-                if not torch.isin(m, torch.tensor([-1.0, 0.0, 1.0])).all():
+            for mask in per_layer["mask"]:
+                if not torch.isin(mask, torch.tensor([-1.0, 0.0, 1.0])).all():
                     raise _fail(name, what, "artifact 'mask' must hold only -1, 0 and 1")
 
         if op.kernel == "custom":
+            assert op.custom is not None  # App sets it for every custom kernel
             params = [(p, v) for p, v in (op.custom.params or {}).items()]
         else:
             params = [(p, op.params.get(p, ps.default)) for p, ps in spec.params.items()]
@@ -336,11 +342,11 @@ def lower(app: App, shape: ModelShape, tokenizer=None, max_ops: int | None = Non
             elif op.kernel == "cosine":
                 # P = v v^T / v^T v does not depend on |v|: store v / |v| (computed in
                 # float64, so tiny or huge vectors stay finite) and 1 / (v^T v) = 1.
-                v = per_layer["vector"][li].double()
-                norm = float(v.norm())
+                vec = per_layer["vector"][li].double()
+                norm = float(vec.norm())
                 if not norm > 0:
                     raise _fail(name, what, "artifact 'vector' has zero norm")
-                arts["a0"] = (v / norm).float().contiguous()
+                arts["a0"] = (vec / norm).float().contiguous()
                 arts["a1"] = torch.ones(1, dtype=torch.float32)
                 state = d + 1
             elif op.kernel == "distance":
@@ -353,7 +359,7 @@ def lower(app: App, shape: ModelShape, tokenizer=None, max_ops: int | None = Non
                 lo_d, hi_d = op.options.get("dims", [0, d])
                 if hi_d > d:
                     raise _fail(name, what, f"dims {op.options['dims']} exceed the hidden size {d}")
-                m, n = lo_d, hi_d - lo_d
+                m, n = int(lo_d), int(hi_d - lo_d)
                 cap = n
             elif op.kernel == "custom":
                 if "artifact" in per_layer:
@@ -361,6 +367,7 @@ def lower(app: App, shape: ModelShape, tokenizer=None, max_ops: int | None = Non
                     m = int(arts["a0"].numel())
             flags, features, top_k = 0, [], 0
             if op.kernel in SAE_KERNELS:
+                assert op.sae is not None  # App sets it for every SAE kernel
                 features = list(op.options.get("features") or op.options.get("feature") or [])
                 top_k = int(op.options.get("top_k", 0))
                 if op.kernel == "sae_steer":
@@ -443,13 +450,13 @@ SAE_B_DEC_IN = 1 << 8
 SAE_FEATURES = 1 << 9
 
 
-def sae_flags(sae, features_read: bool) -> int:
+def sae_flags(sae: SAE, features_read: bool) -> int:
     return (SAE_ARCH[sae.architecture] | SAE_NORM[sae.normalize_activations] << 4
             | (SAE_B_DEC_IN if sae.apply_b_dec_to_input else 0)
             | (SAE_FEATURES if features_read else 0))
 
 
-def _sae_arrays(sae) -> dict[str, torch.Tensor]:
+def _sae_arrays(sae: SAE) -> dict[str, torch.Tensor]:
     """The kernels' view of an SAE: a0 = encoder rows [F, d], a1 = W_dec [F, d], a2 = b_enc [F]
     | threshold [F] (0 without) | b_dec [d] | k (TopK), all fp32."""
     F = sae.d_sae
@@ -463,7 +470,9 @@ def latch_from_generated(lowered: LoweredApp, op: LoweredOp, latch: C.Latch) -> 
     reduction is complete once the read's site has seen the last prompt token; an op at a
     later site of that forward sees the latch from the last prompt token on, an op at the
     read's site or before it only from the next step, the first generated token."""
-    return lowered.read_op(latch.read).site_id >= op.site_id
+    read = lowered.read_op(latch.read)
+    assert read is not None  # lowering refuses a condition on a read the app does not have
+    return read.site_id >= op.site_id
 
 
 def _check_gate_order(app: str, ops: list[LoweredOp], reads: dict[str, LoweredOp],

@@ -700,7 +700,7 @@ def validate_artifacts(app: str, artifacts: Mapping[str, Any],
                 match = trial
                 break
         if match is None:
-            def show(alt):
+            def show(alt, bound=bound):
                 return "[" + ", ".join(f"{nm}={bound[nm]}" if nm in bound else nm for nm in alt) + "]"
             want = " or ".join(show(alt) for alt in a.shapes)
             raise ArtifactError(f"{where} has shape {list(shape)}; expected {want}")

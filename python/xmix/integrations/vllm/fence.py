@@ -152,7 +152,7 @@ _applied: set[tuple[type, str, str]] = set()
 
 
 def _name(cls: type) -> str:
-    # A test stand-in names the vLLM class it stands for (tests/test_runner_v2.py).
+    # A test stand-in names the vLLM class it stands for (tests/unit/test_runner_v2.py).
     return cls.__dict__.get("__xmix_stands_for__") or f"{cls.__module__}:{cls.__qualname__}"
 
 

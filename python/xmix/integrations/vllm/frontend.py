@@ -478,7 +478,7 @@ class Registry:
                 raw = json.loads(raw)
             except json.JSONDecodeError as e:
                 raise _validation_error(f"the xmix control is not valid JSON ({e.msg} at "
-                                        f"position {e.pos})")
+                                        f"position {e.pos})") from None
             except RecursionError:
                 raise _validation_error("the xmix control is nested too deeply") from None
             except (ValueError, UnicodeDecodeError) as e:
@@ -569,7 +569,7 @@ class Registry:
         out: set[str] = set()
         if not hist or hist[0][0] > rev0 + 1:  # older than what is remembered
             out |= names
-        for rev, name, kind, mode in hist:
+        for rev, name, _kind, mode in hist:
             if rev <= rev0:
                 continue
             if name in names or (mode == "all" and (forced is None or name in forced)):

@@ -1,7 +1,7 @@
 """The SAE kernels (sae read, sae_steer, sae_clamp), CPU twin and CUDA twin, against
 xmix.reference (SAELens's conventions, written in plain PyTorch).
 
-Each case runs one step of three requests as tests/test_kernels.py does: "a" (5 prompt
+Each case runs one step of three requests as tests/unit/test_kernels.py does: "a" (5 prompt
 tokens) and "b" (one decode token) use the app, "c" does not. Rows of "c" and rows the
 condition leaves out must come back untouched and report nothing.
 """

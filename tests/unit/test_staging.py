@@ -339,7 +339,7 @@ def test_reads_through_the_capture_buffer_arrive_per_step():
     dev.run()
     dev.host_waits = 0
     hs, outs = [], []
-    for k, st in enumerate(STEPS):
+    for st in STEPS:
         h = torch.randn(st["padded"], D, generator=g)
         x.begin(st["req_ids"], np.array(st["n_tok"]), np.array(st["start"]), np.array(st["plen"]),
                 torch.zeros(st["padded"], dtype=torch.int32), st["padded"])

@@ -12,8 +12,8 @@ import xmix
 from xmix.hooks import ModelShape
 from xmix.models.tiny import tiny_model_path
 
-from engine_util import PROMPTS, greedy, hf_model, make_llm, shutdown, tokenize
-from test_engine import assert_reads_match, build_apps
+from engine_util import PROMPTS, assert_reads_match, greedy, hf_model, make_llm, shutdown, tokenize
+from test_engine import build_apps
 
 pytestmark = pytest.mark.engine
 

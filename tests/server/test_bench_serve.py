@@ -21,7 +21,7 @@ import pytest
 
 pytestmark = pytest.mark.engine
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "serve_overhead.py"
 N, OUT_LEN = 8, 6
 

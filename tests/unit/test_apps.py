@@ -74,7 +74,7 @@ def _random_apps(d: int, seed: int = 0) -> dict[str, tuple[App, dict]]:
 def test_registry_has_the_seven_apps_with_schemas():
     assert list(APPS) == ["refusal", "seal", "cast", "truth_probe", "sake", "kl_then_steer", "steer_moe"]
     assert set(SCHEMAS) == set(APPS)
-    for name, schema in SCHEMAS.items():
+    for schema in SCHEMAS.values():
         assert schema.source["arxiv"] and schema.source["repo"].startswith("https://github.com/")
         assert schema.artifacts and schema.collect and schema.derive
 
@@ -540,7 +540,7 @@ def test_factory_argument_errors():
 
 
 # ============================================================================ (d) end to end, tiny model
-PROMPTS = __import__("pathlib").Path(__file__).resolve().parents[1] / "examples" / "prompts"
+PROMPTS = __import__("pathlib").Path(__file__).resolve().parents[2] / "examples" / "prompts"
 
 
 def _lines(name: str) -> list[str]:

@@ -20,7 +20,7 @@ from serve_util import xmix_server
 
 pytestmark = pytest.mark.engine
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 D = 256
 
 

@@ -78,7 +78,7 @@ def valid_apps(draw, custom=False):
     names = iter(draw(st.lists(ident, min_size=8, max_size=8, unique=True)))
     reads = []                                 # (key, site id, op index, kernel)
     n_ops = draw(st.integers(0, 6))
-    # SAE kernels take an xmix.SAE and one layer: tests/test_sae_kernels.py covers them.
+    # SAE kernels take an xmix.SAE and one layer: tests/unit/test_sae_kernels.py covers them.
     kernels = sorted(k for k in KERNELS if k != "custom" and k not in SAE_KERNELS) + (["custom"] if custom else [])
     for i in range(n_ops):
         kernel = draw(st.sampled_from(kernels))
@@ -126,7 +126,7 @@ def valid_apps(draw, custom=False):
         atoms = [C.Flag(f) for f in C.FLAGS] + [C.TokenIn(s) for s in sets]
         atoms += [C.InSpan(a, b) for a in sets for b in sets]
         values = st.one_of(finite.map(float), *( [st.sampled_from(sorted(app.app_params))] if app.app_params else []))
-        for key, sid, j, k in reads:
+        for key, sid, _j, k in reads:
             if sid < first or (sid == first and k != "cosine"):
                 atoms.append(C.Gate(key, draw(st.sampled_from(C.CMPS)), draw(values)))
             if sid < first:

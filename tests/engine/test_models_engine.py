@@ -24,7 +24,7 @@ from xmix.architectures import FAMILIES
 from xmix.hooks import ModelShape
 from xmix.models.tiny import tiny_model_path
 
-from engine_util import PROMPTS, greedy, make_llm, shutdown, tokenize
+from engine_util import PROMPTS, assert_reads_match, greedy, make_llm, shutdown, tokenize
 
 pytestmark = pytest.mark.engine
 
@@ -109,20 +109,6 @@ def env(request):
         shutdown(llm)
 
 
-def assert_reads_match(engine_res: dict, oracle_res: dict, what: str) -> None:
-    assert set(engine_res) == set(oracle_res), f"{what}: apps with results differ"
-    for app, reads in oracle_res.items():
-        assert set(engine_res[app]) == set(reads), f"{what}: reads of {app} differ"
-        for key, o in reads.items():
-            e = engine_res[app][key]
-            assert e["positions"] == o["positions"], f"{what}: {app}.{key} positions differ"
-            want = np.asarray(o["values"], np.float64)
-            # elements near zero of a captured vector: absolute error relative to its scale
-            scale = max(1.0, float(np.sqrt(np.mean(want ** 2)))) if want.size else 1.0
-            np.testing.assert_allclose(np.asarray(e["values"], np.float64), want,
-                                       rtol=READ_RTOL, atol=1e-5 * scale, err_msg=f"{what}: {app}.{key}")
-
-
 def test_sites_placed_from_the_table(env):
     (st,) = env["llm"].xmix.status()
     fam = next(f for f in FAMILIES if f.tiny == env["kind"])
@@ -148,7 +134,8 @@ def test_mixed_batch_matches_the_oracle_and_the_convention(env):
         o_toks, o_res = env["oracle"].generate(env["ids"][i], MAX_TOKENS, apps=ctl["apps"],
                                                params=ctl.get("params"))
         assert toks == o_toks, f"{env['kind']} request {i} ({ctl}) differs from the oracle"
-        assert_reads_match(xmix.results(out), o_res, f"{env['kind']} request {i} ({ctl})")
+        assert_reads_match(xmix.results(out), o_res, f"{env['kind']} request {i} ({ctl})",
+                           rtol=READ_RTOL, scaled=True)
         changed += toks != env["plain"][i]
         if ctl["apps"] == ["cap"]:      # no write between the captures: the identities hold
             _check_convention(xmix.results(out)["cap"], env["shape"].n_layers, f"request {i}")

@@ -18,7 +18,7 @@ import pytest
 
 pytestmark = pytest.mark.engine
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 REQUESTS, CHANGES = 160, 60
 

@@ -1,6 +1,6 @@
 """``xmix derive`` on tiny-llama through the vLLM CPU engine.
 
-The derivations run in-process on the engine that tests/test_apps_engine.py also uses (one
+The derivations run in-process on the engine that the paper-app tests also use (one
 engine per session), except one real ``xmix derive truth_probe`` subprocess that proves the
 command works end to end. Each derived app is loaded from its file, deployed and checked for
 the effect its paper defines; the collected activations are checked against the transformers
@@ -25,11 +25,11 @@ from xmix.apps import derive_cli as DC
 from xmix.models.tiny import tiny_model_path
 
 from engine_util import hf_model
-from test_apps_engine import CMP, cast_score, lines, shared_llm
+from apps_oracle import CMP, cast_score, lines, shared_llm
 
 pytestmark = pytest.mark.engine
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ROOT / "examples" / "prompts"
 KIND = "tiny-llama"
 F64 = torch.float64
@@ -398,7 +398,7 @@ def test_derive_seal_kts_sake(env, tmp_path):
         got = generate(llm, [tok.encode(p) for p in pos + neg], [kts.name])
     finally:
         llm.xmix.undeploy(kts.name)
-    for k, (hs, (_, res)) in enumerate(zip(hp + hn, got)):
+    for hs, (_, res) in zip(hp + hn, got):
         probe = torch.sigmoid(hs[2][0].double() @ w + b)  # residual.post of layer 1
         np.testing.assert_allclose(res[kts.name]["kts_probe"]["values"], probe.numpy(),
                                    rtol=1e-4, atol=1e-5)

@@ -33,7 +33,7 @@ from xmix.hooks import ModelShape
 from xmix.integrations.hf import attach
 from xmix.models.tiny import tiny_model_path
 
-from engine_util import PROMPTS, greedy, make_llm, shutdown, tokenize
+from engine_util import PROMPTS, assert_reads_match, greedy, make_llm, shutdown, tokenize
 from test_models_engine import CONTROLS, READ_RTOL, _check_convention, build_apps
 
 transformers = pytest.importorskip("transformers")
@@ -50,19 +50,6 @@ SITES = ("residual.pre", "attention.post", "residual.mid", "mlp.post", "residual
 # folded into the query and output (decode) where transformers attends per head: another
 # summation order, ~3e-5 on elements of rms ~1 in the tiny model (seen here).
 CAPTURE_ATOL = {"tiny-deepseek-v2": 1e-4}
-
-
-def assert_reads_match(engine_res: dict, oracle_res: dict, what: str, atol: float = 1e-5) -> None:
-    assert set(engine_res) == set(oracle_res), f"{what}: apps with results differ"
-    for app, reads in oracle_res.items():
-        assert set(engine_res[app]) == set(reads), f"{what}: reads of {app} differ"
-        for key, o in reads.items():
-            e = engine_res[app][key]
-            assert e["positions"] == o["positions"], f"{what}: {app}.{key} positions differ"
-            want = np.asarray(o["values"], np.float64)
-            scale = max(1.0, float(np.sqrt(np.mean(want ** 2)))) if want.size else 1.0
-            np.testing.assert_allclose(np.asarray(e["values"], np.float64), want, rtol=READ_RTOL,
-                                       atol=atol * scale, err_msg=f"{what}: {app}.{key}")
 
 
 # ------------------------------------------------------------------------------ the reference
@@ -262,7 +249,8 @@ def test_mixed_batch_matches_the_oracle(env):
                                                params=ctl.get("params"))
         what = f"{env['kind']} request {i} ({ctl})"
         assert toks == o_toks, f"{what} differs from the oracle"
-        assert_reads_match(xmix.results(out), o_res, what, CAPTURE_ATOL.get(env["kind"], 1e-5))
+        assert_reads_match(xmix.results(out), o_res, what, rtol=READ_RTOL,
+                           atol=CAPTURE_ATOL.get(env["kind"], 1e-5), scaled=True)
         changed += toks != env["plain"][i]
         if ctl["apps"] == ["cap"]:
             _check_convention(xmix.results(out)["cap"], env["shape"].n_layers, f"request {i}")

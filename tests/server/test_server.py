@@ -7,7 +7,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,16 +19,12 @@ import torch
 import xmix
 from xmix.models.tiny import tiny_model_path
 
+from serve_util import free_port, wait_until_healthy
+
 pytestmark = pytest.mark.engine
 
 KEY = "test-key-123"
 D = 256
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _apps(tmp):
@@ -46,7 +41,7 @@ def _apps(tmp):
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve")
     steer, probe, paths = _apps(tmp)
-    port = _free_port()
+    port = free_port()
     model = str(tiny_model_path("tiny-llama"))
     cmd = [sys.executable, "-m", "xmix.cli", "serve", model, "--port", str(port), "--dtype", "float32",
            "--max-model-len", "512", "--api-key", KEY, "--xmix-admin-key", KEY, "--served-model-name", "tiny",
@@ -61,18 +56,7 @@ def server(tmp_path_factory):
                                  "XMIX_MAX_APP_BYTES": str(8 << 20),
                                  "XMIX_MAX_RESULT_BYTES": str(2 << 20)})
     base = f"http://127.0.0.1:{port}"
-    t0 = time.time()
-    while True:
-        if proc.poll() is not None:
-            log.close()
-            raise RuntimeError("xmix serve died:\n" + (tmp / "serve.log").read_text()[-4000:])
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.time() - t0 < 400, "server did not start"
-        time.sleep(2)
+    wait_until_healthy(proc, base, tmp / "serve.log", timeout=400)
     client = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
     yield dict(base=base, client=client, model=model, tmp=tmp, steer=steer, probe=probe, proc=proc,
                log=tmp / "serve.log")
@@ -255,7 +239,6 @@ def test_bad_requests_are_rejected_and_serving_continues(server):
 
 def test_deploy_patch_delete_over_http(server):
     c = server["client"]
-    tmp = server["tmp"]
     extra = xmix.App("extra")
     extra.read("probe", weight=torch.ones(D) / 64).layers([0]).submodule("residual.pre").named("e")
     data = extra.to_bytes()
@@ -598,7 +581,6 @@ def test_writes_that_would_overflow_are_refused_and_cannot_poison_other_requests
     differently (seen here before the fix). Parameters whose write would pass 1e30 per
     element are now refused (400, naming the range); at the largest allowed scale other
     requests' answers stay exactly the same."""
-    c = server["client"]
 
     def batch(salt):
         async def one(client, i):
@@ -645,7 +627,7 @@ def test_soak_live_changes_under_16_streams(server):
         valid.append(a.to_bytes())
     overflow = xmix.App("overflow")
     overflow.read("probe", weight=torch.ones(D) / 64).layers([0]).submodule("residual.pre").named("g")
-    for i in range(3):
+    for _ in range(3):
         overflow.write("add", vector=torch.ones(D)).layers("all").submodule("residual.post") \
             .cond(" or ".join(["g >= 0.5"] * 200))
     refused = [overflow.to_bytes(), b"\0" * 64,

@@ -9,10 +9,8 @@ import math
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
@@ -21,18 +19,14 @@ import torch
 import xmix
 from xmix.models.tiny import tiny_model_path
 
+from serve_util import free_port, wait_until_healthy
+
 from test_results_engine import NAN_KERNEL
 
 pytestmark = pytest.mark.engine
 
 D = 256
 SERVER_CAP = 400_000
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +47,7 @@ def server(tmp_path_factory):
     nan.read("custom", cpu_library=str(tmp / "libk.so"), cpu_symbol="nan_at_even").layers([0]) \
        .submodule("residual.pre").named("n")
     paths = [cap.save(tmp / "cap.xmix"), nan.save(tmp / "nan.xmix")]
-    port = _free_port()
+    port = free_port()
     model = str(tiny_model_path("tiny-llama"))
     cmd = [sys.executable, "-m", "xmix.cli", "serve", model, "--port", str(port), "--dtype", "float32",
            "--max-model-len", "512", "--served-model-name", "tiny", "--xmix-max-result-bytes", str(SERVER_CAP)]
@@ -63,18 +57,7 @@ def server(tmp_path_factory):
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                             env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
     base = f"http://127.0.0.1:{port}"
-    t0 = time.time()
-    while True:
-        if proc.poll() is not None:
-            log.close()
-            raise RuntimeError("xmix serve died:\n" + (tmp / "serve.log").read_text()[-4000:])
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.time() - t0 < 600, "server did not start"
-        time.sleep(2)
+    wait_until_healthy(proc, base, tmp / "serve.log", timeout=600)
     client = httpx.Client(base_url=base, timeout=120)
     from transformers import AutoTokenizer
 

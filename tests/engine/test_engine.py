@@ -15,18 +15,17 @@ import xmix
 from xmix.hooks import ModelShape
 from xmix.models.tiny import tiny_model_path
 
-from engine_util import PROMPTS, greedy, hf_model, make_llm, shutdown, tokenize
+from engine_util import PROMPTS, assert_reads_match, greedy, hf_model, make_llm, shutdown, tokenize
 
 pytestmark = pytest.mark.engine
 
 MODELS = ["tiny-llama", "tiny-qwen3", "tiny-mixtral"]
 MAX_TOKENS = 32
-READ_RTOL = 1e-4
 
 
 def build_apps(shape: ModelShape, tok) -> list[xmix.App]:
     g = torch.Generator().manual_seed(1234)
-    d, L = shape.hidden_size, shape.n_layers
+    d = shape.hidden_size
 
     def unit():
         v = torch.randn(d, generator=g)
@@ -104,18 +103,6 @@ def env(request):
                oracle=oracle, ids=van_ids, vanilla=van_out)
     oracle.detach()
     shutdown(llm)
-
-
-def assert_reads_match(engine_res: dict, oracle_res: dict, what: str) -> None:
-    assert set(engine_res) == set(oracle_res), f"{what}: apps with results differ"
-    for app, reads in oracle_res.items():
-        assert set(engine_res[app]) == set(reads), f"{what}: reads of {app} differ"
-        for key, o in reads.items():
-            e = engine_res[app][key]
-            assert e["positions"] == o["positions"], f"{what}: {app}.{key} positions differ"
-            ev = np.asarray(e["values"], dtype=np.float64)
-            ov = np.asarray(o["values"], dtype=np.float64)
-            np.testing.assert_allclose(ev, ov, rtol=READ_RTOL, atol=1e-5, err_msg=f"{what}: {app}.{key}")
 
 
 def test_deployed_but_unused_is_vanilla(env):

@@ -16,7 +16,7 @@ from xmix import _C
 from xmix.control import Capacity, ControlBlock
 from xmix.hooks import ModelShape
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import gpu_check as gc  # noqa: E402
 
 G = _C.graph
@@ -141,7 +141,7 @@ def test_cpu_part_at_the_quick_shape():
 
 
 # ---------------------------------------------------------------- the build checks of gpu_check.sh
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_check_symbols_fails_on_an_undefined_xmix_symbol(tmp_path):
