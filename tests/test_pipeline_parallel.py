@@ -110,8 +110,11 @@ def test_backward_condition_is_refused(runs):
     back.read("probe", weight=torch.randn(D, generator=g)).layers([3]).submodule("residual.post").named("late")
     back.write("add", vector=torch.randn(D, generator=g), scale=1.0).layers([0]).submodule("mlp.post") \
         .cond("prompt_last(late) > 0.5")
-    with pytest.raises(Exception, match=r"'back'.*stage 0.*stage 1"):
+    with pytest.raises(Exception) as e:
         llm.xmix.deploy(back)
+    msg = str(e.value)
+    for part in ("'back'", "pipeline stage 0", "read 'late'", "later stage 1"):
+        assert part in msg, msg
     assert "back" not in [a["name"] for a in llm.xmix.status()[0]["apps"]]
     # still serving
     assert greedy(llm, [runs["ids"][0]], 4)[0].outputs[0].token_ids
