@@ -70,6 +70,16 @@ def test_more_than_one_api_server_refused():
     _refused(config(_api_process_count=2), "2 API servers (--api-server-count > 1)")
 
 
+def test_pipeline_with_tensor_parallel_refused(plain):
+    import copy
+
+    cfg = copy.deepcopy(plain)
+    cfg.parallel_config.pipeline_parallel_size = 2
+    assert support.problems(cfg) == []   # pipeline parallel alone is served (pp.py)
+    cfg.parallel_config.tensor_parallel_size = 2
+    _refused(cfg, "pipeline parallel (2 stages) together with tensor parallel (2 ranks)")
+
+
 # vLLM's CPU platform turns dual-batch overlap off and validates context parallelism against the
 # world size, so these two are set on a real config's ParallelConfig as a GPU engine has them.
 def test_dual_batch_overlap_refused(plain):

@@ -787,6 +787,15 @@ class Controller:
                                  input_processor.tokenizer)
         self.lock = threading.RLock()
         input_processor._xmix_registry = self.registry
+        # Pipeline parallel: refused here, before any RPC, because a worker raising in a
+        # collective RPC under vLLM's batch queue left the engine core dead (pp.py).
+        par = input_processor.vllm_config.parallel_config
+        size = int(getattr(par, "pipeline_parallel_size", 1) or 1)
+        self._stages = None
+        if size > 1:
+            from .pp import Stages
+
+            self._stages = Stages.of(self.registry.shape.n_layers, 0, size)
 
     def _capacity(self) -> None:
         if self.registry.capacity is None:
@@ -811,6 +820,10 @@ class Controller:
             app = _load_app(app, allow_custom)
             lowered, data, needs = self.registry.prepare(app)
             columns_named(param_columns(lowered), locked, f"app {app.name!r}")  # checked first
+            if self._stages is not None:
+                from .pp import check_deploy
+
+                check_deploy(lowered, self._stages)
             version = self.registry.next_version()
             try:
                 try:

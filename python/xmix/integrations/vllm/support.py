@@ -39,6 +39,14 @@ def problems(vllm_config: Any) -> list[str]:
                 "prefill context parallelism (--prefill-context-parallel-size > 1): each rank "
                 "runs a reordered share of the prompt tokens (v1/worker/gpu/pcp_manager.py), not "
                 "the scheduler's batch order the step maps are built from")
+        pp = getattr(par, "pipeline_parallel_size", 1) or 1
+        tp = getattr(par, "tensor_parallel_size", 1) or 1
+        if pp > 1 and tp > 1:
+            out.append(
+                f"pipeline parallel ({pp} stages) together with tensor parallel ({tp} ranks): "
+                "vLLM splits each tensor a stage sends across its TP ranks (isend_tensor_dict's "
+                "all_gather_group), and the reads xmix sends on from a stage exist on its first "
+                "TP rank only; use one of the two (docs/serving.md, Pipeline parallel)")
         if (getattr(par, "_api_process_count", 1) or 1) > 1:
             out.append(
                 f"{par._api_process_count} API servers (--api-server-count > 1): deployed apps "

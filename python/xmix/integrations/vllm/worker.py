@@ -61,6 +61,7 @@ class WorkerXmix:
                        max_slots=max(int(sched.max_num_seqs), 1) + 8, staging_depth=depth,
                        capture_floats=capture_floats())
         self._attach(ControlBlock(self.shape, runner.device, cap), _tp_rank() == 0)
+        self.pp = _stage_link(cfg, self.shape.n_layers)
         opts = enable.options(enable.config_value(cfg))
         self.sites, self.placed = place_sites(runner.model, self.shape.n_layers, family,
                                               opts.get("sites"), opts.get("layers"))
@@ -77,6 +78,7 @@ class WorkerXmix:
         x._attach(cb, rank0)
         x.sites = {}
         x.placed = frozenset(range(n_sites(cb.shape.n_layers)))  # no model: every site id counts
+        x.pp = None
         return x
 
     def _attach(self, cb: ControlBlock, rank0: bool) -> None:
@@ -88,6 +90,7 @@ class WorkerXmix:
         self.sched = None
         self.stats = {"steps": 0, "steps_with_apps": 0, "admit_errors": 0, "restarts": 0}
         self._started = np.zeros(cb.cap.max_slots, dtype=bool)
+        self._pp_step = None  # (row slots, tokens) of a step that ran apps, for the next stage
 
     # ------------------------------------------------------------------ requests
     def on_schedule(self, sched) -> None:
@@ -166,6 +169,7 @@ class WorkerXmix:
 
             graphs.ensure_current(cb)
         self.stats["steps"] += 1
+        self._pp_step = None
         if req_ids is None or not cb.apps or not cb.could_run():
             # No request holds an app, none is in mode "all", no span to follow: this step
             # pays nothing more.
@@ -195,6 +199,11 @@ class WorkerXmix:
         if cb.begin_step(slots, np.asarray(n_tok), start, np.asarray(plen), padded):
             cb.prologue(input_ids)
             self.stats["steps_with_apps"] += 1
+            if self.pp is not None:
+                # after the prologue (which resets restarted requests' read state), before the forward
+                n_all = int(np.asarray(n_tok).sum())
+                self.pp.inject(cb, slots, n_all)
+                self._pp_step = (slots, n_all)
 
     def after_forward(self) -> None:
         cb = self.cb
@@ -244,6 +253,10 @@ class WorkerXmix:
         too); ``commit`` swaps it in at once, else ``xmix_deploy_commit`` does."""
         app = App.from_bytes(data, source="deploy", allow_custom=True)
         lowered = lower(app, self.shape, None)
+        if self.pp is not None:
+            from .pp import check_deploy
+
+            check_deploy(lowered, self.pp.stages)
         missing = sorted({op.site_id for op in lowered.ops} - self.placed)
         if missing:
             from xmix.hooks import site_name
@@ -260,6 +273,18 @@ class WorkerXmix:
 
     def describe(self) -> list[dict]:
         return self.cb.describe()
+
+
+def _stage_link(cfg, n_layers: int):
+    """The pipeline-parallel link of this worker's stage, or None without PP."""
+    size = int(getattr(cfg.parallel_config, "pipeline_parallel_size", 1) or 1)
+    if size < 2:
+        return None
+    from vllm.distributed import get_pp_group
+
+    from .pp import Stages, StageLink
+
+    return StageLink(Stages.of(n_layers, get_pp_group().rank_in_group, size))
 
 
 def capture_floats() -> int:
@@ -326,9 +351,12 @@ def patch_model_runner(cls) -> None:
 
     def execute_model(self, scheduler_output, *args, **kwargs):
         x = _runner_xmix(self)
-        if x is not None:
-            x.on_schedule(scheduler_output)
-        return orig_execute(self, scheduler_output, *args, **kwargs)
+        if x is None:
+            return orig_execute(self, scheduler_output, *args, **kwargs)
+        x.on_schedule(scheduler_output)
+        if x.pp is None:
+            return orig_execute(self, scheduler_output, *args, **kwargs)
+        return _execute_stage(self, x, orig_execute, scheduler_output, args, kwargs)
 
     def _model_forward(self, input_ids=None, positions=None, *args, **kwargs):
         x = _runner_xmix(self)
@@ -346,6 +374,26 @@ def patch_model_runner(cls) -> None:
     for name, fn in (("execute_model", execute_model), ("_model_forward", _model_forward),
                      ("sample_tokens", sample_tokens)):
         fence.replace(cls, name, fn, by="worker")
+
+
+def _execute_stage(runner, x: WorkerXmix, orig_execute, scheduler_output, args, kwargs):
+    """One step of a pipeline stage (pp.py): xmix's tensors come off what the previous stage
+    sent before vLLM's runner sees it, and go onto what this stage sends."""
+    it = args[0] if args else kwargs.get("intermediate_tensors")
+    _, reads = x.pp.take_inbox(it)
+    if reads:
+        for rid, apps in reads.items():
+            merge_results(x.pending.setdefault(rid, {}), apps)
+    out = orig_execute(runner, scheduler_output, *args, **kwargs)
+    from vllm.sequence import IntermediateTensors
+
+    if isinstance(out, IntermediateTensors):
+        # Not the last stage: vLLM returns no output from this worker, so its reads (and the
+        # earlier stages' it received) go on with the hidden states.
+        mine = x.take_results()() if x.rank0 and x.has_results() else None
+        out.tensors.update(x.pp.outbox(x.cb, x._pp_step, mine))
+    x._pp_step = None
+    return out
 
 
 def _attach_results(self, out):
