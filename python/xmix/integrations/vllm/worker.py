@@ -544,8 +544,20 @@ def xmix_describe(self) -> dict:
             "slots_in_use": len(x.cb.slots)}
 
 
+def xmix_ledger(self, op: str, owner: str = "", since: int = 0, entry: dict | None = None):
+    """The engine-side record of control changes and the lease that serialises them across
+    API servers (ledger.py)."""
+    x = _wx(self)
+    led = x.__dict__.get("ledger")
+    if led is None:
+        from .ledger import Ledger
+
+        led = x.__dict__["ledger"] = Ledger()
+    return led.call(op, owner, since, entry)
+
+
 WORKER_METHODS = {f.__name__: f for f in (
-    xmix_capacity, xmix_deploy, xmix_deploy_prepare, xmix_deploy_commit, xmix_deploy_abort,
+    xmix_ledger, xmix_capacity, xmix_deploy, xmix_deploy_prepare, xmix_deploy_commit, xmix_deploy_abort,
     xmix_undeploy, xmix_undeploy_if_present, xmix_patch, xmix_set_mode, xmix_set_params,
     xmix_describe)}
 
