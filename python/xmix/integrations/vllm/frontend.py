@@ -48,7 +48,7 @@ from xmix.conditions import n_instructions
 from xmix.control import MODES, ParamCol, RequestError, param_columns, resolve_params
 from xmix.hooks import ModelShape
 from xmix.lowering import DeployError, LoweredApp, lower
-from xmix.results_codec import (OPTION_KEYS, TRUNCATED_KEY, ResultOptions,
+from xmix.results_codec import (DROPPED_KEY, OPTION_KEYS, TRUNCATED_KEY, ResultOptions,
                                 copy_results, max_result_bytes, parse_options, position_bytes,
                                 read_shape, unpack_results)
 
@@ -656,8 +656,17 @@ def patch_output_processor(out_cls, state_cls, request_output_cls) -> None:
                 res = unpack_results(kvp.pop(XMIX_KEY) or {})
                 eco.kv_transfer_params = kvp or None
                 err = res.pop(ERROR_KEY, None)
+                dropped = res.pop(DROPPED_KEY, None)
                 st = self.request_states.get(eco.request_id)
                 if st is None:
+                    continue
+                applied = st.__dict__.get("_xmix_applied")
+                if dropped and applied is not None:
+                    # the engine no longer held the version admitted (a change through another
+                    # API server this one had not seen yet): named under "changed"
+                    st.__dict__["_xmix_applied"] = {**applied, "_dropped": sorted(
+                        set(applied.get("_dropped", ())) | set(dropped))}
+                if not res and err is None:
                     continue
                 st.__dict__["_xmix_seen"] = True
                 if TRUNCATED_KEY in res:

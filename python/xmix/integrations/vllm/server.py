@@ -397,6 +397,10 @@ def _rpc_method(body: bytes) -> str | None:
 
 
 DEV_RPC_PATH = "/collective_rpc"
+# With --api-server-count N the servers share one port (SO_REUSEPORT): every response names
+# the process that answered it, so a client (and the tests) can tell them apart.
+SERVER_HEADER = b"x-xmix-server"
+SERVER_ID = str(os.getpid()).encode()
 MAX_RPC_BODY = 1 << 20
 
 
@@ -428,6 +432,13 @@ class RequestAppsAuth:
         st = getattr(self.server.state, "xmix", None) if scope["type"] == "http" else None
         if st is None:
             return await self.app(scope, receive, send)
+        inner_send = send
+
+        async def send(msg):  # noqa: F811  which API server process answered (Scale-out)
+            if msg["type"] == "http.response.start":
+                msg = {**msg, "headers": [*msg.get("headers", ()), (SERVER_HEADER, SERVER_ID)]}
+            await inner_send(msg)
+
         from starlette.datastructures import Headers
 
         header = Headers(scope=scope).get("authorization")

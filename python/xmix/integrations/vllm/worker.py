@@ -25,7 +25,7 @@ from xmix.architectures import Family, architecture_of, require_family
 from xmix.control import Capacity, ControlBlock, PendingReads
 from xmix.hooks import ModelShape, n_sites
 from xmix.lowering import lower
-from xmix.results_codec import ERROR_KEY, ResultOptions, merge_results  # noqa: F401 (re-exported)
+from xmix.results_codec import DROPPED_KEY, ERROR_KEY, ResultOptions, merge_results  # noqa: F401 (re-exported)
 
 from . import enable, fence
 from .model_wrap import place_sites
@@ -126,6 +126,7 @@ class WorkerXmix:
                 self._started[slot] = False
                 if dropped:
                     self.stats["stale_apps"] = self.stats.get("stale_apps", 0) + 1
+                    self.pending.setdefault(nr.req_id, {})[DROPPED_KEY] = sorted(map(str, dropped))
                     logger.info("xmix: request %s runs without %s (undeployed or redeployed since "
                                 "it was admitted)", nr.req_id, dropped)
             except Exception as e:
