@@ -150,6 +150,9 @@ def runs(tmp_path_factory):
         r, _ = through(s, b, lambda: fresh(s, "PATCH", "/xmix/v1/apps/late",
                                            json={"params": {"scale": 1.0}}))
         rec["patch_b"] = r.status_code
+        # a knows "late" already, so it picks the new default up by following the ledger
+        # (every XMIX_SYNC_S = 0.25 s), not at admission: docs/serving.md, Several API servers
+        time.sleep(1.0)
         r, _ = through(s, a, lambda: complete(s, PROMPTS[0], {"xmix_apps": ["late"]}))
         rec["patched_via_a"] = outcome(r)
         # undeployed through a; through b a request naming it is refused or left out and named
