@@ -89,7 +89,7 @@ def stream_while(s, stop: threading.Event, sink: list):
                         "model": s["name"], "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 8,
                         "temperature": 0.0, "stream": True,
                         "vllm_xargs": {"xmix_apps": ["steer"]}}) as r:
-                    lines = list(r.iter_lines())
+                    lines = [x for x in r.iter_lines() if x]
                     # a lost request ends without a finish reason, or with an error event
                     done = (r.status_code == 200 and any(_finished(x) for x in lines)
                             and lines[-1] == "data: [DONE]"
