@@ -35,7 +35,11 @@ import numpy as np
 
 ERROR_KEY = "!error"          # a worker could not serve the request (the frontend ends it)
 TRUNCATED_KEY = "!truncated"  # the request's results were cut at its byte cap
-SPECIAL_KEYS = (ERROR_KEY, TRUNCATED_KEY)
+# apps the engine left out of the request because the version it was admitted with is gone
+# there (a change through another API server, or between admission and scheduling): the
+# frontend names them in the request's provenance (``xmix_applied.changed``)
+DROPPED_KEY = "!dropped"
+SPECIAL_KEYS = (ERROR_KEY, TRUNCATED_KEY, DROPPED_KEY)
 
 KINDS = ("scalar", "vector", "topk", "features")
 DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}

@@ -65,9 +65,11 @@ def test_kv_connector_refused():
              "a KV connector")
 
 
-def test_more_than_one_api_server_refused():
-    # as `vllm serve --api-server-count 2` sets it (entrypoints/cli/serve.py)
-    _refused(config(_api_process_count=2), "2 API servers (--api-server-count > 1)")
+def test_several_api_servers_and_data_parallel_are_served():
+    # as `vllm serve --api-server-count 2 --data-parallel-size 2` sets them
+    # (entrypoints/cli/serve.py): the registry follows the engines' ledger (docs/serving.md,
+    # Scale-out), so neither is refused any more
+    assert support.problems(config(_api_process_count=2)) == []
 
 
 def test_pipeline_with_tensor_parallel_refused(plain):

@@ -143,7 +143,7 @@ PATCHES: tuple[Patch, ...] = (
     *(Patch(_WB, name, None, "worker", _RPC) for name in (
         "xmix_capacity", "xmix_deploy", "xmix_deploy_prepare", "xmix_deploy_commit",
         "xmix_deploy_abort", "xmix_undeploy", "xmix_undeploy_if_present", "xmix_patch",
-        "xmix_set_mode", "xmix_set_params", "xmix_describe")),
+        "xmix_set_mode", "xmix_set_params", "xmix_describe", "xmix_ledger")),
 )
 
 # (class, method) -> vLLM's own attribute, before any xmix layer; (class, method, by) applied.

@@ -27,6 +27,7 @@ carries an error marker there instead; it is finished with ``finish_reason="erro
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import hashlib
 import itertools
@@ -35,6 +36,7 @@ import logging
 import os
 import reprlib
 import threading
+import time
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
@@ -46,7 +48,7 @@ from xmix.conditions import n_instructions
 from xmix.control import MODES, ParamCol, RequestError, param_columns, resolve_params
 from xmix.hooks import ModelShape
 from xmix.lowering import DeployError, LoweredApp, lower
-from xmix.results_codec import (OPTION_KEYS, TRUNCATED_KEY, ResultOptions,
+from xmix.results_codec import (DROPPED_KEY, OPTION_KEYS, TRUNCATED_KEY, ResultOptions,
                                 copy_results, max_result_bytes, parse_options, position_bytes,
                                 read_shape, unpack_results)
 
@@ -245,6 +247,7 @@ class Registry:
         # by requests in flight across a change are never reused by requests admitted after.
         self.epoch = 0
         self.capacity: dict[str, int] | None = None  # the workers' control-block sizes
+        self.sync = None  # the Controller's: follow the engines' ledger (ledger.py)
 
     # ------------------------------------------------------------------ deploy side
     def used(self) -> Needs:
@@ -653,8 +656,17 @@ def patch_output_processor(out_cls, state_cls, request_output_cls) -> None:
                 res = unpack_results(kvp.pop(XMIX_KEY) or {})
                 eco.kv_transfer_params = kvp or None
                 err = res.pop(ERROR_KEY, None)
+                dropped = res.pop(DROPPED_KEY, None)
                 st = self.request_states.get(eco.request_id)
                 if st is None:
+                    continue
+                applied = st.__dict__.get("_xmix_applied")
+                if dropped and applied is not None:
+                    # the engine no longer held the version admitted (a change through another
+                    # API server this one had not seen yet): named under "changed"
+                    st.__dict__["_xmix_applied"] = {**applied, "_dropped": sorted(
+                        set(applied.get("_dropped", ())) | set(dropped))}
+                if not res and err is None:
                     continue
                 st.__dict__["_xmix_seen"] = True
                 if TRUNCATED_KEY in res:
@@ -780,7 +792,8 @@ class Controller:
     """
 
     def __init__(self, input_processor, rpc):
-        """rpc(method, args) runs a worker method on every worker and returns their results."""
+        """rpc(method, args) runs a worker method on every worker of every engine and returns
+        their results (the first engine's first worker first)."""
         self._rpc = rpc
         cfg = input_processor.vllm_config.model_config
         self.registry = Registry(ModelShape.from_hf_config(cfg.hf_config, cfg.model),
@@ -796,11 +809,89 @@ class Controller:
             from .pp import Stages
 
             self._stages = Stages.of(self.registry.shape.n_layers, 0, size)
+        self.registry.sync = self.sync
+        # The engine-side ledger (ledger.py) is the truth; this registry follows it.
+        self.ledger_rev = 0
+        self._owner = f"{os.uname().nodename}:{os.getpid()}:{self.registry.uid}"
+        self._mine: dict[tuple[str, int], tuple[App, LoweredApp, Needs]] = {}
 
     def _capacity(self) -> None:
         if self.registry.capacity is None:
             caps = self._rpc("xmix_capacity", ())
             self.registry.capacity = {k: min(c[k] for c in caps) for k in caps[0]}
+
+    # ------------------------------------------------------------------ the ledger
+    def sync(self) -> int:
+        """Bring the registry up to the engines' ledger: apply, in the ledger's order, every
+        change made through any API server since the last sync. Returns the ledger revision."""
+        with self.lock:
+            got = self._rpc("xmix_ledger", ("since", self._owner, self.ledger_rev))[0]
+            for e in got["entries"]:
+                self._apply(e)
+            self.ledger_rev = got["rev"]
+            return self.ledger_rev
+
+    def _apply(self, e: dict) -> None:
+        reg, name, kind = self.registry, e["name"], e["kind"]
+        if kind == "deploy":
+            if e.get("data") is None or name in reg.apps:
+                return  # undeployed later in the ledger (its bytes were dropped)
+            mine = self._mine.pop((name, e["version"]), None)
+            if mine is None:
+                # Another server's deploy: the bytes passed every check there and on the
+                # workers; they are lowered here against this server's model and tokenizer.
+                app = App.from_bytes(e["data"], allow_custom=True)
+                lowered = lower(app, reg.shape, reg.tokenizer)
+                mine = (app, lowered, Needs.of(lowered))
+            app, lowered, needs = mine
+            reg.add(app, lowered, e["mode"], e["version"], needs, e.get("locked", False))
+            with reg.lock:
+                reg._version = max(reg._version, e["version"])
+            reg.changed("deploy", name)
+        elif kind == "undeploy":
+            if name in reg.apps:
+                reg.remove(name)
+                reg.changed("undeploy", name)
+        elif kind == "patch":
+            if name not in reg.apps:
+                return
+            mode, params, locked = e.get("mode"), e.get("params"), e.get("locked")
+            cols, lock = reg.check_patch(name, mode, params, locked)
+            reg.patch(name, mode, cols, lock)
+            if params is not None:
+                reg.changed("params", name)
+            if mode is not None:
+                reg.changed("mode", name)
+            if lock is not None:
+                reg.changed("locked")
+        else:
+            logger.warning("xmix: unknown ledger entry %r ignored", kind)
+
+    def _record(self, entry: dict) -> None:
+        """Append a change that reached every engine to the ledger, then follow the ledger
+        (the registry changes only from it, so every server applies the same order)."""
+        self._rpc("xmix_ledger", ("append", self._owner, 0, entry))
+        self.sync()
+
+    @contextlib.contextmanager
+    def _change(self):
+        """One control change at a time across every API server: the ledger's lease on the
+        first worker of the first engine, then a sync, so the checks see every earlier change."""
+        with self.lock:
+            deadline = time.monotonic() + float(os.environ.get("XMIX_LEASE_WAIT_S", "30"))
+            while not self._rpc("xmix_ledger", ("acquire", self._owner))[0]:
+                if time.monotonic() > deadline:
+                    raise EngineGone("another API server holds the control plane's lease (a "
+                                     "change in progress); try again")
+                time.sleep(0.02)
+            try:
+                self.sync()
+                yield
+            finally:
+                try:
+                    self._rpc("xmix_ledger", ("release", self._owner))
+                except Exception:  # the lease lapses by itself (ledger.LEASE_S)
+                    logger.warning("xmix: releasing the control-plane lease failed", exc_info=True)
 
     def _undo(self, method: str, name: str) -> None:
         try:
@@ -815,7 +906,7 @@ class Controller:
         """``locked``: true, or a list of parameter names, that requests may not override."""
         if mode not in MODES:
             raise DeployError(f"mode must be one of {list(MODES)}, got {shown(mode)}")
-        with self.lock:
+        with self._change():
             self._capacity()
             app = _load_app(app, allow_custom)
             lowered, data, needs = self.registry.prepare(app)
@@ -831,7 +922,7 @@ class Controller:
                 except Exception as e:
                     if "is already deployed" not in _root(e):
                         raise
-                    # A worker holds an app of this name that the registry does not know
+                    # A worker holds an app of this name that the ledger does not know
                     # (deployed behind the frontend's back, e.g. by vLLM's dev-mode
                     # /collective_rpc): nothing can use it, so it goes, and the deploy is retried.
                     self._undo("xmix_deploy_abort", app.name)
@@ -840,6 +931,7 @@ class Controller:
                     self._rpc("xmix_undeploy_if_present", (app.name,))
                     self._rpc("xmix_deploy_prepare", (data, mode, version))
             except Exception as e:
+                # One engine (or worker) refused: drop what the others prepared, everywhere.
                 self._undo("xmix_deploy_abort", app.name)
                 if isinstance(e, EngineGone):
                     raise
@@ -851,12 +943,13 @@ class Controller:
                 if isinstance(e, EngineGone):
                     raise
                 raise _deploy_failed(app.name, e) from None
-            info = self.registry.add(app, lowered, mode, version, needs, locked).describe()
-            self.registry.changed("deploy", app.name)
-            return info
+            self._mine[(app.name, version)] = (app, lowered, needs)
+            self._record({"kind": "deploy", "name": app.name, "data": data, "mode": mode,
+                          "version": version, "locked": locked})
+            return self.registry.get(app.name).describe()
 
     def undeploy(self, name: str) -> None:
-        with self.lock:
+        with self._change():
             self.registry.get(name)
             # Where a worker no longer has it (taken off behind the frontend's back, e.g. by
             # vLLM's dev-mode /collective_rpc), there is nothing to take off: the registry
@@ -865,25 +958,19 @@ class Controller:
             if not all(gone):
                 logger.warning("xmix: app %r was already gone on %d of %d workers", name,
                                sum(not g for g in gone), len(gone))
-            self.registry.remove(name)
-            self.registry.changed("undeploy", name)
+            self._record({"kind": "undeploy", "name": name})
 
     def patch(self, name: str, mode: str | None = None, params: dict | None = None,
               locked: Any = None) -> dict:
         """Mode, default parameters and/or the parameters locked against requests' overrides,
         as one change: everything is checked before anything is applied; a refusal changes
         nothing."""
-        with self.lock:
-            cols, lock = self.registry.check_patch(name, mode, params, locked)
+        with self._change():
+            self.registry.check_patch(name, mode, params, locked)
             if mode is not None or params is not None:
                 self._rpc("xmix_patch", (name, mode, params))
-            self.registry.patch(name, mode, cols, lock)
-            if params is not None:
-                self.registry.changed("params", name)
-            if mode is not None:
-                self.registry.changed("mode", name)
-            if lock is not None:  # admission only: nothing in flight changes
-                self.registry.changed("locked")
+            self._record({"kind": "patch", "name": name, "mode": mode, "params": params,
+                          "locked": locked})
             return self.registry.get(name).describe()
 
     def set_mode(self, name: str, mode: str) -> None:
@@ -893,6 +980,7 @@ class Controller:
         self.patch(name, params=params)
 
     def apps(self) -> list[dict]:
+        self.sync()
         return self.registry.describe()
 
     def status(self) -> list[dict]:

@@ -230,8 +230,7 @@ class XmixEndpointPlugin:
             # (HTTP 503) instead of holding the thread, and the interpreter's exit, forever.
             if gone():
                 raise EngineGone("the engine has stopped (the server is shutting down)")
-            fut = asyncio.run_coroutine_threadsafe(
-                engine_client.collective_rpc(method, args=rpc_args), loop)
+            fut = asyncio.run_coroutine_threadsafe(fan_out(engine_client, method, rpc_args), loop)
             while True:
                 try:
                     return fut.result(timeout=0.5)
@@ -253,15 +252,63 @@ class XmixEndpointPlugin:
             (logger.warning if "OPEN" in line else logger.info)(line)
         # The workers' CUDA graph counters (first-replay checks, fallbacks) on /metrics.
         metrics.watch_graph_stats(lambda: ctl.status(), ctl.registry.shape.model_name)
+        await asyncio.to_thread(ctl.sync)
         for entry in json.loads(os.environ.get(APPS_ENV, "[]")):
             path, mode, locked = (entry + [False])[:3]
-            info = await asyncio.to_thread(ctl.deploy, path, mode, locked=locked)
+            try:
+                info = await asyncio.to_thread(ctl.deploy, path, mode, locked=locked)
+            except DeployError as e:
+                # With several API servers every one deploys the --app files at start; the
+                # first does, the others find the app in the engines' ledger.
+                name = frontend._load_app(path, True).name
+                if "already deployed" not in str(e) or name not in ctl.registry.apps:
+                    raise
+                logger.info("xmix: app %s deployed at start by another API server", name)
+                continue
             logger.info("xmix: app %s  mode=%s  sites=%s%s", info["name"], mode, ", ".join(info["sites"]),
                         "  parameters locked" if locked else "")
             state.xmix.audit.record("local", "deploy", info["name"], 201, "deployed at start",
                                     mode=mode, version=info["version"], locked=info["locked"] or None)
         usage.install(ctl.registry)
+        if (getattr(args, "api_server_count", 1) or 1) > 1:
+            state.xmix.poller = asyncio.get_running_loop().create_task(_follow(ctl, gone))
         logger.info("xmix: console at %s", console_url(args))
+
+
+def sync_interval() -> float:
+    """How often an API server follows the engines' ledger when there are several
+    (``XMIX_SYNC_S``, default 0.25 s); requests naming an app it does not know sync at once."""
+    return float(os.environ.get("XMIX_SYNC_S", "0.25"))
+
+
+async def _follow(ctl: Controller, gone) -> None:
+    """With several API servers: pick up changes made through the others."""
+    while not gone():
+        await asyncio.sleep(sync_interval())
+        try:
+            await asyncio.to_thread(ctl.sync)
+        except EngineGone:
+            return
+        except Exception:
+            logger.warning("xmix: following the engines' ledger failed", exc_info=True)
+
+
+async def fan_out(engine_client, method: str, args: tuple) -> list:
+    """A worker method on every worker of every engine, one result per worker.
+
+    vLLM's ``AsyncLLM.collective_rpc`` is ``call_utility_async("collective_rpc", ...)``: with
+    data parallelism and vLLM's load balancer (``DPLBAsyncMPClient``) it runs on every engine
+    but returns only the first engine's results, and without it (``DPAsyncMPClient``,
+    external load balancing) it reaches only the first engine the client manages
+    (``v1/engine/core_client.py``). ``call_utility_all_async`` reaches every engine the client
+    manages and returns each one's list: a refusal on any engine raises here (so a deploy is
+    rolled back on all), and answers such as "was it there" count every engine's workers."""
+    core = getattr(engine_client, "engine_core", None)
+    call_all = getattr(core, "call_utility_all_async", None)
+    if call_all is None:
+        return await engine_client.collective_rpc(method, args=args)
+    per_engine = await call_all("collective_rpc", method, None, args, None)
+    return [r for workers in per_engine for r in workers]
 
 
 # Routes whose answers xmix adds to: a request whose key's policy forbids an app, or that sets
@@ -348,6 +395,10 @@ def _rpc_method(body: bytes) -> str | None:
 
 
 DEV_RPC_PATH = "/collective_rpc"
+# With --api-server-count N the servers share one port (SO_REUSEPORT): every response names
+# the process that answered it, so a client (and the tests) can tell them apart.
+SERVER_HEADER = b"x-xmix-server"
+SERVER_ID = str(os.getpid()).encode()
 MAX_RPC_BODY = 1 << 20
 
 
@@ -379,6 +430,13 @@ class RequestAppsAuth:
         st = getattr(self.server.state, "xmix", None) if scope["type"] == "http" else None
         if st is None:
             return await self.app(scope, receive, send)
+        inner_send = send
+
+        async def send(msg):  # noqa: F811  which API server process answered (Scale-out)
+            if msg["type"] == "http.response.start":
+                msg = {**msg, "headers": [*msg.get("headers", ()), (SERVER_HEADER, SERVER_ID)]}
+            await inner_send(msg)
+
         from starlette.datastructures import Headers
 
         header = Headers(scope=scope).get("authorization")
@@ -509,7 +567,10 @@ def build_router() -> APIRouter:
         st, err = await guard(request)
         if err:
             return err
-        apps = st.ctl.apps()
+        try:
+            apps = await asyncio.to_thread(st.ctl.apps)
+        except EngineGone as e:
+            return error(503, str(e))
         caller = tenants.current()
         t = caller.tenant if caller is not None and not caller.admin else None
         if t is not None:
@@ -607,6 +668,7 @@ def build_router() -> APIRouter:
         if "locked" in body and not isinstance(locked, (bool, list)):
             return refuse(400, '"locked" must be true, false or a list of parameter names')
         async with st.lock:
+            await asyncio.to_thread(st.ctl.sync)
             if name not in st.ctl.registry.apps:
                 return refuse(404, f"app {shown(name)} is not deployed")
             try:
@@ -627,6 +689,7 @@ def build_router() -> APIRouter:
         if err:
             return err
         async with st.lock:
+            await asyncio.to_thread(st.ctl.sync)
             if name not in st.ctl.registry.apps:
                 audit(st, request, "undeploy", shown(name), 404, "refused: not deployed")
                 return error(404, f"app {shown(name)} is not deployed")
@@ -793,6 +856,34 @@ def _precheck(serving, request, engine_inputs, max_tokens_field: str):
     return None
 
 
+def _named_apps(raw: Any) -> list[str]:
+    if isinstance(raw, (str, bytes)):
+        try:
+            raw = json.loads(raw)
+        except (ValueError, RecursionError, UnicodeDecodeError):
+            return []
+    apps = raw.get("apps") if isinstance(raw, dict) else None
+    return [a for a in apps if isinstance(a, str)] if isinstance(apps, list) else []
+
+
+async def _catch_up(serving, request) -> None:
+    """A request naming an app this API server does not know yet (deployed through another
+    server since its last sync) first brings the registry up to the engines' ledger, so a
+    deploy anywhere is usable everywhere as soon as its answer returned."""
+    reg = getattr(getattr(serving.engine_client, "input_processor", None), "_xmix_registry", None)
+    if reg is None or reg.sync is None:
+        return
+    try:
+        raw = control_from_args(getattr(request, "vllm_xargs", None) or {})
+    except ValueError:
+        return  # refused with its message by the check that follows
+    if any(a not in reg.apps for a in _named_apps(raw)):
+        try:
+            await asyncio.to_thread(reg.sync)
+        except Exception:
+            logger.warning("xmix: following the engines' ledger failed", exc_info=True)
+
+
 def _said(e: Exception, outputs: list) -> Exception:
     """vLLM's GenerationError for a request xmix finished with an error ("Internal server
     error") made to say what failed; any other exception unchanged."""
@@ -819,6 +910,7 @@ def patch_openai_serving() -> None:
     render_cmpl = fence.current(OpenAIServingCompletion, "render_completion_request")
 
     async def render_chat_request(self, request, *args, **kwargs):
+        await _catch_up(self, request)
         result = await render_chat(self, request, *args, **kwargs)
         if isinstance(result, tuple) and len(result) == 2:
             refused = _precheck(self, request, result[1], "max_completion_tokens")
@@ -827,6 +919,7 @@ def patch_openai_serving() -> None:
         return result
 
     async def render_completion_request(self, request, *args, **kwargs):
+        await _catch_up(self, request)
         result = await render_cmpl(self, request, *args, **kwargs)
         if isinstance(result, list):
             refused = _precheck(self, request, result, "max_tokens")

@@ -3,9 +3,10 @@ rows, silently not run, or lose their results. Each entry says what vLLM does (0
 xmix's per-step maps do not follow; the worker calls ``check`` where xmix attaches
 (``worker.patch_load_model``), so the engine does not start and the message says why.
 
-Everything checked is in the VllmConfig every worker receives, including the API server
-count (``vllm/entrypoints/cli/serve.py`` sets ``engine_args._api_process_count`` before
-``create_engine_config``), so no check needs the frontend.
+Everything checked is in the VllmConfig every worker receives, so no check needs the
+frontend. Several API servers (``--api-server-count``) and data parallelism are served: the
+registry follows the engines' ledger (ledger.py) and control changes fan out to every engine
+(server.fan_out); docs/serving.md, "Scale-out".
 """
 
 from __future__ import annotations
@@ -47,10 +48,6 @@ def problems(vllm_config: Any) -> list[str]:
                 "vLLM splits each tensor a stage sends across its TP ranks (isend_tensor_dict's "
                 "all_gather_group), and the reads xmix sends on from a stage exist on its first "
                 "TP rank only; use one of the two (docs/serving.md, Pipeline parallel)")
-        if (getattr(par, "_api_process_count", 1) or 1) > 1:
-            out.append(
-                f"{par._api_process_count} API servers (--api-server-count > 1): deployed apps "
-                "and the /xmix/v1/apps control plane live in one API server process")
     model = getattr(vllm_config, "model_config", None)
     if model is not None and getattr(model, "enable_prompt_embeds", False):
         out.append(

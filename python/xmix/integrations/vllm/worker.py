@@ -25,7 +25,7 @@ from xmix.architectures import Family, architecture_of, require_family
 from xmix.control import Capacity, ControlBlock, PendingReads
 from xmix.hooks import ModelShape, n_sites
 from xmix.lowering import lower
-from xmix.results_codec import ERROR_KEY, ResultOptions, merge_results  # noqa: F401 (re-exported)
+from xmix.results_codec import DROPPED_KEY, ERROR_KEY, ResultOptions, merge_results  # noqa: F401 (re-exported)
 
 from . import enable, fence
 from .model_wrap import place_sites
@@ -129,6 +129,7 @@ class WorkerXmix:
                 self._started[slot] = False
                 if dropped:
                     self.stats["stale_apps"] = self.stats.get("stale_apps", 0) + 1
+                    self.pending.setdefault(nr.req_id, {})[DROPPED_KEY] = sorted(map(str, dropped))
                     logger.info("xmix: request %s runs without %s (undeployed or redeployed since "
                                 "it was admitted)", nr.req_id, dropped)
             except Exception as e:
@@ -592,8 +593,20 @@ def xmix_describe(self) -> dict:
             "slots_in_use": len(x.cb.slots)}
 
 
+def xmix_ledger(self, op: str, owner: str = "", since: int = 0, entry: dict | None = None):
+    """The engine-side record of control changes and the lease that serialises them across
+    API servers (ledger.py)."""
+    x = _wx(self)
+    led = x.__dict__.get("ledger")
+    if led is None:
+        from .ledger import Ledger
+
+        led = x.__dict__["ledger"] = Ledger()
+    return led.call(op, owner, since, entry)
+
+
 WORKER_METHODS = {f.__name__: f for f in (
-    xmix_capacity, xmix_deploy, xmix_deploy_prepare, xmix_deploy_commit, xmix_deploy_abort,
+    xmix_ledger, xmix_capacity, xmix_deploy, xmix_deploy_prepare, xmix_deploy_commit, xmix_deploy_abort,
     xmix_undeploy, xmix_undeploy_if_present, xmix_patch, xmix_set_mode, xmix_set_params,
     xmix_describe)}
 

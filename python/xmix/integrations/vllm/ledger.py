@@ -1,0 +1,59 @@
+"""The engine side's record of control changes: the source of truth that every API server's
+registry follows (several API servers, ``--api-server-count N``; data-parallel engines).
+
+vLLM runs each API server in its own process with its own engine client
+(``vllm/entrypoints/cli/serve.py: run_multi_api_server``), so a registry kept in API-server
+memory is one per server. The engines are the only state every server reaches, and they
+already hold the deployed apps: each worker keeps, next to its control block, this ordered
+ledger of the changes made through any server (deploy with the app's bytes, patch, undeploy)
+and a lease that serialises changes across servers. A server reads the ledger from the first
+worker of the first engine (``results[0]`` of a fan-out), so there is one order even when
+engines see two servers' RPCs in different orders; every worker appends the same entries so a
+ledger survives the loss of none of them in particular.
+
+Memory: a deploy entry keeps the app's bytes until the app is undeployed (then only its name
+stays), i.e. what the control block holds anyway, once more.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+LEASE_S = 60.0  # a server that died holding the lease blocks others at most this long
+
+
+class Ledger:
+    def __init__(self) -> None:
+        self.entries: list[dict] = []
+        self.holder: str | None = None
+        self.until = 0.0
+
+    def call(self, op: str, owner: str = "", since: int = 0, entry: dict | None = None) -> Any:
+        now = time.monotonic()
+        if self.holder is not None and now > self.until:
+            self.holder = None  # the holder died or hung: its lease lapses
+        if op == "acquire":
+            if self.holder in (None, owner):
+                self.holder, self.until = owner, now + LEASE_S
+                return True
+            return False
+        if op == "release":
+            if self.holder == owner:
+                self.holder = None
+            return True
+        if op == "append":
+            if self.holder != owner:
+                raise RuntimeError(f"xmix ledger: append by {owner!r} without the lease "
+                                   f"(held by {self.holder!r})")
+            entry = dict(entry or {})
+            entry["rev"] = len(self.entries) + 1
+            if entry.get("kind") == "undeploy":
+                for e in self.entries:  # the bytes of an app that is gone are not needed
+                    if e.get("kind") == "deploy" and e.get("name") == entry.get("name"):
+                        e["data"] = None
+            self.entries.append(entry)
+            return entry["rev"]
+        if op == "since":
+            return {"rev": len(self.entries), "entries": self.entries[since:]}
+        raise ValueError(f"xmix ledger: unknown op {op!r}")

@@ -1,0 +1,140 @@
+"""Scale-out without an engine: the control plane of two API servers (two Controllers) over
+two data-parallel engines (one worker each, real control blocks on the CPU), joined by a
+fan-out that behaves as ``server.fan_out`` over vLLM's ``call_utility_all_async``: every
+engine runs the call, a refusal on any of them raises after all ran. Checks the deploy
+transaction across engines, the ledger every server follows, and the lease."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace as NS
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+import xmix
+from xmix.control import ControlBlock
+from xmix.hooks import ModelShape
+from xmix.integrations.vllm import worker as W
+from xmix.integrations.vllm.frontend import Controller, EngineGone
+from xmix.lowering import DeployError
+
+from harness import SMALL
+
+D = 64
+HF = LlamaConfig(hidden_size=D, num_hidden_layers=2, vocab_size=32, num_attention_heads=1,
+                 intermediate_size=128)
+
+
+class Engine:
+    def __init__(self):
+        shape = ModelShape.from_hf_config(HF, "tiny")
+        x = W.WorkerXmix.for_control_block(ControlBlock(shape, "cpu", SMALL))
+        x.placed = set(range(10_000))  # every site placed (no model here)
+        self.worker = NS(model_runner=NS(_xmix=x))
+        self.refuse: set[str] = set()  # worker methods this engine fails (a fault on it)
+
+    @property
+    def cb(self):
+        return self.worker.model_runner._xmix.cb
+
+    def call(self, method, args):
+        if method in self.refuse:
+            raise RuntimeError(f"DeployError: {method} refused on this engine")
+        return [W.WORKER_METHODS[method](self.worker, *args)]
+
+
+def fan_out(engines):
+    def rpc(method, args):
+        out, err = [], None
+        for e in engines:
+            try:
+                out += e.call(method, args)
+            except Exception as ex:  # asyncio.gather: the others still run
+                err = err or ex
+        if err is not None:
+            raise err
+        return out
+    return rpc
+
+
+def server(engines):
+    ip = NS(vllm_config=NS(model_config=NS(hf_config=HF, model="tiny")), tokenizer=None)
+    return Controller(ip, fan_out(engines))
+
+
+def app(name, scale=1.0):
+    a = xmix.App(name)
+    a.write("add", vector=torch.ones(D), scale=scale).layers([1]).submodule("residual.post")
+    return a
+
+
+@pytest.fixture
+def fleet():
+    engines = [Engine(), Engine()]
+    return engines, server(engines), server(engines)
+
+
+def held(e: Engine) -> dict:
+    return {a["name"]: (a["version"], a["mode"], a["params"]) for a in e.cb.describe()}
+
+
+def test_deploy_refused_by_one_engine_is_rolled_back_on_all(fleet):
+    engines, s1, _ = fleet
+    engines[1].refuse = {"xmix_deploy_prepare"}
+    with pytest.raises(DeployError, match="refused on this engine"):
+        s1.deploy(app("a"))
+    for e in engines:
+        assert held(e) == {} and not e.cb._staged  # nothing live, nothing left prepared
+    assert s1.apps() == []
+    engines[1].refuse = {"xmix_deploy_commit"}  # one engine loses its prepared state
+    with pytest.raises(DeployError):
+        s1.deploy(app("a"))
+    for e in engines:
+        assert held(e) == {} and not e.cb._staged
+    engines[1].refuse = set()
+    info = s1.deploy(app("a"))
+    assert [held(e) for e in engines] == [{"a": (info["version"], "request", {"#0.scale": 1.0})}] * 2
+
+
+def test_changes_through_one_server_are_seen_by_the_other(fleet):
+    engines, s1, s2 = fleet
+    a = s1.deploy(app("a"))
+    b = s2.deploy(app("b", 2.0))  # s2 syncs first: a's version is taken
+    assert b["version"] == a["version"] + 1
+    s1.sync()
+    assert s1.apps() == s2.apps()
+    assert [x["name"] for x in s2.apps()] == ["a", "b"]
+    s2.patch("a", mode="all", params={"scale": 3.0})
+    s1.sync()
+    d = s1.registry.get("a")
+    assert d.mode == "all" and [c.default for c in d.cols] == [3.0]
+    assert s1.registry.epoch == s2.registry.epoch  # the same cache salts on both
+    with pytest.raises(DeployError, match="already deployed"):
+        s1.deploy(app("b"))  # taken through s2: 409 on s1 too
+    s1.undeploy("b")
+    assert [x["name"] for x in s2.apps()] == ["a"]
+    for e in engines:
+        assert set(held(e)) == {"a"} and held(e)["a"][1:] == ("all", {"#0.scale": 3.0})
+    # a request s2 admitted against "a" before s1 undeployed it carries the gone version
+    adm = s2.registry.admit({"apps": ["a"]}, 3, 4)
+    s1.undeploy("a")
+    x = engines[0].worker.model_runner._xmix
+    x.admit_new([NS(req_id="r", prompt_token_ids=[1, 2, 3], prompt_embeds=None,
+                    sampling_params=NS(extra_args={"xmix": adm.control}))])
+    assert x.pending["r"][W.DROPPED_KEY] == ["a"] and x.stats["stale_apps"] == 1
+    # the ledger keeps no bytes of apps that are gone
+    led = x.ledger
+    assert all(e.get("data") is None for e in led.entries if e["kind"] == "deploy")
+
+
+def test_one_change_at_a_time_across_servers(fleet, monkeypatch):
+    engines, s1, s2 = fleet
+    monkeypatch.setenv("XMIX_LEASE_WAIT_S", "0.2")
+    with s1._change():  # s1 is in the middle of a change
+        with pytest.raises(EngineGone, match="another API server holds"):
+            s2.deploy(app("a"))
+    s2.deploy(app("a"))  # released
+    led = engines[0].worker.model_runner._xmix.ledger
+    with pytest.raises(RuntimeError, match="without the lease"):
+        led.call("append", "intruder", entry={"kind": "undeploy", "name": "a"})
