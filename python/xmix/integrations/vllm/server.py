@@ -779,7 +779,9 @@ def _precheck(serving, request, engine_inputs, max_tokens_field: str):
         except Exception:  # vLLM refuses it itself, with its own message
             return None
         try:
-            adm = reg.admit(raw, n_prompt, max_tokens, getattr(request, "n", None) or 1, count=False)
+            adm = reg.admit(raw, n_prompt, max_tokens, getattr(request, "n", None) or 1, count=False,
+                            remote_prefill=frontend._remote_prefill(
+                                getattr(request, "kv_transfer_params", None)))
             checked_at = adm.control["applied"]["_rev"]
         except ValueError as e:
             logger.info("xmix: request refused at admission: %s", e)
