@@ -755,10 +755,17 @@ def patch_output_processor(out_cls, state_cls, request_output_cls) -> None:
         if out is None:
             return out
         # Provenance is set at admission, so a request xmix admitted carries it even when no
-        # result ever came back (no apps, or apps without reads).
+        # result ever came back (no apps, or apps without reads). It is built when this
+        # state's sequence finishes, once (its ``changed`` covers the whole run); outputs
+        # before that carry none (the server sends it in the chunk that finishes a choice).
         applied = self.__dict__.get("_xmix_applied")
-        if applied is not None:
-            out.xmix_applied = provenance(applied)
+        if applied is not None and (getattr(out, "finished", False) or any(
+                getattr(c, "finish_reason", None) is not None
+                for c in getattr(out, "outputs", None) or ())):
+            prov = self.__dict__.get("_xmix_prov")
+            if prov is None:
+                prov = self.__dict__["_xmix_prov"] = provenance(applied)
+            out.xmix_applied = prov
         if not self.__dict__.get("_xmix_seen"):
             return out
         err = self.__dict__.get("_xmix_error")
