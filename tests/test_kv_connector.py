@@ -11,7 +11,8 @@ checked (docs/serving.md, "KV connectors"):
   prompt (the connector really loads: its files exist and vLLM reports the loaded tokens);
 - a read app and a latch (prompt state) over that same stored prompt give the same tokens and
   reads as without the connector: admission keeps them off external KV;
-- a writing app is refused with the reason on this token-keyed connector, and a request whose
+- a writing app is refused with the reason on this token-keyed connector (switching it to mode
+  "all" too), and a request whose
   prompt another instance computed (``do_remote_prefill``) is refused when its apps need the
   prompt; the engine keeps serving;
 - read results never reach the connector's ``kv_transfer_params`` (a private key, stripped);
@@ -91,6 +92,8 @@ def _run(llm, connector: bool) -> dict:
                 _gen(llm, control, kvp)
             for w in words:
                 assert w in str(e.value), (w, str(e.value))
+        with pytest.raises(Exception, match="mode 'all'"):
+            llm.xmix.set_mode("steer", "all")
         out["after_refusals"] = list(_gen(llm).outputs[0].token_ids)
     return out
 

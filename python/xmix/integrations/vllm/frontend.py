@@ -21,9 +21,9 @@ Results come back per step inside ``EngineCoreOutput.kv_transfer_params["_xmix_r
 (``RESULTS_KEY``; set by the engine core, engine_core.py, as packed arrays, on a copy of a KV
 connector's dict that keeps its keys; engine_core.py says why that channel and why it cannot
 collide with a connector); ``OutputProcessor.process_outputs`` takes them out before vLLM sees
-them (the dict left is exactly the connector's, or None) and attaches them as ``.xmix`` ({app: {read: ReadResult}}) to
-each sequence's ``CompletionOutput`` and to the ``RequestOutput`` (the reads of its first
-sequence). A request a worker could not serve
+them (the dict left is exactly the connector's, or None) and attaches them as ``.xmix``
+({app: {read: ReadResult}}) to each sequence's ``CompletionOutput`` and to the
+``RequestOutput`` (the reads of its first sequence). A request a worker could not serve
 carries an error marker there instead; it is finished with ``finish_reason="error"``.
 """
 
@@ -454,6 +454,18 @@ class Registry:
                     raise
             return Admission(cfg, salt, skip)
 
+    def check_forced_write(self, name: str, lowered: LoweredApp, mode: str) -> None:
+        """A writing app in mode "all" on a connector that would make admission refuse every
+        request (``_kv_connector_rules``) is refused when it is deployed or switched."""
+        if (mode == "all" and lowered.writes and self.kv_connector is not None
+                and self.kv_connector not in SALTED_CONNECTORS):
+            raise DeployError(
+                f"app {name!r} writes, and in mode 'all' on this engine's KV connector "
+                f"({self.kv_connector}, which keys stored KV by tokens, not cache salts) every "
+                "request would be refused; use mode 'request' (requests naming it are refused "
+                "with the reason) or a connector keyed by block hashes ("
+                + ", ".join(sorted(SALTED_CONNECTORS)) + ")")
+
     def _kv_connector_rules(self, effective: list[Deployed], remote_prefill: bool) -> None:
         """Requests whose state over the prompt would be missing or wrong if their prompt KV
         came from outside this engine, refused with the reason (docs/serving.md, "KV
@@ -878,6 +890,7 @@ class Controller:
             app = _load_app(app, allow_custom)
             lowered, data, needs = self.registry.prepare(app)
             columns_named(param_columns(lowered), locked, f"app {app.name!r}")  # checked first
+            self.registry.check_forced_write(app.name, lowered, mode)
             version = self.registry.next_version()
             try:
                 try:
@@ -929,6 +942,8 @@ class Controller:
         nothing."""
         with self.lock:
             cols, lock = self.registry.check_patch(name, mode, params, locked)
+            if mode is not None:
+                self.registry.check_forced_write(name, self.registry.get(name).lowered, mode)
             if mode is not None or params is not None:
                 self._rpc("xmix_patch", (name, mode, params))
             self.registry.patch(name, mode, cols, lock)
