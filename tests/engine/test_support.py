@@ -60,9 +60,10 @@ def test_prompt_embeds_refused():
     _refused(config(enable_prompt_embeds=True), "prompt embeddings (--enable-prompt-embeds)")
 
 
-def test_kv_connector_refused():
-    _refused(config(kv_transfer_config={"kv_connector": "ExampleConnector", "kv_role": "kv_both"}),
-             "a KV connector")
+def test_kv_connector_served():
+    # Admission decides per request (tests/test_kv_connector.py); the engine starts.
+    assert support.problems(config(kv_transfer_config={"kv_connector": "ExampleConnector",
+                                                       "kv_role": "kv_both"})) == []
 
 
 def test_several_api_servers_and_data_parallel_are_served():
@@ -104,8 +105,9 @@ def test_prefill_context_parallel_refused(plain):
 
 
 def test_all_problems_listed_at_once():
-    cfg = config(enable_prompt_embeds=True, kv_transfer_config={"kv_connector": "ExampleConnector",
-                                                                "kv_role": "kv_both"})
+    cfg = config(enable_prompt_embeds=True,
+                 speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                     "prompt_lookup_max": 2, "prompt_lookup_min": 1})
     assert len(support.problems(cfg)) == 2
 
 

@@ -17,11 +17,13 @@ Per request, in ``InputProcessor.process_inputs`` (before the request reaches th
   - requests whose apps read, or keep per-request state over the prompt, skip reading the
     prefix cache, so every prompt token is computed and read.
 
-Results come back per step inside ``EngineCoreOutput.kv_transfer_params["xmix"]`` (set by
-the engine core, engine_core.py, as packed arrays); ``OutputProcessor.process_outputs`` takes
-them out before vLLM sees them and attaches them as ``.xmix`` ({app: {read: ReadResult}}) to
-each sequence's ``CompletionOutput`` and to the ``RequestOutput`` (the reads of its first
-sequence). A request a worker could not serve
+Results come back per step inside ``EngineCoreOutput.kv_transfer_params["_xmix_results"]``
+(``RESULTS_KEY``; set by the engine core, engine_core.py, as packed arrays, on a copy of a KV
+connector's dict that keeps its keys; engine_core.py says why that channel and why it cannot
+collide with a connector); ``OutputProcessor.process_outputs`` takes them out before vLLM sees
+them (the dict left is exactly the connector's, or None) and attaches them as ``.xmix``
+({app: {read: ReadResult}}) to each sequence's ``CompletionOutput`` and to the
+``RequestOutput`` (the reads of its first sequence). A request a worker could not serve
 carries an error marker there instead; it is finished with ``finish_reason="error"``.
 """
 
@@ -58,6 +60,9 @@ from .request_controls import control_from_args
 logger = logging.getLogger("vllm.xmix")  # vLLM's handlers and format apply
 
 XMIX_KEY = "xmix"
+# Where read results ride on EngineCoreOutput.kv_transfer_params between the engine core and
+# the frontend (engine_core.py): a private name no KV connector uses.
+RESULTS_KEY = "_xmix_results"
 REQUEST_KEYS = {"apps", "params"} | OPTION_KEYS
 
 _short = reprlib.Repr()
@@ -197,6 +202,13 @@ def columns_named(cols: list[ParamCol], spec: Any, who: str) -> set[int]:
     return out
 
 
+# KV connectors shipped with vLLM 0.32 that key what they store and load by the request's
+# block hashes, which include its cache_salt (v1/core/kv_cache_utils.py:
+# generate_block_hash_extra_keys), so KV computed under one write configuration is never
+# loaded by another (offloading_connector.py / offloading/scheduler.py: request.block_hashes).
+SALTED_CONNECTORS = frozenset({"OffloadingConnector"})
+
+
 @dataclass
 class Admission:
     control: dict | None      # canonical control for the workers (None: the request has none)
@@ -233,6 +245,9 @@ class Registry:
         self.tokenizer = tokenizer
         self.apps: dict[str, Deployed] = {}
         self.lock = threading.RLock()
+        # The engine's KV connector class name (--kv-transfer-config), None without one:
+        # admission keeps requests whose apps need the prompt computed here off external KV.
+        self.kv_connector: str | None = None
         self._version = 0
         # A server's per-key policy (tenants.Policy); None offline. With one, a request whose
         # caller is unknown gets the policy's default.
@@ -384,10 +399,12 @@ class Registry:
             self.metrics[name].labels(model_name=self.shape.model_name, **labels).inc(n)
 
     def admit(self, raw: Any, prompt_len: int = 0, max_tokens: int = 0, n: int = 1,
-              count: bool = True) -> Admission:
+              count: bool = True, remote_prefill: bool = False) -> Admission:
         """Check one request's control (``raw``) and resolve it; raises the validation error
         the client sees. ``count=False``: a check ahead of the real admission (the server
-        runs one before a stream starts) that counts only refusals."""
+        runs one before a stream starts) that counts only refusals. ``remote_prefill``: the
+        request's ``kv_transfer_params`` say its prompt KV was computed on another instance
+        (P/D disaggregation)."""
         caller = tenants.current()
         tenant = caller.tenant if caller is not None else (self.policy.default if self.policy else None)
         since = _PRECHECKED.get() if count else None
@@ -432,7 +449,53 @@ class Registry:
                                       for i, c in enumerate(d.cols)]] for d in writes]]
                 salt = "xmix:" + hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32]
             skip = any(d.lowered.reads_prompt or d.lowered.stateful for d in effective)
+            if self.kv_connector is not None or remote_prefill:
+                try:
+                    self._kv_connector_rules(effective, remote_prefill)
+                except ValueError:
+                    self.count("rejected")
+                    raise
             return Admission(cfg, salt, skip)
+
+    def check_forced_write(self, name: str, lowered: LoweredApp, mode: str) -> None:
+        """A writing app in mode "all" on a connector that would make admission refuse every
+        request (``_kv_connector_rules``) is refused when it is deployed or switched."""
+        if (mode == "all" and lowered.writes and self.kv_connector is not None
+                and self.kv_connector not in SALTED_CONNECTORS):
+            raise DeployError(
+                f"app {name!r} writes, and in mode 'all' on this engine's KV connector "
+                f"({self.kv_connector}, which keys stored KV by tokens, not cache salts) every "
+                "request would be refused; use mode 'request' (requests naming it are refused "
+                "with the reason) or a connector keyed by block hashes ("
+                + ", ".join(sorted(SALTED_CONNECTORS)) + ")")
+
+    def _kv_connector_rules(self, effective: list[Deployed], remote_prefill: bool) -> None:
+        """Requests whose state over the prompt would be missing or wrong if their prompt KV
+        came from outside this engine, refused with the reason (docs/serving.md, "KV
+        connectors"). Reads and latches/spans need every prompt token computed here: they
+        skip reading any cache, vLLM's scheduler then asks the connector for nothing
+        (``v1/core/sched/scheduler.py``: ``skip_reading_prefix_cache`` zeroes the external
+        hit), so with a connector that loads on its own they just recompute the prompt. A
+        request whose prompt was already computed elsewhere (P/D decode side) cannot."""
+        writes = sorted(d.app.name for d in effective if d.lowered.writes)
+        prompt_state = sorted(d.app.name for d in effective
+                              if d.lowered.reads_prompt or d.lowered.stateful)
+        if remote_prefill and (writes or prompt_state):
+            raise _validation_error(
+                "this request's prompt KV comes from another instance (kv_transfer_params."
+                "do_remote_prefill: prefill/decode disaggregation), and its apps "
+                + ", ".join(sorted(set(writes) | set(prompt_state)))
+                + " need the prompt computed where they run (reads and latches/spans over the "
+                "prompt; writes, whose effect on the prompt KV this instance cannot check): "
+                "send the request to an instance that computes its prompt")
+        if writes and self.kv_connector is not None and self.kv_connector not in SALTED_CONNECTORS:
+            raise _validation_error(
+                f"app(s) {', '.join(writes)} write, and this engine's KV connector "
+                f"({self.kv_connector}) stores and loads KV keyed by the prompt's tokens, not by "
+                "the cache salt that keeps the KV of a differently steered prompt apart: other "
+                "requests would load this request's steered KV (or it theirs). Writing apps need "
+                "a connector keyed by vLLM's block hashes ("
+                + ", ".join(sorted(SALTED_CONNECTORS)) + ") or no connector")
 
     def _result_options(self, cfg: dict | None, effective: list[Deployed], prompt_len: int,
                         n: int) -> dict | None:
@@ -610,7 +673,8 @@ def patch_input_processor(cls) -> None:
         max_tokens = sp.max_tokens
         if max_tokens is None:
             max_tokens = max(self.model_config.max_model_len - n_prompt, 0)
-        adm = reg.admit(raw, n_prompt, max_tokens, sp.n or 1)
+        adm = reg.admit(raw, n_prompt, max_tokens, sp.n or 1,
+                        remote_prefill=_remote_prefill((sp.extra_args or {}).get("kv_transfer_params")))
         if adm.control is not None:
             # A new dict on the request's own copy: the caller's SamplingParams stays as given.
             sp.extra_args = {**(sp.extra_args or {}), XMIX_KEY: adm.control}
@@ -651,9 +715,9 @@ def patch_output_processor(out_cls, state_cls, request_output_cls) -> None:
         failed: list[str] = []
         for eco in engine_core_outputs:
             kvp = eco.kv_transfer_params
-            if kvp and XMIX_KEY in kvp:
+            if kvp and RESULTS_KEY in kvp:
                 kvp = dict(kvp)
-                res = unpack_results(kvp.pop(XMIX_KEY) or {})
+                res = unpack_results(kvp.pop(RESULTS_KEY) or {})
                 eco.kv_transfer_params = kvp or None
                 err = res.pop(ERROR_KEY, None)
                 dropped = res.pop(DROPPED_KEY, None)
@@ -715,10 +779,17 @@ def patch_output_processor(out_cls, state_cls, request_output_cls) -> None:
         if out is None:
             return out
         # Provenance is set at admission, so a request xmix admitted carries it even when no
-        # result ever came back (no apps, or apps without reads).
+        # result ever came back (no apps, or apps without reads). It is built when this
+        # state's sequence finishes, once (its ``changed`` covers the whole run); outputs
+        # before that carry none (the server sends it in the chunk that finishes a choice).
         applied = self.__dict__.get("_xmix_applied")
-        if applied is not None:
-            out.xmix_applied = provenance(applied)
+        if applied is not None and (getattr(out, "finished", False) or any(
+                getattr(c, "finish_reason", None) is not None
+                for c in getattr(out, "outputs", None) or ())):
+            prov = self.__dict__.get("_xmix_prov")
+            if prov is None:
+                prov = self.__dict__["_xmix_prov"] = provenance(applied)
+            out.xmix_applied = prov
         if not self.__dict__.get("_xmix_seen"):
             return out
         err = self.__dict__.get("_xmix_error")
@@ -749,6 +820,12 @@ def patch_output_processor(out_cls, state_cls, request_output_cls) -> None:
     fence.replace(state_cls, "make_request_output", make_request_output, by="frontend")
     fence.replace(state_cls, "_new_completion_output", _new_completion_output, by="frontend")
     fence.replace(request_output_cls, "add", add, by="frontend")
+
+
+def _remote_prefill(kv_transfer_params: Any) -> bool:
+    """A request whose prompt KV another instance computed (what vLLM's own code reads:
+    v1/engine/output_processor.py, v1/core/sched/scheduler.py)."""
+    return isinstance(kv_transfer_params, dict) and bool(kv_transfer_params.get("do_remote_prefill"))
 
 
 def provenance(applied: dict) -> dict:
@@ -814,6 +891,8 @@ class Controller:
         self.ledger_rev = 0
         self._owner = f"{os.uname().nodename}:{os.getpid()}:{self.registry.uid}"
         self._mine: dict[tuple[str, int], tuple[App, LoweredApp, Needs]] = {}
+        kv = getattr(input_processor.vllm_config, "kv_transfer_config", None)
+        self.registry.kv_connector = getattr(kv, "kv_connector", None) if kv is not None else None
 
     def _capacity(self) -> None:
         if self.registry.capacity is None:
@@ -915,6 +994,7 @@ class Controller:
                 from .pp import check_deploy
 
                 check_deploy(lowered, self._stages)
+            self.registry.check_forced_write(app.name, lowered, mode)
             version = self.registry.next_version()
             try:
                 try:
@@ -967,6 +1047,8 @@ class Controller:
         nothing."""
         with self._change():
             self.registry.check_patch(name, mode, params, locked)
+            if mode is not None:
+                self.registry.check_forced_write(name, self.registry.get(name).lowered, mode)
             if mode is not None or params is not None:
                 self._rpc("xmix_patch", (name, mode, params))
             self._record({"kind": "patch", "name": name, "mode": mode, "params": params,

@@ -34,6 +34,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import sys
 from typing import Any
 
@@ -773,42 +774,82 @@ async def _tap(gen, sink: list, n_choices: int | None, applied: dict):
         yield item
 
 
+_CHOICE_INDEX = re.compile(r'"choices":\[\{"index":(\d+)')
+
+
 async def _with_results(stream, sink: list, applied: dict, n_choices: int, opts: ResultOptions):
     """Put the reads produced since the previous chunk of a choice into that choice's next
     data chunk (vLLM streams one choice per chunk), as the chunk's top-level "xmix" in the
     request's encoding; the chunk that finishes a choice carries its request's provenance
-    as "xmix_applied"."""
+    as "xmix_applied".
+
+    A chunk with nothing to add passes through as the same string. One that gets something
+    is not parsed: vLLM writes ``data: {...,"choices":[{"index":N,...}]...}\n\n``
+    (pydantic ``model_dump_json``, fields in declaration order), so the choice index is read
+    with a pattern and the new keys are spliced in before the closing brace; a chunk of any
+    other shape takes the slow path (parse, add, dump). Provenance is serialised once per
+    prompt."""
     from .worker import merge_results
 
+    prov_json: dict = {}
     async for chunk in stream:
-        if isinstance(chunk, str) and chunk.startswith('data: {"error"') and applied.get("error"):
-            # vLLM reports a failed request as "Internal server error": say what failed
+        if not isinstance(chunk, str) or not chunk.startswith("data: {"):
+            yield chunk
+            continue
+        if chunk.startswith('data: {"error"'):
+            if applied.get("error"):
+                # vLLM reports a failed request as "Internal server error": say what failed
+                body = json.loads(chunk[len("data: "):])
+                if isinstance(body.get("error"), dict):
+                    body["error"]["message"] = applied["error"]
+                    chunk = f"data: {json.dumps(body)}\n\n"
+            yield chunk
+            continue
+        finishing = '"finish_reason":"' in chunk
+        if not sink and not finishing:
+            yield chunk
+            continue
+        m = _CHOICE_INDEX.search(chunk)
+        if m is not None and chunk.endswith("}\n\n") and chunk.count('"index":') == 1:
+            indices = {int(m.group(1))}
+            body = None
+        else:  # not the one-choice shape: parse it
             body = json.loads(chunk[len("data: "):])
-            if isinstance(body.get("error"), dict):
-                body["error"]["message"] = applied["error"]
-                chunk = f"data: {json.dumps(body)}\n\n"
-        elif isinstance(chunk, str) and chunk.startswith("data: {") and (
-                sink or '"finish_reason":"' in chunk):
-            body = json.loads(chunk[len("data: "):])
-            choices = body.get("choices") or []
-            indices = {c.get("index") for c in choices}
-            mine = [r for i, r in sink if i in indices]
-            touched = False
-            if mine:
-                sink[:] = [(i, r) for i, r in sink if i not in indices]
-                merged: dict = {}
+            indices = {c.get("index") for c in body.get("choices") or []}
+        extra = []
+        mine = [r for i, r in sink if i in indices] if sink else []
+        if mine:
+            sink[:] = [(i, r) for i, r in sink if i not in indices] if len(mine) < len(sink) else []
+            merged: dict = mine[0] if len(mine) == 1 else {}  # encoded, never changed
+            if len(mine) > 1:
                 for r in mine:
                     merge_results(merged, r)
-                body[XMIX_KEY] = json_results(merged, opts)
-                touched = True
-            done = [c.get("index") for c in choices if c.get("finish_reason")]
-            prov = [applied.get((i or 0) // max(n_choices, 1)) for i in done]
-            if prov and prov[0] is not None:
-                body[APPLIED_KEY] = prov[0]
-                touched = True
-            if touched:
-                chunk = f"data: {json.dumps(body, allow_nan=False)}\n\n"
-        yield chunk
+            extra.append((XMIX_KEY, json_results(merged, opts)))
+        if finishing:
+            if body is None:
+                done = list(indices)
+            else:
+                done = [c.get("index") for c in body.get("choices") or [] if c.get("finish_reason")]
+            if done:
+                prompt = (done[0] or 0) // max(n_choices, 1)
+                prov = applied.get(prompt)
+                if prov is not None:
+                    if prompt not in prov_json:
+                        prov_json[prompt] = json.dumps(prov, allow_nan=False)
+                    extra.append((APPLIED_KEY, prov_json[prompt]))
+        if not extra:
+            yield chunk
+            continue
+        if body is None:
+            parts = [chunk[:-3]]
+            for k, v in extra:
+                parts.append(f',"{k}":' + (v if k == APPLIED_KEY else json.dumps(v, allow_nan=False)))
+            parts.append("}\n\n")
+            yield "".join(parts)
+        else:
+            for k, v in extra:
+                body[k] = json.loads(v) if k == APPLIED_KEY else v
+            yield f"data: {json.dumps(body, allow_nan=False)}\n\n"
 
 
 def _precheck(serving, request, engine_inputs, max_tokens_field: str):
@@ -840,7 +881,9 @@ def _precheck(serving, request, engine_inputs, max_tokens_field: str):
         except Exception:  # vLLM refuses it itself, with its own message
             return None
         try:
-            adm = reg.admit(raw, n_prompt, max_tokens, getattr(request, "n", None) or 1, count=False)
+            adm = reg.admit(raw, n_prompt, max_tokens, getattr(request, "n", None) or 1, count=False,
+                            remote_prefill=frontend._remote_prefill(
+                                getattr(request, "kv_transfer_params", None)))
             checked_at = adm.control["applied"]["_rev"]
         except ValueError as e:
             logger.info("xmix: request refused at admission: %s", e)

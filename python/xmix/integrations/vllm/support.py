@@ -54,10 +54,10 @@ def problems(vllm_config: Any) -> list[str]:
             "prompt embeddings (--enable-prompt-embeds): model runner V1 then calls the model "
             "with input_ids=None (v1/worker/gpu_model_runner.py: _preprocess), so token "
             "conditions, spans and the step maps cannot be built and apps would silently not run")
-    if getattr(vllm_config, "kv_transfer_config", None) is not None:
-        out.append(
-            "a KV connector (--kv-transfer-config): xmix returns read results in each output's "
-            "kv_transfer_params, which a connector owns")
+    # A KV connector (--kv-transfer-config) is served: results ride a private key the connector
+    # never sees (engine_core.py), and the requests whose prompt state an externally loaded KV
+    # would bypass are refused or recompute their prompt at admission (frontend.Registry.admit:
+    # _kv_connector_rules; docs/serving.md "KV connectors").
     return out
 
 

@@ -33,7 +33,7 @@ from xmix import reference as R
 from xmix.console.decisions import read_scalar
 from xmix.results_codec import ReadResult
 
-from .frontend import XMIX_KEY
+from .frontend import RESULTS_KEY, XMIX_KEY
 
 logger = logging.getLogger("vllm.xmix")
 
@@ -229,7 +229,7 @@ def install(registry, output_processor_cls=None) -> Usage | None:
         for eco in engine_core_outputs:
             try:
                 kvp = eco.kv_transfer_params
-                res = kvp.get(XMIX_KEY) if isinstance(kvp, dict) else None
+                res = kvp.get(RESULTS_KEY) if isinstance(kvp, dict) else None
                 _usage.output(eco.request_id, res, len(eco.new_token_ids or ()),
                               eco.finish_reason is not None)
             except Exception:
