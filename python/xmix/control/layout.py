@@ -3,7 +3,7 @@
 csrc/include/xmix/control.h is the source of every number here: ``_C.constants()`` exports
 its enums and ``_C.control_layout()`` / ``_C.op_layout()`` the field offsets and struct sizes.
 What Python declares itself is only the type of each field (which the packers need);
-tests/test_abi.py holds those declarations to the header's ``sizeof`` of every field, so a
+tests/unit/test_abi.py holds those declarations to the header's ``sizeof`` of every field, so a
 field added, moved or widened on one side fails there rather than as a corrupted op.
 """
 

@@ -20,7 +20,7 @@ never mutated; no connector reads an output's ``kv_transfer_params`` (they read 
 *request's*, ``Request.kv_transfer_params``); the frontend strips the key in
 ``OutputProcessor.process_outputs`` before vLLM builds the RequestOutput, so the P/D proxy
 and API clients see exactly the connector's dict (or None). No connector shipped with vLLM
-0.32 uses a key starting with "_xmix" (tests/test_kv_connector.py scans their source); a
+0.32 uses a key starting with "_xmix" (tests/engine/test_kv_connector.py scans their source); a
 third-party connector that did would be logged and left alone. They stay arrays (``ReadResult``) all the way: on
 the output each read is packed as raw bytes with its dtype and shape
 (``results_codec.pack_results``), which vLLM's msgpack encoder carries as binary, where a bare
