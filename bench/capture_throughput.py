@@ -51,11 +51,18 @@ def bench_model(hidden: int, layers: int) -> Path:
     tiny = tiny_model_path("tiny-llama")
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".bench-"))
     for f in tiny.iterdir():
-        if f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json", "generation_config.json"):
+        if f.name.startswith("tokenizer") or f.name in (
+            "special_tokens_map.json",
+            "generation_config.json",
+        ):
             shutil.copy(f, tmp / f.name)
     cfg = transformers.AutoConfig.from_pretrained(tiny)
     cfg.hidden_size, cfg.num_hidden_layers = hidden, layers
-    cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim = hidden // 64, max(hidden // 128, 1), 64
+    cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim = (
+        hidden // 64,
+        max(hidden // 128, 1),
+        64,
+    )
     cfg.intermediate_size = hidden * 11 // 4
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
@@ -74,8 +81,15 @@ def make_prompts(path: Path, n: int, length: int, vocab: int) -> None:
             f.write(json.dumps({"prompt_token_ids": ids, "id": f"p{i}"}) + "\n")
 
 
-ENGINE = dict(dtype="float32", max_model_len=1024, gpu_memory_utilization=0.3, max_num_seqs=64,
-              max_num_batched_tokens=1024, enable_prefix_caching=False, seed=0)
+ENGINE = dict(
+    dtype="float32",
+    max_model_len=1024,
+    gpu_memory_utilization=0.3,
+    max_num_seqs=64,
+    max_num_batched_tokens=1024,
+    enable_prefix_caching=False,
+    seed=0,
+)
 
 
 def _prompts(path: str) -> list[list[int]]:
@@ -94,11 +108,21 @@ def run_xmix(cfg: dict) -> dict:
     xmix.capture(None, cfg["warm"], sites, out=warm, llm=llm, progress=False).run()
     shutil.rmtree(warm)
     t0 = time.perf_counter()
-    index = xmix.capture(None, cfg["prompts"], sites, out=out / "run", llm=llm, progress=False,
-                         shard_mb=cfg["shard_mb"]).run()
+    index = xmix.capture(
+        None,
+        cfg["prompts"],
+        sites,
+        out=out / "run",
+        llm=llm,
+        progress=False,
+        shard_mb=cfg["shard_mb"],
+    ).run()
     dt = time.perf_counter() - t0
-    return {"tokens": sum(s["tokens"] for s in index["shards"]), "seconds": dt,
-            "bytes": sum(f.stat().st_size for f in (out / "run").glob("*.safetensors"))}
+    return {
+        "tokens": sum(s["tokens"] for s in index["shards"]),
+        "seconds": dt,
+        "bytes": sum(f.stat().st_size for f in (out / "run").glob("*.safetensors")),
+    }
 
 
 def __getattr__(name: str):
@@ -153,15 +177,25 @@ def run_vllm(cfg: dict, connector: str = "ExampleHiddenStatesConnector") -> dict
     from vllm import LLM, SamplingParams
 
     out = Path(cfg["out"])
-    kv = {"kv_connector": connector, "kv_role": "kv_producer",
-          "kv_connector_extra_config": {"shared_storage_path": str(out)}}
+    kv = {
+        "kv_connector": connector,
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"shared_storage_path": str(out)},
+    }
     if connector != "ExampleHiddenStatesConnector":
         kv["kv_connector_module_path"] = HERE.stem
-    llm = LLM(model=cfg["model"], **ENGINE,
-              speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
-                                  "draft_model_config": {"hf_config": {
-                                      "eagle_aux_hidden_state_layer_ids": list(cfg["capture"])}}},
-              kv_transfer_config=kv)
+    llm = LLM(
+        model=cfg["model"],
+        **ENGINE,
+        speculative_config={
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {
+                "hf_config": {"eagle_aux_hidden_state_layer_ids": list(cfg["capture"])}
+            },
+        },
+        kv_transfer_config=kv,
+    )
     from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
         load_hidden_states,
     )
@@ -172,7 +206,9 @@ def run_vllm(cfg: dict, connector: str = "ExampleHiddenStatesConnector") -> dict
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
         n = 0
         for o in outs:
-            d = load_hidden_states(o.kv_transfer_params["hidden_states_path"])  # waits for the write
+            d = load_hidden_states(
+                o.kv_transfer_params["hidden_states_path"]
+            )  # waits for the write
             n += int(d["hidden_states"].shape[0])
         return n
 
@@ -180,8 +216,11 @@ def run_vllm(cfg: dict, connector: str = "ExampleHiddenStatesConnector") -> dict
     t0 = time.perf_counter()
     n = once(_prompts(cfg["prompts"]))
     dt = time.perf_counter() - t0
-    return {"tokens": n, "seconds": dt,
-            "bytes": sum(f.stat().st_size for f in out.rglob("*.safetensors"))}
+    return {
+        "tokens": n,
+        "seconds": dt,
+        "bytes": sum(f.stat().st_size for f in out.rglob("*.safetensors")),
+    }
 
 
 HF_BATCH = 16
@@ -204,12 +243,14 @@ def run_hf(cfg: dict) -> dict:
         b = HF_BATCH if len({len(p) for p in prompts}) == 1 else 1
         with torch.inference_mode():
             for i in range(0, len(prompts), b):
-                ids = torch.tensor(prompts[i:i + b])
+                ids = torch.tensor(prompts[i : i + b])
                 hs = model(ids, output_hidden_states=True).hidden_states
                 for k in cfg["capture"]:
                     acts[k].append(hs[k].reshape(-1, hs[k].shape[-1]))
                 n += ids.numel()
-        save_file({f"layer_{k}": torch.cat(v) for k, v in acts.items()}, str(out / f"{name}.safetensors"))
+        save_file(
+            {f"layer_{k}": torch.cat(v) for k, v in acts.items()}, str(out / f"{name}.safetensors")
+        )
         return n
 
     once(_prompts(cfg["warm"]), "warm")
@@ -219,8 +260,12 @@ def run_hf(cfg: dict) -> dict:
     return {"tokens": n, "seconds": dt, "bytes": (out / "run.safetensors").stat().st_size}
 
 
-METHODS = {"xmix": run_xmix, "vllm": run_vllm,
-           "vllm_cpu": lambda cfg: run_vllm(cfg, "CpuHiddenStatesConnector"), "hf": run_hf}
+METHODS = {
+    "xmix": run_xmix,
+    "vllm": run_vllm,
+    "vllm_cpu": lambda cfg: run_vllm(cfg, "CpuHiddenStatesConnector"),
+    "hf": run_hf,
+}
 
 
 def worker(method: str, cfg_json: str) -> int:
@@ -254,13 +299,19 @@ def machine() -> str:
     except OSError:
         pass
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return (f"{platform.machine()}, {os.cpu_count()} cores ({cpu}), {gpu}; python {platform.python_version()}, "
-            f"torch {torch.__version__}, vllm {vllm_v}")
+    return (
+        f"{platform.machine()}, {os.cpu_count()} cores ({cpu}), {gpu}; python {platform.python_version()}, "
+        f"torch {torch.__version__}, vllm {vllm_v}"
+    )
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", help="a Llama-style model folder (default: a random one of --hidden/--layers)")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--model", help="a Llama-style model folder (default: a random one of --hidden/--layers)"
+    )
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--prompts", type=int, default=96)
@@ -287,22 +338,43 @@ def main() -> int:
         make_prompts(work / "warm.jsonl", 4, args.prompt_tokens, mcfg.vocab_size)
         results = {}
         for m in args.methods.split(","):
-            cfg = {"model": str(model), "prompts": str(work / "prompts.jsonl"), "warm": str(work / "warm.jsonl"),
-                   "capture": capture, "out": str(work / m), "result": str(work / f"{m}.json"),
-                   "shard_mb": args.shard_mb}
+            cfg = {
+                "model": str(model),
+                "prompts": str(work / "prompts.jsonl"),
+                "warm": str(work / "warm.jsonl"),
+                "capture": capture,
+                "out": str(work / m),
+                "result": str(work / f"{m}.json"),
+                "shard_mb": args.shard_mb,
+            }
             print(f"[bench] {m} ...", file=sys.stderr, flush=True)
-            env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
-                   "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")]))}
-            r = subprocess.run([sys.executable, str(HERE), "--worker", m, "--config", json.dumps(cfg)],
-                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            env = {
+                **os.environ,
+                "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
+                "PYTHONPATH": os.pathsep.join(
+                    filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")])
+                ),
+            }
+            r = subprocess.run(
+                [sys.executable, str(HERE), "--worker", m, "--config", json.dumps(cfg)],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
             try:
                 results[m] = json.loads((work / f"{m}.json").read_text())
             except (OSError, ValueError):
-                results[m] = {"error": f"the {m} process exited with {r.returncode}: {r.stderr[-2000:]}"}
+                results[m] = {
+                    "error": f"the {m} process exited with {r.returncode}: {r.stderr[-2000:]}"
+                }
             if "error" in results[m]:  # the engine's root cause, not "EngineDeadError"
                 root = re.search(r"Worker failed with error '(.*?)', please check", r.stderr or "")
-                causes = [l.strip() for l in (r.stderr or "").splitlines()
-                          if re.search(r"\b\w*(Error|Exception): ", l) and "EngineDeadError" not in l]
+                causes = [
+                    l.strip()
+                    for l in (r.stderr or "").splitlines()
+                    if re.search(r"\b\w*(Error|Exception): ", l) and "EngineDeadError" not in l
+                ]
                 if root:
                     results[m]["error"] = root.group(1)
                 elif causes:
@@ -312,18 +384,24 @@ def main() -> int:
         shutil.rmtree(work, ignore_errors=True)
 
     print(f"machine: {machine()}")
-    print(f"model: {model.name} (hidden {mcfg.hidden_size}, {mcfg.num_hidden_layers} layers), "
-          f"{args.prompts} prompts x {args.prompt_tokens} tokens, layers {capture}, float32, prompt tokens only")
+    print(
+        f"model: {model.name} (hidden {mcfg.hidden_size}, {mcfg.num_hidden_layers} layers), "
+        f"{args.prompts} prompts x {args.prompt_tokens} tokens, layers {capture}, float32, prompt tokens only"
+    )
     base = results.get("xmix", {})
     xs = base.get("tokens", 0) / base["seconds"] if "seconds" in base else None
-    print(f"{'method':8s} {'tokens':>8s} {'seconds':>9s} {'tokens/s':>10s} {'MiB/s':>8s} {'xmix / method':>14s}")
+    print(
+        f"{'method':8s} {'tokens':>8s} {'seconds':>9s} {'tokens/s':>10s} {'MiB/s':>8s} {'xmix / method':>14s}"
+    )
     for m, r in results.items():
         if "error" in r:
             print(f"{m:8s} did not run: {r['error']}")
             continue
         tps = r["tokens"] / r["seconds"]
         ratio = f"{xs / tps:.2f}" if xs else "-"
-        print(f"{m:8s} {r['tokens']:8d} {r['seconds']:9.2f} {tps:10.1f} {r['bytes'] / r['seconds'] / 2**20:8.1f} {ratio:>14s}")
+        print(
+            f"{m:8s} {r['tokens']:8d} {r['seconds']:9.2f} {tps:10.1f} {r['bytes'] / r['seconds'] / 2**20:8.1f} {ratio:>14s}"
+        )
     for m, r in results.items():
         if "trace" in r:
             print(f"\n[{m}] {r['trace']}", file=sys.stderr)

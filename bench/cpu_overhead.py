@@ -30,7 +30,9 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", default="tiny-llama")
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=64)
@@ -56,26 +58,41 @@ def main() -> None:
     d = llm.llm_engine.model_config.hf_config.hidden_size
     g = torch.Generator().manual_seed(0)
     steer = xmix.App("steer")
-    steer.write("add", vector=torch.randn(d, generator=g), scale=1.0).layers([1]).submodule("residual.post")
+    steer.write("add", vector=torch.randn(d, generator=g), scale=1.0).layers([1]).submodule(
+        "residual.post"
+    )
     probe = xmix.App("probe")
-    probe.read("probe", weight=torch.randn(d, generator=g) / 16).layers([2]).submodule("residual.post")
+    probe.read("probe", weight=torch.randn(d, generator=g) / 16).layers([2]).submodule(
+        "residual.post"
+    )
     ablate = xmix.App("ablate")
     r = torch.randn(d, generator=g)
     for site in ("residual.pre", "attention.post", "mlp.post"):
         ablate.write("ablate", direction=r).layers("all").submodule(site)
     n = llm.llm_engine.model_config.hf_config.num_hidden_layers
-    cast_app = cast(torch.randn(d, generator=g), torch.randn(d, generator=g) / d ** 0.5,
-                    condition_layer=max(1, n // 4), behavior_layers=list(range(n // 2, n)),
-                    threshold=-1.0, name="cast")
+    cast_app = cast(
+        torch.randn(d, generator=g),
+        torch.randn(d, generator=g) / d**0.5,
+        condition_layer=max(1, n // 4),
+        behavior_layers=list(range(n // 2, n)),
+        threshold=-1.0,
+        name="cast",
+    )
     for a in (steer, probe, ablate, cast_app):
         llm.xmix.deploy(a)
 
-    prompts = [{"prompt_token_ids": [1] + [(7 * i + 13 * j) % 400 + 3 for j in range(24)]}
-               for i in range(args.prompts)]
+    prompts = [
+        {"prompt_token_ids": [1] + [(7 * i + 13 * j) % 400 + 3 for j in range(24)]}
+        for i in range(args.prompts)
+    ]
 
     def sp(apps):
-        return SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True,
-                              extra_args={"xmix": {"apps": apps}} if apps else None)
+        return SamplingParams(
+            temperature=0.0,
+            max_tokens=args.tokens,
+            ignore_eos=True,
+            extra_args={"xmix": {"apps": apps}} if apps else None,
+        )
 
     configs = {
         "vanilla": (vanilla, sp(None)),
@@ -98,10 +115,14 @@ def main() -> None:
             tps[name].append(n / dt)
 
     base = statistics.median(tps["vanilla"])
-    print(f"\nmachine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-          f"torch {torch.__version__}, vLLM {vllm.__version__}")
-    print(f"workload: {args.model}, {args.prompts} prompts x {args.tokens} tokens, greedy, "
-          f"{args.rounds} interleaved rounds\n")
+    print(
+        f"\nmachine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        f"torch {torch.__version__}, vLLM {vllm.__version__}"
+    )
+    print(
+        f"workload: {args.model}, {args.prompts} prompts x {args.tokens} tokens, greedy, "
+        f"{args.rounds} interleaved rounds\n"
+    )
     print(f"{'configuration':16s} {'median tok/s':>13s} {'ratio':>7s}   rounds (tok/s)")
     for name, vals in tps.items():
         med = statistics.median(vals)

@@ -23,9 +23,9 @@ import os
 import re
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -73,8 +73,11 @@ def enabled_xmix_nodes(ir) -> list:
     """Top-level xmix nodes that run in the executable graph. IF nodes are not switchable
     (their gate is: a disabled gate leaves the condition at its default 0, the body
     skipped), and body nodes run only when their IF's condition is set."""
-    return [n for n in ir.nodes
-            if n.enabled and n.parent == -1 and n.role not in (G.Role.Foreign, G.Role.If)]
+    return [
+        n
+        for n in ir.nodes
+        if n.enabled and n.parent == -1 and n.role not in (G.Role.Foreign, G.Role.If)
+    ]
 
 
 def cu_values(res, cu=None) -> tuple:
@@ -102,8 +105,9 @@ def write_section(path: Path | None, tag: str, text: str) -> None:
     old = path.read_text() if path.exists() else ""
     block = f"{begin}\n{text.rstrip()}\n{end}\n"
     if begin in old and end in old:
-        new = re.sub(re.escape(begin) + r".*?" + re.escape(end) + r"\n?", lambda _: block, old,
-                     flags=re.S)
+        new = re.sub(
+            re.escape(begin) + r".*?" + re.escape(end) + r"\n?", lambda _: block, old, flags=re.S
+        )
     else:
         new = old + ("\n" if old and not old.endswith("\n") else "") + block
     path.write_text(new)
@@ -118,10 +122,10 @@ def vec(d: int, seed: int) -> torch.Tensor:
 class Case:
     name: str
     app: App
-    mode: str = "all"              # "request": only the first requests of a step use the app
-    reads: bool = False            # compare result channels / capture buffer too
+    mode: str = "all"  # "request": only the first requests of a step use the app
+    reads: bool = False  # compare result channels / capture buffer too
     gate_param: str | None = None  # gated cases: run with the gate false, then true for some
-    some_not_all: bool = False     # gate true for some rows: not all of them may change
+    some_not_all: bool = False  # gate true for some rows: not all of them may change
 
 
 def check_cases(d: int, n_layers: int) -> list[Case]:
@@ -148,26 +152,32 @@ def check_cases(d: int, n_layers: int) -> list[Case]:
     a.write("ablate", direction=vec(d, 2)).layers("all").submodule("residual.pre")
     cases.append(Case(a.name, a))
     a = App("clamp_not_last")
-    a.write("clamp", direction=vec(d, 3), min=-0.01, max=0.01).layers([mid]).submodule("mlp.post") \
-     .cond("not last_token")
+    a.write("clamp", direction=vec(d, 3), min=-0.01, max=0.01).layers([mid]).submodule(
+        "mlp.post"
+    ).cond("not last_token")
     cases.append(Case(a.name, a))
     a = App("affine_last")
     g = torch.Generator().manual_seed(4)
     A = torch.eye(d) + torch.randn(d, d, generator=g) / (4 * math.sqrt(d))
-    a.write("affine", matrix=A, mu_s=vec(d, 5) * 0.1, mu_t=vec(d, 6) * 0.1).layers([mid]) \
-     .submodule("residual.pre").cond("last_token")
+    a.write("affine", matrix=A, mu_s=vec(d, 5) * 0.1, mu_t=vec(d, 6) * 0.1).layers([mid]).submodule(
+        "residual.pre"
+    ).cond("last_token")
     cases.append(Case(a.name, a))
 
     a = App("probe_reads")
-    a.read("probe", weight=vec(d, 7) / math.sqrt(d), bias=0.1).layers(sorted({l1, mid})) \
-     .submodule("residual.pre").named("p")
+    a.read("probe", weight=vec(d, 7) / math.sqrt(d), bias=0.1).layers(sorted({l1, mid})).submodule(
+        "residual.pre"
+    ).named("p")
     cases.append(Case(a.name, a, reads=True))
     a = App("capture_last")
-    a.read("capture", dims=(0, 16)).layers([mid]).submodule("mlp.post").named("cap").cond("last_token")
+    a.read("capture", dims=(0, 16)).layers([mid]).submodule("mlp.post").named("cap").cond(
+        "last_token"
+    )
     cases.append(Case(a.name, a, reads=True))
     a = App("distance_read")
-    a.read("distance", centroids=torch.randn(4, d, generator=torch.Generator().manual_seed(8)) * 8) \
-     .layers([mid]).submodule("attention.post").named("dist")
+    a.read(
+        "distance", centroids=torch.randn(4, d, generator=torch.Generator().manual_seed(8)) * 8
+    ).layers([mid]).submodule("attention.post").named("dist")
     cases.append(Case(a.name, a, reads=True))
     a = App("cosine_prompt")
     a.read("cosine", vector=vec(d, 9)).layers([l2]).submodule("residual.pre").named("cast")
@@ -177,20 +187,31 @@ def check_cases(d: int, n_layers: int) -> list[Case]:
     # values of the gate-false pass are those of the gate-true pass.
     a = App("gated_write")
     a.param("theta", 0.5)
-    a.read("probe", weight=vec(d, 10) / math.sqrt(d), bias=0.0).layers([l1]).submodule("residual.pre").named("p")
-    a.write("add", vector=vec(d, 11), scale=4.0).layers([mid]).submodule("mlp.post").cond("p >= theta")
+    a.read("probe", weight=vec(d, 10) / math.sqrt(d), bias=0.0).layers([l1]).submodule(
+        "residual.pre"
+    ).named("p")
+    a.write("add", vector=vec(d, 11), scale=4.0).layers([mid]).submodule("mlp.post").cond(
+        "p >= theta"
+    )
     cases.append(Case(a.name, a, reads=True, gate_param="theta", some_not_all=True))
     a = App("latched_ablate")
     a.param("theta", 0.5)
-    a.read("probe", weight=vec(d, 12) / math.sqrt(d), bias=0.0).layers([l1]).submodule("residual.pre").named("p")
-    a.write("ablate", direction=vec(d, 13)).layers([mid]).submodule("mlp.post") \
-     .cond("prompt_last(p) >= theta or p >= theta")
+    a.read("probe", weight=vec(d, 12) / math.sqrt(d), bias=0.0).layers([l1]).submodule(
+        "residual.pre"
+    ).named("p")
+    a.write("ablate", direction=vec(d, 13)).layers([mid]).submodule("mlp.post").cond(
+        "prompt_last(p) >= theta or p >= theta"
+    )
     cases.append(Case(a.name, a, reads=True, gate_param="theta"))
 
     a = App("three_ops_one_site")
-    a.read("probe", weight=vec(d, 14) / math.sqrt(d), bias=0.0).layers([mid]).submodule("attention.post").named("q")
+    a.read("probe", weight=vec(d, 14) / math.sqrt(d), bias=0.0).layers([mid]).submodule(
+        "attention.post"
+    ).named("q")
     a.write("add", vector=vec(d, 15), scale=2.0).layers([mid]).submodule("attention.post")
-    a.write("ablate", direction=vec(d, 16)).layers([mid]).submodule("attention.post").cond("q >= 0.5")
+    a.write("ablate", direction=vec(d, 16)).layers([mid]).submodule("attention.post").cond(
+        "q >= 0.5"
+    )
     cases.append(Case(a.name, a, reads=True))
     return cases
 
@@ -203,15 +224,26 @@ def bench_apps(d: int, n_layers: int) -> dict[str, App]:
         abl.write("ablate", direction=vec(d, 21)).layers("all").submodule(s)
     gate = App("bench_gated")
     gate.param("theta", 2.0)
-    gate.read("probe", weight=vec(d, 22) / math.sqrt(d), bias=0.0).layers([min(1, n_layers - 1)]) \
-        .submodule("residual.pre").named("p")
-    gate.write("add", vector=vec(d, 23), scale=2.0).layers([n_layers // 2]).submodule("mlp.post").cond("p >= theta")
+    gate.read("probe", weight=vec(d, 22) / math.sqrt(d), bias=0.0).layers(
+        [min(1, n_layers - 1)]
+    ).submodule("residual.pre").named("p")
+    gate.write("add", vector=vec(d, 23), scale=2.0).layers([n_layers // 2]).submodule(
+        "mlp.post"
+    ).cond("p >= theta")
     return {"add": add, "ablate": abl, "gated": gate}
 
 
 def capacity() -> Capacity:
-    return Capacity(max_tokens=512, max_slots=256, max_apps=32, max_params=1024, max_channels=64,
-                    max_ops=1024, max_cond=1024, capture_floats=1 << 20)
+    return Capacity(
+        max_tokens=512,
+        max_slots=256,
+        max_apps=32,
+        max_params=1024,
+        max_channels=64,
+        max_ops=1024,
+        max_cond=1024,
+        capture_floats=1 << 20,
+    )
 
 
 # ---------------------------------------------------------------- the part that needs no GPU
@@ -219,7 +251,9 @@ def cpu_part(shape: ModelShape) -> None:
     say("== without a GPU: apps lowered for the full shape, planner on the decoder's anchor layout")
     cb = ControlBlock(shape, "cpu", capacity())
     n = 0
-    for c in check_cases(shape.hidden_size, shape.n_layers) + [Case(k, a) for k, a in bench_apps(shape.hidden_size, shape.n_layers).items()]:
+    for c in check_cases(shape.hidden_size, shape.n_layers) + [
+        Case(k, a) for k, a in bench_apps(shape.hidden_size, shape.n_layers).items()
+    ]:
         lower(c.app, shape)
         n += 1
     for a in bench_apps(shape.hidden_size, shape.n_layers).values():
@@ -233,23 +267,39 @@ def cpu_part(shape: ModelShape) -> None:
             edges += [G.Edge(nid - 1, nid), G.Edge(nid, nid + 1)]
             nid += 2
     g = G.Graph(nodes, edges)
-    plan = G.plan(g, graphs.program_for(cb, expected_anchors=3 * shape.n_layers, use_conditionals=True))
+    plan = G.plan(
+        g, graphs.program_for(cb, expected_anchors=3 * shape.n_layers, use_conditionals=True)
+    )
     roles: dict[str, int] = {}
     for nn in plan.add:
         k = str(nn.role).split(".")[-1]
         roles[k] = roles.get(k, 0) + 1
-    check(not plan.fallback and plan.n_anchors == 3 * shape.n_layers,
-          f"plan: {plan.n_anchors} anchors, added {roles}, {len(plan.edges)} edges")
+    check(
+        not plan.fallback and plan.n_anchors == 3 * shape.n_layers,
+        f"plan: {plan.n_anchors} anchors, added {roles}, {len(plan.edges)} edges",
+    )
     after = G.apply(g, plan)
-    check(G.plan(after, graphs.program_for(cb, expected_anchors=3 * shape.n_layers, use_conditionals=True)).is_noop(),
-          "re-plan of the patched layout is a no-op")
+    check(
+        G.plan(
+            after,
+            graphs.program_for(cb, expected_anchors=3 * shape.n_layers, use_conditionals=True),
+        ).is_noop(),
+        "re-plan of the patched layout is a no-op",
+    )
     for a in list(cb.apps):
         cb.set_mode(a, "off")
-    off = G.apply(after, G.plan(after, graphs.program_for(cb, expected_anchors=3 * shape.n_layers,
-                                                          use_conditionals=True)))
+    off = G.apply(
+        after,
+        G.plan(
+            after,
+            graphs.program_for(cb, expected_anchors=3 * shape.n_layers, use_conditionals=True),
+        ),
+    )
     on = enabled_xmix_nodes(off)
-    check(not on and any(n.role == G.Role.If for n in off.nodes),
-          f"all apps off: {len(on)} enabled top-level xmix nodes (IF nodes are not switchable)")
+    check(
+        not on and any(n.role == G.Role.If for n in off.nodes),
+        f"all apps off: {len(on)} enabled top-level xmix nodes (IF nodes are not switchable)",
+    )
 
 
 # ---------------------------------------------------------------- the model
@@ -262,7 +312,9 @@ class Decoder:
     KV cache (timing realism, not language modelling). Split at attention for the piecewise
     graphs."""
 
-    def __init__(self, n_layers, d, ffn, heads, ctx, max_batch, device="cuda", dtype=torch.bfloat16):
+    def __init__(
+        self, n_layers, d, ffn, heads, ctx, max_batch, device="cuda", dtype=torch.bfloat16
+    ):
         self.L, self.d, self.H, self.hd = n_layers, d, heads, d // heads
         torch.manual_seed(0)
 
@@ -271,12 +323,18 @@ class Decoder:
 
         self.layers = []
         for _ in range(n_layers):
-            self.layers.append(dict(
-                ln1=torch.ones(d, device=device, dtype=dtype), ln2=torch.ones(d, device=device, dtype=dtype),
-                wqkv=w(d, 3 * d, fan_in=d), wo=w(d, d, fan_in=d),
-                wgu=w(d, 2 * ffn, fan_in=d), wd=w(ffn, d, fan_in=ffn),
-                k=torch.randn(max_batch, heads, ctx, self.hd, device=device, dtype=dtype),
-                v=torch.randn(max_batch, heads, ctx, self.hd, device=device, dtype=dtype)))
+            self.layers.append(
+                dict(
+                    ln1=torch.ones(d, device=device, dtype=dtype),
+                    ln2=torch.ones(d, device=device, dtype=dtype),
+                    wqkv=w(d, 3 * d, fan_in=d),
+                    wo=w(d, d, fan_in=d),
+                    wgu=w(d, 2 * ffn, fan_in=d),
+                    wd=w(ffn, d, fan_in=ffn),
+                    k=torch.randn(max_batch, heads, ctx, self.hd, device=device, dtype=dtype),
+                    v=torch.randn(max_batch, heads, ctx, self.hd, device=device, dtype=dtype),
+                )
+            )
         self.lnf = torch.ones(d, device=device, dtype=dtype)
 
     def sid(self, name, i):
@@ -292,7 +350,8 @@ class Decoder:
     def attn(self, i, q):
         B, p = q.shape[0], self.layers[i]
         a = torch.nn.functional.scaled_dot_product_attention(
-            q.reshape(B, self.H, 1, self.hd), p["k"][:B], p["v"][:B])
+            q.reshape(B, self.H, 1, self.hd), p["k"][:B], p["v"][:B]
+        )
         return a.reshape(B, self.d)
 
     def post(self, i, a, r, sites):
@@ -350,8 +409,13 @@ class Runner:
             rid = f"r{self.n}"
             slots.append(cb.admit(rid, list(apps), None, plen))
             self.live.append(rid)
-        cb.begin_step(np.array(slots, dtype=np.int32), np.array([r[0] for r in rows]),
-                      np.array([r[1] for r in rows]), np.array([r[2] for r in rows]), len(ids))
+        cb.begin_step(
+            np.array(slots, dtype=np.int32),
+            np.array([r[0] for r in rows]),
+            np.array([r[1] for r in rows]),
+            np.array([r[2] for r in rows]),
+            len(ids),
+        )
         cb.prologue(ids)
         ops.set_control(cb)
 
@@ -364,8 +428,11 @@ class Runner:
 
     def outputs(self, y, B):
         R = self.cb.cap.max_channels
-        return (y.float().clone(), self.cb.dev["results"][: B * R].view(B, R).clone(),
-                self.cb.dev["capture"].clone())
+        return (
+            y.float().clone(),
+            self.cb.dev["results"][: B * R].view(B, R).clone(),
+            self.cb.dev["capture"].clone(),
+        )
 
 
 def mixed_rows(B: int, apps: tuple[str, ...]):
@@ -386,10 +453,20 @@ def sync(device) -> None:
 
 
 # ---------------------------------------------------------------- correctness orchestration
-def check_correctness(cb, run: Runner, kinds: dict[str, Callable[[int], torch.Tensor]],
-                      xs, ids, cases: list[Case], batches, shape: ModelShape, device,
-                      replan=graphs.on_apps_changed, set_mode=graphs.set_mode,
-                      tol_eager: float = 5e-2) -> None:
+def check_correctness(
+    cb,
+    run: Runner,
+    kinds: dict[str, Callable[[int], torch.Tensor]],
+    xs,
+    ids,
+    cases: list[Case],
+    batches,
+    shape: ModelShape,
+    device,
+    replan=graphs.on_apps_changed,
+    set_mode=graphs.set_mode,
+    tol_eager: float = 5e-2,
+) -> None:
     """Every case, enabled and disabled, per batch: each kind of run from the same control
     state. kinds: "eager" (the reference), "base" (the model without sites), and the graph
     runs to compare (each must equal "anchors" when present, else eager, and eager within
@@ -411,7 +488,11 @@ def check_correctness(cb, run: Runner, kinds: dict[str, Callable[[int], torch.Te
             probe_rows = None
             gate_off_y = None
             for mode in ("on", "off"):
-                set_mode(cb, case.name, ("request" if case.mode == "request" else "all") if mode == "on" else "off")
+                set_mode(
+                    cb,
+                    case.name,
+                    ("request" if case.mode == "request" else "all") if mode == "on" else "off",
+                )
                 thetas = [2.0, "median"] if case.gate_param and mode == "on" else [None]
                 for theta in thetas:
                     if theta == 2.0:
@@ -419,7 +500,9 @@ def check_correctness(cb, run: Runner, kinds: dict[str, Callable[[int], torch.Te
                     elif theta == "median":
                         ch = cb.apps[case.name].channels["p"]
                         t = probe_median(probe_rows, ch) if probe_rows is not None else None
-                        if not check(t is not None, f"{case.name} B={B}: probe values to set the gate from"):
+                        if not check(
+                            t is not None, f"{case.name} B={B}: probe values to set the gate from"
+                        ):
                             continue
                         cb.set_params(case.name, {case.gate_param: t})
                     out = {}
@@ -431,7 +514,9 @@ def check_correctness(cb, run: Runner, kinds: dict[str, Callable[[int], torch.Te
                         out[kind] = run.outputs(y, B)
                     ye, re_, ce = out["eager"]
                     yb = out["base"][0]
-                    tag = f"{case.name} B={B} {mode}" + (f" theta={theta}" if theta is not None else "")
+                    tag = f"{case.name} B={B} {mode}" + (
+                        f" theta={theta}" if theta is not None else ""
+                    )
                     if theta == 2.0:
                         probe_rows, gate_off_y = re_, ye
                     for kind in graph_kinds:
@@ -441,10 +526,18 @@ def check_correctness(cb, run: Runner, kinds: dict[str, Callable[[int], torch.Te
                         ok = vs_ref < 1e-3 and vs_eager < tol_eager
                         if case.reads and mode == "on":
                             try:
-                                torch.testing.assert_close(rk, rr, rtol=1e-3, atol=1e-3, equal_nan=True)
-                                torch.testing.assert_close(ck, cr, rtol=1e-3, atol=1e-3, equal_nan=True)
-                                torch.testing.assert_close(rk, re_, rtol=tol_eager, atol=tol_eager, equal_nan=True)
-                                torch.testing.assert_close(ck, ce, rtol=tol_eager, atol=tol_eager, equal_nan=True)
+                                torch.testing.assert_close(
+                                    rk, rr, rtol=1e-3, atol=1e-3, equal_nan=True
+                                )
+                                torch.testing.assert_close(
+                                    ck, cr, rtol=1e-3, atol=1e-3, equal_nan=True
+                                )
+                                torch.testing.assert_close(
+                                    rk, re_, rtol=tol_eager, atol=tol_eager, equal_nan=True
+                                )
+                                torch.testing.assert_close(
+                                    ck, ce, rtol=tol_eager, atol=tol_eager, equal_nan=True
+                                )
                             except AssertionError as e:
                                 ok = False
                                 say(f"        {kind}: reads differ: {str(e).splitlines()[0]}")
@@ -467,8 +560,11 @@ def check_correctness(cb, run: Runner, kinds: dict[str, Callable[[int], torch.Te
                             some = n > 0 and (n < n_real or not case.some_not_all)
                             ok = ok and some
                             extra += f", gate true for {n}/{n_real} rows"
-                        check(ok, f"{tag} [{kind}]: rel err vs {ref_kind} {vs_ref:.1e} "
-                                  f"(bitwise {torch.equal(yk, yr)}), vs eager {vs_eager:.1e}{extra}")
+                        check(
+                            ok,
+                            f"{tag} [{kind}]: rel err vs {ref_kind} {vs_ref:.1e} "
+                            f"(bitwise {torch.equal(yk, yr)}), vs eager {vs_eager:.1e}{extra}",
+                        )
         cb.remove(case.name)
     replan(cb)
 
@@ -479,22 +575,44 @@ def cpu_orchestration(args) -> None:
     say("== without a GPU: correctness orchestration on a tiny CPU decoder (graphs = eager)")
     shape = ModelShape(n_layers=3, hidden_size=64, vocab_size=64)
     model = Decoder(3, 64, 128, 4, 8, 8, device="cpu", dtype=torch.float32)
-    cap = Capacity(max_tokens=16, max_slots=16, max_apps=8, max_params=64, max_channels=16,
-                   max_ops=64, max_cond=128, capture_floats=1 << 12)
+    cap = Capacity(
+        max_tokens=16,
+        max_slots=16,
+        max_apps=8,
+        max_params=64,
+        max_channels=16,
+        max_ops=64,
+        max_cond=128,
+        capture_floats=1 << 12,
+    )
     cb = ControlBlock(shape, "cpu", cap)
     run = Runner(cb)
     x = {8: torch.randn(8, 64, generator=torch.Generator().manual_seed(1))}
     ids = {8: ((torch.arange(8) * 7) % 50).to(torch.int32)}
-    kinds = {"eager": lambda B: model(x[B]), "patched": lambda B: model(x[B]),
-             "base": lambda B: model(x[B], sites=False)}
+    kinds = {
+        "eager": lambda B: model(x[B]),
+        "patched": lambda B: model(x[B]),
+        "base": lambda B: model(x[B], sites=False),
+    }
     run.step(mixed_rows(8, ()), ids[8])
     n0 = len(FAILURES)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matrices: threads only contend (CI machines are shared)
     try:
-        check_correctness(cb, run, kinds, x, ids, check_cases(64, 3), [8], shape, "cpu",
-                          replan=lambda c: None, set_mode=lambda c, n, m: c.set_mode(n, m),
-                          tol_eager=1e-5)
+        check_correctness(
+            cb,
+            run,
+            kinds,
+            x,
+            ids,
+            check_cases(64, 3),
+            [8],
+            shape,
+            "cpu",
+            replan=lambda c: None,
+            set_mode=lambda c, n, m: c.set_mode(n, m),
+            tol_eager=1e-5,
+        )
     finally:
         torch.set_num_threads(threads)
     say(f"   orchestration: {len(FAILURES) - n0} failure(s)")
@@ -533,7 +651,9 @@ class Piecewise:
 
     def __init__(self, cls, model: Decoder, x, sites=True, patch: str | None = None):
         self.model, self.B = model, x.shape[0]
-        self.a = [torch.zeros(self.B, model.d, device=x.device, dtype=x.dtype) for _ in range(model.L)]
+        self.a = [
+            torch.zeros(self.B, model.d, device=x.device, dtype=x.dtype) for _ in range(model.L)
+        ]
         pool = torch.cuda.graph_pool_handle()
         self.graphs, self.outs = [], []
         with patch_env(patch):
@@ -596,7 +716,11 @@ def structural_check(g, expect_ops: int, expect_ifs: int, n_anchors: int) -> Non
         exe = cu.CUgraphExec(int(g.raw_cuda_graph_exec()))
         _, n = cu_values(cu.cuGraphGetNodes(graph, 0), cu)
         nodes, _ = cu_values(cu.cuGraphGetNodes(graph, n), cu)
-        names: dict[str, list] = {"xmix_site_anchor": [], "xmix_op_kernel": [], "xmix_gate_kernel": []}
+        names: dict[str, list] = {
+            "xmix_site_anchor": [],
+            "xmix_op_kernel": [],
+            "xmix_gate_kernel": [],
+        }
         n_if = 0
         for node in nodes:
             (t,) = cu_values(cu.cuGraphNodeGetType(node), cu)
@@ -609,18 +733,31 @@ def structural_check(g, expect_ops: int, expect_ifs: int, n_anchors: int) -> Non
             for k in names:
                 if k in name:
                     names[k].append(node)
-        anchors_on = sum(int(cu_values(cu.cuGraphNodeGetEnabled(exe, a), cu)[0])
-                         for a in names["xmix_site_anchor"])
-        check(len(names["xmix_site_anchor"]) == n_anchors and anchors_on == 0,
-              f"cuda-python: {len(names['xmix_site_anchor'])} anchor nodes, {anchors_on} enabled")
+        anchors_on = sum(
+            int(cu_values(cu.cuGraphNodeGetEnabled(exe, a), cu)[0])
+            for a in names["xmix_site_anchor"]
+        )
+        check(
+            len(names["xmix_site_anchor"]) == n_anchors and anchors_on == 0,
+            f"cuda-python: {len(names['xmix_site_anchor'])} anchor nodes, {anchors_on} enabled",
+        )
         # op nodes inside IF bodies are not top-level nodes: top level = all ops - gated ones
-        check(len(names["xmix_op_kernel"]) == expect_ops - expect_ifs,
-              f"cuda-python: {len(names['xmix_op_kernel'])} top-level op nodes (expected {expect_ops - expect_ifs})")
-        check(len(names["xmix_gate_kernel"]) == expect_ifs and n_if >= expect_ifs,
-              f"cuda-python: {len(names['xmix_gate_kernel'])} gate nodes, {n_if} conditional nodes")
-        lonely = sum(1 for op in names["xmix_op_kernel"]
-                     if n_dependencies(cu.cuGraphNodeGetDependencies(op, 0), cu) == 0)
-        check(lonely == 0, f"cuda-python: every top-level op node has a dependency ({lonely} without)")
+        check(
+            len(names["xmix_op_kernel"]) == expect_ops - expect_ifs,
+            f"cuda-python: {len(names['xmix_op_kernel'])} top-level op nodes (expected {expect_ops - expect_ifs})",
+        )
+        check(
+            len(names["xmix_gate_kernel"]) == expect_ifs and n_if >= expect_ifs,
+            f"cuda-python: {len(names['xmix_gate_kernel'])} gate nodes, {n_if} conditional nodes",
+        )
+        lonely = sum(
+            1
+            for op in names["xmix_op_kernel"]
+            if n_dependencies(cu.cuGraphNodeGetDependencies(op, 0), cu) == 0
+        )
+        check(
+            lonely == 0, f"cuda-python: every top-level op node has a dependency ({lonely} without)"
+        )
     except Exception as e:  # noqa: BLE001 - a binding that differs from the one written for
         check(False, f"structural check with cuda-python raised {type(e).__name__}: {e}")
 
@@ -645,9 +782,12 @@ class Table:
 
     def text(self) -> str:
         base = dict(self.rows).get(self.base_label) if self.base_label else None
-        lines = [f"### {self.title}", "",
-                 "| configuration | " + " | ".join(f"B={b}" for b in self.batches) + " |",
-                 "|---|" + "---:|" * len(self.batches)]
+        lines = [
+            f"### {self.title}",
+            "",
+            "| configuration | " + " | ".join(f"B={b}" for b in self.batches) + " |",
+            "|---|" + "---:|" * len(self.batches),
+        ]
         for label, vals in self.rows:
             cells = []
             for b in self.batches:
@@ -672,17 +812,23 @@ def gpu_part(args, shape: ModelShape, table: Table) -> None:
     if cls is None:
         check(False, f"graph patching unavailable: {graphs.cuda_patching_available()}")
         return
-    say(f"== device: {torch.cuda.get_device_name()}, torch {torch.__version__}, {_C.cuda_status()}, "
-        f"conditional nodes: {G.conditionals_supported()}")
+    say(
+        f"== device: {torch.cuda.get_device_name()}, torch {torch.__version__}, {_C.cuda_status()}, "
+        f"conditional nodes: {G.conditionals_supported()}"
+    )
     # The correctness section compares the patched graphs themselves; the first-replay check
     # (which would serve the anchors' result) has its own section.
     os.environ["XMIX_GRAPH_CHECK"] = "0"
     t = time.time()
-    model = Decoder(shape.n_layers, shape.hidden_size, args.ffn, args.heads, args.ctx, max(args.batches))
+    model = Decoder(
+        shape.n_layers, shape.hidden_size, args.ffn, args.heads, args.ctx, max(args.batches)
+    )
     cb = ControlBlock(shape, "cuda", capacity())
     run = Runner(cb)
-    say(f"   model and control block ready in {time.time() - t:.1f}s "
-        f"({torch.cuda.memory_allocated() / 2**30:.1f} GiB)")
+    say(
+        f"   model and control block ready in {time.time() - t:.1f}s "
+        f"({torch.cuda.memory_allocated() / 2**30:.1f} GiB)"
+    )
 
     d = shape.hidden_size
     xs, ids, g_base, g_anchor, g_patch, pw_base, pw_patch = {}, {}, {}, {}, {}, {}, {}
@@ -698,28 +844,41 @@ def gpu_part(args, shape: ModelShape, table: Table) -> None:
             pw_base[B] = Piecewise(torch.cuda.CUDAGraph, model, xs[B], sites=False)
             pw_patch[B] = Piecewise(cls, model, xs[B])
     n_anchors = 3 * shape.n_layers
-    say(f"   captured {len(graphs.kept_graphs()) + 2 * len(args.batches)} graphs in {time.time() - t:.1f}s; "
-        f"stats {graphs.stats()}")
+    say(
+        f"   captured {len(graphs.kept_graphs()) + 2 * len(args.batches)} graphs in {time.time() - t:.1f}s; "
+        f"stats {graphs.stats()}"
+    )
     st = graphs.stats()
     forms = {f: st[f"anchors_by_{f}"] for f in ("stub", "function", "kernel", "name")}
     check(sum(forms.values()) > 0, f"anchor nodes recognised, by form: {forms}")
-    check(all(g_patch[B][0].xmix_state == "patched" for B in args.batches), "every full xmix graph patched")
+    check(
+        all(g_patch[B][0].xmix_state == "patched" for B in args.batches),
+        "every full xmix graph patched",
+    )
     if args.piecewise:
         states = {g.xmix_state for B in args.batches for g in pw_patch[B].graphs}
         check(states == {"patched"}, f"every piecewise graph patched ({states})")
-    check(all(g_anchor[B][0].xmix_state == "disabled" for B in args.batches),
-          "XMIX_GRAPH_PATCH=0 keeps the anchors")
+    check(
+        all(g_anchor[B][0].xmix_state == "disabled" for B in args.batches),
+        "XMIX_GRAPH_PATCH=0 keeps the anchors",
+    )
 
     # ---- correctness: patched graphs vs their anchors and vs eager, per case
-    say("== correctness: patched full and piecewise graphs vs anchors and eager, enabled and disabled")
+    say(
+        "== correctness: patched full and piecewise graphs vs anchors and eager, enabled and disabled"
+    )
     check_batches = [b for b in (8, 256) if b in args.batches] or args.batches[:1]
-    kinds = {"eager": lambda B: model(xs[B]),
-             "anchors": lambda B: (g_anchor[B][0].replay(), g_anchor[B][1])[1],
-             "patched": lambda B: (g_patch[B][0].replay(), g_patch[B][1])[1]}
+    kinds = {
+        "eager": lambda B: model(xs[B]),
+        "anchors": lambda B: (g_anchor[B][0].replay(), g_anchor[B][1])[1],
+        "patched": lambda B: (g_patch[B][0].replay(), g_patch[B][1])[1],
+    }
     if args.piecewise:
         kinds["piecewise"] = lambda B: pw_patch[B].replay()
     kinds["base"] = lambda B: (g_base[B][0].replay(), g_base[B][1])[1]
-    check_correctness(cb, run, kinds, xs, ids, check_cases(d, shape.n_layers), check_batches, shape, "cuda")
+    check_correctness(
+        cb, run, kinds, xs, ids, check_cases(d, shape.n_layers), check_batches, shape, "cuda"
+    )
 
     apps = bench_apps(d, shape.n_layers)
     Bs = check_batches[0]
@@ -736,7 +895,9 @@ def gpu_part(args, shape: ModelShape, table: Table) -> None:
     check(not on, f"all apps off: {len(on)} enabled top-level xmix nodes")
 
     # ---- timing
-    say(f"== decode-step time per batch (us per step, median of {args.rounds} rounds of {args.reps})")
+    say(
+        f"== decode-step time per batch (us per step, median of {args.rounds} rounds of {args.reps})"
+    )
     for n in list(cb.apps):
         cb.remove(n)
     graphs.on_apps_changed(cb)
@@ -806,19 +967,26 @@ def gpu_part(args, shape: ModelShape, table: Table) -> None:
     node_param = (time.perf_counter() - t0) / n * 1e6
     torch.cuda.synchronize()
     ng = len(graphs.kept_graphs())
-    for line in (f"one toggle (mode change: control block write + node switch in {ng} graphs): {toggle:.1f} µs",
-                 f"node switch only, ablation app ({nodes} nodes over {ng} graphs): {switch:.1f} µs",
-                 f"one parameter update (control block write; no graph update needed): {param:.1f} µs",
-                 f"cudaGraphExecKernelNodeSetParams on one app's nodes ({upd} nodes over {ng} graphs): "
-                 f"{node_param:.1f} µs"):
+    for line in (
+        f"one toggle (mode change: control block write + node switch in {ng} graphs): {toggle:.1f} µs",
+        f"node switch only, ablation app ({nodes} nodes over {ng} graphs): {switch:.1f} µs",
+        f"one parameter update (control block write; no graph update needed): {param:.1f} µs",
+        f"cudaGraphExecKernelNodeSetParams on one app's nodes ({upd} nodes over {ng} graphs): "
+        f"{node_param:.1f} µs",
+    ):
         say("   " + line)
         table.note(line)
     base = dict(table.rows)["no xmix (graph without sites)"]
-    for label, goal in (("apps deployed, all off", 0.5), ("one single-layer add on every token", 1.0),
-                        (f"ablation on all layers (3 sites x {shape.n_layers})", 3.0)):
+    for label, goal in (
+        ("apps deployed, all off", 0.5),
+        ("one single-layer add on every token", 1.0),
+        (f"ablation on all layers (3 sites x {shape.n_layers})", 3.0),
+    ):
         worst = max(100 * (dict(table.rows)[label][b] / base[b] - 1) for b in args.batches)
-        table.note(f"goal {label}: ≤ {goal} % of the step; worst batch {worst:+.2f} % "
-                   f"({'met' if worst <= goal else 'missed'})")
+        table.note(
+            f"goal {label}: ≤ {goal} % of the step; worst batch {worst:+.2f} % "
+            f"({'met' if worst <= goal else 'missed'})"
+        )
     check(graphs.stats()["errors"] == 0, f"no patch error or plan mismatch ({graphs.stats()})")
 
 
@@ -851,26 +1019,36 @@ def first_replay_check_section(cls, model, cb, run, xs, ids, B, apps, shape, arg
         g_ok.replay()
         torch.cuda.synchronize()
         st = graphs.stats()
-        check(st["check_passed"] == before["check_passed"] + 1 and g_ok.xmix_state == "patched",
-              f"a correct patched graph passes ({st['checks'] - before['checks']} check run)")
-        check(rel(out_ok.float(), want.float()) < 1e-3,
-              f"... and serves the anchors' result (rel {rel(out_ok.float(), want.float()):.1e})")
+        check(
+            st["check_passed"] == before["check_passed"] + 1 and g_ok.xmix_state == "patched",
+            f"a correct patched graph passes ({st['checks'] - before['checks']} check run)",
+        )
+        check(
+            rel(out_ok.float(), want.float()) < 1e-3,
+            f"... and serves the anchors' result (rel {rel(out_ok.float(), want.float()):.1e})",
+        )
 
         run.restore(snap)
         run.step(rows, ids[B])
         g_bad, out_bad = capture(cls, model, xs[B])
-        g_bad._xmix.set_app_enabled(int(g_bad.raw_cuda_graph_exec()), cb.apps["bench_add"].index, False)
+        g_bad._xmix.set_app_enabled(
+            int(g_bad.raw_cuda_graph_exec()), cb.apps["bench_add"].index, False
+        )
         before = graphs.stats()
         run.restore(snap)
         run.step(rows, ids[B])
         g_bad.replay()
         torch.cuda.synchronize()
         st = graphs.stats()
-        check(st["check_failed"] == before["check_failed"] + 1 and g_bad.xmix_state == "fallback",
-              f"a broken patched graph fails the check and falls back (state {g_bad.xmix_state}, "
-              f"{g_bad._xmix_refused})")
-        check(rel(out_bad.float(), want.float()) < 1e-3,
-              f"... and serves the anchors' result (rel {rel(out_bad.float(), want.float()):.1e})")
+        check(
+            st["check_failed"] == before["check_failed"] + 1 and g_bad.xmix_state == "fallback",
+            f"a broken patched graph fails the check and falls back (state {g_bad.xmix_state}, "
+            f"{g_bad._xmix_refused})",
+        )
+        check(
+            rel(out_bad.float(), want.float()) < 1e-3,
+            f"... and serves the anchors' result (rel {rel(out_bad.float(), want.float()):.1e})",
+        )
         run.restore(snap)
         run.step(rows, ids[B])
         g_bad.replay()
@@ -888,10 +1066,15 @@ def first_replay_check_section(cls, model, cb, run, xs, ids, B, apps, shape, arg
             torch.cuda.synchronize()
             st = graphs.stats()
             n_checked = st["checks"] - before["checks"]
-            check(n_checked >= 1 and st["check_passed"] - before["check_passed"] == n_checked,
-                  f"piecewise graphs in one pool: {n_checked} checked, all passed")
-            check(rel(y.float(), want.float()) < 1e-3, f"... and the piecewise step gives the anchors' "
-                                                        f"result (rel {rel(y.float(), want.float()):.1e})")
+            check(
+                n_checked >= 1 and st["check_passed"] - before["check_passed"] == n_checked,
+                f"piecewise graphs in one pool: {n_checked} checked, all passed",
+            )
+            check(
+                rel(y.float(), want.float()) < 1e-3,
+                f"... and the piecewise step gives the anchors' "
+                f"result (rel {rel(y.float(), want.float()):.1e})",
+            )
             for g in pw.graphs:
                 g.reset()
         for g in (ga, g_ok, g_bad):
@@ -913,8 +1096,9 @@ def main() -> int:
     ap.add_argument("--batches", default="1,8,64,256")
     ap.add_argument("--reps", type=int, default=30, help="replays per timing round")
     ap.add_argument("--rounds", type=int, default=5, help="timing rounds (the median is reported)")
-    ap.add_argument("--no-piecewise", dest="piecewise", action="store_false",
-                    help="capture full graphs only")
+    ap.add_argument(
+        "--no-piecewise", dest="piecewise", action="store_false", help="capture full graphs only"
+    )
     ap.add_argument("--table", type=Path, default=None, help="markdown file for the timing table")
     ap.add_argument("--tag", default="full", help="the table's section in --table")
     ap.add_argument("--cpu-only", action="store_true", help="only the part that needs no GPU")
@@ -923,21 +1107,29 @@ def main() -> int:
     # every patch is read back and compared with its plan
     os.environ.setdefault("XMIX_GRAPH_VERIFY", "1")
     shape = ModelShape(n_layers=args.layers, hidden_size=args.d, vocab_size=32000)
-    say(f"== xmix gpu_check ({args.tag}): {args.layers} layers, d={args.d}, batches {args.batches}; "
-        f"_C: {_C.cuda_status()}")
+    say(
+        f"== xmix gpu_check ({args.tag}): {args.layers} layers, d={args.d}, batches {args.batches}; "
+        f"_C: {_C.cuda_status()}"
+    )
     t = time.time()
     cpu_part(shape)
     cpu_orchestration(args)
     if args.cpu_only or not torch.cuda.is_available():
         why = "--cpu-only" if args.cpu_only else "no GPU"
-        say(f"{why}: stopped before allocating the model and capturing CUDA graphs "
-            f"(the part above ran in {time.time() - t:.1f}s, {len(FAILURES)} failure(s))")
+        say(
+            f"{why}: stopped before allocating the model and capturing CUDA graphs "
+            f"(the part above ran in {time.time() - t:.1f}s, {len(FAILURES)} failure(s))"
+        )
         for f in FAILURES:
             say(f"   FAIL {f}")
         return 1 if FAILURES else 0
-    table = Table(args.table, args.tag, args.batches,
-                  f"{args.tag}: {torch.cuda.get_device_name()}, {args.layers} layers, d={args.d}, "
-                  f"bf16, {time.strftime('%Y-%m-%d')}")
+    table = Table(
+        args.table,
+        args.tag,
+        args.batches,
+        f"{args.tag}: {torch.cuda.get_device_name()}, {args.layers} layers, d={args.d}, "
+        f"bf16, {time.strftime('%Y-%m-%d')}",
+    )
     gpu_part(args, shape, table)
     say(f"== done in {time.time() - t:.0f}s: {len(FAILURES)} failure(s)")
     for f in FAILURES:

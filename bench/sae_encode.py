@@ -32,21 +32,38 @@ def setup(d: int, F: int, K: int, n_sel: int, n_other: int, device: str):
     from xmix.sae import SAE
 
     g = torch.Generator().manual_seed(0)
-    W_enc = torch.randn(d, F, generator=g) / d ** 0.5
-    sae = SAE(W_enc, torch.randn(F, generator=g) * 0.1 - 0.5, torch.randn(F, d, generator=g),
-              torch.zeros(d), architecture="relu")
+    W_enc = torch.randn(d, F, generator=g) / d**0.5
+    sae = SAE(
+        W_enc,
+        torch.randn(F, generator=g) * 0.1 - 0.5,
+        torch.randn(F, d, generator=g),
+        torch.zeros(d),
+        architecture="relu",
+    )
     app = App("bench")
     app.read("sae", sae=sae, top_k=K).layers([0]).submodule("residual.post").named("s")
     shape = ModelShape(n_layers=1, hidden_size=d, vocab_size=32)
     n = n_sel + n_other
-    cap = Capacity(max_tokens=max(n, 1), max_slots=4, max_apps=2, max_params=16, max_channels=4,
-                   max_ops=4, max_cond=4, capture_floats=max(n, 1) * 2 * K)
+    cap = Capacity(
+        max_tokens=max(n, 1),
+        max_slots=4,
+        max_apps=2,
+        max_params=16,
+        max_channels=4,
+        max_ops=4,
+        max_cond=4,
+        capture_floats=max(n, 1) * 2 * K,
+    )
     cb = ControlBlock(shape, device, cap)
     cb.install(lower(app, shape))
     reqs = [("use", n_sel, ["bench"]), ("other", n_other, [])]
     slots = [cb.admit(r, a, None, k) for r, k, a in reqs if k]
-    cb.begin_step(np.array(slots, np.int32), np.array([k for _, k, _ in reqs if k]),
-                  np.zeros(len(slots), np.int64), np.array([k for _, k, _ in reqs if k]))
+    cb.begin_step(
+        np.array(slots, np.int32),
+        np.array([k for _, k, _ in reqs if k]),
+        np.zeros(len(slots), np.int64),
+        np.array([k for _, k, _ in reqs if k]),
+    )
     cb.prologue(torch.zeros(n, dtype=torch.int32, device=device))
     ops.set_control(cb)
     x = torch.randn(n, d, generator=g).to(device)
@@ -69,15 +86,21 @@ def timed(fn, repeats: int, device: str) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--d", type=int)
     ap.add_argument("--features", type=int, nargs="+")
     ap.add_argument("--tokens", type=int, nargs="+")
     ap.add_argument("--top-k", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch CPU threads (default 1: the CPU site kernel runs on one thread)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads (default 1: the CPU site kernel runs on one thread)",
+    )
     args = ap.parse_args()
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
@@ -86,25 +109,47 @@ def main() -> None:
     feats = args.features or ([16384, 65536, 131072] if gpu else [4096, 16384])
     tokens = args.tokens or ([1, 16, 64] if not gpu else [1, 8, 64])
     K = args.top_k
-    print(f"# SAE encode, {args.device}: d={d}, top-K={K}, relu SAE, fp32; torch {torch.__version__}, "
-          f"{torch.get_num_threads()} torch threads, {platform.machine()}")
-    print(f"{'F':>7} {'selected':>12} {'xmix us/tok':>12} {'torch us/tok':>13} {'ratio':>7} {'ids equal':>10}")
+    print(
+        f"# SAE encode, {args.device}: d={d}, top-K={K}, relu SAE, fp32; torch {torch.__version__}, "
+        f"{torch.get_num_threads()} torch threads, {platform.machine()}"
+    )
+    print(
+        f"{'F':>7} {'selected':>12} {'xmix us/tok':>12} {'torch us/tok':>13} {'ratio':>7} {'ids equal':>10}"
+    )
     for F in feats:
         for n in tokens:
             for n_sel, n_other in ((n, 0), (1, n - 1)) if n > 1 else ((1, 0),):
                 cb, x, sid, sae = setup(d, F, K, n_sel, n_other, args.device)
                 W, b = sae.W_enc.to(x.device), sae.b_enc.to(x.device)
                 xs = x[:n_sel]
-                t_x = timed(lambda x=x, sid=sid: torch.ops.xmix.site(x, None, sid), args.repeats, args.device)
-                t_t = timed(lambda xs=xs, W=W, b=b: torch.topk(torch.relu(xs @ W + b), K), args.repeats, args.device)
+                t_x = timed(
+                    lambda x=x, sid=sid: torch.ops.xmix.site(x, None, sid),
+                    args.repeats,
+                    args.device,
+                )
+                t_t = timed(
+                    lambda xs=xs, W=W, b=b: torch.topk(torch.relu(xs @ W + b), K),
+                    args.repeats,
+                    args.device,
+                )
                 got = cb.drain().get("use", {}).get("bench", {}).get("s", {}).get("values", [])
                 ref = torch.topk(torch.relu(xs @ W + b), K).indices.cpu()
-                eq = np.mean([set(v["ids"]) == set(ref[i].tolist()[: len(v["ids"])]) for i, v in enumerate(got)]) \
-                    if got else float("nan")
+                eq = (
+                    np.mean(
+                        [
+                            set(v["ids"]) == set(ref[i].tolist()[: len(v["ids"])])
+                            for i, v in enumerate(got)
+                        ]
+                    )
+                    if got
+                    else float("nan")
+                )
                 label = f"{n_sel} of {n}" if n_other else f"{n}"
                 per = max(n_sel, 1)
-                print(f"{F:>7} {label:>12} {t_x / per * 1e6:>12.1f} {t_t / per * 1e6:>13.1f} "
-                      f"{t_x / t_t:>7.2f} {eq:>10.2f}")
+                print(
+                    f"{F:>7} {label:>12} {t_x / per * 1e6:>12.1f} {t_t / per * 1e6:>13.1f} "
+                    f"{t_x / t_t:>7.2f} {eq:>10.2f}"
+                )
 
 
 if __name__ == "__main__":

@@ -56,8 +56,14 @@ import httpx
 CONFIGS = ("unused", "steer", "ablate", "probe", "cast", "mixed")
 API_KEY = "bench-inference-key"
 ADMIN_KEY = "bench-admin-key"
-METRICS = (("mean ITL", "mean_itl"), ("P99 ITL", "p99_itl"), ("mean TTFT", "mean_ttft"),
-           ("P99 TTFT", "p99_ttft"), ("mean E2E", "mean_e2e"), ("out tok/s", "out_tps"))
+METRICS = (
+    ("mean ITL", "mean_itl"),
+    ("P99 ITL", "p99_itl"),
+    ("mean TTFT", "mean_ttft"),
+    ("P99 TTFT", "p99_ttft"),
+    ("mean E2E", "mean_e2e"),
+    ("out tok/s", "out_tps"),
+)
 MIXED_COMBOS = (["steer"], ["steer", "probe"], ["ablate", "steer"], ["cast", "steer"])
 MIXED_SCALES = [0.25 + 0.125 * k for k in range(16)]
 
@@ -87,7 +93,7 @@ def _vllm_cli(argv: list[str]) -> None:
     if "--per-request-body" in argv:
         i = argv.index("--per-request-body")
         bodies = json.loads(Path(argv[i + 1]).read_text())
-        del argv[i:i + 2]
+        del argv[i : i + 2]
         import vllm.benchmarks.serve as bench
 
         sample = bench.get_samples
@@ -115,7 +121,7 @@ def bench_model(name: str) -> Path:
         return tiny_model_path(name)
     if not name.startswith("llama-") or "x" not in name:
         return Path(name)
-    layers, d = (int(v) for v in name[len("llama-"):].split("x"))
+    layers, d = (int(v) for v in name[len("llama-") :].split("x"))
     folder = default_cache_root() / f"bench-{name}"
     if (folder / "model.safetensors").exists():
         return folder
@@ -124,8 +130,16 @@ def bench_model(name: str) -> Path:
 
     tiny = tiny_model_path("tiny-llama")
     cfg = AutoConfig.from_pretrained(tiny)
-    cfg.update(dict(hidden_size=d, num_hidden_layers=layers, num_attention_heads=d // 64,
-                    num_key_value_heads=max(1, d // 128), head_dim=64, intermediate_size=2 * d))
+    cfg.update(
+        dict(
+            hidden_size=d,
+            num_hidden_layers=layers,
+            num_attention_heads=d // 64,
+            num_key_value_heads=max(1, d // 128),
+            head_dim=64,
+            intermediate_size=2 * d,
+        )
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).to(torch.float32)
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".bench-{name}-"))
@@ -148,18 +162,25 @@ def write_apps(model: Path, out: Path) -> list[Path]:
     d, n = cfg.hidden_size, cfg.num_hidden_layers
     g = torch.Generator().manual_seed(0)
     steer = xmix.App("steer")
-    steer.write("add", vector=torch.randn(d, generator=g), scale=1.0) \
-        .layers([n // 2]).submodule("residual.post")
+    steer.write("add", vector=torch.randn(d, generator=g), scale=1.0).layers([n // 2]).submodule(
+        "residual.post"
+    )
     ablate = xmix.App("ablate")
     r = torch.randn(d, generator=g)
     for site in ("residual.pre", "attention.post", "mlp.post"):
         ablate.write("ablate", direction=r).layers("all").submodule(site)
     probe = xmix.App("probe")
-    probe.read("probe", weight=torch.randn(d, generator=g) / d ** 0.5).layers([n // 2 + 1]) \
-        .submodule("residual.post")
-    c = cast(torch.randn(d, generator=g), torch.randn(d, generator=g) / d ** 0.5,
-             condition_layer=max(1, n // 4), behavior_layers=list(range(n // 2, n)), threshold=-1.0,
-             name="cast")
+    probe.read("probe", weight=torch.randn(d, generator=g) / d**0.5).layers([n // 2 + 1]).submodule(
+        "residual.post"
+    )
+    c = cast(
+        torch.randn(d, generator=g),
+        torch.randn(d, generator=g) / d**0.5,
+        condition_layer=max(1, n // 4),
+        behavior_layers=list(range(n // 2, n)),
+        threshold=-1.0,
+        name="cast",
+    )
     paths = []
     for app in (steer, ablate, probe, c):
         p = out / f"{app.name}.xmix"
@@ -173,8 +194,11 @@ def request_bodies(config: str) -> list[dict]:
     if config in ("vanilla", "unused"):
         return [{}]
     if config == "mixed":
-        return [{"vllm_xargs": {"xmix_apps": apps, "xmix.steer.scale": s}}
-                for s in MIXED_SCALES for apps in MIXED_COMBOS]
+        return [
+            {"vllm_xargs": {"xmix_apps": apps, "xmix.steer.scale": s}}
+            for s in MIXED_SCALES
+            for apps in MIXED_COMBOS
+        ]
     return [{"vllm_xargs": {"xmix_apps": [config]}}]
 
 
@@ -190,8 +214,20 @@ class Server:
 
     def __init__(self, kind: str, model: Path, apps: list[Path], log: Path, extra: list[str]):
         self.kind, self.port, self.log = kind, free_port(), log
-        common = [str(model), "--port", str(self.port), "--dtype", "float32", "--seed", "0",
-                  "--max-model-len", "512", "--api-key", API_KEY, *extra]
+        common = [
+            str(model),
+            "--port",
+            str(self.port),
+            "--dtype",
+            "float32",
+            "--seed",
+            "0",
+            "--max-model-len",
+            "512",
+            "--api-key",
+            API_KEY,
+            *extra,
+        ]
         env = {**os.environ}
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         if kind == "vanilla":
@@ -199,12 +235,21 @@ class Server:
             cmd = [sys.executable, __file__, "--vllm-cli", "serve", *common]
         else:
             env.pop("VLLM_PLUGINS", None)
-            cmd = [sys.executable, "-m", "xmix.cli", "serve", *common, "--xmix-admin-key", ADMIN_KEY]
+            cmd = [
+                sys.executable,
+                "-m",
+                "xmix.cli",
+                "serve",
+                *common,
+                "--xmix-admin-key",
+                ADMIN_KEY,
+            ]
             for p in apps:
                 cmd += ["--app", str(p)]
         self._log = open(log, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True, env=env)
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, env=env
+        )
         self.base = f"http://127.0.0.1:{self.port}"
 
     def wait_ready(self, timeout: float = 900) -> float:
@@ -217,7 +262,9 @@ class Server:
                     return time.time() - t0
             if time.time() - t0 > timeout:
                 self.stop()
-                raise TimeoutError(f"{self.kind} server did not start:\n" + self.log.read_text()[-4000:])
+                raise TimeoutError(
+                    f"{self.kind} server did not start:\n" + self.log.read_text()[-4000:]
+                )
             time.sleep(1)
 
     def engine_pids(self) -> dict[str, int]:
@@ -248,18 +295,53 @@ class Server:
         self._log.close()
 
 
-def run_client(server: Server, model: Path, config: str, concurrency: int, args, out: Path,
-               name: str) -> dict:
+def run_client(
+    server: Server, model: Path, config: str, concurrency: int, args, out: Path, name: str
+) -> dict:
     """One `vllm bench serve` run against `server`; the saved detailed result."""
-    cmd = [sys.executable, __file__, "--vllm-cli", "bench", "serve",
-           "--backend", "vllm", "--base-url", server.base, "--model", str(model),
-           "--dataset-name", "random", "--random-input-len", str(args.input_len),
-           "--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
-           "--max-concurrency", str(concurrency), "--request-rate", str(args.request_rate),
-           "--ignore-eos", "--temperature", "0", "--seed", "0", "--num-warmups", str(min(concurrency, args.num_prompts)),
-           "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
-           "--save-result", "--save-detailed", "--result-dir", str(out),
-           "--result-filename", f"{name}.json", "--disable-tqdm"]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--vllm-cli",
+        "bench",
+        "serve",
+        "--backend",
+        "vllm",
+        "--base-url",
+        server.base,
+        "--model",
+        str(model),
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        str(args.input_len),
+        "--random-output-len",
+        str(args.output_len),
+        "--num-prompts",
+        str(args.num_prompts),
+        "--max-concurrency",
+        str(concurrency),
+        "--request-rate",
+        str(args.request_rate),
+        "--ignore-eos",
+        "--temperature",
+        "0",
+        "--seed",
+        "0",
+        "--num-warmups",
+        str(min(concurrency, args.num_prompts)),
+        "--percentile-metrics",
+        "ttft,tpot,itl,e2el",
+        "--metric-percentiles",
+        "50,99",
+        "--save-result",
+        "--save-detailed",
+        "--result-dir",
+        str(out),
+        "--result-filename",
+        f"{name}.json",
+        "--disable-tqdm",
+    ]
     bodies = request_bodies(config)
     if len(bodies) > 1:
         body_file = out / f"{name}.bodies.json"
@@ -274,7 +356,9 @@ def run_client(server: Server, model: Path, config: str, concurrency: int, args,
     res = json.loads((out / f"{name}.json").read_text())
     errors = [e for e in res.get("errors", []) if e]
     if res.get("failed") or errors:
-        raise RuntimeError(f"{name}: {res.get('failed')} requests failed; first error: {errors[:1]}")
+        raise RuntimeError(
+            f"{name}: {res.get('failed')} requests failed; first error: {errors[:1]}"
+        )
     return res
 
 
@@ -282,13 +366,17 @@ def summarize(res: dict) -> dict:
     import numpy as np
 
     itls = [x for per in res["itls"] for x in per]
-    return {"mean_itl": 1e3 * float(np.mean(itls)), "p99_itl": 1e3 * float(np.percentile(itls, 99)),
-            "mean_ttft": 1e3 * float(np.mean(res["ttfts"])),
-            "p99_ttft": 1e3 * float(np.percentile(res["ttfts"], 99)),
-            "mean_e2e": 1e3 * float(np.mean(res["latencies"])), "out_tps": float(res["output_throughput"]),
-            # > 1 when the server put several steps' tokens in one stream chunk (its frontend
-            # lagged behind the engine): those tokens count as ITL ~0 in vLLM's client
-            "tok_per_chunk": float(sum(res["output_lens"]) / sum(len(i) + 1 for i in res["itls"]))}
+    return {
+        "mean_itl": 1e3 * float(np.mean(itls)),
+        "p99_itl": 1e3 * float(np.percentile(itls, 99)),
+        "mean_ttft": 1e3 * float(np.mean(res["ttfts"])),
+        "p99_ttft": 1e3 * float(np.percentile(res["ttfts"], 99)),
+        "mean_e2e": 1e3 * float(np.mean(res["latencies"])),
+        "out_tps": float(res["output_throughput"]),
+        # > 1 when the server put several steps' tokens in one stream chunk (its frontend
+        # lagged behind the engine): those tokens count as ITL ~0 in vLLM's client
+        "tok_per_chunk": float(sum(res["output_lens"]) / sum(len(i) + 1 for i in res["itls"])),
+    }
 
 
 # ---------------------------------------------------------------------------- report
@@ -300,7 +388,11 @@ def ratio_table(rounds: list[dict], configs: list[str], conc: dict[str, int]) ->
     for c in sorted(set(conc.values())):
         key = f"vanilla@{c}"
         vals = [statistics.median(r[key][k] for r in rounds) for _, k in METRICS]
-        lines.append(f"| vanilla, concurrency {c} (ms; tok/s) | " + " | ".join(f"{v:.1f}" for v in vals) + " |")
+        lines.append(
+            f"| vanilla, concurrency {c} (ms; tok/s) | "
+            + " | ".join(f"{v:.1f}" for v in vals)
+            + " |"
+        )
     for cfg in configs:
         cells = []
         for _, k in METRICS:
@@ -310,14 +402,18 @@ def ratio_table(rounds: list[dict], configs: list[str], conc: dict[str, int]) ->
     return "\n".join(lines)
 
 
-def plot_itls(raw: dict[str, list[list[float]]], conc: dict[str, int], configs: list[str], path: Path) -> None:
+def plot_itls(
+    raw: dict[str, list[list[float]]], conc: dict[str, int], configs: list[str], path: Path
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
 
-    fig, axes = plt.subplots(1, len(configs), figsize=(3.6 * len(configs), 3.2), squeeze=False, sharey=True)
+    fig, axes = plt.subplots(
+        1, len(configs), figsize=(3.6 * len(configs), 3.2), squeeze=False, sharey=True
+    )
     for ax, cfg in zip(axes[0], configs):
         for label, key, style in (("vanilla", f"vanilla@{conc[cfg]}", "k-"), (cfg, cfg, "C1-")):
             x = np.sort(1e3 * np.asarray(raw[key]))
@@ -350,11 +446,26 @@ def profile(args, model: Path, apps: list[Path], configs: list[str], out: Path, 
             pids = server.engine_pids()
             for cfg in cfgs:
                 c = args.concurrency if cfg == "vanilla" else conc[cfg]
-                spies = [subprocess.Popen([spy, "record", "--pid", str(pid), "--rate", "200",
-                                           "--format", "raw", "--nonblocking", "--output",
-                                           str(out / f"{cfg}-{role}.txt")],
-                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                         for role, pid in pids.items()]
+                spies = [
+                    subprocess.Popen(
+                        [
+                            spy,
+                            "record",
+                            "--pid",
+                            str(pid),
+                            "--rate",
+                            "200",
+                            "--format",
+                            "raw",
+                            "--nonblocking",
+                            "--output",
+                            str(out / f"{cfg}-{role}.txt"),
+                        ],
+                        stdout=subprocess.DEVNULL,
+                        stderr=subprocess.DEVNULL,
+                    )
+                    for role, pid in pids.items()
+                ]
                 run_client(server, model, cfg, c, args, work, f"profile-{cfg}")
                 for s in spies:
                     s.send_signal(signal.SIGINT)
@@ -372,6 +483,7 @@ def profile_report(folder: Path, top: int = 12) -> str:
     its frames from xmix and vLLM, the innermost is xmix's (xmix code or what it calls: torch,
     numpy, json), not a wrapper of xmix that called back into vLLM; it is attributed to that
     innermost xmix function."""
+
     def short(frame: str) -> tuple[str, str]:
         fn, _, loc = frame.strip().partition(" (")
         path = loc.split(":")[0]
@@ -401,16 +513,27 @@ def profile_report(folder: Path, top: int = 12) -> str:
         if not total:
             continue
         lines.append(f"== {f.stem}: {total} samples, xmix's own {100 * own / total:.1f} %")
-        lines += [f"   xmix {100 * v / total:5.1f} %  {k}" for v, k in sorted(((v, k) for k, v in by_fn.items()), reverse=True)[:top]]
-        lines += [f"   self {100 * v / total:5.1f} %  {k}" for v, k in sorted(((v, k) for k, v in self_.items()), reverse=True)[:top]]
+        lines += [
+            f"   xmix {100 * v / total:5.1f} %  {k}"
+            for v, k in sorted(((v, k) for k, v in by_fn.items()), reverse=True)[:top]
+        ]
+        lines += [
+            f"   self {100 * v / total:5.1f} %  {k}"
+            for v, k in sorted(((v, k) for k, v in self_.items()), reverse=True)[:top]
+        ]
     return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------- main
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="llama-8x512",
-                    help="llama-LxD (built with the tiny Llama's tokenizer), a tiny kind, or a folder")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--model",
+        default="llama-8x512",
+        help="llama-LxD (built with the tiny Llama's tokenizer), a tiny kind, or a folder",
+    )
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--num-prompts", type=int, default=96)
     ap.add_argument("--input-len", type=int, default=128)
@@ -419,12 +542,22 @@ def main() -> None:
     ap.add_argument("--mixed-concurrency", type=int, default=64)
     ap.add_argument("--request-rate", default="inf")
     ap.add_argument("--configs", default=",".join(CONFIGS))
-    ap.add_argument("--server-arg", action="append", default=[],
-                    help="extra `vllm serve` argument for both servers (repeat; e.g. --server-arg=--max-num-seqs=64)")
-    ap.add_argument("--results", type=Path, help="write the table, machine, date and command here (markdown)")
+    ap.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        help="extra `vllm serve` argument for both servers (repeat; e.g. --server-arg=--max-num-seqs=64)",
+    )
+    ap.add_argument(
+        "--results", type=Path, help="write the table, machine, date and command here (markdown)"
+    )
     ap.add_argument("--plot", type=Path, help="write the ITL distributions here (PNG)")
-    ap.add_argument("--raw", type=Path, help="keep vLLM's result files (per request) in this folder")
-    ap.add_argument("--profile", type=Path, help="instead of the rounds: py-spy profiles into this folder")
+    ap.add_argument(
+        "--raw", type=Path, help="keep vLLM's result files (per request) in this folder"
+    )
+    ap.add_argument(
+        "--profile", type=Path, help="instead of the rounds: py-spy profiles into this folder"
+    )
     args = ap.parse_args()
     configs = [c for c in args.configs.split(",") if c]
     bad = [c for c in configs if c not in CONFIGS]
@@ -452,15 +585,27 @@ def main() -> None:
             server = Server(kind, model, apps, work / f"r{rnd}-{kind}.log", args.server_arg)
             try:
                 starts[kind].append(server.wait_ready())
-                todo = ([f"vanilla@{c}" for c in vanilla_runs] if kind == "vanilla"
-                        else configs[shift:] + configs[:shift])
+                todo = (
+                    [f"vanilla@{c}" for c in vanilla_runs]
+                    if kind == "vanilla"
+                    else configs[shift:] + configs[:shift]
+                )
                 for name in todo:
-                    cfg, c = (("vanilla", int(name.split("@")[1])) if kind == "vanilla" else (name, conc[name]))
-                    res = run_client(server, model, cfg, c, args, work, f"r{rnd}-{name.replace('@', '-c')}")
+                    cfg, c = (
+                        ("vanilla", int(name.split("@")[1]))
+                        if kind == "vanilla"
+                        else (name, conc[name])
+                    )
+                    res = run_client(
+                        server, model, cfg, c, args, work, f"r{rnd}-{name.replace('@', '-c')}"
+                    )
                     row[name] = summarize(res)
                     raw_itls.setdefault(name, []).extend(x for per in res["itls"] for x in per)
-                    print(f"round {rnd + 1}/{args.rounds} {name:12s} "
-                          + "  ".join(f"{k}={v:.2f}" for k, v in row[name].items()), flush=True)
+                    print(
+                        f"round {rnd + 1}/{args.rounds} {name:12s} "
+                        + "  ".join(f"{k}={v:.2f}" for k, v in row[name].items()),
+                        flush=True,
+                    )
             finally:
                 server.stop()
         rounds.append(row)
@@ -470,27 +615,46 @@ def main() -> None:
 
     table = ratio_table(rounds, configs, conc)
     cmd = "python bench/serve_overhead.py " + " ".join(sys.argv[1:])
-    rev = subprocess.run(["git", "-C", str(Path(__file__).parent), "describe", "--always", "--dirty"],
-                         capture_output=True, text=True).stdout.strip() or "unknown"
-    header = (f"machine: {platform.machine()} {platform.processor() or ''}, {os.cpu_count()} cores, "
-              f"no GPU; torch {torch.__version__}, vLLM {vllm.__version__}\n"
-              f"date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC\n"
-              f"command: {cmd}\n"
-              f"code: {rev}\n"
-              f"model: {args.model} ({model.name}), float32; random dataset, {args.input_len} input / "
-              f"{args.output_len} output tokens (ignore_eos), {args.num_prompts} prompts, "
-              f"request rate {args.request_rate}; {args.rounds} interleaved rounds\n"
-              f"server start (s, to /health): vanilla {', '.join(f'{s:.0f}' for s in starts['vanilla'])}; "
-              f"xmix {', '.join(f'{s:.0f}' for s in starts['xmix'])}\n")
-    text = (header + "\nratio to the same round's vanilla: median over rounds (min..max); "
-            "vanilla rows: medians in ms (throughput in output tokens/s)\n\n" + table + "\n")
-    per_round = "\n".join(f"round {i + 1}: " + "; ".join(
-        f"{k} " + ",".join(f"{v:.2f}" for v in r[k].values()) for k in r) for i, r in enumerate(rounds))
+    rev = (
+        subprocess.run(
+            ["git", "-C", str(Path(__file__).parent), "describe", "--always", "--dirty"],
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+        or "unknown"
+    )
+    header = (
+        f"machine: {platform.machine()} {platform.processor() or ''}, {os.cpu_count()} cores, "
+        f"no GPU; torch {torch.__version__}, vLLM {vllm.__version__}\n"
+        f"date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC\n"
+        f"command: {cmd}\n"
+        f"code: {rev}\n"
+        f"model: {args.model} ({model.name}), float32; random dataset, {args.input_len} input / "
+        f"{args.output_len} output tokens (ignore_eos), {args.num_prompts} prompts, "
+        f"request rate {args.request_rate}; {args.rounds} interleaved rounds\n"
+        f"server start (s, to /health): vanilla {', '.join(f'{s:.0f}' for s in starts['vanilla'])}; "
+        f"xmix {', '.join(f'{s:.0f}' for s in starts['xmix'])}\n"
+    )
+    text = (
+        header + "\nratio to the same round's vanilla: median over rounds (min..max); "
+        "vanilla rows: medians in ms (throughput in output tokens/s)\n\n" + table + "\n"
+    )
+    per_round = "\n".join(
+        f"round {i + 1}: "
+        + "; ".join(f"{k} " + ",".join(f"{v:.2f}" for v in r[k].values()) for k in r)
+        for i, r in enumerate(rounds)
+    )
     print("\n" + text)
     if args.results:
         args.results.parent.mkdir(parents=True, exist_ok=True)
-        args.results.write_text(text + "\nper round (" + ", ".join(rounds[0][configs[0]]) + "):\n\n```\n"
-                                + per_round + "\n```\n")
+        args.results.write_text(
+            text
+            + "\nper round ("
+            + ", ".join(rounds[0][configs[0]])
+            + "):\n\n```\n"
+            + per_round
+            + "\n```\n"
+        )
     if args.plot:
         args.plot.parent.mkdir(parents=True, exist_ok=True)
         plot_itls(raw_itls, conc, configs, args.plot)

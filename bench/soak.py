@@ -82,9 +82,13 @@ def build_apps(seed: int) -> dict[str, bytes]:
 
     out = {}
     steer = xmix.App("steer")
-    steer.write("add", vector=unit() * 6.0, scale=1.0).layers([1]).submodule("residual.post").named("push")
+    steer.write("add", vector=unit() * 6.0, scale=1.0).layers([1]).submodule("residual.post").named(
+        "push"
+    )
     probe = xmix.App("probe")
-    probe.read("probe", weight=unit() * 0.5, bias=0.0).layers([2]).submodule("residual.post").named("p")
+    probe.read("probe", weight=unit() * 0.5, bias=0.0).layers([2]).submodule("residual.post").named(
+        "p"
+    )
     out["steer"], out["probe"] = steer.to_bytes(), probe.to_bytes()
     # No two apps share a hook site: ops of different apps at one site run in deployment
     # order, so a read placed after another app's write at the same site would depend on
@@ -92,7 +96,9 @@ def build_apps(seed: int) -> dict[str, bytes]:
     for i, name in enumerate(CHURN):
         a = xmix.App(name)
         a.write("add", vector=unit() * 4.0, scale=1.0).layers([i]).submodule("mlp.post").named("w")
-        a.read("probe", weight=unit() * 0.5, bias=0.0).layers([i]).submodule("attention.post").named("r")
+        a.read("probe", weight=unit() * 0.5, bias=0.0).layers([i]).submodule(
+            "attention.post"
+        ).named("r")
         out[name] = a.to_bytes()
     return out
 
@@ -123,14 +129,36 @@ def start_server(tmp: Path, apps: dict[str, bytes], key: str, admin: str, timeou
         p.write_bytes(apps[name])
         paths += ["--app", str(p)]
     port = _free_port()
-    cmd = [sys.executable, "-m", "xmix.cli", "serve", str(tiny_model_path("tiny-llama")),
-           "--port", str(port), "--dtype", "float32", "--max-model-len", "512",
-           "--served-model-name", "tiny", "--api-key", key, "--xmix-admin-key", admin,
-           "--max-num-seqs", "32", *paths]
+    cmd = [
+        sys.executable,
+        "-m",
+        "xmix.cli",
+        "serve",
+        str(tiny_model_path("tiny-llama")),
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "512",
+        "--served-model-name",
+        "tiny",
+        "--api-key",
+        key,
+        "--xmix-admin-key",
+        admin,
+        "--max-num-seqs",
+        "32",
+        *paths,
+    ]
     log = tmp / "serve.log"
-    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                            start_new_session=True,
-                            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")})
+    proc = subprocess.Popen(
+        cmd,
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")},
+    )
     base = f"http://127.0.0.1:{port}"
     t0 = time.time()
     while True:
@@ -166,7 +194,7 @@ def stop_server(proc) -> None:
 @dataclass
 class Spec:
     i: int
-    kind: str                 # "cmpl" | "chat"
+    kind: str  # "cmpl" | "chat"
     stream: bool
     apps: list[str]
     params: dict
@@ -174,7 +202,7 @@ class Spec:
     max_tokens: int
     prompt: str
     seed: int | None
-    disconnect_after: int | None = None   # data chunks, then the client goes away
+    disconnect_after: int | None = None  # data chunks, then the client goes away
 
 
 @dataclass
@@ -183,8 +211,8 @@ class Result:
     status: int | None = None
     outcome: str = "pending"  # ok | refused | disconnected | failed | hung
     why: str = ""
-    tokens: dict[int, list[int]] = field(default_factory=dict)     # choice -> token ids
-    reads: dict[int, dict] = field(default_factory=dict)           # choice -> {app: {read: (pos, vals)}}
+    tokens: dict[int, list[int]] = field(default_factory=dict)  # choice -> token ids
+    reads: dict[int, dict] = field(default_factory=dict)  # choice -> {app: {read: (pos, vals)}}
     finish: dict[int, str] = field(default_factory=dict)
     applied: dict | None = None
     prompt_tokens: int = 0
@@ -210,14 +238,32 @@ def make_specs(n: int, seed: int) -> list[Spec]:
             stream_i += 1
             if stream_i % 8 == 0:
                 disconnect = rng.randint(1, 6)
-        out.append(Spec(i, kind, stream, apps, params, 2 if sampled else 1, rng.choice([12, 16, 24]),
-                        rng.choice(PROMPTS), rng.randint(0, 10 ** 6) if sampled else None, disconnect))
+        out.append(
+            Spec(
+                i,
+                kind,
+                stream,
+                apps,
+                params,
+                2 if sampled else 1,
+                rng.choice([12, 16, 24]),
+                rng.choice(PROMPTS),
+                rng.randint(0, 10**6) if sampled else None,
+                disconnect,
+            )
+        )
     return out
 
 
 def _body(spec: Spec, apps: list[str], params: dict, salt: str | None = None) -> tuple[str, dict]:
-    body = {"model": "tiny", "max_tokens": spec.max_tokens, "ignore_eos": True, "n": spec.n,
-            "temperature": 1.0 if spec.seed is not None else 0.0, "return_token_ids": True}
+    body = {
+        "model": "tiny",
+        "max_tokens": spec.max_tokens,
+        "ignore_eos": True,
+        "n": spec.n,
+        "temperature": 1.0 if spec.seed is not None else 0.0,
+        "return_token_ids": True,
+    }
     if spec.seed is not None:
         body["seed"] = spec.seed
     if salt:
@@ -250,8 +296,14 @@ def _choice_tokens(choice: dict, kind: str) -> list[int]:
     return list(choice.get("token_ids") or [])
 
 
-async def run_one(client: httpx.AsyncClient, spec: Spec, apps: list[str], params: dict,
-                  deadline: float, salt: str | None = None) -> Result:
+async def run_one(
+    client: httpx.AsyncClient,
+    spec: Spec,
+    apps: list[str],
+    params: dict,
+    deadline: float,
+    salt: str | None = None,
+) -> Result:
     res = Result(spec)
     path, body = _body(spec, apps, params, salt)
     res.t0 = time.monotonic()
@@ -271,12 +323,17 @@ async def run_one(client: httpx.AsyncClient, spec: Spec, apps: list[str], params
                         res.tokens[i] = _choice_tokens(c, spec.kind)
                         res.finish[i] = c.get("finish_reason")
                         res.reads[i] = {}
-                        _merge_reads(res.reads[i], c.get("xmix") or (top if len(doc["choices"]) == 1 else None))
+                        _merge_reads(
+                            res.reads[i],
+                            c.get("xmix") or (top if len(doc["choices"]) == 1 else None),
+                        )
                     res.applied = doc.get("xmix_applied")
             else:
                 done = False
                 chunks = 0
-                async with client.stream("POST", path, json={**body, "stream_options": {"include_usage": True}}) as r:
+                async with client.stream(
+                    "POST", path, json={**body, "stream_options": {"include_usage": True}}
+                ) as r:
                     res.status = r.status_code
                     if r.status_code != 200:
                         res.why = (await r.aread()).decode(errors="replace")[:300]
@@ -305,7 +362,10 @@ async def run_one(client: httpx.AsyncClient, spec: Spec, apps: list[str], params
                             if ch.get("xmix"):
                                 i = idx[0] if idx else 0
                                 _merge_reads(res.reads.setdefault(i, {}), ch["xmix"])
-                            if spec.disconnect_after is not None and chunks >= spec.disconnect_after:
+                            if (
+                                spec.disconnect_after is not None
+                                and chunks >= spec.disconnect_after
+                            ):
                                 res.outcome = "disconnected"
                                 break  # leaving the block closes the connection
                 if res.status == 200 and res.outcome != "disconnected" and not done and not res.why:
@@ -333,8 +393,11 @@ def classify(res: Result) -> str:
     if res.status >= 500:
         res.why = f"HTTP {res.status}: {res.why}"
         return "failed"
-    if res.status == 400 and ("unknown app" in res.why or "switched off" in res.why) and \
-            any(a in CHURN for a in _named(s)):
+    if (
+        res.status == 400
+        and ("unknown app" in res.why or "switched off" in res.why)
+        and any(a in CHURN for a in _named(s))
+    ):
         return "refused"  # raced with an undeploy / mode off of a churn app: documented
     if res.status != 200:
         res.why = f"HTTP {res.status}: {res.why}"
@@ -343,8 +406,10 @@ def classify(res: Result) -> str:
         return "failed"
     for i in range(s.n):
         if len(res.tokens.get(i, [])) != s.max_tokens or not res.finish.get(i):
-            res.why = f"choice {i}: {len(res.tokens.get(i, []))} of {s.max_tokens} tokens, " \
-                      f"finish {res.finish.get(i)!r} (truncated)"
+            res.why = (
+                f"choice {i}: {len(res.tokens.get(i, []))} of {s.max_tokens} tokens, "
+                f"finish {res.finish.get(i)!r} (truncated)"
+            )
             return "failed"
     if res.applied is None:
         res.why = "no xmix_applied in the response"
@@ -360,15 +425,24 @@ def _named(spec: Spec) -> list[str]:
 @dataclass
 class Changes:
     applied: int = 0
-    refused_ok: int = 0        # bad changes refused as they should be
+    refused_ok: int = 0  # bad changes refused as they should be
     unexpected: list[str] = field(default_factory=list)
     latencies: list[float] = field(default_factory=list)
-    deployed: dict[str, str] = field(default_factory=dict)   # churn name -> mode
-    versions: dict[tuple[str, int], str] = field(default_factory=dict)  # (name, version) -> template
+    deployed: dict[str, str] = field(default_factory=dict)  # churn name -> mode
+    versions: dict[tuple[str, int], str] = field(
+        default_factory=dict
+    )  # (name, version) -> template
 
 
-async def drive_changes(client: httpx.AsyncClient, apps: dict[str, bytes], ch: Changes,
-                        target: int, stop: asyncio.Event, seed: int, progress) -> None:
+async def drive_changes(
+    client: httpx.AsyncClient,
+    apps: dict[str, bytes],
+    ch: Changes,
+    target: int,
+    stop: asyncio.Event,
+    seed: int,
+    progress,
+) -> None:
     """Changes spread over the run: the share of ``target`` applied follows the share of
     requests finished (``progress()``), then the rest once the requests are done."""
     rng = random.Random(seed + 1)
@@ -394,14 +468,23 @@ async def drive_changes(client: httpx.AsyncClient, apps: dict[str, bytes], ch: C
                 if r.status_code == 200:
                     ch.deployed.pop(name)
             elif op < 0.5:
-                want = "all" if mode != "all" and rng.random() < 0.1 else ("off" if mode == "request" else "request")
+                want = (
+                    "all"
+                    if mode != "all" and rng.random() < 0.1
+                    else ("off" if mode == "request" else "request")
+                )
                 r = await client.patch(f"/xmix/v1/apps/{name}", json={"mode": want})
                 if r.status_code == 200:
                     ch.deployed[name] = want
             elif op < 0.9:
-                r = await client.patch(f"/xmix/v1/apps/{name}", json={"params": {"w.scale": rng.choice([0.5, 1.0, -2.0])}})
+                r = await client.patch(
+                    f"/xmix/v1/apps/{name}",
+                    json={"params": {"w.scale": rng.choice([0.5, 1.0, -2.0])}},
+                )
             else:  # refused on purpose: nothing may change
-                r = await client.patch(f"/xmix/v1/apps/{name}", json={"params": {"w.scale": 1.0}, "mode": "x"})
+                r = await client.patch(
+                    f"/xmix/v1/apps/{name}", json={"params": {"w.scale": 1.0}, "mode": "x"}
+                )
                 ch.latencies.append(time.monotonic() - t0)
                 if r.status_code == 422:
                     ch.refused_ok += 1
@@ -412,7 +495,9 @@ async def drive_changes(client: httpx.AsyncClient, apps: dict[str, bytes], ch: C
         if r.status_code in (200, 201):
             ch.applied += 1
         else:
-            ch.unexpected.append(f"{r.request.method} {r.request.url.path} answered {r.status_code}: {r.text[:200]}")
+            ch.unexpected.append(
+                f"{r.request.method} {r.request.url.path} answered {r.status_code}: {r.text[:200]}"
+            )
         await asyncio.sleep(rng.random() * 0.01)
 
 
@@ -421,7 +506,9 @@ def reads_ok(res: Result) -> str | None:
     """Leak checks: reads only of apps it ran, only at its own positions, in order."""
     # apps applied at admission, and those that came to apply while it ran (a mode-"all"
     # deploy or switch reaches requests in flight from the next step)
-    ran = {a["name"] for a in (res.applied or {}).get("apps", [])} | set((res.applied or {}).get("changed", []))
+    ran = {a["name"] for a in (res.applied or {}).get("apps", [])} | set(
+        (res.applied or {}).get("changed", [])
+    )
     for i, apps in res.reads.items():
         total = res.prompt_tokens + res.spec.max_tokens - 1
         for app, reads in apps.items():
@@ -429,15 +516,27 @@ def reads_ok(res: Result) -> str | None:
                 return f"choice {i}: reads of app {app!r}, which it did not run"
             for key, (pos, vals) in reads.items():
                 if len(pos) != len(vals):
-                    return f"choice {i}: {app}.{key} has {len(pos)} positions and {len(vals)} values"
-                if any(p < 0 or p >= total for p in pos) or any(b <= a for a, b in zip(pos, pos[1:])):
+                    return (
+                        f"choice {i}: {app}.{key} has {len(pos)} positions and {len(vals)} values"
+                    )
+                if any(p < 0 or p >= total for p in pos) or any(
+                    b <= a for a, b in zip(pos, pos[1:])
+                ):
                     return f"choice {i}: {app}.{key} positions outside 0..{total - 1} or not increasing"
     return None
 
 
 def oracle_key(res: Result) -> str:
-    return json.dumps([res.spec.kind, res.spec.prompt, res.spec.max_tokens, res.spec.n, res.spec.seed,
-                       [(a["name"], a["version"], sorted(a["params"].items())) for a in res.applied["apps"]]])
+    return json.dumps(
+        [
+            res.spec.kind,
+            res.spec.prompt,
+            res.spec.max_tokens,
+            res.spec.n,
+            res.spec.seed,
+            [(a["name"], a["version"], sorted(a["params"].items())) for a in res.applied["apps"]],
+        ]
+    )
 
 
 def _close(a: list, b: list, tol: float = 1e-5) -> bool:
@@ -458,8 +557,14 @@ def _close(a: list, b: list, tol: float = 1e-5) -> bool:
     return True
 
 
-async def run_oracle(client: httpx.AsyncClient, admin: httpx.AsyncClient, apps: dict[str, bytes],
-                     results: list[Result], ch: Changes, deadline: float) -> tuple[int, list[str], int]:
+async def run_oracle(
+    client: httpx.AsyncClient,
+    admin: httpx.AsyncClient,
+    apps: dict[str, bytes],
+    results: list[Result],
+    ch: Changes,
+    deadline: float,
+) -> tuple[int, list[str], int]:
     """Each unchanged request again, alone, with the same apps and parameter values. Churn
     apps come back as copies of their templates under new names (same math)."""
     for name in list(ch.deployed):
@@ -483,13 +588,21 @@ async def run_oracle(client: httpx.AsyncClient, admin: httpx.AsyncClient, apps: 
             n = copies.get(a["name"], a["name"])
             names.append(n)
             params[n] = a["params"]
-        single = await run_one(client, Spec(**{**res.spec.__dict__, "stream": False, "disconnect_after": None}),
-                               names, params, deadline, salt=f"oracle-{res.spec.i}")
+        single = await run_one(
+            client,
+            Spec(**{**res.spec.__dict__, "stream": False, "disconnect_after": None}),
+            names,
+            params,
+            deadline,
+            salt=f"oracle-{res.spec.i}",
+        )
         if single.outcome != "ok":
             wrong.append(f"#{res.spec.i}: the oracle run failed: {single.why}")
             continue
         back = {v: k2 for k2, v in copies.items()}
-        want_reads = {i: {back.get(a, a): r for a, r in rd.items()} for i, rd in single.reads.items()}
+        want_reads = {
+            i: {back.get(a, a): r for a, r in rd.items()} for i, rd in single.reads.items()
+        }
         for got in group:
             bad = None
             if got.tokens != single.tokens:
@@ -505,11 +618,15 @@ async def run_oracle(client: httpx.AsyncClient, admin: httpx.AsyncClient, apps: 
                             gp, gv = g[app].get(key, ([], []))
                             wp, wv = w[app].get(key, ([], []))
                             if gp != wp or not _close(gv, wv):
-                                bad = (f"choice {i}: {app}.{key} differs from the request alone "
-                                       f"(positions {'equal' if gp == wp else f'{gp} != {wp}'}, "
-                                       f"values {gv[:6]} vs {wv[:6]})")
+                                bad = (
+                                    f"choice {i}: {app}.{key} differs from the request alone "
+                                    f"(positions {'equal' if gp == wp else f'{gp} != {wp}'}, "
+                                    f"values {gv[:6]} vs {wv[:6]})"
+                                )
             if bad:
-                wrong.append(f"#{got.spec.i} ({got.spec.kind}, stream={got.spec.stream}, apps={got.spec.apps}): {bad}")
+                wrong.append(
+                    f"#{got.spec.i} ({got.spec.kind}, stream={got.spec.stream}, apps={got.spec.apps}): {bad}"
+                )
             else:
                 equal += 1
     for copy in copies.values():
@@ -520,11 +637,22 @@ async def run_oracle(client: httpx.AsyncClient, admin: httpx.AsyncClient, apps: 
 # ---------------------------------------------------------------------- main
 async def soak(args, base: str, apps: dict[str, bytes]) -> dict:
     specs = make_specs(args.requests, args.seed)
-    limits = httpx.Limits(max_connections=args.concurrency + 8, max_keepalive_connections=args.concurrency + 8)
-    async with httpx.AsyncClient(base_url=base, headers={"Authorization": f"Bearer {args.key}"},
-                                 timeout=httpx.Timeout(args.deadline), limits=limits) as client, \
-            httpx.AsyncClient(base_url=base, headers={"Authorization": f"Bearer {args.admin_key}"},
-                              timeout=httpx.Timeout(args.deadline)) as admin:
+    limits = httpx.Limits(
+        max_connections=args.concurrency + 8, max_keepalive_connections=args.concurrency + 8
+    )
+    async with (
+        httpx.AsyncClient(
+            base_url=base,
+            headers={"Authorization": f"Bearer {args.key}"},
+            timeout=httpx.Timeout(args.deadline),
+            limits=limits,
+        ) as client,
+        httpx.AsyncClient(
+            base_url=base,
+            headers={"Authorization": f"Bearer {args.admin_key}"},
+            timeout=httpx.Timeout(args.deadline),
+        ) as admin,
+    ):
         ch = Changes()
         stop = asyncio.Event()
         sem = asyncio.Semaphore(args.concurrency)
@@ -545,12 +673,18 @@ async def soak(args, base: str, apps: dict[str, bytes]) -> dict:
                 res = await run_one(client, spec, names, spec.params, args.deadline)
                 done_n += 1
                 if args.progress and done_n % args.progress == 0:
-                    print(f"[soak] {done_n}/{len(specs)} requests, {ch.applied} changes, "
-                          f"{time.monotonic() - t_start:.0f} s", flush=True)
+                    print(
+                        f"[soak] {done_n}/{len(specs)} requests, {ch.applied} changes, "
+                        f"{time.monotonic() - t_start:.0f} s",
+                        flush=True,
+                    )
                 return res
 
-        driver = asyncio.create_task(drive_changes(admin, apps, ch, args.changes, stop, args.seed,
-                                                   lambda: done_n / len(specs)))
+        driver = asyncio.create_task(
+            drive_changes(
+                admin, apps, ch, args.changes, stop, args.seed, lambda: done_n / len(specs)
+            )
+        )
         results = await asyncio.gather(*(one(s) for s in specs))
         stop.set()
         await driver
@@ -564,7 +698,9 @@ async def soak(args, base: str, apps: dict[str, bytes]) -> dict:
                 if slots == 0:
                     break
             await asyncio.sleep(1)
-        leaks = [f"#{r.spec.i}: {why}" for r in results if r.outcome == "ok" and (why := reads_ok(r))]
+        leaks = [
+            f"#{r.spec.i}: {why}" for r in results if r.outcome == "ok" and (why := reads_ok(r))
+        ]
         if slots:
             leaks.append(f"{slots} request slot(s) still taken after every request finished")
         changed = [r for r in results if r.outcome == "ok" and r.applied.get("changed")]
@@ -576,19 +712,39 @@ async def soak(args, base: str, apps: dict[str, bytes]) -> dict:
     def pct(p):
         return lat[min(len(lat) - 1, int(p / 100 * len(lat)))] * 1000 if lat else float("nan")
 
-    by = {k: [r for r in results if r.outcome == k] for k in ("ok", "refused", "disconnected", "failed", "hung")}
+    by = {
+        k: [r for r in results if r.outcome == k]
+        for k in ("ok", "refused", "disconnected", "failed", "hung")
+    }
     return {
-        "requests": len(specs), "completed": len(by["ok"]), "refused_by_race": len(by["refused"]),
-        "disconnected": len(by["disconnected"]), "failed": len(by["failed"]), "hung": len(by["hung"]),
-        "changed_in_flight": len(changed), "oracle_equal": equal, "oracle_wrong": len(wrong),
-        "oracle_distinct_runs": distinct, "leaked": len(leaks),
-        "changes_applied": ch.applied, "changes_refused_as_intended": ch.refused_ok,
+        "requests": len(specs),
+        "completed": len(by["ok"]),
+        "refused_by_race": len(by["refused"]),
+        "disconnected": len(by["disconnected"]),
+        "failed": len(by["failed"]),
+        "hung": len(by["hung"]),
+        "changed_in_flight": len(changed),
+        "oracle_equal": equal,
+        "oracle_wrong": len(wrong),
+        "oracle_distinct_runs": distinct,
+        "leaked": len(leaks),
+        "changes_applied": ch.applied,
+        "changes_refused_as_intended": ch.refused_ok,
         "changes_unexpected": len(ch.unexpected),
-        "change_latency_ms": {"p50": round(pct(50), 1), "p99": round(pct(99), 1), "max": round(pct(100), 1)},
-        "soak_s": round(soak_s, 1), "oracle_s": round(oracle_s, 1),
-        "examples": {"failed": [f"#{r.spec.i}: {r.why}" for r in by["failed"][:5]],
-                     "hung": [f"#{r.spec.i}: {r.why}" for r in by["hung"][:5]],
-                     "wrong": wrong[:5], "leaked": leaks[:5], "changes": ch.unexpected[:5]},
+        "change_latency_ms": {
+            "p50": round(pct(50), 1),
+            "p99": round(pct(99), 1),
+            "max": round(pct(100), 1),
+        },
+        "soak_s": round(soak_s, 1),
+        "oracle_s": round(oracle_s, 1),
+        "examples": {
+            "failed": [f"#{r.spec.i}: {r.why}" for r in by["failed"][:5]],
+            "hung": [f"#{r.spec.i}: {r.why}" for r in by["hung"][:5]],
+            "wrong": wrong[:5],
+            "leaked": leaks[:5],
+            "changes": ch.unexpected[:5],
+        },
     }
 
 
@@ -600,20 +756,27 @@ def server_errors(log: Path | None) -> dict | None:
     # lines), its output handler may log EngineDeadError for the engine it is stopping.
     cut = text.find("[shutdown]")
     if cut >= 0:
-        text = text[:text.rfind("\n", 0, cut) + 1]
+        text = text[: text.rfind("\n", 0, cut) + 1]
     errs = [l for l in text.splitlines() if " ERROR " in l]
-    return {"error_lines": len(errs), "tracebacks": text.count("Traceback (most recent call last)"),
-            "examples": errs[:5]}
+    return {
+        "error_lines": len(errs),
+        "tracebacks": text.count("Traceback (most recent call last)"),
+        "examples": errs[:5],
+    }
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--changes", type=int, default=1000)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--deadline", type=float, default=600.0, help="seconds one request may take")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--url", help="a running xmix serve (its apps must include this script's steer/probe)")
+    ap.add_argument(
+        "--url", help="a running xmix serve (its apps must include this script's steer/probe)"
+    )
     ap.add_argument("--key", default="soak-key")
     ap.add_argument("--admin-key", default="soak-admin-key")
     ap.add_argument("--json", help="write the figures here")
@@ -636,26 +799,41 @@ def main(argv=None) -> int:
         fig["server_log"] = server_errors(log)
     fig["wall_s"] = round(time.time() - t0, 1)
     lat = fig["change_latency_ms"]
-    print(f"[soak] requests sent {fig['requests']}: completed {fig['completed']}, refused by a race "
-          f"{fig['refused_by_race']}, disconnected by the client {fig['disconnected']}, failed "
-          f"{fig['failed']}, hung {fig['hung']}")
-    print(f"[soak] oracle: {fig['oracle_equal']} equal, {fig['oracle_wrong']} wrong "
-          f"({fig['oracle_distinct_runs']} runs alone); {fig['changed_in_flight']} requests lived "
-          f"through a change of their apps (checked for completion and leaks only); leaked {fig['leaked']}")
-    print(f"[soak] changes applied {fig['changes_applied']} (+{fig['changes_refused_as_intended']} refused "
-          f"as intended, {fig['changes_unexpected']} unexpected answers); change latency p50 "
-          f"{lat['p50']} ms, p99 {lat['p99']} ms, max {lat['max']} ms")
+    print(
+        f"[soak] requests sent {fig['requests']}: completed {fig['completed']}, refused by a race "
+        f"{fig['refused_by_race']}, disconnected by the client {fig['disconnected']}, failed "
+        f"{fig['failed']}, hung {fig['hung']}"
+    )
+    print(
+        f"[soak] oracle: {fig['oracle_equal']} equal, {fig['oracle_wrong']} wrong "
+        f"({fig['oracle_distinct_runs']} runs alone); {fig['changed_in_flight']} requests lived "
+        f"through a change of their apps (checked for completion and leaks only); leaked {fig['leaked']}"
+    )
+    print(
+        f"[soak] changes applied {fig['changes_applied']} (+{fig['changes_refused_as_intended']} refused "
+        f"as intended, {fig['changes_unexpected']} unexpected answers); change latency p50 "
+        f"{lat['p50']} ms, p99 {lat['p99']} ms, max {lat['max']} ms"
+    )
     sl = fig["server_log"]
-    print(f"[soak] server log: {sl['error_lines']} ERROR lines, {sl['tracebacks']} tracebacks" if sl
-          else "[soak] server log: not ours (--url)")
+    print(
+        f"[soak] server log: {sl['error_lines']} ERROR lines, {sl['tracebacks']} tracebacks"
+        if sl
+        else "[soak] server log: not ours (--url)"
+    )
     print(f"[soak] wall {fig['wall_s']} s (soak {fig['soak_s']} s, oracle {fig['oracle_s']} s)")
     for k, v in fig["examples"].items():
         for line in v:
             print(f"[soak]   {k}: {line}")
     if args.json:
         Path(args.json).write_text(json.dumps(fig, indent=2))
-    bad = fig["failed"] + fig["hung"] + fig["oracle_wrong"] + fig["leaked"] + fig["changes_unexpected"]
-    bad += (sl["tracebacks"] if sl else 0)
+    bad = (
+        fig["failed"]
+        + fig["hung"]
+        + fig["oracle_wrong"]
+        + fig["leaked"]
+        + fig["changes_unexpected"]
+    )
+    bad += sl["tracebacks"] if sl else 0
     return 1 if bad else 0
 
 

@@ -31,13 +31,16 @@ async def _before(stream, sink: list, applied: dict, n_choices: int, opts: Resul
 
     async for chunk in stream:
         if isinstance(chunk, str) and chunk.startswith('data: {"error"') and applied.get("error"):
-            body = json.loads(chunk[len("data: "):])
+            body = json.loads(chunk[len("data: ") :])
             if isinstance(body.get("error"), dict):
                 body["error"]["message"] = applied["error"]
                 chunk = f"data: {json.dumps(body)}\n\n"
-        elif isinstance(chunk, str) and chunk.startswith("data: {") and (
-                sink or '"finish_reason":"' in chunk):
-            body = json.loads(chunk[len("data: "):])
+        elif (
+            isinstance(chunk, str)
+            and chunk.startswith("data: {")
+            and (sink or '"finish_reason":"' in chunk)
+        ):
+            body = json.loads(chunk[len("data: ") :])
             choices = body.get("choices") or []
             indices = {c.get("index") for c in choices}
             mine = [r for i, r in sink if i in indices]
@@ -61,15 +64,29 @@ async def _before(stream, sink: list, applied: dict, n_choices: int, opts: Resul
 
 def _chunk(i: int, last: bool) -> str:
     # vLLM's CompletionStreamResponse.model_dump_json(exclude_unset=True), one choice
-    choice = {"index": 0, "text": f" tok{i}", "logprobs": None,
-              "finish_reason": "length" if last else None, "stop_reason": None}
-    body = {"id": "cmpl-bench", "object": "text_completion", "created": 1764580000,
-            "model": "tiny", "choices": [choice]}
+    choice = {
+        "index": 0,
+        "text": f" tok{i}",
+        "logprobs": None,
+        "finish_reason": "length" if last else None,
+        "stop_reason": None,
+    }
+    body = {
+        "id": "cmpl-bench",
+        "object": "text_completion",
+        "created": 1764580000,
+        "model": "tiny",
+        "choices": [choice],
+    }
     return "data: " + json.dumps(body, separators=(",", ":")) + "\n\n"
 
 
-APPLIED = {"apps": [{"name": "probe", "version": 3, "mode": "request",
-                     "params": {"scale": 1.0, "bias": 0.0}}], "changed": []}
+APPLIED = {
+    "apps": [
+        {"name": "probe", "version": 3, "mode": "request", "params": {"scale": 1.0, "bias": 0.0}}
+    ],
+    "changed": [],
+}
 
 
 def _reads(kind: str, i: int) -> dict | None:

@@ -76,8 +76,8 @@ std::string cuda_status() {
   int loaded = 0;
   e = static_cast<cudaError_t>(xmix::preload_kernels(&loaded));
   if (e != cudaSuccess) {
-    return "built with CUDA; " + std::to_string(n) + " GPU(s); loading the xmix kernels failed: " +
-           cudaGetErrorString(e);
+    return "built with CUDA; " + std::to_string(n) +
+           " GPU(s); loading the xmix kernels failed: " + cudaGetErrorString(e);
   }
   return "built with CUDA; " + std::to_string(n) + " GPU(s); " + std::to_string(loaded) +
          " xmix kernels loaded";
@@ -89,8 +89,8 @@ std::string cuda_status() {
 #if defined(XMIX_WITH_CUDA)
 void check(int err, const char* what) {
   if (err != 0) {
-    throw std::runtime_error(std::string("xmix: ") + what + " failed: " +
-                             cudaGetErrorString(static_cast<cudaError_t>(err)));
+    throw std::runtime_error(std::string("xmix: ") + what +
+                             " failed: " + cudaGetErrorString(static_cast<cudaError_t>(err)));
   }
 }
 #endif
@@ -99,21 +99,45 @@ void check(int err, const char* what) {
 
 py::dict control_layout() {
   py::dict d;
-  FIELD(ControlBlock, max_tokens); FIELD(ControlBlock, max_slots); FIELD(ControlBlock, max_apps);
-  FIELD(ControlBlock, n_params); FIELD(ControlBlock, n_channels); FIELD(ControlBlock, n_sites);
-  FIELD(ControlBlock, vec_state_width); FIELD(ControlBlock, vocab_words);
-  FIELD(ControlBlock, n_tokens); FIELD(ControlBlock, n_rows);
-  FIELD(ControlBlock, tok_slot); FIELD(ControlBlock, tok_pos); FIELD(ControlBlock, tok_flags);
+  FIELD(ControlBlock, max_tokens);
+  FIELD(ControlBlock, max_slots);
+  FIELD(ControlBlock, max_apps);
+  FIELD(ControlBlock, n_params);
+  FIELD(ControlBlock, n_channels);
+  FIELD(ControlBlock, n_sites);
+  FIELD(ControlBlock, vec_state_width);
+  FIELD(ControlBlock, vocab_words);
+  FIELD(ControlBlock, n_tokens);
+  FIELD(ControlBlock, n_rows);
+  FIELD(ControlBlock, tok_slot);
+  FIELD(ControlBlock, tok_pos);
+  FIELD(ControlBlock, tok_flags);
   FIELD(ControlBlock, tok_row);
-  FIELD(ControlBlock, row_slot); FIELD(ControlBlock, row_tok_start); FIELD(ControlBlock, row_n_tok);
-  FIELD(ControlBlock, row_reset); FIELD(ControlBlock, row_n_prompt); FIELD(ControlBlock, row_done);
-  FIELD(ControlBlock, slot_apps); FIELD(ControlBlock, slot_params); FIELD(ControlBlock, slot_span);
-  FIELD(ControlBlock, read_state); FIELD(ControlBlock, vec_state); FIELD(ControlBlock, counters);
+  FIELD(ControlBlock, row_slot);
+  FIELD(ControlBlock, row_tok_start);
+  FIELD(ControlBlock, row_n_tok);
+  FIELD(ControlBlock, row_reset);
+  FIELD(ControlBlock, row_n_prompt);
+  FIELD(ControlBlock, row_done);
+  FIELD(ControlBlock, slot_apps);
+  FIELD(ControlBlock, slot_params);
+  FIELD(ControlBlock, slot_span);
+  FIELD(ControlBlock, read_state);
+  FIELD(ControlBlock, vec_state);
+  FIELD(ControlBlock, counters);
   FIELD(ControlBlock, app_nonfinite);
-  FIELD(ControlBlock, app_mode); FIELD(ControlBlock, site_first); FIELD(ControlBlock, site_count);
-  FIELD(ControlBlock, ops); FIELD(ControlBlock, cond_code); FIELD(ControlBlock, tokset_bits);
-  FIELD(ControlBlock, span_def); FIELD(ControlBlock, n_spans); FIELD(ControlBlock, n_token_sets);
-  FIELD(ControlBlock, results); FIELD(ControlBlock, capture); FIELD(ControlBlock, capture_size);
+  FIELD(ControlBlock, app_mode);
+  FIELD(ControlBlock, site_first);
+  FIELD(ControlBlock, site_count);
+  FIELD(ControlBlock, ops);
+  FIELD(ControlBlock, cond_code);
+  FIELD(ControlBlock, tokset_bits);
+  FIELD(ControlBlock, span_def);
+  FIELD(ControlBlock, n_spans);
+  FIELD(ControlBlock, n_token_sets);
+  FIELD(ControlBlock, results);
+  FIELD(ControlBlock, capture);
+  FIELD(ControlBlock, capture_size);
   FIELD(ControlBlock, result_valid);
   d["__size__"] = sizeof(ControlBlock);
   return d;
@@ -121,10 +145,22 @@ py::dict control_layout() {
 
 py::dict op_layout() {
   py::dict d;
-  FIELD(OpDesc, kind); FIELD(OpDesc, app); FIELD(OpDesc, cond_begin); FIELD(OpDesc, cond_len);
-  FIELD(OpDesc, param_base); FIELD(OpDesc, channel); FIELD(OpDesc, state_base); FIELD(OpDesc, n);
-  FIELD(OpDesc, m); FIELD(OpDesc, flags); FIELD(OpDesc, a0); FIELD(OpDesc, a1); FIELD(OpDesc, a2);
-  FIELD(OpDesc, fn); FIELD(OpDesc, capture_offset); FIELD(OpDesc, a3);
+  FIELD(OpDesc, kind);
+  FIELD(OpDesc, app);
+  FIELD(OpDesc, cond_begin);
+  FIELD(OpDesc, cond_len);
+  FIELD(OpDesc, param_base);
+  FIELD(OpDesc, channel);
+  FIELD(OpDesc, state_base);
+  FIELD(OpDesc, n);
+  FIELD(OpDesc, m);
+  FIELD(OpDesc, flags);
+  FIELD(OpDesc, a0);
+  FIELD(OpDesc, a1);
+  FIELD(OpDesc, a2);
+  FIELD(OpDesc, fn);
+  FIELD(OpDesc, capture_offset);
+  FIELD(OpDesc, a3);
   d["__size__"] = sizeof(OpDesc);
   return d;
 }
@@ -134,58 +170,124 @@ py::dict op_layout() {
 #define SIZE(T, f) d[#f] = sizeof(std::declval<T>().f)
 py::dict control_field_sizes() {
   py::dict d;
-  SIZE(ControlBlock, max_tokens); SIZE(ControlBlock, max_slots); SIZE(ControlBlock, max_apps);
-  SIZE(ControlBlock, n_params); SIZE(ControlBlock, n_channels); SIZE(ControlBlock, n_sites);
-  SIZE(ControlBlock, vec_state_width); SIZE(ControlBlock, vocab_words);
-  SIZE(ControlBlock, n_tokens); SIZE(ControlBlock, n_rows);
-  SIZE(ControlBlock, tok_slot); SIZE(ControlBlock, tok_pos); SIZE(ControlBlock, tok_flags);
+  SIZE(ControlBlock, max_tokens);
+  SIZE(ControlBlock, max_slots);
+  SIZE(ControlBlock, max_apps);
+  SIZE(ControlBlock, n_params);
+  SIZE(ControlBlock, n_channels);
+  SIZE(ControlBlock, n_sites);
+  SIZE(ControlBlock, vec_state_width);
+  SIZE(ControlBlock, vocab_words);
+  SIZE(ControlBlock, n_tokens);
+  SIZE(ControlBlock, n_rows);
+  SIZE(ControlBlock, tok_slot);
+  SIZE(ControlBlock, tok_pos);
+  SIZE(ControlBlock, tok_flags);
   SIZE(ControlBlock, tok_row);
-  SIZE(ControlBlock, row_slot); SIZE(ControlBlock, row_tok_start); SIZE(ControlBlock, row_n_tok);
-  SIZE(ControlBlock, row_reset); SIZE(ControlBlock, row_n_prompt); SIZE(ControlBlock, row_done);
-  SIZE(ControlBlock, slot_apps); SIZE(ControlBlock, slot_params); SIZE(ControlBlock, slot_span);
-  SIZE(ControlBlock, read_state); SIZE(ControlBlock, vec_state); SIZE(ControlBlock, counters);
+  SIZE(ControlBlock, row_slot);
+  SIZE(ControlBlock, row_tok_start);
+  SIZE(ControlBlock, row_n_tok);
+  SIZE(ControlBlock, row_reset);
+  SIZE(ControlBlock, row_n_prompt);
+  SIZE(ControlBlock, row_done);
+  SIZE(ControlBlock, slot_apps);
+  SIZE(ControlBlock, slot_params);
+  SIZE(ControlBlock, slot_span);
+  SIZE(ControlBlock, read_state);
+  SIZE(ControlBlock, vec_state);
+  SIZE(ControlBlock, counters);
   SIZE(ControlBlock, app_nonfinite);
-  SIZE(ControlBlock, app_mode); SIZE(ControlBlock, site_first); SIZE(ControlBlock, site_count);
-  SIZE(ControlBlock, ops); SIZE(ControlBlock, cond_code); SIZE(ControlBlock, tokset_bits);
-  SIZE(ControlBlock, span_def); SIZE(ControlBlock, n_spans); SIZE(ControlBlock, n_token_sets);
-  SIZE(ControlBlock, results); SIZE(ControlBlock, capture); SIZE(ControlBlock, capture_size);
+  SIZE(ControlBlock, app_mode);
+  SIZE(ControlBlock, site_first);
+  SIZE(ControlBlock, site_count);
+  SIZE(ControlBlock, ops);
+  SIZE(ControlBlock, cond_code);
+  SIZE(ControlBlock, tokset_bits);
+  SIZE(ControlBlock, span_def);
+  SIZE(ControlBlock, n_spans);
+  SIZE(ControlBlock, n_token_sets);
+  SIZE(ControlBlock, results);
+  SIZE(ControlBlock, capture);
+  SIZE(ControlBlock, capture_size);
   SIZE(ControlBlock, result_valid);
   return d;
 }
 
 py::dict op_field_sizes() {
   py::dict d;
-  SIZE(OpDesc, kind); SIZE(OpDesc, app); SIZE(OpDesc, cond_begin); SIZE(OpDesc, cond_len);
-  SIZE(OpDesc, param_base); SIZE(OpDesc, channel); SIZE(OpDesc, state_base); SIZE(OpDesc, n);
-  SIZE(OpDesc, m); SIZE(OpDesc, flags); SIZE(OpDesc, a0); SIZE(OpDesc, a1); SIZE(OpDesc, a2);
-  SIZE(OpDesc, fn); SIZE(OpDesc, capture_offset); SIZE(OpDesc, a3);
+  SIZE(OpDesc, kind);
+  SIZE(OpDesc, app);
+  SIZE(OpDesc, cond_begin);
+  SIZE(OpDesc, cond_len);
+  SIZE(OpDesc, param_base);
+  SIZE(OpDesc, channel);
+  SIZE(OpDesc, state_base);
+  SIZE(OpDesc, n);
+  SIZE(OpDesc, m);
+  SIZE(OpDesc, flags);
+  SIZE(OpDesc, a0);
+  SIZE(OpDesc, a1);
+  SIZE(OpDesc, a2);
+  SIZE(OpDesc, fn);
+  SIZE(OpDesc, capture_offset);
+  SIZE(OpDesc, a3);
   return d;
 }
 #undef SIZE
 
 py::dict constants() {
   py::dict d;
-  d["DT_F32"] = int(DT_F32); d["DT_BF16"] = int(DT_BF16); d["DT_F16"] = int(DT_F16);
+  d["DT_F32"] = int(DT_F32);
+  d["DT_BF16"] = int(DT_BF16);
+  d["DT_F16"] = int(DT_F16);
   d["SITES_PER_LAYER"] = kSitesPerLayer;
-  d["SITE_RESIDUAL_PRE"] = int(SITE_RESIDUAL_PRE); d["SITE_ATTENTION_POST"] = int(SITE_ATTENTION_POST);
-  d["SITE_RESIDUAL_MID"] = int(SITE_RESIDUAL_MID); d["SITE_ROUTER_LOGITS"] = int(SITE_ROUTER_LOGITS);
-  d["SITE_MLP_POST"] = int(SITE_MLP_POST); d["SITE_RESIDUAL_POST"] = int(SITE_RESIDUAL_POST);
-  d["OP_PROBE"] = int(OP_PROBE); d["OP_CAPTURE"] = int(OP_CAPTURE); d["OP_COSINE"] = int(OP_COSINE);
-  d["OP_DISTANCE"] = int(OP_DISTANCE); d["OP_ADD"] = int(OP_ADD); d["OP_ABLATE"] = int(OP_ABLATE);
-  d["OP_AFFINE"] = int(OP_AFFINE); d["OP_CLAMP"] = int(OP_CLAMP); d["OP_ROUTER"] = int(OP_ROUTER);
+  d["SITE_RESIDUAL_PRE"] = int(SITE_RESIDUAL_PRE);
+  d["SITE_ATTENTION_POST"] = int(SITE_ATTENTION_POST);
+  d["SITE_RESIDUAL_MID"] = int(SITE_RESIDUAL_MID);
+  d["SITE_ROUTER_LOGITS"] = int(SITE_ROUTER_LOGITS);
+  d["SITE_MLP_POST"] = int(SITE_MLP_POST);
+  d["SITE_RESIDUAL_POST"] = int(SITE_RESIDUAL_POST);
+  d["OP_PROBE"] = int(OP_PROBE);
+  d["OP_CAPTURE"] = int(OP_CAPTURE);
+  d["OP_COSINE"] = int(OP_COSINE);
+  d["OP_DISTANCE"] = int(OP_DISTANCE);
+  d["OP_ADD"] = int(OP_ADD);
+  d["OP_ABLATE"] = int(OP_ABLATE);
+  d["OP_AFFINE"] = int(OP_AFFINE);
+  d["OP_CLAMP"] = int(OP_CLAMP);
+  d["OP_ROUTER"] = int(OP_ROUTER);
   d["OP_CUSTOM"] = int(OP_CUSTOM);
-  d["OP_SAE_READ"] = int(OP_SAE_READ); d["OP_SAE_CLAMP"] = int(OP_SAE_CLAMP);
-  d["TF_VALID"] = int(TF_VALID); d["TF_PROMPT"] = int(TF_PROMPT);
-  d["TF_GENERATED"] = int(TF_GENERATED); d["TF_LAST"] = int(TF_LAST);
-  d["TOKEN_SET_BIT0"] = kTokenSetBit0; d["MAX_TOKEN_SETS"] = kMaxTokenSets;
-  d["SPAN_BIT0"] = kSpanBit0; d["MAX_SPANS"] = kMaxSpans;
-  d["C_TRUE"] = int(C_TRUE); d["C_FLAG"] = int(C_FLAG); d["C_GATE"] = int(C_GATE);
-  d["C_LATCH"] = int(C_LATCH); d["C_AND"] = int(C_AND); d["C_OR"] = int(C_OR); d["C_NOT"] = int(C_NOT);
-  d["CMP_GE"] = int(CMP_GE); d["CMP_GT"] = int(CMP_GT); d["CMP_LE"] = int(CMP_LE);
-  d["CMP_LT"] = int(CMP_LT); d["CMP_EQ"] = int(CMP_EQ); d["CMP_NE"] = int(CMP_NE);
-  d["RED_MEAN"] = int(RED_MEAN); d["RED_LAST"] = int(RED_LAST); d["LATCH_FROM_GENERATED"] = int(kLatchFromGenerated);
-  d["MAX_COND_STACK"] = kMaxCondStack; d["READ_STATE_WIDTH"] = kReadStateWidth;
-  d["MODE_OFF"] = int(MODE_OFF); d["MODE_REQUEST"] = int(MODE_REQUEST); d["MODE_ALL"] = int(MODE_ALL);
+  d["OP_SAE_READ"] = int(OP_SAE_READ);
+  d["OP_SAE_CLAMP"] = int(OP_SAE_CLAMP);
+  d["TF_VALID"] = int(TF_VALID);
+  d["TF_PROMPT"] = int(TF_PROMPT);
+  d["TF_GENERATED"] = int(TF_GENERATED);
+  d["TF_LAST"] = int(TF_LAST);
+  d["TOKEN_SET_BIT0"] = kTokenSetBit0;
+  d["MAX_TOKEN_SETS"] = kMaxTokenSets;
+  d["SPAN_BIT0"] = kSpanBit0;
+  d["MAX_SPANS"] = kMaxSpans;
+  d["C_TRUE"] = int(C_TRUE);
+  d["C_FLAG"] = int(C_FLAG);
+  d["C_GATE"] = int(C_GATE);
+  d["C_LATCH"] = int(C_LATCH);
+  d["C_AND"] = int(C_AND);
+  d["C_OR"] = int(C_OR);
+  d["C_NOT"] = int(C_NOT);
+  d["CMP_GE"] = int(CMP_GE);
+  d["CMP_GT"] = int(CMP_GT);
+  d["CMP_LE"] = int(CMP_LE);
+  d["CMP_LT"] = int(CMP_LT);
+  d["CMP_EQ"] = int(CMP_EQ);
+  d["CMP_NE"] = int(CMP_NE);
+  d["RED_MEAN"] = int(RED_MEAN);
+  d["RED_LAST"] = int(RED_LAST);
+  d["LATCH_FROM_GENERATED"] = int(kLatchFromGenerated);
+  d["MAX_COND_STACK"] = kMaxCondStack;
+  d["READ_STATE_WIDTH"] = kReadStateWidth;
+  d["MODE_OFF"] = int(MODE_OFF);
+  d["MODE_REQUEST"] = int(MODE_REQUEST);
+  d["MODE_ALL"] = int(MODE_ALL);
   return d;
 }
 
@@ -214,8 +316,9 @@ PYBIND11_MODULE(_C, m) {
 
   using G = py::call_guard<py::gil_scoped_release>;
   // None, or [(app index, message)] of the ops that failed (the rest of the site ran).
-  m.def("run_site_cpu", [](uint64_t cb, int32_t site, uint64_t h, uint64_t r, int32_t n_rows,
-                           int32_t d, int64_t sh, int64_t sr, int32_t dtype) -> py::object {
+  m.def("run_site_cpu",
+        [](uint64_t cb, int32_t site, uint64_t h, uint64_t r, int32_t n_rows, int32_t d, int64_t sh,
+           int64_t sr, int32_t dtype) -> py::object {
           std::vector<SiteFailure> failed;
           {
             py::gil_scoped_release release;
@@ -228,59 +331,83 @@ PYBIND11_MODULE(_C, m) {
         });
   m.def("run_op_cpu", [](uint64_t cb, int32_t site, int32_t op_index, uint64_t h, uint64_t r,
                          int32_t n_rows, int32_t d, int64_t sh, int64_t sr, int32_t dtype) {
-          run_op_cpu(cb_at(cb), op_at(cb_at(cb), site, op_index), vp(h), vp(r), n_rows, d, sh, sr, dtype);
-        });
-  m.def("run_prologue_cpu", [](uint64_t cb, uint64_t ids, int32_t ids_dtype) {
-          run_prologue_cpu(cb_at(cb), vp(ids), ids_dtype);
-        }, G());
+    run_op_cpu(cb_at(cb), op_at(cb_at(cb), site, op_index), vp(h), vp(r), n_rows, d, sh, sr, dtype);
+  });
+  m.def(
+      "run_prologue_cpu",
+      [](uint64_t cb, uint64_t ids, int32_t ids_dtype) {
+        run_prologue_cpu(cb_at(cb), vp(ids), ids_dtype);
+      },
+      G());
   m.def("op_any_selected_cpu", [](uint64_t cb, int32_t site, int32_t op_index) {
-          return op_any_selected_cpu(cb_at(cb), op_at(cb_at(cb), site, op_index));
-        });
-  m.def("fill_step_maps", [](int32_t n_req, uint64_t slots, uint64_t n_tok, uint64_t start,
-                             uint64_t plen, int32_t padded, py::dict out) {
-          StepRows in{n_req, static_cast<const int32_t*>(vp(slots)), static_cast<const int64_t*>(vp(n_tok)),
-                      static_cast<const int64_t*>(vp(start)), static_cast<const int64_t*>(vp(plen)), padded};
-          auto p = [&](const char* k) { return static_cast<int32_t*>(vp(out[k].cast<uint64_t>())); };
-          StepMaps o{p("tok_slot"), p("tok_pos"), p("tok_flags"), p("tok_row"), p("row_slot"),
-                     p("row_tok_start"), p("row_n_tok"), p("row_reset"), p("row_n_prompt"), p("row_done")};
-          return fill_step_maps(in, o);
-        }, "Per-token flags and maps of one step into the given host arrays (by pointer)");
+    return op_any_selected_cpu(cb_at(cb), op_at(cb_at(cb), site, op_index));
+  });
+  m.def(
+      "fill_step_maps",
+      [](int32_t n_req, uint64_t slots, uint64_t n_tok, uint64_t start, uint64_t plen,
+         int32_t padded, py::dict out) {
+        StepRows in{n_req,
+                    static_cast<const int32_t*>(vp(slots)),
+                    static_cast<const int64_t*>(vp(n_tok)),
+                    static_cast<const int64_t*>(vp(start)),
+                    static_cast<const int64_t*>(vp(plen)),
+                    padded};
+        auto p = [&](const char* k) { return static_cast<int32_t*>(vp(out[k].cast<uint64_t>())); };
+        StepMaps o{p("tok_slot"),     p("tok_pos"),       p("tok_flags"), p("tok_row"),
+                   p("row_slot"),     p("row_tok_start"), p("row_n_tok"), p("row_reset"),
+                   p("row_n_prompt"), p("row_done")};
+        return fill_step_maps(in, o);
+      },
+      "Per-token flags and maps of one step into the given host arrays (by pointer)");
   m.def("load_custom_cpu", [](const std::string& lib, const std::string& sym) {
-          std::string err;
-          uint64_t fn = load_custom_cpu(lib, sym, &err);
-          if (!fn) throw std::runtime_error(err);
-          return fn;
-        });
+    std::string err;
+    uint64_t fn = load_custom_cpu(lib, sym, &err);
+    if (!fn) throw std::runtime_error(err);
+    return fn;
+  });
 
 #if defined(XMIX_WITH_CUDA)
-  m.def("launch_site_anchor", [](uint64_t cb, int32_t site, uint64_t h, uint64_t r, int32_t n_rows,
-                                 int32_t d, int64_t sh, int64_t sr, int32_t dtype, uint64_t stream) {
+  m.def("launch_site_anchor",
+        [](uint64_t cb, int32_t site, uint64_t h, uint64_t r, int32_t n_rows, int32_t d, int64_t sh,
+           int64_t sr, int32_t dtype, uint64_t stream) {
           check(launch_site_anchor(reinterpret_cast<const ControlBlock*>(cb), site, vp(h), vp(r),
-                                   n_rows, d, sh, sr, dtype, vp(stream)), "site anchor launch");
+                                   n_rows, d, sh, sr, dtype, vp(stream)),
+                "site anchor launch");
         });
-  m.def("launch_op", [](uint64_t cb, int32_t site, int32_t op_index, uint64_t h, uint64_t r,
-                        int32_t n_rows, int32_t d, int64_t sh, int64_t sr, int32_t dtype, uint64_t stream) {
+  m.def("launch_op",
+        [](uint64_t cb, int32_t site, int32_t op_index, uint64_t h, uint64_t r, int32_t n_rows,
+           int32_t d, int64_t sh, int64_t sr, int32_t dtype, uint64_t stream) {
           check(launch_op(reinterpret_cast<const ControlBlock*>(cb), site, op_index, vp(h), vp(r),
-                          n_rows, d, sh, sr, dtype, vp(stream)), "op launch");
+                          n_rows, d, sh, sr, dtype, vp(stream)),
+                "op launch");
         });
-  m.def("launch_prologue", [](uint64_t cb, uint64_t ids, int32_t ids_dtype, int32_t max_rows,
-                              uint64_t stream) {
+  m.def("launch_prologue",
+        [](uint64_t cb, uint64_t ids, int32_t ids_dtype, int32_t max_rows, uint64_t stream) {
           check(launch_prologue(reinterpret_cast<const ControlBlock*>(cb), vp(ids), ids_dtype,
-                                max_rows, vp(stream)), "prologue launch");
+                                max_rows, vp(stream)),
+                "prologue launch");
         });
   m.def("launch_gate", [](uint64_t cb, int32_t site, int32_t op_index, int32_t n_rows,
                           uint64_t handle, uint64_t stream) {
-          check(launch_gate(reinterpret_cast<const ControlBlock*>(cb), site, op_index, n_rows, handle,
-                            vp(stream)), "gate launch");
-        });
-  m.def("launch_custom", [](uint64_t cb, int32_t site, int32_t op_index, uint64_t kernel,
-                            uint64_t h, uint64_t r, int64_t sh, int64_t sr, int32_t n_rows, int32_t d,
-                            int32_t dtype, int32_t n_params, uint64_t tok_slot, uint64_t tok_pos,
-                            uint64_t slot_params, int32_t param_base, uint64_t artifact,
-                            int32_t artifact_numel, uint64_t select, uint64_t out, uint64_t stream) {
+    check(launch_gate(reinterpret_cast<const ControlBlock*>(cb), site, op_index, n_rows, handle,
+                      vp(stream)),
+          "gate launch");
+  });
+  m.def("launch_custom",
+        [](uint64_t cb, int32_t site, int32_t op_index, uint64_t kernel, uint64_t h, uint64_t r,
+           int64_t sh, int64_t sr, int32_t n_rows, int32_t d, int32_t dtype, int32_t n_params,
+           uint64_t tok_slot, uint64_t tok_pos, uint64_t slot_params, int32_t param_base,
+           uint64_t artifact, int32_t artifact_numel, uint64_t select, uint64_t out,
+           uint64_t stream) {
           xmix_custom_args a{};
-          a.h = vp(h); a.r = vp(r); a.stride_h = sh; a.stride_r = sr; a.n_rows = n_rows; a.d = d;
-          a.dtype = dtype; a.n_params = n_params;
+          a.h = vp(h);
+          a.r = vp(r);
+          a.stride_h = sh;
+          a.stride_r = sr;
+          a.n_rows = n_rows;
+          a.d = d;
+          a.dtype = dtype;
+          a.n_params = n_params;
           a.tok_slot = static_cast<const int32_t*>(vp(tok_slot));
           a.tok_pos = static_cast<const int32_t*>(vp(tok_pos));
           a.slot_params = static_cast<const float*>(vp(slot_params));
@@ -289,15 +416,17 @@ PYBIND11_MODULE(_C, m) {
           a.artifact_numel = artifact_numel;
           check(launch_custom(reinterpret_cast<const ControlBlock*>(cb), site, op_index, kernel, &a,
                               static_cast<uint8_t*>(vp(select)), static_cast<float*>(vp(out)),
-                              vp(stream)), "custom kernel launch");
+                              vp(stream)),
+                "custom kernel launch");
         });
   m.def("load_custom_cuda", [](py::bytes image, const std::string& name) {
-          std::string img = image;
-          uint64_t k = 0;
-          check(load_custom_cuda(img.data(), name.c_str(), &k), "loading custom CUDA kernel");
-          return k;
-        });
-  m.def("anchor_kernel_symbol", []() { return reinterpret_cast<uint64_t>(anchor_kernel_symbol()); });
+    std::string img = image;
+    uint64_t k = 0;
+    check(load_custom_cuda(img.data(), name.c_str(), &k), "loading custom CUDA kernel");
+    return k;
+  });
+  m.def("anchor_kernel_symbol",
+        []() { return reinterpret_cast<uint64_t>(anchor_kernel_symbol()); });
   m.def("op_kernel_symbol", []() { return reinterpret_cast<uint64_t>(op_kernel_symbol()); });
   m.def("gate_kernel_symbol", []() { return reinterpret_cast<uint64_t>(gate_kernel_symbol()); });
 #endif

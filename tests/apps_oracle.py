@@ -25,30 +25,32 @@ test module deploys them on entry and undeploys them on exit (``deploy_env``).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
 
 import xmix
-from xmix.apps import cast, derive as D, kl_then_steer, refusal, sake, seal, steer_moe, truth_probe
+from engine_util import assert_reads_match, hf_model, make_llm, shutdown
+from xmix.apps import cast, kl_then_steer, refusal, sake, seal, steer_moe, truth_probe
+from xmix.apps import derive as D
 from xmix.models.tiny import tiny_model_path
 
-from engine_util import assert_reads_match, hf_model, make_llm, shutdown
-
-
 PROMPTS_DIR = Path(__file__).resolve().parents[1] / "examples" / "prompts"
-G = 12                       # generated tokens per request
+G = 12  # generated tokens per request
 RTOL, ATOL = 1e-4, 1e-5
 F64 = torch.float64
 
 
 def lines(name: str) -> list[str]:
-    return [l.strip() for l in (PROMPTS_DIR / f"{name}.txt").read_text(encoding="utf-8").splitlines()
-            if l.strip()]
+    return [
+        l.strip()
+        for l in (PROMPTS_DIR / f"{name}.txt").read_text(encoding="utf-8").splitlines()
+        if l.strip()
+    ]
 
 
 # ============================================================================ shared engines
@@ -73,7 +75,7 @@ def release(kind: str) -> None:
 @dataclass
 class Ctx:
     ids: list[int]
-    P: int                                    # prompt length
+    P: int  # prompt length
     reads: dict = field(default_factory=dict)  # app -> key -> {"positions", "values"}
     state: dict = field(default_factory=dict)  # latches decided in this forward
     routing: dict = field(default_factory=dict)  # layer -> [T, k] experts chosen
@@ -100,7 +102,8 @@ class Hooked:
                 layer.register_forward_pre_hook(self._pre(("residual.pre", l)), with_kwargs=True),
                 layer.self_attn.register_forward_hook(self._out(("attention.post", l))),
                 layer.post_attention_layernorm.register_forward_pre_hook(
-                    self._pre(("residual.mid", l)), with_kwargs=True),
+                    self._pre(("residual.mid", l)), with_kwargs=True
+                ),
                 layer.mlp.register_forward_hook(self._out(("mlp.post", l))),
                 layer.register_forward_hook(self._out(("residual.post", l))),
             ]
@@ -124,6 +127,7 @@ class Hooked:
             kwargs = dict(kwargs)
             kwargs["hidden_states"] = self._apply(key, kwargs["hidden_states"][0])[None]
             return args, kwargs
+
         return hook
 
     def _out(self, key):
@@ -133,6 +137,7 @@ class Hooked:
             if isinstance(out, tuple):
                 return (self._apply(key, out[0][0])[None],) + tuple(out[1:])
             return self._apply(key, out[0])[None]
+
         return hook
 
     def _router(self, layer):
@@ -149,6 +154,7 @@ class Hooked:
             if self.ctx is not None:
                 self.ctx.routing[layer] = idx.detach().clone()
             return logits, scores, idx
+
         return hook
 
     def set_plan(self, ops: list[Op]) -> None:
@@ -163,8 +169,9 @@ class Hooked:
         ctx, self.ctx = self.ctx, None
         return logits, ctx
 
-    def generate(self, prompt: list[int], ops: list[Op], n: int = G,
-                 allowed: list[int] | None = None) -> tuple[list[int], dict, Ctx]:
+    def generate(
+        self, prompt: list[int], ops: list[Op], n: int = G, allowed: list[int] | None = None
+    ) -> tuple[list[int], dict, Ctx]:
         """Greedy tokens, and the reads of the last forward (prompt + all generated tokens
         but the last, which is never fed back)."""
         self.set_plan(ops)
@@ -179,7 +186,7 @@ class Hooked:
                 last = masked
             seq.append(int(last.argmax()))
         self.set_plan([])
-        return seq[len(prompt):], ctx.reads, ctx
+        return seq[len(prompt) :], ctx.reads, ctx
 
 
 # ---------------------------------------------------------------------------- the papers' math
@@ -192,6 +199,7 @@ def ref_capture(app: str, key: str, cond: Callable[[Ctx, int], bool] = lambda c,
     def fn(x, ctx):
         pos = [p for p in range(x.shape[0]) if cond(ctx, p)]
         ctx.read(app, key, pos, [x[p].double().tolist() for p in pos])
+
     return fn
 
 
@@ -201,12 +209,14 @@ def ref_ablate(r: torch.Tensor):
     def fn(x, ctx):
         xd = x.double()
         return (xd - (xd @ u)[:, None] * u[None]).to(x.dtype)
+
     return fn
 
 
 def ref_add(v: torch.Tensor, scale: float, mask: Callable[[Ctx, int], bool] = lambda c, p: True):
     def fn(x, ctx):
         return _rows(x, [mask(ctx, p) for p in range(x.shape[0])], x.double() + scale * v.double())
+
     return fn
 
 
@@ -234,8 +244,12 @@ def cast_score(mean: torch.Tensor, v: torch.Tensor) -> float:
     return float(m @ proj / (m.norm() * proj.norm()))
 
 
-CMP = {">=": lambda a, b: a >= b, ">": lambda a, b: a > b, "<=": lambda a, b: a <= b,
-       "<": lambda a, b: a < b}
+CMP = {
+    ">=": lambda a, b: a >= b,
+    ">": lambda a, b: a > b,
+    "<=": lambda a, b: a <= b,
+    "<": lambda a, b: a < b,
+}
 
 
 def sigmoid_probe(x: torch.Tensor, w: torch.Tensor, b: float) -> torch.Tensor:
@@ -253,21 +267,29 @@ class Spec:
 
     app: xmix.App
     ops: Callable[[dict], list[Op]]
-    params: dict = field(default_factory=dict)   # the app's defaults, overridable per request
+    params: dict = field(default_factory=dict)  # the app's defaults, overridable per request
 
 
 def spec_refusal(r: torch.Tensor, n_layers: int) -> Spec:
     def ops(p):
-        return [(site, l, ref_ablate(r)) for l in range(n_layers)
-                for site in ("residual.pre", "attention.post", "mlp.post")]
+        return [
+            (site, l, ref_ablate(r))
+            for l in range(n_layers)
+            for site in ("residual.pre", "attention.post", "mlp.post")
+        ]
+
     return Spec(refusal(r), ops)
 
 
 def spec_refusal_add(r: torch.Tensor, layer: int, coeff: float) -> Spec:
     def ops(p):
         return [("residual.pre", layer, ref_add(r, p["scale"]))]
-    return Spec(refusal(r, variant="add", layer=layer, coeff=coeff, name="refusal_add"), ops,
-                {"scale": coeff})
+
+    return Spec(
+        refusal(r, variant="add", layer=layer, coeff=coeff, name="refusal_add"),
+        ops,
+        {"scale": coeff},
+    )
 
 
 def spec_seal(S: torch.Tensor, layer: int, coeff: float, tok) -> Spec:
@@ -277,35 +299,59 @@ def spec_seal(S: torch.Tensor, layer: int, coeff: float, tok) -> Spec:
     def ops(p):
         def fn(x, ctx):
             return _rows(x, seal_mask(ctx, nl2, o, c), x.double() + p["scale"] * S.double())
+
         return [("residual.pre", layer, fn)]
+
     return Spec(seal(S, layer, coeff=coeff), ops, {"scale": coeff})
 
 
 def spec_cast(v, u, cl: int, bl: list[int], theta: float, cmp: str, alpha: float) -> Spec:
     def ops(p):
         def read(x, ctx):
-            score = cast_score(x[:ctx.P].double().mean(0), v)
+            score = cast_score(x[: ctx.P].double().mean(0), v)
             ctx.read("cast", "cast_sim", [ctx.P - 1], [score])
             ctx.state["cast"] = CMP[cmp](score, p["theta"])
 
         out = [("residual.pre", cl, read)]
         for i, l in enumerate(bl):
-            out.append(("residual.pre", l, ref_add(u[i], p["scale"],
-                                                   lambda c, q: c.state["cast"] and q >= c.P - 1)))
+            out.append(
+                (
+                    "residual.pre",
+                    l,
+                    ref_add(u[i], p["scale"], lambda c, q: c.state["cast"] and q >= c.P - 1),
+                )
+            )
         return out
-    return Spec(cast(v, u, condition_layer=cl, behavior_layers=bl, threshold=theta, comparator=cmp,
-                     alpha=alpha), ops, {"theta": theta, "scale": alpha})
+
+    return Spec(
+        cast(
+            v,
+            u,
+            condition_layer=cl,
+            behavior_layers=bl,
+            threshold=theta,
+            comparator=cmp,
+            alpha=alpha,
+        ),
+        ops,
+        {"theta": theta, "scale": alpha},
+    )
 
 
 def spec_truth(w, b: float, layer: int, tokens: str, name: str = "truth_probe") -> Spec:
-    which = {"generated": lambda c, q: q >= c.P, "last_token": last_token,
-             "all": lambda c, q: True}[tokens]
+    which = {
+        "generated": lambda c, q: q >= c.P,
+        "last_token": last_token,
+        "all": lambda c, q: True,
+    }[tokens]
 
     def ops(p):
         def fn(x, ctx):
             pos = [q for q in range(x.shape[0]) if which(ctx, q)]
             ctx.read(name, "truth", pos, sigmoid_probe(x[pos], w, p["bias"]).tolist())
+
         return [("mlp.post", layer, fn)]
+
     return Spec(truth_probe(w, b, layer, tokens=tokens, name=name), ops, {"bias": b})
 
 
@@ -319,24 +365,35 @@ def spec_sake(A, mu_s, mu_t, t: float) -> Spec:
             ctx.state["sake_fire"] = fire
             new = (x.double() - mu_s.double()) @ A.double().T + mu_t.double()
             return _rows(x, fire, new)
+
         return [("final.post", None, fn)]
+
     return Spec(sake(A, mu_s, mu_t, t), ops, {"t": t})
 
 
 def spec_kts(u, s, w, b: float, pl: int, layers: list[int], coeff: float, threshold: float) -> Spec:
     def ops(p):
         def read(x, ctx):
-            vals = sigmoid_probe(x[:ctx.P], w, b)
+            vals = sigmoid_probe(x[: ctx.P], w, b)
             ctx.read("kl_then_steer", "kts_probe", list(range(ctx.P)), vals.tolist())
             ctx.state["kts"] = float(vals.mean()) >= p["threshold"]
 
         out = [("residual.post", pl, read)]
         for i, l in enumerate(layers):
-            out.append(("residual.post", l, ref_add(s[i] * u[i], p["scale"],
-                                                    lambda c, q: c.state["kts"] and q >= c.P - 1)))
+            out.append(
+                (
+                    "residual.post",
+                    l,
+                    ref_add(s[i] * u[i], p["scale"], lambda c, q: c.state["kts"] and q >= c.P - 1),
+                )
+            )
         return out
-    return Spec(kl_then_steer(u, s, w, b, probe_layer=pl, layers=layers, coeff=coeff,
-                              threshold=threshold), ops, {"threshold": threshold, "scale": coeff})
+
+    return Spec(
+        kl_then_steer(u, s, w, b, probe_layer=pl, layers=layers, coeff=coeff, threshold=threshold),
+        ops,
+        {"threshold": threshold, "scale": coeff},
+    )
 
 
 def spec_steer_moe(mask: torch.Tensor, moe_layers: list[int], delta: float) -> Spec:
@@ -351,8 +408,10 @@ def spec_steer_moe(mask: torch.Tensor, moe_layers: list[int], delta: float) -> S
                 lo = s.min(-1, keepdim=True).values - p["delta"]
                 new = torch.where(m > 0, hi, torch.where(m < 0, lo, s))
                 return new.to(x.dtype)
+
             out.append(("router.logits", l, fn))
         return out
+
     return Spec(steer_moe(mask, delta=delta), ops, {"delta": delta})
 
 
@@ -369,14 +428,19 @@ def observers(n_layers: int) -> tuple[xmix.App, xmix.App, Callable, Callable]:
     post.read("capture").submodule("final.post").named("fin").cond("last_token")
 
     def pre_ops(p):
-        return [("residual.pre", 2, ref_capture("pre", "rp2")),
-                ("residual.post", 1, ref_capture("pre", "ro1")),
-                ("final.post", None, ref_capture("pre", "fin", last_token))]
+        return [
+            ("residual.pre", 2, ref_capture("pre", "rp2")),
+            ("residual.post", 1, ref_capture("pre", "ro1")),
+            ("final.post", None, ref_capture("pre", "fin", last_token)),
+        ]
 
     def post_ops(p):
-        return ([("residual.pre", 2, ref_capture("post", "rp2"))]
-                + [("residual.post", l, ref_capture("post", f"ro.{l}")) for l in range(n_layers)]
-                + [("final.post", None, ref_capture("post", "fin", last_token))])
+        return (
+            [("residual.pre", 2, ref_capture("post", "rp2"))]
+            + [("residual.post", l, ref_capture("post", f"ro.{l}")) for l in range(n_layers)]
+            + [("final.post", None, ref_capture("post", "fin", last_token))]
+        )
+
     return pre, post, pre_ops, post_ops
 
 
@@ -387,7 +451,7 @@ class Env:
     llm: Any
     ref: Hooked
     tok: Any
-    specs: dict[str, Spec]          # in deployment order
+    specs: dict[str, Spec]  # in deployment order
     vanilla: dict = field(default_factory=dict)
 
     def ids(self, text: str) -> list[int]:
@@ -421,14 +485,18 @@ def build_specs(ref: Hooked, tok, n_layers: int, moe_layers: list[int]) -> dict[
     (on the transformers model), scaled so that the writes change answers without near-ties."""
     specs: dict[str, Spec] = {}
     rp, rn = lines("refusal_pos"), lines("refusal_neg")
-    r = D.mean_difference(hf_acts(ref, rp, tok, "residual.pre", 2, "last"),
-                          hf_acts(ref, rn, tok, "residual.pre", 2, "last"))
+    r = D.mean_difference(
+        hf_acts(ref, rp, tok, "residual.pre", 2, "last"),
+        hf_acts(ref, rn, tok, "residual.pre", 2, "last"),
+    )
     specs["refusal"] = spec_refusal(r, n_layers)
     specs["refusal_add"] = spec_refusal_add(r, 2, 4.0)
 
     # SEAL: "\n\n" states of a short trace, grouped by the thought that follows (SEAL's keywords)
-    trace = ("<think> Add the two numbers first.\n\nThe sum is seven.\n\nWait, check the second "
-             "number.\n\nAlternatively, count them one by one.\n\nSo the answer is seven.</think>")
+    trace = (
+        "<think> Add the two numbers first.\n\nThe sum is seven.\n\nWait, check the second "
+        "number.\n\nAlternatively, count them one by one.\n\nSo the answer is seven.</think>"
+    )
     ids = tok.encode(trace)
     grab = {}
     ref.set_plan([("residual.pre", 2, lambda x, c: grab.__setitem__("x", x.clone()))])
@@ -437,34 +505,44 @@ def build_specs(ref: Hooked, tok, n_layers: int, moe_layers: list[int]) -> dict[
     nl = [i for i, t in enumerate(ids) if "\n\n" in tok.decode([t])]
     kinds = ["execution", "reflection", "transition", "execution"]  # the thought after each "\n\n"
     assert len(nl) == 4
-    groups = {k: torch.stack([grab["x"][i] for i, kk in zip(nl, kinds) if kk == k]) for k in set(kinds)}
+    groups = {
+        k: torch.stack([grab["x"][i] for i, kk in zip(nl, kinds) if kk == k]) for k in set(kinds)
+    }
     S = D.seal_vector(groups["execution"], groups["reflection"], groups["transition"])
     specs["seal"] = spec_seal(S, 2, 6.0 / float(S.norm()), tok)
 
     cp, cn = lines("cast_pos"), lines("cast_neg")
-    v = D.pca_direction(hf_acts(ref, cp, tok, "residual.pre", 1, "mean"),
-                        hf_acts(ref, cn, tok, "residual.pre", 1, "mean"))
+    v = D.pca_direction(
+        hf_acts(ref, cp, tok, "residual.pre", 1, "mean"),
+        hf_acts(ref, cn, tok, "residual.pre", 1, "mean"),
+    )
     bp = torch.stack([hf_acts(ref, rp, tok, "residual.pre", l, "last") for l in (2, 3)], 1)
     bn = torch.stack([hf_acts(ref, rn, tok, "residual.pre", l, "last") for l in (2, 3)], 1)
     u = D.pca_direction(bp, bn)
     specs["cast"] = spec_cast(v, u, 1, [2, 3], 0.1, ">", 8.0)
 
     tp, tn = lines("truth_pos"), lines("truth_neg")
-    w, b = D.probe_from_sets(hf_acts(ref, tp, tok, "mlp.post", 2, "last"),
-                             hf_acts(ref, tn, tok, "mlp.post", 2, "last"))
+    w, b = D.probe_from_sets(
+        hf_acts(ref, tp, tok, "mlp.post", 2, "last"), hf_acts(ref, tn, tok, "mlp.post", 2, "last")
+    )
     specs["truth_probe"] = spec_truth(w, b, 2, "generated")
     specs["truth_last"] = spec_truth(w, b, 2, "last_token", name="truth_last")
 
-    A, mu_s, mu_t = D.gaussian_transport(hf_acts(ref, tp, tok, "final.post", None, "last"),
-                                         hf_acts(ref, tn, tok, "final.post", None, "last"),
-                                         shrinkage=0.5)
+    A, mu_s, mu_t = D.gaussian_transport(
+        hf_acts(ref, tp, tok, "final.post", None, "last"),
+        hf_acts(ref, tn, tok, "final.post", None, "last"),
+        shrinkage=0.5,
+    )
     specs["sake"] = spec_sake(A, mu_s, mu_t, 12.0)
 
     kp = torch.stack([hf_acts(ref, rp, tok, "residual.post", l, "last") for l in (1, 2)], 1)
     kn = torch.stack([hf_acts(ref, rn, tok, "residual.post", l, "last") for l in (1, 2)], 1)
     ku, ks = D.kts_directions(kp, kn)
-    kw, kb = D.probe_from_sets(hf_acts(ref, rp, tok, "residual.post", 0, "mean"),
-                               hf_acts(ref, rn, tok, "residual.post", 0, "mean"), C=0.05)
+    kw, kb = D.probe_from_sets(
+        hf_acts(ref, rp, tok, "residual.post", 0, "mean"),
+        hf_acts(ref, rn, tok, "residual.post", 0, "mean"),
+        C=0.05,
+    )
     specs["kl_then_steer"] = spec_kts(ku, ks, kw, kb, 0, [1, 2], 3.0, 0.5)
 
     if moe_layers:
@@ -482,8 +560,13 @@ def build_specs(ref: Hooked, tok, n_layers: int, moe_layers: list[int]) -> dict[
 
         ref.set_plan([])
         (pc, pn), (nc, nn) = counts(cp), counts(cn)
-        mask = D.steer_moe_mask(D.routing_difference(pc, pn, nc, nn), n_activate=1, n_deactivate=1,
-                                top_k=k, per_layer=True)
+        mask = D.steer_moe_mask(
+            D.routing_difference(pc, pn, nc, nn),
+            n_activate=1,
+            n_deactivate=1,
+            top_k=k,
+            per_layer=True,
+        )
         specs["steer_moe"] = spec_steer_moe(mask, moe_layers, 0.01)
     return specs
 
@@ -541,8 +624,16 @@ def undeploy_env(env: Env) -> None:
             env.llm.xmix.undeploy(name)
 
 
-LLAMA_APPS = ["refusal", "refusal_add", "seal", "cast", "truth_probe", "truth_last", "sake",
-              "kl_then_steer"]
+LLAMA_APPS = [
+    "refusal",
+    "refusal_add",
+    "seal",
+    "cast",
+    "truth_probe",
+    "truth_last",
+    "sake",
+    "kl_then_steer",
+]
 MIXTRAL_APPS = ["refusal", "seal", "cast", "truth_probe", "sake", "kl_then_steer", "steer_moe"]
 
 
@@ -563,9 +654,15 @@ def run_engine(env: Env, reqs: list[Req]):
         ctl = {"apps": r.apps}
         if r.params:
             ctl["params"] = r.params
-        sps.append(SamplingParams(temperature=0.0, max_tokens=G, ignore_eos=True,
-                                  allowed_token_ids=r.allowed,
-                                  extra_args={"xmix": ctl} if r.apps else None))
+        sps.append(
+            SamplingParams(
+                temperature=0.0,
+                max_tokens=G,
+                ignore_eos=True,
+                allowed_token_ids=r.allowed,
+                extra_args={"xmix": ctl} if r.apps else None,
+            )
+        )
     outs = env.llm.generate([{"prompt_token_ids": r.ids} for r in reqs], sps, use_tqdm=False)
     return [(list(o.outputs[0].token_ids), xmix.results(o)) for o in outs]
 

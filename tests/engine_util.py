@@ -9,8 +9,15 @@ import os
 import numpy as np
 import torch
 
-ENGINE_KW = dict(dtype="float32", max_model_len=512, seed=0, gpu_memory_utilization=0.3,
-                 max_num_batched_tokens=64, max_num_seqs=32, enable_prefix_caching=True)
+ENGINE_KW = dict(
+    dtype="float32",
+    max_model_len=512,
+    seed=0,
+    gpu_memory_utilization=0.3,
+    max_num_batched_tokens=64,
+    max_num_seqs=32,
+    enable_prefix_caching=True,
+)
 
 PROMPTS = [
     "The old lighthouse keeper climbed the stairs every evening",
@@ -74,9 +81,15 @@ def greedy(llm, prompt_ids: list[list[int]], max_tokens: int = 32, controls=None
     from vllm import SamplingParams
 
     controls = controls or [None] * len(prompt_ids)
-    params = [SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
-                             extra_args={"xmix": c} if c is not None else None)
-              for c in controls]
+    params = [
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=max_tokens,
+            ignore_eos=True,
+            extra_args={"xmix": c} if c is not None else None,
+        )
+        for c in controls
+    ]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False)
     return outs
 
@@ -89,20 +102,33 @@ def hf_model(path: str):
     return m
 
 
-def assert_reads_match(engine_res: dict, oracle_res: dict, what: str, rtol: float = 1e-4,
-                       atol: float = 1e-5, scaled: bool = False) -> None:
+def assert_reads_match(
+    engine_res: dict,
+    oracle_res: dict,
+    what: str,
+    rtol: float = 1e-4,
+    atol: float = 1e-5,
+    scaled: bool = False,
+) -> None:
     """Read results of one request (``xmix.results``) against an oracle's: the same apps, reads
     and positions, values within rtol/atol. ``scaled``: atol is relative to the RMS of the
     oracle's values (elements near zero of a captured vector)."""
-    assert set(engine_res) == set(oracle_res), \
+    assert set(engine_res) == set(oracle_res), (
         f"{what}: apps with results {sorted(engine_res)} != {sorted(oracle_res)}"
+    )
     for app, reads in oracle_res.items():
-        assert set(engine_res[app]) == set(reads), \
+        assert set(engine_res[app]) == set(reads), (
             f"{what}: reads of {app}: {sorted(engine_res[app])} != {sorted(reads)}"
+        )
         for key, o in reads.items():
             e = engine_res[app][key]
             assert e["positions"] == o["positions"], f"{what}: {app}.{key} positions differ"
             want = np.asarray(o["values"], np.float64)
-            scale = max(1.0, float(np.sqrt(np.mean(want ** 2)))) if scaled and want.size else 1.0
-            np.testing.assert_allclose(np.asarray(e["values"], np.float64), want, rtol=rtol,
-                                       atol=atol * scale, err_msg=f"{what}: {app}.{key}")
+            scale = max(1.0, float(np.sqrt(np.mean(want**2)))) if scaled and want.size else 1.0
+            np.testing.assert_allclose(
+                np.asarray(e["values"], np.float64),
+                want,
+                rtol=rtol,
+                atol=atol * scale,
+                err_msg=f"{what}: {app}.{key}",
+            )

@@ -19,7 +19,7 @@ from xmix.staging import DeviceQueue
 
 
 class FakeEvent:
-    def __init__(self, dev: "FakeDevice"):
+    def __init__(self, dev: FakeDevice):
         self.dev = dev
         self.done = False
 
@@ -39,9 +39,9 @@ class FakeEvent:
 class FakeDevice(DeviceQueue):
     def __init__(self):
         self.queue: deque = deque()
-        self.h2d_bytes = 0      # bytes queued by copy (host -> device in the control block)
-        self.d2h_bytes = 0      # bytes queued by side_copy (results to the host)
-        self.host_waits = 0     # times the host had to wait for queued work
+        self.h2d_bytes = 0  # bytes queued by copy (host -> device in the control block)
+        self.d2h_bytes = 0  # bytes queued by side_copy (results to the host)
+        self.host_waits = 0  # times the host had to wait for queued work
         self.executed = 0
 
     # ---------------------------------------------------------------- DeviceQueue

@@ -16,8 +16,16 @@ from xmix.control import Capacity, ControlBlock
 from xmix.hooks import ModelShape, site_id
 from xmix.lowering import lower
 
-SMALL = Capacity(max_tokens=64, max_slots=8, max_apps=8, max_params=64, max_channels=16,
-                 max_ops=64, max_cond=128, capture_floats=64 * 64)
+SMALL = Capacity(
+    max_tokens=64,
+    max_slots=8,
+    max_apps=8,
+    max_params=64,
+    max_channels=16,
+    max_ops=64,
+    max_cond=128,
+    capture_floats=64 * 64,
+)
 
 
 @dataclass
@@ -41,21 +49,30 @@ class Harness:
             self.lowered[app.name] = lw
         self.slots: dict[str, int] = {}
 
-    def step(self, reqs: dict[str, Req], input_ids: torch.Tensor | None = None, pad_to: int | None = None):
+    def step(
+        self, reqs: dict[str, Req], input_ids: torch.Tensor | None = None, pad_to: int | None = None
+    ):
         for name, q in reqs.items():
             if name not in self.slots:
                 self.slots[name] = self.cb.admit(name, list(q.apps), q.params, q.prompt_len)
         rows = list(reqs.values())
         slots = np.array([self.slots[n] for n in reqs], dtype=np.int32)
-        self.cb.begin_step(slots, np.array([q.n for q in rows]), np.array([q.start for q in rows]),
-                           np.array([q.prompt_len for q in rows]), pad_to)
+        self.cb.begin_step(
+            slots,
+            np.array([q.n for q in rows]),
+            np.array([q.start for q in rows]),
+            np.array([q.prompt_len for q in rows]),
+            pad_to,
+        )
         n_tok = sum(q.n for q in rows)
         if input_ids is None:
             input_ids = torch.zeros(max(n_tok, pad_to or 0), dtype=torch.int32)
         self.cb.prologue(input_ids.to(self.device))
         ops.set_control(self.cb)
 
-    def run(self, submodule: str, layer: int | None, h: torch.Tensor, r: torch.Tensor | None = None):
+    def run(
+        self, submodule: str, layer: int | None, h: torch.Tensor, r: torch.Tensor | None = None
+    ):
         sid = site_id(submodule, layer, self.shape.n_layers)
         torch.ops.xmix.site(h, r, sid)
         if self.device.type == "cuda":
@@ -84,6 +101,18 @@ def build_user_kernels(directory, source: str) -> str:
         pytest.skip("needs a C++ compiler to build a user kernel")
     src, out = directory / "kernels.cpp", directory / "libkernels.so"
     src.write_text(source)
-    subprocess.run([cxx, "-shared", "-fPIC", "-O1", "-I", str(xmix.custom_include_dir()),
-                    "-o", str(out), str(src)], check=True)
+    subprocess.run(
+        [
+            cxx,
+            "-shared",
+            "-fPIC",
+            "-O1",
+            "-I",
+            str(xmix.custom_include_dir()),
+            "-o",
+            str(out),
+            str(src),
+        ],
+        check=True,
+    )
     return str(out)

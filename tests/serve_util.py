@@ -46,21 +46,52 @@ def wait_until_healthy(proc: subprocess.Popen, base: str, log_path: Path, timeou
 def xmix_server(tmp: Path, app_paths: list[Path], *extra: str, timeout: float = 400):
     port = free_port()
     model = tiny_model_path("tiny-llama")
-    cmd = [sys.executable, "-m", "xmix.cli", "serve", str(model), "--port", str(port),
-           "--dtype", "float32", "--max-model-len", "512", "--api-key", KEY, "--xmix-admin-key", KEY,
-           "--served-model-name", MODEL_NAME, *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "xmix.cli",
+        "serve",
+        str(model),
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "512",
+        "--api-key",
+        KEY,
+        "--xmix-admin-key",
+        KEY,
+        "--served-model-name",
+        MODEL_NAME,
+        *extra,
+    ]
     for p in app_paths:
         cmd += ["--app", str(p)]
     log_path = tmp / "serve.log"
     log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+    proc = subprocess.Popen(
+        cmd,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         wait_until_healthy(proc, base, log_path, timeout)
-        client = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
-        yield {"base": base, "port": port, "client": client, "model": model, "log": log_path,
-               "key": KEY, "name": MODEL_NAME}
+        client = httpx.Client(
+            base_url=base, headers={"Authorization": f"Bearer {KEY}"}, timeout=120
+        )
+        yield {
+            "base": base,
+            "port": port,
+            "client": client,
+            "model": model,
+            "log": log_path,
+            "key": KEY,
+            "name": MODEL_NAME,
+        }
         client.close()
     finally:
         with contextlib.suppress(ProcessLookupError):

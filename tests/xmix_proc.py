@@ -12,9 +12,8 @@ from pathlib import Path
 
 import httpx
 
-from xmix.models.tiny import tiny_model_path
-
 from serve_util import free_port, wait_until_healthy
+from xmix.models.tiny import tiny_model_path
 
 MODEL_NAME = "tiny"
 
@@ -34,7 +33,10 @@ class Server:
         return self.log_text().count("Traceback (most recent call last)")
 
     def alive(self) -> bool:
-        return self.proc.poll() is None and httpx.get(f"{self.base}/health", timeout=10).status_code == 200
+        return (
+            self.proc.poll() is None
+            and httpx.get(f"{self.base}/health", timeout=10).status_code == 200
+        )
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
         with contextlib.suppress(ProcessLookupError):
@@ -51,16 +53,30 @@ class Server:
 def xmix_serve(tmp: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 600):
     """``xmix serve`` with ``args`` after the model (apps, keys, vLLM flags)."""
     port = free_port()
-    cmd = [sys.executable, "-m", "xmix.cli", "serve", str(tiny_model_path("tiny-llama")),
-           "--port", str(port), "--dtype", "float32", "--max-model-len", "512",
-           "--served-model-name", MODEL_NAME, *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "xmix.cli",
+        "serve",
+        str(tiny_model_path("tiny-llama")),
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "512",
+        "--served-model-name",
+        MODEL_NAME,
+        *args,
+    ]
     log_path = tmp / "serve.log"
     log = open(log_path, "w")
     full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
     for k in [k for k, v in full_env.items() if v is None]:
         full_env.pop(k)
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env=full_env)
+    proc = subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=full_env
+    )
     server = Server(proc, f"http://127.0.0.1:{port}", log_path)
     try:
         wait_until_healthy(proc, server.base, log_path, timeout)

@@ -41,13 +41,13 @@ namespace {
 
 [[noreturn]] void fail(cudaError_t e, const char* what) {
   cudaGetLastError();
-  throw std::runtime_error(std::string("xmix graph patch: ") + what + " failed: " +
-                           cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")");
+  throw std::runtime_error(std::string("xmix graph patch: ") + what +
+                           " failed: " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")");
 }
 
-#define XG_CHECK(call)                          \
-  do {                                          \
-    cudaError_t xg_err_ = (call);               \
+#define XG_CHECK(call)                                \
+  do {                                                \
+    cudaError_t xg_err_ = (call);                     \
     if (xg_err_ != cudaSuccess) fail(xg_err_, #call); \
   } while (0)
 
@@ -82,14 +82,18 @@ struct Symbols {
       cudaFunction_t f = nullptr;
       if (cudaGetFuncBySymbol(&f, stub) == cudaSuccess && f)
         known.add_handle(reinterpret_cast<const void*>(f), role, MatchForm::Function);
-      else cudaGetLastError();
+      else
+        cudaGetLastError();
       cudaKernel_t k = nullptr;
       if (cudaGetKernel(&k, stub) == cudaSuccess && k)
         known.add_handle(reinterpret_cast<const void*>(k), role, MatchForm::Kernel);
-      else cudaGetLastError();
+      else
+        cudaGetLastError();
       const char* name = nullptr;
-      if (cudaFuncGetName(&name, stub) == cudaSuccess && name) known.add_name(name, role);
-      else cudaGetLastError();
+      if (cudaFuncGetName(&name, stub) == cudaSuccess && name)
+        known.add_name(name, role);
+      else
+        cudaGetLastError();
     }
   }
 };
@@ -211,8 +215,12 @@ EdgeData from_cuda(const cudaGraphEdgeData& e) {
 // argument, in signature order.
 AnchorArgs read_anchor(dim3 grid, dim3 block, unsigned smem, void** kp) {
   AnchorArgs a;
-  a.grid_x = grid.x; a.grid_y = grid.y; a.grid_z = grid.z;
-  a.block_x = block.x; a.block_y = block.y; a.block_z = block.z;
+  a.grid_x = grid.x;
+  a.grid_y = grid.y;
+  a.grid_z = grid.z;
+  a.block_x = block.x;
+  a.block_y = block.y;
+  a.block_z = block.z;
   a.smem = smem;
   if (!kp) return a;  // launched with the "extra" packing: not our launcher
   void** k = kp;
@@ -229,13 +237,15 @@ AnchorArgs read_anchor(dim3 grid, dim3 block, unsigned smem, void** kp) {
 }
 
 template <typename T>
-T* as_ptr(uint64_t v) { return reinterpret_cast<T*>(static_cast<uintptr_t>(v)); }
+T* as_ptr(uint64_t v) {
+  return reinterpret_cast<T*>(static_cast<uintptr_t>(v));
+}
 
 // Builds the launch of one spliced node and hands it to `use` while the argument storage
 // is alive (the runtime copies the arguments during the call).
 template <typename F>
-void with_launch(Role role, const AnchorArgs& a, const Segment& s, cudaGraphConditionalHandle handle,
-                 F&& use) {
+void with_launch(Role role, const AnchorArgs& a, const Segment& s,
+                 cudaGraphConditionalHandle handle, F&& use) {
   const ControlBlock* cb = as_ptr<const ControlBlock>(a.cb);
   int32_t site = s.site, op_index = s.op_index;
   int32_t n_rows = static_cast<int32_t>(a.grid_x);
@@ -302,8 +312,7 @@ void with_launch(Role role, const AnchorArgs& a, const Segment& s, cudaGraphCond
       use(p);
       return;
     }
-    default:
-      throw std::logic_error("xmix graph patch: no kernel launch for this node role");
+    default: throw std::logic_error("xmix graph patch: no kernel launch for this node role");
   }
 }
 
@@ -377,7 +386,8 @@ struct GraphPatch::Impl {
   cudaGraphNode_t handle(int32_t id) const {
     auto it = handles.find(id);
     if (it == handles.end())
-      throw std::logic_error("xmix graph patch: node " + std::to_string(id) + " is not in the graph");
+      throw std::logic_error("xmix graph patch: node " + std::to_string(id) +
+                             " is not in the graph");
     return it->second;
   }
 
@@ -471,13 +481,17 @@ struct GraphPatch::Impl {
     }
     for (int dir = 0; dir < 2; ++dir) {
       size_t n = 0;
-      if (dir == 0) XG_CHECK(cudaGraphNodeGetDependencies(rec.node, nullptr, nullptr, &n));
-      else XG_CHECK(cudaGraphNodeGetDependentNodes(rec.node, nullptr, nullptr, &n));
+      if (dir == 0)
+        XG_CHECK(cudaGraphNodeGetDependencies(rec.node, nullptr, nullptr, &n));
+      else
+        XG_CHECK(cudaGraphNodeGetDependentNodes(rec.node, nullptr, nullptr, &n));
       if (!n) continue;
       std::vector<cudaGraphNode_t> other(n);
       std::vector<cudaGraphEdgeData> data(n);
-      if (dir == 0) XG_CHECK(cudaGraphNodeGetDependencies(rec.node, other.data(), data.data(), &n));
-      else XG_CHECK(cudaGraphNodeGetDependentNodes(rec.node, other.data(), data.data(), &n));
+      if (dir == 0)
+        XG_CHECK(cudaGraphNodeGetDependencies(rec.node, other.data(), data.data(), &n));
+      else
+        XG_CHECK(cudaGraphNodeGetDependentNodes(rec.node, other.data(), data.data(), &n));
       std::vector<cudaGraphNode_t> self(n, rec.node);
       if (dir == 0)
         XG_CHECK(cudaGraphRemoveDependencies(graph, other.data(), self.data(), data.data(), n));
@@ -662,18 +676,22 @@ struct GraphPatch::Impl {
         throw std::logic_error("xmix graph patch: repoint of an unknown segment");
       const Segment& s = sp->segments[rp.segment];
       const AnchorArgs& a = anchor_args(sp->anchor);
-      const std::pair<int32_t, Role> parts[] = {{s.gate, Role::Gate}, {s.op, Role::Op},
-                                                {s.sel, Role::CustomSelect}, {s.user, Role::CustomUser},
+      const std::pair<int32_t, Role> parts[] = {{s.gate, Role::Gate},
+                                                {s.op, Role::Op},
+                                                {s.sel, Role::CustomSelect},
+                                                {s.user, Role::CustomUser},
                                                 {s.fin, Role::CustomFinish}};
       for (const auto& part : parts) {
         const int32_t id = part.first;
         const Role role = part.second;
         if (id == -1) continue;
         const bool top = info[id].parent == -1;
-        with_launch(role, a, s, s.cond != -1 ? if_handle(s.cond) : 0, [&](const cudaKernelNodeParams& p) {
-          XG_CHECK(cudaGraphKernelNodeSetParams(handle(id), &p));
-          if (in_place && top) XG_CHECK(cudaGraphExecKernelNodeSetParams(exec, handle(id), &p));
-        });
+        with_launch(role, a, s, s.cond != -1 ? if_handle(s.cond) : 0,
+                    [&](const cudaKernelNodeParams& p) {
+                      XG_CHECK(cudaGraphKernelNodeSetParams(handle(id), &p));
+                      if (in_place && top)
+                        XG_CHECK(cudaGraphExecKernelNodeSetParams(exec, handle(id), &p));
+                    });
       }
     }
 
@@ -682,7 +700,8 @@ struct GraphPatch::Impl {
       auto it = enabled.find(id);
       const bool changed = it == enabled.end() ? !t.enabled : it->second != t.enabled;
       enabled[id] = t.enabled;
-      if (in_place && changed) XG_CHECK(cudaGraphNodeSetEnabled(exec, handle(id), t.enabled ? 1u : 0u));
+      if (in_place && changed)
+        XG_CHECK(cudaGraphNodeSetEnabled(exec, handle(id), t.enabled ? 1u : 0u));
     }
     return plan.needs_instantiate;
   }
@@ -713,7 +732,8 @@ bool GraphPatch::apply(const Plan& plan, uint64_t exec) {
       impl_->restore_captured();
     } catch (const std::exception& e) {
       throw std::runtime_error(std::string("xmix graph patch: applying a plan failed and the "
-                                           "graph could not be put back as captured: ") + e.what());
+                                           "graph could not be put back as captured: ") +
+                               e.what());
     }
     throw;
   }
@@ -736,9 +756,9 @@ int GraphPatch::set_app_enabled(uint64_t exec_u, int32_t app, bool on) {
     for (Segment& s : sp.segments) {
       if (s.app != app) continue;
       s.enabled = on;
-      std::vector<int32_t> ids = s.gated ? std::vector<int32_t>{s.gate}
-                                : s.custom ? std::vector<int32_t>{s.sel, s.user, s.fin}
-                                           : std::vector<int32_t>{s.op};
+      std::vector<int32_t> ids = s.gated    ? std::vector<int32_t>{s.gate}
+                                 : s.custom ? std::vector<int32_t>{s.sel, s.user, s.fin}
+                                            : std::vector<int32_t>{s.op};
       for (int32_t id : ids) {
         impl_->enabled[id] = on;
         if (exec) XG_CHECK(cudaGraphNodeSetEnabled(exec, impl_->handle(id), on ? 1u : 0u));
@@ -757,8 +777,10 @@ int GraphPatch::refresh_app_params(uint64_t exec_u, int32_t app) {
     const AnchorArgs& a = impl_->anchor_args(sp.anchor);
     for (const Segment& s : sp.segments) {
       if (s.app != app) continue;
-      const std::pair<int32_t, Role> parts[] = {{s.gate, Role::Gate}, {s.op, Role::Op},
-                                                {s.sel, Role::CustomSelect}, {s.user, Role::CustomUser},
+      const std::pair<int32_t, Role> parts[] = {{s.gate, Role::Gate},
+                                                {s.op, Role::Op},
+                                                {s.sel, Role::CustomSelect},
+                                                {s.user, Role::CustomUser},
                                                 {s.fin, Role::CustomFinish}};
       for (const auto& part : parts) {
         const int32_t id = part.first;

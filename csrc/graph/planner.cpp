@@ -154,8 +154,7 @@ Plan plan(const Graph& g, const Program& p) {
       if (op.site < 0 || op.site >= p.n_sites)
         throw std::invalid_argument("xmix graph program: op at site " + std::to_string(op.site) +
                                     " outside [0, " + std::to_string(p.n_sites) + ")");
-      if (op.op_index < 0)
-        throw std::invalid_argument("xmix graph program: negative op index");
+      if (op.op_index < 0) throw std::invalid_argument("xmix graph program: negative op index");
       if (!seen.insert({op.site, op.op_index}).second)
         throw std::invalid_argument("xmix graph program: op (" + std::to_string(op.site) + ", " +
                                     std::to_string(op.op_index) + ") listed twice");
@@ -167,8 +166,8 @@ Plan plan(const Graph& g, const Program& p) {
   std::unordered_map<int32_t, size_t> pos;  // id -> index in g.nodes (topological tie-break)
   for (size_t i = 0; i < g.nodes.size(); ++i)
     if (!pos.emplace(g.nodes[i].id, i).second)
-      return fallback_plan(g, "malformed graph: node id " + std::to_string(g.nodes[i].id) +
-                                  " appears twice");
+      return fallback_plan(
+          g, "malformed graph: node id " + std::to_string(g.nodes[i].id) + " appears twice");
   for (const Edge& e : g.edges)
     if (!pos.count(e.from) || !pos.count(e.to))
       return fallback_plan(g, "malformed graph: an edge names an unknown node");
@@ -177,8 +176,9 @@ Plan plan(const Graph& g, const Program& p) {
   // splice there could never be taken out again.
   for (const Node& n : g.nodes)
     if (n.type == NodeType::MemAlloc || n.type == NodeType::MemFree)
-      return fallback_plan(g, "the graph has memory alloc/free nodes (spliced nodes could not be "
-                              "removed again)");
+      return fallback_plan(g,
+                           "the graph has memory alloc/free nodes (spliced nodes could not be "
+                           "removed again)");
 
   std::vector<int32_t> anchors;
   for (const Node& n : g.nodes) {
@@ -253,7 +253,12 @@ Plan plan(const Graph& g, const Program& p) {
       for (size_t i = 0; i < w.size(); ++i) {
         const Segment& o = old[i];
         Segment& s = w[i];
-        s.gate = o.gate; s.cond = o.cond; s.op = o.op; s.sel = o.sel; s.user = o.user; s.fin = o.fin;
+        s.gate = o.gate;
+        s.cond = o.cond;
+        s.op = o.op;
+        s.sel = o.sel;
+        s.user = o.user;
+        s.fin = o.fin;
         const bool moved = o.site != s.site || o.op_index != s.op_index;
         const bool args = s.custom && o.custom_args != s.custom_args;
         if (moved || args) {
@@ -288,7 +293,8 @@ Plan plan(const Graph& g, const Program& p) {
   {
     std::unordered_map<int32_t, size_t> indeg;
     std::priority_queue<std::pair<size_t, int32_t>, std::vector<std::pair<size_t, int32_t>>,
-                        std::greater<>> ready;
+                        std::greater<>>
+        ready;
     for (auto& [id, a] : adj) {
       indeg[id] = a.in.size();
       if (a.in.empty()) ready.push({pos[id], id});
@@ -429,16 +435,18 @@ std::unordered_map<int32_t, std::string> labels(const Graph& g) {
   for (const Splice& sp : g.splices)
     for (size_t i = 0; i < sp.segments.size(); ++i) {
       const Segment& s = sp.segments[i];
-      const std::pair<int32_t, const char*> parts[] = {
-          {s.gate, "gate"}, {s.cond, "if"}, {s.op, "op"}, {s.sel, "sel"}, {s.user, "user"}, {s.fin, "fin"}};
+      const std::pair<int32_t, const char*> parts[] = {{s.gate, "gate"}, {s.cond, "if"},
+                                                       {s.op, "op"},     {s.sel, "sel"},
+                                                       {s.user, "user"}, {s.fin, "fin"}};
       for (auto& [id, name] : parts)
         if (id != -1)
           lab[id] = std::string(name) + "@" + std::to_string(sp.anchor) + "." + std::to_string(i);
     }
   for (const Node& n : g.nodes)
     if (!lab.count(n.id))
-      lab[n.id] = is_ours(n.role) ? std::string("stray-") + role_name(n.role) + "#" + std::to_string(n.id)
-                                  : "n" + std::to_string(n.id);
+      lab[n.id] = is_ours(n.role)
+                      ? std::string("stray-") + role_name(n.role) + "#" + std::to_string(n.id)
+                      : "n" + std::to_string(n.id);
   return lab;
 }
 

@@ -67,7 +67,9 @@ struct DRow {
   __device__ float hid(int32_t i) const { return load(h, i, dtype); }
   __device__ float res(int32_t i) const { return r ? load(r, i, dtype) : 0.f; }
   mutable int32_t refused = 0;  // this thread's elements store_finite kept
-  __device__ void set_h(int32_t i, float v) const { refused += store_finite(h, i, dtype, v) ? 1 : 0; }
+  __device__ void set_h(int32_t i, float v) const {
+    refused += store_finite(h, i, dtype, v) ? 1 : 0;
+  }
 };
 
 __device__ float dot_x(const DRow& row, const float* w, float* red) {
@@ -76,8 +78,8 @@ __device__ float dot_x(const DRow& row, const float* w, float* red) {
   return block_sum(acc, red);
 }
 
-__device__ void note_read(const ControlBlock& cb, int32_t channel, int32_t slot,
-                          uint32_t flags, float v) {
+__device__ void note_read(const ControlBlock& cb, int32_t channel, int32_t slot, uint32_t flags,
+                          float v) {
   if (!(flags & TF_PROMPT)) return;
   float* s = ptr<float>(cb.read_state) +
              (static_cast<int64_t>(slot) * cb.n_channels + channel) * kReadStateWidth;
@@ -155,9 +157,9 @@ __device__ float sae_input_row(const DRow& row, const OpDesc& op, const float* b
   return scale;
 }
 
-__device__ void sae_row(const ControlBlock& cb, const OpDesc& op, int32_t t, bool sel,
-                        int32_t slot, const DRow& row, uint32_t flags, const float* p,
-                        int32_t d, float* red, float* xs) {
+__device__ void sae_row(const ControlBlock& cb, const OpDesc& op, int32_t t, bool sel, int32_t slot,
+                        const DRow& row, uint32_t flags, const float* p, int32_t d, float* red,
+                        float* xs) {
   __shared__ float s_v[kWarps][kSaeMaxTopK];
   __shared__ int32_t s_i[kWarps][kSaeMaxTopK];
   __shared__ int32_t s_n[kWarps];
@@ -167,7 +169,8 @@ __device__ void sae_row(const ControlBlock& cb, const OpDesc& op, int32_t t, boo
   const bool listed = sae_listed(op);
   const int32_t n_ch = read_channels(op);
   if (t < cb.max_tokens)
-    for (int32_t c = threadIdx.x; c < n_ch; c += blockDim.x) set_result(cb, t, op.channel + c, 0.f, false);
+    for (int32_t c = threadIdx.x; c < n_ch; c += blockDim.x)
+      set_result(cb, t, op.channel + c, 0.f, false);
   if (!sel) return;  // block-uniform
   const int32_t F = sae_n_features(op), arch = sae_arch(op);
   const float* w_enc = ptr<const float>(op.a0);
@@ -195,7 +198,8 @@ __device__ void sae_row(const ControlBlock& cb, const OpDesc& op, int32_t t, boo
         const float pg = warp_dot(w_enc + static_cast<int64_t>(g) * d, xs, d) + b_enc[g];
         for (int32_t q = 0; q < 2; ++q) {
           const int32_t j = lane + 32 * q;
-          if (j < n) ahead[q] += sae_before(pg, g, s_pre[j], static_cast<int32_t>(feats[j])) ? 1 : 0;
+          if (j < n)
+            ahead[q] += sae_before(pg, g, s_pre[j], static_cast<int32_t>(feats[j])) ? 1 : 0;
         }
       }
       for (int32_t q = 0; q < 2; ++q)
@@ -240,11 +244,17 @@ __device__ void sae_row(const ControlBlock& cb, const OpDesc& op, int32_t t, boo
     const float v = arch == SAE_TOPK ? pre : sae_act(pre, arch, thr[g]);
     if (arch != SAE_TOPK && !(v > 0.f)) continue;
     if (cnt < keep) {
-      if (lane == 0) { sv[cnt] = v; si[cnt] = g; }
+      if (lane == 0) {
+        sv[cnt] = v;
+        si[cnt] = g;
+      }
       ++cnt;
       if (cnt < keep) continue;
     } else if (sae_before(v, g, worst_v, worst_i)) {
-      if (lane == 0) { sv[worst_slot] = v; si[worst_slot] = g; }
+      if (lane == 0) {
+        sv[worst_slot] = v;
+        si[worst_slot] = g;
+      }
     } else {
       continue;
     }
@@ -253,15 +263,25 @@ __device__ void sae_row(const ControlBlock& cb, const OpDesc& op, int32_t t, boo
     float bv = 0.f;
     int32_t bi = -1, bs = -1;
     for (int32_t q = lane; q < keep; q += 32) {
-      if (bs < 0 || sae_before(bv, bi, sv[q], si[q])) { bv = sv[q]; bi = si[q]; bs = q; }
+      if (bs < 0 || sae_before(bv, bi, sv[q], si[q])) {
+        bv = sv[q];
+        bi = si[q];
+        bs = q;
+      }
     }
     for (int o = 16; o > 0; o >>= 1) {
       const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
       const int32_t oi = __shfl_xor_sync(0xffffffffu, bi, o);
       const int32_t os = __shfl_xor_sync(0xffffffffu, bs, o);
-      if (os >= 0 && (bs < 0 || sae_before(bv, bi, ov, oi))) { bv = ov; bi = oi; bs = os; }
+      if (os >= 0 && (bs < 0 || sae_before(bv, bi, ov, oi))) {
+        bv = ov;
+        bi = oi;
+        bs = os;
+      }
     }
-    worst_v = bv; worst_i = bi; worst_slot = bs;
+    worst_v = bv;
+    worst_i = bi;
+    worst_slot = bs;
     __syncwarp();
   }
   if (lane == 0) s_n[warp] = cnt;
@@ -319,7 +339,8 @@ __device__ void run_op_row(const ControlBlock& cb, const OpDesc& op, int32_t t, 
   switch (op.kind) {
     case OP_PROBE: {
       float v = nan_f();
-      if (sel) v = sigmoid(dot_x(row, ptr<const float>(op.a0), red) + p[op.param_base + P_PROBE_BIAS]);
+      if (sel)
+        v = sigmoid(dot_x(row, ptr<const float>(op.a0), red) + p[op.param_base + P_PROBE_BIAS]);
       if (threadIdx.x == 0) {
         set_result(cb, t, op.channel, v, sel);
         if (sel) note_read(cb, op.channel, slot, flags, v);
@@ -379,7 +400,8 @@ __device__ void run_op_row(const ControlBlock& cb, const OpDesc& op, int32_t t, 
       __shared__ int32_t s_last;
       const int32_t rw = ptr<const int32_t>(cb.tok_row)[t];
       if (threadIdx.x == 0) {
-        int32_t* counter = ptr<int32_t>(cb.counters) + static_cast<int64_t>(slot) * cb.n_channels + op.channel;
+        int32_t* counter =
+            ptr<int32_t>(cb.counters) + static_cast<int64_t>(slot) * cb.n_channels + op.channel;
         const int32_t expected = ptr<const int32_t>(cb.row_n_prompt)[rw];
         s_last = atomicAdd(counter, 1) == expected - 1;
         if (s_last) *counter = 0;
@@ -466,18 +488,17 @@ __device__ void run_op_row(const ControlBlock& cb, const OpDesc& op, int32_t t, 
       // Each thread rewrites only the experts it read, after every reduction is done.
       for (int32_t e = threadIdx.x; e < d; e += blockDim.x) {
         float l = row.hid(e) - lse;
-        if (mask[e] > 0.f) l = lmax + delta;
-        else if (mask[e] < 0.f) l = lmin - delta;
+        if (mask[e] > 0.f)
+          l = lmax + delta;
+        else if (mask[e] < 0.f)
+          l = lmin - delta;
         row.set_h(e, l);
       }
       break;
     }
     case OP_SAE_READ:
-    case OP_SAE_CLAMP:
-      sae_row(cb, op, t, sel, slot, row, flags, p, d, red, xs);
-      break;
-    default:
-      break;  // OP_CUSTOM runs as its own launch (launch_custom)
+    case OP_SAE_CLAMP: sae_row(cb, op, t, sel, slot, row, flags, p, d, red, xs); break;
+    default: break;  // OP_CUSTOM runs as its own launch (launch_custom)
   }
   if (row.refused) atomicAdd(ptr<int32_t>(cb.app_nonfinite) + op.app, row.refused);
   __syncthreads();
@@ -488,8 +509,8 @@ __device__ void off_op_row(const ControlBlock& cb, const OpDesc& op, int32_t t) 
 }
 
 __global__ void __launch_bounds__(kThreads)
-xmix_site_anchor(const ControlBlock* __restrict__ cbp, int32_t site, void* h, const void* r,
-                 int32_t d, int64_t sh, int64_t sr, int32_t dtype) {
+    xmix_site_anchor(const ControlBlock* __restrict__ cbp, int32_t site, void* h, const void* r,
+                     int32_t d, int64_t sh, int64_t sr, int32_t dtype) {
   extern __shared__ float xs[];
   __shared__ float red[33];
   const ControlBlock& cb = *cbp;
@@ -511,21 +532,21 @@ xmix_site_anchor(const ControlBlock* __restrict__ cbp, int32_t site, void* h, co
 
 // A spliced node names its op by (site, index); a graph that was not re-planned after the
 // site's op list shrank must read nothing past the list.
-__device__ __forceinline__ bool op_in_range(const ControlBlock& cb, int32_t site, int32_t op_index) {
+__device__ __forceinline__ bool op_in_range(const ControlBlock& cb, int32_t site,
+                                            int32_t op_index) {
   return site >= 0 && site < cb.n_sites && op_index >= 0 &&
          op_index < ptr<const int32_t>(cb.site_count)[site];
 }
 
 __global__ void __launch_bounds__(kThreads)
-xmix_op_kernel(const ControlBlock* __restrict__ cbp, int32_t site, int32_t op_index, void* h,
-               const void* r, int32_t d, int64_t sh, int64_t sr, int32_t dtype) {
+    xmix_op_kernel(const ControlBlock* __restrict__ cbp, int32_t site, int32_t op_index, void* h,
+                   const void* r, int32_t d, int64_t sh, int64_t sr, int32_t dtype) {
   extern __shared__ float xs[];
   __shared__ float red[33];
   const ControlBlock& cb = *cbp;
   const int32_t t = blockIdx.x;
   if (t >= cb.max_tokens || !op_in_range(cb, site, op_index)) return;
-  const OpDesc& op =
-      ptr<const OpDesc>(cb.ops)[ptr<const int32_t>(cb.site_first)[site] + op_index];
+  const OpDesc& op = ptr<const OpDesc>(cb.ops)[ptr<const int32_t>(cb.site_first)[site] + op_index];
   if (ptr<const int32_t>(cb.app_mode)[op.app] == MODE_OFF) {
     off_op_row(cb, op, t);
     return;
@@ -543,8 +564,7 @@ __global__ void xmix_gate_kernel(const ControlBlock* __restrict__ cbp, int32_t s
     if (threadIdx.x == 0) cudaGraphSetConditional(handle, 0u);
     return;
   }
-  const OpDesc& op =
-      ptr<const OpDesc>(cb.ops)[ptr<const int32_t>(cb.site_first)[site] + op_index];
+  const OpDesc& op = ptr<const OpDesc>(cb.ops)[ptr<const int32_t>(cb.site_first)[site] + op_index];
   int any = 0;
   if (ptr<const int32_t>(cb.app_mode)[op.app] != MODE_OFF) {
     for (int32_t t = threadIdx.x; t < n_rows && !any; t += blockDim.x) {
@@ -570,8 +590,7 @@ __global__ void xmix_prologue_tokens(const ControlBlock* __restrict__ cbp, const
 // Custom ops: a select kernel materialises the mask, the user kernel runs, a finish kernel
 // turns its per-row output into the result channel and latch state.
 __global__ void xmix_custom_select(const ControlBlock* __restrict__ cbp, int32_t site,
-                                   int32_t op_index, int32_t n_rows, uint8_t* select,
-                                   float* out) {
+                                   int32_t op_index, int32_t n_rows, uint8_t* select, float* out) {
   const ControlBlock& cb = *cbp;
   const int32_t t = blockIdx.x * blockDim.x + threadIdx.x;
   if (t >= n_rows) return;
@@ -580,8 +599,7 @@ __global__ void xmix_custom_select(const ControlBlock* __restrict__ cbp, int32_t
     out[t] = nan_f();
     return;
   }
-  const OpDesc& op =
-      ptr<const OpDesc>(cb.ops)[ptr<const int32_t>(cb.site_first)[site] + op_index];
+  const OpDesc& op = ptr<const OpDesc>(cb.ops)[ptr<const int32_t>(cb.site_first)[site] + op_index];
   int32_t slot;
   const bool mode_on = ptr<const int32_t>(cb.app_mode)[op.app] != MODE_OFF;
   select[t] = mode_on && op_selects(cb, op, t, &slot) ? 1 : 0;
@@ -594,13 +612,13 @@ __global__ void xmix_custom_finish(const ControlBlock* __restrict__ cbp, int32_t
   const ControlBlock& cb = *cbp;
   const int32_t t = blockIdx.x * blockDim.x + threadIdx.x;
   if (t >= n_rows || !op_in_range(cb, site, op_index)) return;
-  const OpDesc& op =
-      ptr<const OpDesc>(cb.ops)[ptr<const int32_t>(cb.site_first)[site] + op_index];
+  const OpDesc& op = ptr<const OpDesc>(cb.ops)[ptr<const int32_t>(cb.site_first)[site] + op_index];
   if (op.channel < 0) return;
   const float v = out[t];
   if (t < cb.max_tokens) set_result(cb, t, op.channel, v, select[t] != 0);
   if (select[t] && v == v)
-    note_read(cb, op.channel, ptr<const int32_t>(cb.tok_slot)[t], ptr<const uint32_t>(cb.tok_flags)[t], v);
+    note_read(cb, op.channel, ptr<const int32_t>(cb.tok_slot)[t],
+              ptr<const uint32_t>(cb.tok_flags)[t], v);
 }
 
 // After a user write kernel: non-finite elements of the rows it was given become 0 (the CPU
@@ -611,8 +629,7 @@ __global__ void xmix_custom_guard(const ControlBlock* __restrict__ cbp, int32_t 
   const ControlBlock& cb = *cbp;
   const int32_t t = blockIdx.x;
   if (!select[t] || !op_in_range(cb, site, op_index)) return;
-  const OpDesc& op =
-      ptr<const OpDesc>(cb.ops)[ptr<const int32_t>(cb.site_first)[site] + op_index];
+  const OpDesc& op = ptr<const OpDesc>(cb.ops)[ptr<const int32_t>(cb.site_first)[site] + op_index];
   if (op.channel >= 0) return;  // a read does not write
   char* row = static_cast<char*>(h) + static_cast<int64_t>(t) * sh * dtype_size(dtype);
   int32_t refused = 0;
@@ -635,9 +652,8 @@ int prepare_smem(const void* kernel, int32_t d) {
 
 }  // namespace
 
-int launch_site_anchor(const ControlBlock* cb, int32_t site, void* h, const void* r,
-                       int32_t n_rows, int32_t d, int64_t stride_h, int64_t stride_r,
-                       int32_t dtype, void* stream) {
+int launch_site_anchor(const ControlBlock* cb, int32_t site, void* h, const void* r, int32_t n_rows,
+                       int32_t d, int64_t stride_h, int64_t stride_r, int32_t dtype, void* stream) {
   if (n_rows <= 0) return 0;
   if (int e = prepare_smem(reinterpret_cast<const void*>(&xmix_site_anchor), d)) return e;
   xmix_site_anchor<<<n_rows, kThreads, smem_bytes(d), static_cast<cudaStream_t>(stream)>>>(
@@ -672,13 +688,14 @@ int launch_prologue(const ControlBlock* cb, const void* input_ids, int32_t ids_d
 }
 
 int launch_custom(const ControlBlock* cb, int32_t site, int32_t op_index, uint64_t kernel,
-                  const xmix_custom_args* host_args, uint8_t* select_scratch,
-                  float* out_scratch, void* stream) {
+                  const xmix_custom_args* host_args, uint8_t* select_scratch, float* out_scratch,
+                  void* stream) {
   const int32_t n_rows = host_args->n_rows;
   if (n_rows <= 0) return 0;
   auto s = static_cast<cudaStream_t>(stream);
   const int blocks = (n_rows + 255) / 256;
-  xmix_custom_select<<<blocks, 256, 0, s>>>(cb, site, op_index, n_rows, select_scratch, out_scratch);
+  xmix_custom_select<<<blocks, 256, 0, s>>>(cb, site, op_index, n_rows, select_scratch,
+                                            out_scratch);
   xmix_custom_args args = *host_args;
   args.select = select_scratch;
   args.out = out_scratch;
@@ -688,7 +705,8 @@ int launch_custom(const ControlBlock* cb, int32_t site, int32_t op_index, uint64
   if (e != cudaSuccess) return static_cast<int>(e);
   xmix_custom_guard<<<n_rows, 256, 0, s>>>(cb, site, op_index, select_scratch, args.h,
                                            args.stride_h, args.d, args.dtype);
-  xmix_custom_finish<<<blocks, 256, 0, s>>>(cb, site, op_index, n_rows, select_scratch, out_scratch);
+  xmix_custom_finish<<<blocks, 256, 0, s>>>(cb, site, op_index, n_rows, select_scratch,
+                                            out_scratch);
   return static_cast<int>(cudaGetLastError());
 }
 
@@ -708,12 +726,14 @@ int load_custom_cuda(const void* image, const char* name, uint64_t* kernel) {
 int preload_kernels(int* count) {
   // Loads every module-level kernel now (lazy loading would otherwise load one the first
   // time it is launched, which may be in the middle of a stream capture).
-  const void* kernels[] = {
-      reinterpret_cast<const void*>(&xmix_site_anchor), reinterpret_cast<const void*>(&xmix_op_kernel),
-      reinterpret_cast<const void*>(&xmix_gate_kernel), reinterpret_cast<const void*>(&xmix_prologue_reset),
-      reinterpret_cast<const void*>(&xmix_prologue_tokens),
-      reinterpret_cast<const void*>(&xmix_custom_select), reinterpret_cast<const void*>(&xmix_custom_guard),
-      reinterpret_cast<const void*>(&xmix_custom_finish)};
+  const void* kernels[] = {reinterpret_cast<const void*>(&xmix_site_anchor),
+                           reinterpret_cast<const void*>(&xmix_op_kernel),
+                           reinterpret_cast<const void*>(&xmix_gate_kernel),
+                           reinterpret_cast<const void*>(&xmix_prologue_reset),
+                           reinterpret_cast<const void*>(&xmix_prologue_tokens),
+                           reinterpret_cast<const void*>(&xmix_custom_select),
+                           reinterpret_cast<const void*>(&xmix_custom_guard),
+                           reinterpret_cast<const void*>(&xmix_custom_finish)};
   int n = 0;
   for (const void* k : kernels) {
     cudaFuncAttributes a;
@@ -733,7 +753,11 @@ const void* anchor_kernel_symbol() { return reinterpret_cast<const void*>(&xmix_
 const void* op_kernel_symbol() { return reinterpret_cast<const void*>(&xmix_op_kernel); }
 const void* gate_kernel_symbol() { return reinterpret_cast<const void*>(&xmix_gate_kernel); }
 // For the graph applier (csrc/graph/applier.cu), which splices custom ops as kernel nodes.
-const void* custom_select_kernel_symbol() { return reinterpret_cast<const void*>(&xmix_custom_select); }
-const void* custom_finish_kernel_symbol() { return reinterpret_cast<const void*>(&xmix_custom_finish); }
+const void* custom_select_kernel_symbol() {
+  return reinterpret_cast<const void*>(&xmix_custom_select);
+}
+const void* custom_finish_kernel_symbol() {
+  return reinterpret_cast<const void*>(&xmix_custom_finish);
+}
 
 }  // namespace xmix

@@ -156,14 +156,15 @@ void apply_write(const Row& row, const OpDesc& op, const float* p, std::vector<f
       }
       for (int32_t e = 0; e < d; ++e) {
         float v = scratch[e];
-        if (mask[e] > 0.f) v = lmax + delta;
-        else if (mask[e] < 0.f) v = lmin - delta;
+        if (mask[e] > 0.f)
+          v = lmax + delta;
+        else if (mask[e] < 0.f)
+          v = lmin - delta;
         row.set_h(e, v);
       }
       break;
     }
-    default:
-      break;
+    default: break;
   }
 }
 
@@ -189,15 +190,16 @@ inline float dot32(const float* a, const float* b, int32_t n) {
   acc0 += acc2;
   acc1 += acc3;
   acc0 += acc1;
-  float sum = ((acc0[0] + acc0[4]) + (acc0[2] + acc0[6])) + ((acc0[1] + acc0[5]) + (acc0[3] + acc0[7]));
+  float sum =
+      ((acc0[0] + acc0[4]) + (acc0[2] + acc0[6])) + ((acc0[1] + acc0[5]) + (acc0[3] + acc0[7]));
   for (; i < n; ++i) sum += a[i] * b[i];
   return sum;
 }
 
 // One encoder row against n input rows: the encoder's hot loop, compiled for AVX-512 and
 // AVX2 as well as the baseline and chosen at load time by the CPU it runs on.
-__attribute__((target_clones("avx512f", "avx2,fma", "default")))
-void dot_rows(const float* w, const float* x, int32_t n, int32_t d, float bias, float* out) {
+__attribute__((target_clones("avx512f", "avx2,fma", "default"))) void dot_rows(
+    const float* w, const float* x, int32_t n, int32_t d, float bias, float* out) {
   for (int32_t r = 0; r < n; ++r) out[r] = dot32(w, x + static_cast<int64_t>(r) * d, d) + bias;
 }
 
@@ -291,8 +293,8 @@ struct Cand {
   int32_t id;
 };
 
-void run_sae_cpu(const ControlBlock& cb, const OpDesc& op, void* h, const void* r,
-                 int32_t n_rows, int32_t d, int64_t sh, int64_t sr, int32_t dtype) {
+void run_sae_cpu(const ControlBlock& cb, const OpDesc& op, void* h, const void* r, int32_t n_rows,
+                 int32_t d, int64_t sh, int64_t sr, int32_t dtype) {
   const Sae s = sae_of(op, d);
   const uint32_t* tok_flags = ptr<const uint32_t>(cb.tok_flags);
   const float* params = ptr<const float>(cb.slot_params);
@@ -330,7 +332,8 @@ void run_sae_cpu(const ControlBlock& cb, const OpDesc& op, void* h, const void* 
         }
         continue;
       }
-      const float value = params[static_cast<int64_t>(slot) * cb.n_params + op.param_base + P_SAE_CLAMP_VALUE];
+      const float value =
+          params[static_cast<int64_t>(slot) * cb.n_params + op.param_base + P_SAE_CLAMP_VALUE];
       const Row row = row_at(h, r, t, d, sh, sr, dtype);
       std::vector<float> delta(static_cast<size_t>(d), 0.f);
       for (int32_t c = 0; c < op.n; ++c) {
@@ -393,8 +396,8 @@ void run_sae_cpu(const ControlBlock& cb, const OpDesc& op, void* h, const void* 
 
 }  // namespace
 
-void run_op_cpu(const ControlBlock& cb, const OpDesc& op, void* h, const void* r,
-                int32_t n_rows, int32_t d, int64_t stride_h, int64_t stride_r, int32_t dtype) {
+void run_op_cpu(const ControlBlock& cb, const OpDesc& op, void* h, const void* r, int32_t n_rows,
+                int32_t d, int64_t stride_h, int64_t stride_r, int32_t dtype) {
   const bool is_read = op_is_read(op.kind);
   const uint32_t* tok_flags = ptr<const uint32_t>(cb.tok_flags);
   const float* params = ptr<const float>(cb.slot_params);
@@ -413,13 +416,21 @@ void run_op_cpu(const ControlBlock& cb, const OpDesc& op, void* h, const void* r
     std::vector<float> out;
     if (op.channel >= 0) out.assign(static_cast<size_t>(n_rows), kNaN);
     xmix_custom_args args{};
-    args.h = h; args.r = r; args.stride_h = stride_h; args.stride_r = stride_r;
-    args.n_rows = n_rows; args.d = d; args.dtype = dtype; args.n_params = cb.n_params;
+    args.h = h;
+    args.r = r;
+    args.stride_h = stride_h;
+    args.stride_r = stride_r;
+    args.n_rows = n_rows;
+    args.d = d;
+    args.dtype = dtype;
+    args.n_params = cb.n_params;
     args.select = select.data();
     args.tok_slot = ptr<const int32_t>(cb.tok_slot);
     args.tok_pos = ptr<const int32_t>(cb.tok_pos);
-    args.slot_params = params; args.param_base = op.param_base;
-    args.artifact = ptr<const float>(op.a0); args.artifact_numel = custom_artifact_numel(op);
+    args.slot_params = params;
+    args.param_base = op.param_base;
+    args.artifact = ptr<const float>(op.a0);
+    args.artifact_numel = custom_artifact_numel(op);
     args.out = op.channel >= 0 ? out.data() : nullptr;
     reinterpret_cast<xmix_custom_cpu_fn>(static_cast<uintptr_t>(op.fn))(&args);
     // A user kernel's non-finite elements in the rows it was given become 0 (its value
@@ -494,8 +505,7 @@ void run_op_cpu(const ControlBlock& cb, const OpDesc& op, void* h, const void* r
         }
         break;
       }
-      default:
-        break;
+      default: break;
     }
     if (t < cb.max_tokens) set_result(cb, t, op.channel, v, has);
     // A NaN read is reported but kept out of the latch sums (as before validity flags).

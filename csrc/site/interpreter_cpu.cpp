@@ -29,28 +29,26 @@ std::vector<SiteFailure> run_site_cpu(const ControlBlock& cb, int32_t site, void
   // Built-in ops in site order, then custom kernels (on the GPU they are separate launches
   // after the anchor; the CPU keeps the same order).
   for (int32_t pass = 0; pass < 2; ++pass)
-  for (int32_t k = 0; k < count; ++k) {
-    const OpDesc& op = ops[first + k];
-    if ((op.kind == OP_CUSTOM) != (pass == 1)) continue;
-    if (ptr<const int32_t>(cb.app_mode)[op.app] == MODE_OFF) {
-      // An app switched off still owns its result channels: it reports nothing this step.
-      clear_results(cb, op, n_rows);
-      continue;
+    for (int32_t k = 0; k < count; ++k) {
+      const OpDesc& op = ops[first + k];
+      if ((op.kind == OP_CUSTOM) != (pass == 1)) continue;
+      if (ptr<const int32_t>(cb.app_mode)[op.app] == MODE_OFF) {
+        // An app switched off still owns its result channels: it reports nothing this step.
+        clear_results(cb, op, n_rows);
+        continue;
+      }
+      // One op's failure must not cost the other ops of the site (other requests' apps) their
+      // turn: it is recorded and the site goes on.
+      const size_t n_failed = failed.size();
+      try {
+        run_op_cpu(cb, op, h, r, n_rows, d, stride_h, stride_r, dtype);
+      } catch (const std::exception& e) { failed.push_back({op.app, e.what()}); } catch (...) {
+        failed.push_back({op.app, "unknown exception"});
+      }
+      // A read that failed before it set its flags would leave an earlier step's there, and the
+      // drain would report them for whichever request holds those rows now.
+      if (failed.size() != n_failed) clear_results(cb, op, n_rows);
     }
-    // One op's failure must not cost the other ops of the site (other requests' apps) their
-    // turn: it is recorded and the site goes on.
-    const size_t n_failed = failed.size();
-    try {
-      run_op_cpu(cb, op, h, r, n_rows, d, stride_h, stride_r, dtype);
-    } catch (const std::exception& e) {
-      failed.push_back({op.app, e.what()});
-    } catch (...) {
-      failed.push_back({op.app, "unknown exception"});
-    }
-    // A read that failed before it set its flags would leave an earlier step's there, and the
-    // drain would report them for whichever request holds those rows now.
-    if (failed.size() != n_failed) clear_results(cb, op, n_rows);
-  }
   return failed;
 }
 

@@ -1,10 +1,10 @@
 """xmix: serving-native mechanistic-interpretability apps for vLLM.
 
-    app = xmix.App("steer")
-    app.write("add", vector=v, scale=4.0).layers([2]).at("residual.post")
-    llm = xmix.LLM(model=path, apps=[app])
-    outs = llm.generate(prompts, SamplingParams(extra_args={"xmix": {"apps": ["steer"]}}))
-    xmix.results(outs[0])
+app = xmix.App("steer")
+app.write("add", vector=v, scale=4.0).layers([2]).at("residual.post")
+llm = xmix.LLM(model=path, apps=[app])
+outs = llm.generate(prompts, SamplingParams(extra_args={"xmix": {"apps": ["steer"]}}))
+xmix.results(outs[0])
 """
 
 from xmix.api import App, AppError
@@ -12,8 +12,18 @@ from xmix.lowering import DeployError
 from xmix.sae import SAE
 
 __version__ = "0.1.0"
-__all__ = ["App", "AppError", "DeployError", "LLM", "SAE", "capture", "custom_include_dir", "decode_results",
-           "results", "__version__"]
+__all__ = [
+    "App",
+    "AppError",
+    "DeployError",
+    "LLM",
+    "SAE",
+    "capture",
+    "custom_include_dir",
+    "decode_results",
+    "results",
+    "__version__",
+]
 
 
 def results(output, as_tensors: bool = False) -> dict:

@@ -19,9 +19,9 @@ import os
 import re
 import reprlib
 import warnings
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Collection, Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -46,7 +46,7 @@ class LimitError(AppError):
     """An app over a configured size limit (ops, artifact bytes, capacity of the engine)."""
 
 
-MAX_JSON_DEPTH = 32          # nesting of metadata objects and lists
+MAX_JSON_DEPTH = 32  # nesting of metadata objects and lists
 # An app file's JSON (safetensors header, xmix spec) is refused before it is parsed when it
 # could build more Python objects than this: every value costs at least one separator or
 # bracket, so counting those bytes bounds the parse's memory (~100 bytes an object).
@@ -55,9 +55,16 @@ MAX_TENSORS = 1 << 16
 MAX_TENSOR_DIMS = 8
 # safetensors dtype -> (torch dtype, bytes per element); others (BOOL, U8, F8_*, complex) are
 # refused: an artifact is a float (or integer) tensor.
-SAFETENSORS_DTYPES = {"F64": (torch.float64, 8), "F32": (torch.float32, 4), "F16": (torch.float16, 2),
-                      "BF16": (torch.bfloat16, 2), "I64": (torch.int64, 8), "I32": (torch.int32, 4),
-                      "I16": (torch.int16, 2), "I8": (torch.int8, 1)}
+SAFETENSORS_DTYPES = {
+    "F64": (torch.float64, 8),
+    "F32": (torch.float32, 4),
+    "F16": (torch.float16, 2),
+    "BF16": (torch.bfloat16, 2),
+    "I64": (torch.int64, 8),
+    "I32": (torch.int32, 4),
+    "I16": (torch.int16, 2),
+    "I8": (torch.int8, 1),
+}
 _CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f]")
 _SHOWN = reprlib.Repr()
 _SHOWN.maxstring, _SHOWN.maxother, _SHOWN.maxlevel, _SHOWN.maxlist = 60, 60, 2, 6
@@ -106,11 +113,15 @@ def check_json_value(value: Any, what: str, depth: int = MAX_JSON_DEPTH) -> None
 
 def _check_name(kind: str, name: Any, pattern: re.Pattern[str] = _NAME) -> str:
     if not isinstance(name, str) or not pattern.match(name):
-        raise AppError(f"{kind} name {_SHOWN.repr(name)} is not valid (letters, digits, '_' ; at most 64)")
+        raise AppError(
+            f"{kind} name {_SHOWN.repr(name)} is not valid (letters, digits, '_' ; at most 64)"
+        )
     return name
 
 
-def _json_budget(text: bytes | str, source: str, what: str, start: int = 0, end: int | None = None) -> None:
+def _json_budget(
+    text: bytes | str, source: str, what: str, start: int = 0, end: int | None = None
+) -> None:
     """Refuse JSON that could build more than MAX_JSON_VALUES objects, before parsing it
     (``text[start:end]``, counted in place)."""
     end = len(text) if end is None else end
@@ -119,8 +130,10 @@ def _json_budget(text: bytes | str, source: str, what: str, start: int = 0, end:
     else:
         n = sum(text.count(c, start, end) for c in ("{", "[", ",", ":"))
     if n > MAX_JSON_VALUES:
-        raise LimitError(f"{source}: the {what} has {n} JSON separators; at most {MAX_JSON_VALUES} "
-                         f"(an app's spec is far smaller)")
+        raise LimitError(
+            f"{source}: the {what} has {n} JSON separators; at most {MAX_JSON_VALUES} "
+            f"(an app's spec is far smaller)"
+        )
 
 
 def _tensor_entries(header: dict[str, Any], n_data: int, source: str) -> dict[str, tuple[Any, ...]]:
@@ -132,27 +145,44 @@ def _tensor_entries(header: dict[str, Any], n_data: int, source: str) -> dict[st
     spans = []
     for name, info in header.items():
         if not isinstance(name, str) or not name or len(name) > 256 or _CONTROL_CHARS.search(name):
-            raise AppError(f"{source}: tensor name {_SHOWN.repr(name)} is not valid (1 to 256 "
-                           f"characters, no control characters)")
+            raise AppError(
+                f"{source}: tensor name {_SHOWN.repr(name)} is not valid (1 to 256 "
+                f"characters, no control characters)"
+            )
         if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
             raise AppError(f"{source}: tensor {name!r}: entry must have dtype, shape, data_offsets")
         dt = SAFETENSORS_DTYPES.get(info["dtype"]) if isinstance(info["dtype"], str) else None
         if dt is None:
-            raise AppError(f"{source}: tensor {name!r} has dtype {_SHOWN.repr(info['dtype'])}; "
-                           f"artifacts are one of {sorted(SAFETENSORS_DTYPES)}")
+            raise AppError(
+                f"{source}: tensor {name!r} has dtype {_SHOWN.repr(info['dtype'])}; "
+                f"artifacts are one of {sorted(SAFETENSORS_DTYPES)}"
+            )
         shape, offs = info["shape"], info["data_offsets"]
-        if (not isinstance(shape, list) or len(shape) > MAX_TENSOR_DIMS
-                or not all(type(n) is int and n >= 0 for n in shape)):
-            raise AppError(f"{source}: tensor {name!r}: shape must be a list of at most "
-                           f"{MAX_TENSOR_DIMS} non-negative ints")
-        if (not isinstance(offs, list) or len(offs) != 2 or not all(type(o) is int for o in offs)
-                or not 0 <= offs[0] <= offs[1] <= n_data):
-            raise AppError(f"{source}: tensor {name!r}: data_offsets {_SHOWN.repr(offs)} are outside "
-                           f"the file's {n_data} data bytes (truncated file?)")
+        if (
+            not isinstance(shape, list)
+            or len(shape) > MAX_TENSOR_DIMS
+            or not all(type(n) is int and n >= 0 for n in shape)
+        ):
+            raise AppError(
+                f"{source}: tensor {name!r}: shape must be a list of at most "
+                f"{MAX_TENSOR_DIMS} non-negative ints"
+            )
+        if (
+            not isinstance(offs, list)
+            or len(offs) != 2
+            or not all(type(o) is int for o in offs)
+            or not 0 <= offs[0] <= offs[1] <= n_data
+        ):
+            raise AppError(
+                f"{source}: tensor {name!r}: data_offsets {_SHOWN.repr(offs)} are outside "
+                f"the file's {n_data} data bytes (truncated file?)"
+            )
         numel = math.prod(shape)
         if numel * dt[1] != offs[1] - offs[0]:
-            raise AppError(f"{source}: tensor {name!r}: shape {shape} of {info['dtype']} is "
-                           f"{numel * dt[1]} bytes, its data_offsets span {offs[1] - offs[0]}")
+            raise AppError(
+                f"{source}: tensor {name!r}: shape {shape} of {info['dtype']} is "
+                f"{numel * dt[1]} bytes, its data_offsets span {offs[1] - offs[0]}"
+            )
         out[name] = (dt[0], shape, offs[0], offs[1])
         spans.append((offs[0], offs[1], name))
     spans.sort()
@@ -172,8 +202,9 @@ class _Sized:
         return math.prod(self.shape)
 
 
-def _materialise(data: bytes, base: int, entries: dict[str, tuple[Any, ...]],
-                 names: Iterable[str]) -> dict[str, torch.Tensor]:
+def _materialise(
+    data: bytes, base: int, entries: dict[str, tuple[Any, ...]], names: Iterable[str]
+) -> dict[str, torch.Tensor]:
     """Zero-copy views of the named tensors in ``data`` (the app copies what it keeps)."""
     out = {}
     with warnings.catch_warnings():
@@ -181,8 +212,11 @@ def _materialise(data: bytes, base: int, entries: dict[str, tuple[Any, ...]],
         for name in names:
             dtype, shape, b, e = entries[name]
             n = math.prod(shape)
-            t = torch.frombuffer(data, dtype=dtype, count=n, offset=base + b) if n else \
-                torch.empty(0, dtype=dtype)
+            t = (
+                torch.frombuffer(data, dtype=dtype, count=n, offset=base + b)
+                if n
+                else torch.empty(0, dtype=dtype)
+            )
             out[name] = t.reshape(shape)
     return out
 
@@ -207,24 +241,32 @@ def _referenced(spec: Any, names: Collection[str]) -> list[str]:
 @dataclass
 class TokenSet:
     name: str
-    ids: list[int] | None = None          # token ids
-    strings: list[str] | None = None      # strings that must each be exactly one token
-    contains: list[str] | None = None     # every vocab token whose text contains one of these
+    ids: list[int] | None = None  # token ids
+    strings: list[str] | None = None  # strings that must each be exactly one token
+    contains: list[str] | None = None  # every vocab token whose text contains one of these
 
     def to_json(self) -> dict[str, Any]:
-        return {k: v for k, v in (("name", self.name), ("ids", self.ids), ("strings", self.strings),
-                                  ("contains", self.contains)) if v is not None}
+        return {
+            k: v
+            for k, v in (
+                ("name", self.name),
+                ("ids", self.ids),
+                ("strings", self.strings),
+                ("contains", self.contains),
+            )
+            if v is not None
+        }
 
 
 @dataclass
 class CustomKernel:
     """A user kernel with the xmix_custom_args ABI. Only loadable from local files."""
 
-    primitive: str                        # "read" or "write"
-    cpu_library: str | None = None        # shared library exporting cpu_symbol
+    primitive: str  # "read" or "write"
+    cpu_library: str | None = None  # shared library exporting cpu_symbol
     cpu_symbol: str | None = None
-    cuda_source: str | None = None        # CUDA C++ compiled with nvcc at deploy
-    cuda_fatbin: str | None = None        # or a prebuilt fatbin / cubin file
+    cuda_source: str | None = None  # CUDA C++ compiled with nvcc at deploy
+    cuda_fatbin: str | None = None  # or a prebuilt fatbin / cubin file
     cuda_symbol: str | None = None
     params: dict[str, float] = field(default_factory=dict)
 
@@ -235,8 +277,16 @@ class CustomKernel:
 class Op:
     """One read or write of an app; the builder methods return the op for chaining."""
 
-    def __init__(self, app: "App", primitive: str, kernel: str, artifacts: dict[str, torch.Tensor],
-                 params: dict[str, float], options: dict[str, Any], custom: CustomKernel | None):
+    def __init__(
+        self,
+        app: App,
+        primitive: str,
+        kernel: str,
+        artifacts: dict[str, torch.Tensor],
+        params: dict[str, float],
+        options: dict[str, Any],
+        custom: CustomKernel | None,
+    ):
         self.app = app
         self.primitive = primitive
         self.kernel = kernel
@@ -250,14 +300,16 @@ class Op:
         self.cond_expr: str | None = None
         self.cond_when: str | None = None
         self.cond_gate: str | None = None
-        self.sae: SAE | None = None        # xmix.SAE of an SAE kernel (shared within the app)
+        self.sae: SAE | None = None  # xmix.SAE of an SAE kernel (shared within the app)
 
     # -- builder ---------------------------------------------------------------------------
-    def layers(self, layers: Any) -> "Op":
+    def layers(self, layers: Any) -> Op:
         if isinstance(layers, str):
             if layers != "all":
-                raise AppError(f"app {self.app.name!r}, op {self.label}: layers must be a list, "
-                               f"a range or 'all', got {layers!r}")
+                raise AppError(
+                    f"app {self.app.name!r}, op {self.label}: layers must be a list, "
+                    f"a range or 'all', got {layers!r}"
+                )
             self.layer_spec = "all"
         elif isinstance(layers, int) and not isinstance(layers, bool):
             self.layer_spec = [layers]
@@ -265,43 +317,55 @@ class Op:
             try:
                 lst = list(layers)
             except TypeError:
-                raise AppError(f"app {self.app.name!r}, op {self.label}: layers must be a list, "
-                               f"a range or 'all', got {layers!r}") from None
+                raise AppError(
+                    f"app {self.app.name!r}, op {self.label}: layers must be a list, "
+                    f"a range or 'all', got {layers!r}"
+                ) from None
             if not lst or not all(isinstance(l, int) and not isinstance(l, bool) for l in lst):
-                raise AppError(f"app {self.app.name!r}, op {self.label}: layers must be a "
-                               f"non-empty list of ints, got {layers!r}")
+                raise AppError(
+                    f"app {self.app.name!r}, op {self.label}: layers must be a "
+                    f"non-empty list of ints, got {layers!r}"
+                )
             if len(set(lst)) != len(lst):
-                raise AppError(f"app {self.app.name!r}, op {self.label}: layer listed twice in {lst}")
+                raise AppError(
+                    f"app {self.app.name!r}, op {self.label}: layer listed twice in {lst}"
+                )
             self.layer_spec = lst
         return self
 
-    def at(self, site: str) -> "Op":
+    def at(self, site: str) -> Op:
         """Place the op at hook site ``site`` of each of its layers: "residual.pre",
         "attention.post", "residual.mid", "router.logits", "mlp.post", "residual.post" (per
         layer, in forward order) or "final.post" (after the final norm; no layers).
         Raises AppError for a name outside the hook surface."""
         if site not in SITE_NAMES:
-            raise AppError(f"app {self.app.name!r}, op {self.label}: unknown site {site!r}; "
-                           f"the hook surface is {', '.join(SITE_NAMES)}")
+            raise AppError(
+                f"app {self.app.name!r}, op {self.label}: unknown site {site!r}; "
+                f"the hook surface is {', '.join(SITE_NAMES)}"
+            )
         self.site = site
         return self
 
-    def submodule(self, site: str) -> "Op":
+    def submodule(self, site: str) -> Op:
         """The same as ``at(site)`` (the name of the first releases)."""
         return self.at(site)
 
-    def named(self, name: str) -> "Op":
+    def named(self, name: str) -> Op:
         _check_name(f"app {self.app.name!r}: op", name, _OP_NAME)
         if name in conditions.RESERVED:
-            raise AppError(f"app {self.app.name!r}: op name {name!r} is a word of the condition "
-                           f"language; a gate could not refer to it")
+            raise AppError(
+                f"app {self.app.name!r}: op name {name!r} is a word of the condition "
+                f"language; a gate could not refer to it"
+            )
         for other in self.app.ops:
             if other is not self and other.name == name:
                 raise AppError(f"app {self.app.name!r}: two ops are named {name!r}")
         self.name = name
         return self
 
-    def cond(self, expr: str | None = None, *, when: str | None = None, gate: str | None = None) -> "Op":
+    def cond(
+        self, expr: str | None = None, *, when: str | None = None, gate: str | None = None
+    ) -> Op:
         try:
             conditions.combine(expr, when, gate)
         except conditions.ConditionError as e:
@@ -329,7 +393,9 @@ class Op:
             "site": self.site,
             "layers": self.layer_spec,
             "params": self.params,
-            "artifacts": {k: (keys or {}).get(id(t), f"op{index}.{k}") for k, t in self.artifacts.items()},
+            "artifacts": {
+                k: (keys or {}).get(id(t), f"op{index}.{k}") for k, t in self.artifacts.items()
+            },
         }
         if self.name:
             d["name"] = self.name
@@ -339,15 +405,23 @@ class Op:
             d["sae"] = self.app._sae_key(self.sae)
         if self.custom:
             d["custom"] = self.custom.to_json()
-        cond = {k: v for k, v in (("expr", self.cond_expr), ("when", self.cond_when),
-                                  ("gate", self.cond_gate)) if v is not None}
+        cond = {
+            k: v
+            for k, v in (
+                ("expr", self.cond_expr),
+                ("when", self.cond_when),
+                ("gate", self.cond_gate),
+            )
+            if v is not None
+        }
         if cond:
             d["cond"] = cond
         return d
 
 
-def _check_spec_size(spec: dict[str, Any], tensors: dict[str, torch.Tensor] | dict[str, _Sized],
-                     source: str) -> None:
+def _check_spec_size(
+    spec: dict[str, Any], tensors: dict[str, torch.Tensor] | dict[str, _Sized], source: str
+) -> None:
     """Op count and artifact bytes of a spec, before any op is built or artifact copied.
     Artifacts are counted once per distinct file key (ops naming one key share it)."""
     ops = spec.get("ops") or []
@@ -368,8 +442,10 @@ def _check_spec_size(spec: dict[str, Any], tensors: dict[str, torch.Tensor] | di
     total = sum(4 * tensors[k].numel() for k in keys)
     limit = max_artifact_bytes()
     if total > limit:
-        raise LimitError(f"{source}: artifacts take {total} bytes as fp32; at most {limit} per app "
-                         f"(XMIX_MAX_ARTIFACT_BYTES)")
+        raise LimitError(
+            f"{source}: artifacts take {total} bytes as fp32; at most {limit} per app "
+            f"(XMIX_MAX_ARTIFACT_BYTES)"
+        )
 
 
 def _as_artifact(app: str, what: str, name: str, value: Any) -> torch.Tensor:
@@ -380,9 +456,12 @@ def _as_artifact(app: str, what: str, name: str, value: Any) -> torch.Tensor:
             t = torch.as_tensor(value)
         except Exception:
             raise AppError(f"app {app!r}, {what}: artifact {name!r} is not a tensor") from None
-    if t.dtype == torch.bool or not (t.is_floating_point() or t.dtype in (torch.int8, torch.int16, torch.int32, torch.int64)):
-        raise AppError(f"app {app!r}, {what}: artifact {name!r} has dtype {t.dtype}; "
-                       f"expected a float tensor")
+    if t.dtype == torch.bool or not (
+        t.is_floating_point() or t.dtype in (torch.int8, torch.int16, torch.int32, torch.int64)
+    ):
+        raise AppError(
+            f"app {app!r}, {what}: artifact {name!r} has dtype {t.dtype}; expected a float tensor"
+        )
     # A private copy: the app must not change when the caller's tensor does, and safetensors
     # refuses to save two artifacts that share memory.
     return t.contiguous().clone()
@@ -394,7 +473,9 @@ def _as_param(app: str, what: str, name: str, value: Any) -> float:
     try:
         v = float(value)
     except OverflowError:
-        raise AppError(f"app {app!r}, {what}: parameter {name!r} is too large for a float") from None
+        raise AppError(
+            f"app {app!r}, {what}: parameter {name!r} is too large for a float"
+        ) from None
     if math.isnan(v):
         raise AppError(f"app {app!r}, {what}: parameter {name!r} is NaN")
     # Kernels see parameters in fp32: beyond FLT_MAX a value is Inf there (and JSON has no Inf).
@@ -412,7 +493,9 @@ class App:
         self.token_sets: dict[str, TokenSet] = {}
         self.app_params: dict[str, float] = {}
         if not isinstance(metadata or {}, dict):
-            raise AppError(f"app {name!r}: metadata must be an object, got {type(metadata).__name__}")
+            raise AppError(
+                f"app {name!r}: metadata must be an object, got {type(metadata).__name__}"
+            )
         self.metadata: dict[str, Any] = dict(metadata or {})
         # Listed over HTTP as strict JSON: refuse here what could not be listed there.
         check_json_value(self.metadata, f"app {name!r}: metadata")
@@ -426,8 +509,10 @@ class App:
     def _op(self, primitive: str, kernel: str, kwargs: dict[str, Any]) -> Op:
         what = f"{primitive}({kernel!r})"
         if kernel not in KERNELS:
-            raise AppError(f"app {self.name!r}, {what}: unknown kernel {kernel!r}; built-in "
-                           f"kernels are {', '.join(sorted(KERNELS))}")
+            raise AppError(
+                f"app {self.name!r}, {what}: unknown kernel {kernel!r}; built-in "
+                f"kernels are {', '.join(sorted(KERNELS))}"
+            )
         spec = KERNELS[kernel]
         if spec.primitive not in (primitive, "either"):
             raise AppError(f"app {self.name!r}, {what}: {kernel!r} is a {spec.primitive} kernel")
@@ -440,8 +525,15 @@ class App:
         if kernel in SAE_KERNELS:
             sae = _sae_options(self.name, what, kernel, kwargs, options)
         if kernel == "custom":
-            custom = CustomKernel(primitive=primitive, **{k: kwargs.pop(k) for k in list(kwargs)
-                                  if k in ("cpu_library", "cpu_symbol", "cuda_source", "cuda_fatbin", "cuda_symbol")})
+            custom = CustomKernel(
+                primitive=primitive,
+                **{
+                    k: kwargs.pop(k)
+                    for k in list(kwargs)
+                    if k
+                    in ("cpu_library", "cpu_symbol", "cuda_source", "cuda_fatbin", "cuda_symbol")
+                },
+            )
             if "artifact" in kwargs:
                 artifacts["artifact"] = self._artifact(what, "artifact", kwargs.pop("artifact"))
             for k, v in dict(kwargs.pop("params", {}) or {}).items():
@@ -450,8 +542,9 @@ class App:
         else:
             for a in spec.artifacts:
                 if a not in kwargs:
-                    raise AppError(f"app {self.name!r}, {what}: missing artifact {a!r} "
-                                   f"({spec.artifacts[a]})")
+                    raise AppError(
+                        f"app {self.name!r}, {what}: missing artifact {a!r} ({spec.artifacts[a]})"
+                    )
                 artifacts[a] = self._artifact(what, a, kwargs.pop(a))
             for p, pspec in spec.params.items():
                 if p in kwargs:
@@ -460,16 +553,23 @@ class App:
             if kernel == "capture" and "dims" in kwargs:
                 dims = kwargs.pop("dims")
                 if dims is not None:
-                    if (not isinstance(dims, (list, tuple)) or len(dims) != 2
-                            or not all(isinstance(x, int) and not isinstance(x, bool) for x in dims)
-                            or not 0 <= dims[0] < dims[1]):
-                        raise AppError(f"app {self.name!r}, {what}: dims must be (start, stop) "
-                                       f"with 0 <= start < stop, got {dims!r}")
+                    if (
+                        not isinstance(dims, (list, tuple))
+                        or len(dims) != 2
+                        or not all(isinstance(x, int) and not isinstance(x, bool) for x in dims)
+                        or not 0 <= dims[0] < dims[1]
+                    ):
+                        raise AppError(
+                            f"app {self.name!r}, {what}: dims must be (start, stop) "
+                            f"with 0 <= start < stop, got {dims!r}"
+                        )
                     options["dims"] = [int(dims[0]), int(dims[1])]
         if kwargs:
-            raise AppError(f"app {self.name!r}, {what}: unknown argument(s) {', '.join(sorted(kwargs))}; "
-                           f"{kernel!r} takes artifacts {list(spec.artifacts)} and params "
-                           f"{list(spec.params)}")
+            raise AppError(
+                f"app {self.name!r}, {what}: unknown argument(s) {', '.join(sorted(kwargs))}; "
+                f"{kernel!r} takes artifacts {list(spec.artifacts)} and params "
+                f"{list(spec.params)}"
+            )
         op = Op(self, primitive, kernel, artifacts, params, options, custom)
         self.ops.append(op)
         if sae is not None:
@@ -513,8 +613,9 @@ class App:
         sae_clamp (or custom)."""
         return self._op("write", kernel, kwargs)
 
-    def token_set(self, name: str, ids: Any = None, strings: Any = None,
-                  contains: Any = None) -> "App":
+    def token_set(
+        self, name: str, ids: Any = None, strings: Any = None, contains: Any = None
+    ) -> App:
         """A set of token ids for conditions: ids, single-token strings (resolved with the
         tokenizer at deploy), or every token whose text contains a substring."""
         _check_name(f"app {self.name!r}: token set", name, _OP_NAME)
@@ -524,17 +625,27 @@ class App:
             raise AppError(f"app {self.name!r}: token set {name!r} needs ids, strings or contains")
         if ids is not None:
             if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
-                raise AppError(f"app {self.name!r}: token set {name!r}: ids must be non-negative ints")
+                raise AppError(
+                    f"app {self.name!r}: token set {name!r}: ids must be non-negative ints"
+                )
             ids = [int(i) for i in ids]
         for what, lst in (("strings", strings), ("contains", contains)):
-            if lst is not None and (isinstance(lst, str) or not all(isinstance(s, str) and s for s in lst)):
-                raise AppError(f"app {self.name!r}: token set {name!r}: {what} must be a list "
-                               f"of non-empty strings")
-        self.token_sets[name] = TokenSet(name, ids, list(strings) if strings is not None else None,
-                                         list(contains) if contains is not None else None)
+            if lst is not None and (
+                isinstance(lst, str) or not all(isinstance(s, str) and s for s in lst)
+            ):
+                raise AppError(
+                    f"app {self.name!r}: token set {name!r}: {what} must be a list "
+                    f"of non-empty strings"
+                )
+        self.token_sets[name] = TokenSet(
+            name,
+            ids,
+            list(strings) if strings is not None else None,
+            list(contains) if contains is not None else None,
+        )
         return self
 
-    def param(self, name: str, default: float) -> "App":
+    def param(self, name: str, default: float) -> App:
         """An app-level scalar usable in conditions (``gate="p18 >= theta"``), per request."""
         _check_name(f"app {self.name!r}: parameter", name, _OP_NAME)
         self.app_params[name] = _as_param(self.name, "param()", name, default)
@@ -550,8 +661,11 @@ class App:
             "params": self.app_params,
             "token_sets": [s.to_json() for s in self.token_sets.values()],
             "ops": [op.to_json(i, keys) for i, op in enumerate(self.ops)],
-            **({"saes": {f"sae{i}": s.config() for i, s in enumerate(self._saes())}}
-               if self._saes() else {}),
+            **(
+                {"saes": {f"sae{i}": s.config() for i, s in enumerate(self._saes())}}
+                if self._saes()
+                else {}
+            ),
         }
 
     def _artifact_keys(self) -> dict[int, str]:
@@ -584,7 +698,9 @@ class App:
     def to_bytes(self) -> bytes:
         from safetensors.torch import save
 
-        data: bytes = save(self.tensors(), metadata={"xmix.spec": json.dumps(self.spec(), sort_keys=True)})
+        data: bytes = save(
+            self.tensors(), metadata={"xmix.spec": json.dumps(self.spec(), sort_keys=True)}
+        )
         return data
 
     def save(self, path: str | Path) -> Path:
@@ -593,7 +709,7 @@ class App:
         return path
 
     @staticmethod
-    def load(path: str | Path) -> "App":
+    def load(path: str | Path) -> App:
         path = Path(path)
         try:
             data = path.read_bytes()
@@ -602,7 +718,7 @@ class App:
         return App.from_bytes(data, source=str(path), allow_custom=True)
 
     @staticmethod
-    def from_bytes(data: bytes, source: str = "<bytes>", allow_custom: bool = False) -> "App":
+    def from_bytes(data: bytes, source: str = "<bytes>", allow_custom: bool = False) -> App:
         """Parse an app file. ``allow_custom=False`` (the network path) refuses apps that
         would load code (custom kernels)."""
         # Parsed here rather than by safetensors.torch.load, which copies every tensor of the
@@ -613,13 +729,17 @@ class App:
             raise AppError(f"{source}: not an xmix app file (too short for safetensors)")
         hlen = int.from_bytes(data[:8], "little")
         if hlen == 0 or hlen > len(data) - 8:
-            raise AppError(f"{source}: not an xmix app file (its header claims {hlen} bytes; the "
-                           f"file has {len(data) - 8} after the length)")
+            raise AppError(
+                f"{source}: not an xmix app file (its header claims {hlen} bytes; the "
+                f"file has {len(data) - 8} after the length)"
+            )
         if hlen > max_app_header_bytes():
-            raise LimitError(f"{source}: header of {hlen} bytes; at most {max_app_header_bytes()} "
-                             f"(XMIX_MAX_APP_HEADER_BYTES)")
+            raise LimitError(
+                f"{source}: header of {hlen} bytes; at most {max_app_header_bytes()} "
+                f"(XMIX_MAX_APP_HEADER_BYTES)"
+            )
         _json_budget(data, source, "header", 8, 8 + hlen)
-        raw = data[8:8 + hlen]
+        raw = data[8 : 8 + hlen]
         try:
             header = json.loads(raw)
         except RecursionError:
@@ -631,10 +751,14 @@ class App:
             raise AppError(f"{source}: not an xmix app file (header is not an object)")
         meta = header.pop("__metadata__", None) or {}
         if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
-            raise AppError(f"{source}: not an xmix app file (__metadata__ must map names to strings)")
+            raise AppError(
+                f"{source}: not an xmix app file (__metadata__ must map names to strings)"
+            )
         entries = _tensor_entries(header, len(data) - 8 - hlen, source)
         if "xmix.spec" not in meta:
-            raise AppError(f"{source}: safetensors file without an xmix spec (metadata 'xmix.spec')")
+            raise AppError(
+                f"{source}: safetensors file without an xmix spec (metadata 'xmix.spec')"
+            )
         _json_budget(meta["xmix.spec"], source, "xmix spec")
         try:
             spec = json.loads(meta["xmix.spec"])
@@ -648,32 +772,46 @@ class App:
         return App.from_spec(spec, tensors, source=source, allow_custom=allow_custom)
 
     @staticmethod
-    def from_spec(spec: dict[str, Any], tensors: dict[str, torch.Tensor], source: str = "<spec>",
-                  allow_custom: bool = False) -> "App":
+    def from_spec(
+        spec: dict[str, Any],
+        tensors: dict[str, torch.Tensor],
+        source: str = "<spec>",
+        allow_custom: bool = False,
+    ) -> App:
         if not isinstance(spec, dict) or spec.get("format") != FORMAT:
-            raise AppError(f"{source}: unknown app format {spec.get('format') if isinstance(spec, dict) else spec!r}; "
-                           f"expected {FORMAT!r}")
+            raise AppError(
+                f"{source}: unknown app format {spec.get('format') if isinstance(spec, dict) else spec!r}; "
+                f"expected {FORMAT!r}"
+            )
         try:
             _check_spec_size(spec, tensors, source)
             app = App(spec["name"], metadata=spec.get("metadata") or {})
             for k, v in (spec.get("params") or {}).items():
                 app.param(k, v)
             for ts in spec.get("token_sets") or []:
-                app.token_set(ts["name"], ids=ts.get("ids"), strings=ts.get("strings"),
-                              contains=ts.get("contains"))
+                app.token_set(
+                    ts["name"],
+                    ids=ts.get("ids"),
+                    strings=ts.get("strings"),
+                    contains=ts.get("contains"),
+                )
             saes = _saes_from_spec(spec.get("saes") or {}, tensors, source)
             for i, o in enumerate(spec.get("ops") or []):
                 kwargs: dict[str, Any] = {}
                 for a, key in (o.get("artifacts") or {}).items():
                     if key not in tensors:
-                        raise AppError(f"{source}: op #{i} names artifact {key!r} that the file "
-                                       f"does not contain")
+                        raise AppError(
+                            f"{source}: op #{i} names artifact {key!r} that the file "
+                            f"does not contain"
+                        )
                     kwargs[a] = tensors[key]
                 if o["kernel"] == "custom":
                     if not allow_custom:
-                        raise AppError(f"{source}: op #{i} is a custom kernel; apps with custom "
-                                       f"kernels load code and are only accepted from local files "
-                                       f"(xmix serve --app), never over the network")
+                        raise AppError(
+                            f"{source}: op #{i} is a custom kernel; apps with custom "
+                            f"kernels load code and are only accepted from local files "
+                            f"(xmix serve --app), never over the network"
+                        )
                     c = dict(o.get("custom") or {})
                     c.pop("primitive", None)
                     kwargs.update(c)
@@ -682,8 +820,10 @@ class App:
                     kwargs.update(o.get("options") or {})
                 if o["kernel"] in SAE_KERNELS:
                     if o.get("sae") not in saes:
-                        raise AppError(f"{source}: op #{i} names SAE {o.get('sae')!r} that the "
-                                       f"file does not contain")
+                        raise AppError(
+                            f"{source}: op #{i} names SAE {o.get('sae')!r} that the "
+                            f"file does not contain"
+                        )
                     kwargs["sae"] = saes[o["sae"]]
                 op = app._op(o["primitive"], o["kernel"], kwargs)
                 if o.get("layers") is not None:
@@ -697,30 +837,48 @@ class App:
                     op.cond(cond.get("expr"), when=cond.get("when"), gate=cond.get("gate"))
         except AppError:
             raise
-        except (KeyError, TypeError, AttributeError, ValueError, OverflowError, RecursionError) as e:
+        except (
+            KeyError,
+            TypeError,
+            AttributeError,
+            ValueError,
+            OverflowError,
+            RecursionError,
+        ) as e:
             raise AppError(f"{source}: malformed app spec ({type(e).__name__}: {e})") from None
         return app
 
 
-def _sae_options(app: str, what: str, kernel: str, kwargs: dict[str, Any],
-                 options: dict[str, Any]) -> SAE:
+def _sae_options(
+    app: str, what: str, kernel: str, kwargs: dict[str, Any], options: dict[str, Any]
+) -> SAE:
     """Take the SAE and its options out of an SAE kernel's arguments."""
     from xmix.sae import SAE, SAEError
 
     sae = kwargs.pop("sae", None)
     if not isinstance(sae, SAE):
-        raise AppError(f"app {app!r}, {what}: needs sae=<xmix.SAE> (load one with xmix.SAE.load "
-                       f"or xmix.interop.load_sae), got {type(sae).__name__}")
+        raise AppError(
+            f"app {app!r}, {what}: needs sae=<xmix.SAE> (load one with xmix.SAE.load "
+            f"or xmix.interop.load_sae), got {type(sae).__name__}"
+        )
     try:
         if kernel == "sae":
             top_k, features = kwargs.pop("top_k", None), kwargs.pop("features", None)
             if (top_k is None) == (features is None):
-                raise AppError(f"app {app!r}, {what}: give exactly one of top_k=K (the K largest "
-                               f"active features per token) or features=[...] (those features)")
+                raise AppError(
+                    f"app {app!r}, {what}: give exactly one of top_k=K (the K largest "
+                    f"active features per token) or features=[...] (those features)"
+                )
             if top_k is not None:
-                if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= MAX_TOP_K:
-                    raise AppError(f"app {app!r}, {what}: top_k must be an int in [1, {MAX_TOP_K}], "
-                                   f"got {top_k!r}")
+                if (
+                    isinstance(top_k, bool)
+                    or not isinstance(top_k, int)
+                    or not 1 <= top_k <= MAX_TOP_K
+                ):
+                    raise AppError(
+                        f"app {app!r}, {what}: top_k must be an int in [1, {MAX_TOP_K}], "
+                        f"got {top_k!r}"
+                    )
                 options["top_k"] = int(top_k)
             else:
                 options["features"] = sae.check_features(features, "features")
@@ -729,14 +887,18 @@ def _sae_options(app: str, what: str, kernel: str, kwargs: dict[str, Any],
                 raise AppError(f"app {app!r}, {what}: needs feature=<id> or feature=[ids]")
             options["feature"] = sae.check_features(kwargs.pop("feature"), "feature")
             if kernel == "sae_steer" and sae.normalize_activations != "none":
-                raise AppError(f"app {app!r}, {what}: the SAE normalises each token "
-                               f"({sae.normalize_activations}), so a decoder row has no fixed "
-                               f"direction in the stream; use sae_clamp, or write('add', "
-                               f"vector=sae.W_dec[f]) for the raw row")
+                raise AppError(
+                    f"app {app!r}, {what}: the SAE normalises each token "
+                    f"({sae.normalize_activations}), so a decoder row has no fixed "
+                    f"direction in the stream; use sae_clamp, or write('add', "
+                    f"vector=sae.W_dec[f]) for the raw row"
+                )
         key = "features" if "features" in options else "feature"
         if len(options.get(key, ())) > MAX_SAE_FEATURES:
-            raise AppError(f"app {app!r}, {what}: at most {MAX_SAE_FEATURES} features per op, "
-                           f"got {len(options[key])}")
+            raise AppError(
+                f"app {app!r}, {what}: at most {MAX_SAE_FEATURES} features per op, "
+                f"got {len(options[key])}"
+            )
     except SAEError as e:
         raise AppError(f"app {app!r}, {what}: {e}") from None
     return sae
@@ -752,7 +914,7 @@ def _saes_from_spec(saes: Any, tensors: dict[str, torch.Tensor], source: str) ->
         if not isinstance(key, str) or not _OP_NAME.match(key):
             raise AppError(f"{source}: SAE name {key!r} is not valid")
         prefix = key + "."
-        parts = {k[len(prefix):]: t for k, t in tensors.items() if k.startswith(prefix)}
+        parts = {k[len(prefix) :]: t for k, t in tensors.items() if k.startswith(prefix)}
         try:
             out[key] = SAE.from_parts(cfg, parts, source=f"{source}, SAE {key!r}")
         except SAEError as e:

@@ -46,11 +46,11 @@ HIDDEN = (0, "hidden_states")
 @dataclass(frozen=True)
 class Tap:
     module: str
-    io: str                                   # "in" | "out"
-    arg: tuple[int, str] = HIDDEN             # io="in": the stream tensor's (position, keyword)
-    fused: bool = False                       # vLLM: the stream is hidden + residual
+    io: str  # "in" | "out"
+    arg: tuple[int, str] = HIDDEN  # io="in": the stream tensor's (position, keyword)
+    fused: bool = False  # vLLM: the stream is hidden + residual
     residual_arg: tuple[int, str] = (-1, "residual")
-    router: str = ""                          # transformers: a router forward to re-implement
+    router: str = ""  # transformers: a router forward to re-implement
 
     def __post_init__(self) -> None:
         if self.io not in ("in", "out"):
@@ -82,12 +82,14 @@ class EngineMap:
 class Family:
     name: str
     title: str
-    architectures: tuple[str, ...]            # config.architectures[0] (transformers == vLLM)
+    architectures: tuple[str, ...]  # config.architectures[0] (transformers == vLLM)
     vllm: EngineMap
     hf: EngineMap
-    notes: dict[str, str] = field(default_factory=dict)   # site -> what differs from the convention's wording
-    tiny: str = ""                            # xmix.models.tiny kind
-    cpu_engine: str = ""                      # why vLLM's CPU engine cannot run it ("" = it can)
+    notes: dict[str, str] = field(
+        default_factory=dict
+    )  # site -> what differs from the convention's wording
+    tiny: str = ""  # xmix.models.tiny kind
+    cpu_engine: str = ""  # why vLLM's CPU engine cannot run it ("" = it can)
 
     @property
     def moe(self) -> bool:
@@ -170,8 +172,15 @@ _LLAMA_GAPS = ("residual.pre", "attention.post", "residual.mid", "mlp.post", "re
 
 
 def _llama_like(name: str, title: str, arch: str, tiny: str, **kw) -> Family:
-    return Family(name, title, (arch,), EngineMap(_LLAMA_VLLM, fusion_gaps=_LLAMA_GAPS),
-                  EngineMap(_LLAMA_HF), tiny=tiny, **kw)
+    return Family(
+        name,
+        title,
+        (arch,),
+        EngineMap(_LLAMA_VLLM, fusion_gaps=_LLAMA_GAPS),
+        EngineMap(_LLAMA_HF),
+        tiny=tiny,
+        **kw,
+    )
 
 
 FAMILIES: tuple[Family, ...] = (
@@ -179,68 +188,128 @@ FAMILIES: tuple[Family, ...] = (
     _llama_like("qwen2", "Qwen2 / Qwen2.5", "Qwen2ForCausalLM", "tiny-qwen2"),
     _llama_like("qwen3", "Qwen3", "Qwen3ForCausalLM", "tiny-qwen3"),
     _llama_like("mistral", "Mistral", "MistralForCausalLM", "tiny-mistral"),
-    _llama_like("phi3", "Phi-3", "Phi3ForCausalLM", "tiny-phi3",
-                notes={"attention.post": "self_attn output; vLLM serves Phi-3 with its Llama code "
-                                         "(fused qkv_proj / gate_up_proj loaded as such)"}),
+    _llama_like(
+        "phi3",
+        "Phi-3",
+        "Phi3ForCausalLM",
+        "tiny-phi3",
+        notes={
+            "attention.post": "self_attn output; vLLM serves Phi-3 with its Llama code "
+            "(fused qkv_proj / gate_up_proj loaded as such)"
+        },
+    ),
     Family(
-        "mixtral", "Mixtral", ("MixtralForCausalLM",),
-        EngineMap({**_LLAMA_VLLM, "mlp.post": Tap("block_sparse_moe", "out"),
-                   "router.logits": Tap("block_sparse_moe.gate", "out")}, fusion_gaps=_LLAMA_GAPS),
+        "mixtral",
+        "Mixtral",
+        ("MixtralForCausalLM",),
+        EngineMap(
+            {
+                **_LLAMA_VLLM,
+                "mlp.post": Tap("block_sparse_moe", "out"),
+                "router.logits": Tap("block_sparse_moe.gate", "out"),
+            },
+            fusion_gaps=_LLAMA_GAPS,
+        ),
         EngineMap({**_LLAMA_HF, "router.logits": Tap("mlp.gate", "out", router="mixtral")}),
-        notes={"router.logits": "gate logits [T, n_experts] before softmax and top-k",
-               "mlp.post": "sparse MoE block output"},
+        notes={
+            "router.logits": "gate logits [T, n_experts] before softmax and top-k",
+            "mlp.post": "sparse MoE block output",
+        },
         tiny="tiny-mixtral",
     ),
     Family(
-        "qwen3_moe", "Qwen3-MoE", ("Qwen3MoeForCausalLM",),
-        EngineMap({**_LLAMA_VLLM, "router.logits": Tap("mlp.gate", "out")}, fusion_gaps=_LLAMA_GAPS),
+        "qwen3_moe",
+        "Qwen3-MoE",
+        ("Qwen3MoeForCausalLM",),
+        EngineMap(
+            {**_LLAMA_VLLM, "router.logits": Tap("mlp.gate", "out")}, fusion_gaps=_LLAMA_GAPS
+        ),
         EngineMap({**_LLAMA_HF, "router.logits": Tap("mlp.gate", "out", router="qwen3_moe")}),
-        notes={"router.logits": "gate logits [T, n_experts] before softmax and top-k "
-                                "(norm_topk_prob renormalises the k chosen); vLLM computes them "
-                                "inside its fused-MoE runner, which calls mlp.gate",
-               "mlp.post": "sparse MoE block output (MoE layers) or the dense MLP's "
-                           "(mlp_only_layers, decoder_sparse_step)"},
+        notes={
+            "router.logits": "gate logits [T, n_experts] before softmax and top-k "
+            "(norm_topk_prob renormalises the k chosen); vLLM computes them "
+            "inside its fused-MoE runner, which calls mlp.gate",
+            "mlp.post": "sparse MoE block output (MoE layers) or the dense MLP's "
+            "(mlp_only_layers, decoder_sparse_step)",
+        },
         tiny="tiny-qwen3-moe",
     ),
     Family(
-        "deepseek_v2", "DeepSeek-V2", ("DeepseekV2ForCausalLM",),
-        EngineMap({**_LLAMA_VLLM, "router.logits": Tap("mlp.gate", "out")}, fusion_gaps=_LLAMA_GAPS),
+        "deepseek_v2",
+        "DeepSeek-V2",
+        ("DeepseekV2ForCausalLM",),
+        EngineMap(
+            {**_LLAMA_VLLM, "router.logits": Tap("mlp.gate", "out")}, fusion_gaps=_LLAMA_GAPS
+        ),
         EngineMap({**_LLAMA_HF, "router.logits": Tap("mlp.gate", "out", router="deepseek_v2")}),
-        notes={"attention.post": "self_attn output: multi-head latent attention (MLA), after o_proj",
-               "router.logits": "gate logits [T, n_routed_experts] (the linear gate, in fp32) "
-                                "before the softmax scores, the group-limited choice (n_group, "
-                                "topk_group) and top-k; shared experts are not routed",
-               "mlp.post": "MoE block output: routed experts (times routed_scaling_factor) plus "
-                           "the shared experts; the dense MLP's in the first_k_dense_replace layers"},
+        notes={
+            "attention.post": "self_attn output: multi-head latent attention (MLA), after o_proj",
+            "router.logits": "gate logits [T, n_routed_experts] (the linear gate, in fp32) "
+            "before the softmax scores, the group-limited choice (n_group, "
+            "topk_group) and top-k; shared experts are not routed",
+            "mlp.post": "MoE block output: routed experts (times routed_scaling_factor) plus "
+            "the shared experts; the dense MLP's in the first_k_dense_replace layers",
+        },
         tiny="tiny-deepseek-v2",
     ),
     Family(
-        "gpt_oss", "GPT-OSS", ("GptOssForCausalLM",),
-        EngineMap({"residual.pre": Tap("", "in", arg=(0, "hidden_states"), fused=True,
-                                       residual_arg=(2, "residual")),
-                   "attention.post": Tap("attn", "out"),
-                   "residual.mid": _vllm_norm_in("post_attention_layernorm"),
-                   "router.logits": Tap("mlp.router", "out"),
-                   "mlp.post": Tap("mlp", "out"),
-                   "residual.post": _VLLM_LAYER_OUT}, fusion_gaps=_LLAMA_GAPS),
+        "gpt_oss",
+        "GPT-OSS",
+        ("GptOssForCausalLM",),
+        EngineMap(
+            {
+                "residual.pre": Tap(
+                    "", "in", arg=(0, "hidden_states"), fused=True, residual_arg=(2, "residual")
+                ),
+                "attention.post": Tap("attn", "out"),
+                "residual.mid": _vllm_norm_in("post_attention_layernorm"),
+                "router.logits": Tap("mlp.router", "out"),
+                "mlp.post": Tap("mlp", "out"),
+                "residual.post": _VLLM_LAYER_OUT,
+            },
+            fusion_gaps=_LLAMA_GAPS,
+        ),
         EngineMap({**_LLAMA_HF, "router.logits": Tap("mlp.router", "out", router="gpt_oss")}),
-        notes={"attention.post": "attention output after o_proj (vLLM's module is attn, "
-                                 "transformers' self_attn; attention sinks inside)",
-               "router.logits": "router logits [T, n_experts] with the router's bias, before "
-                                "top-k; the softmax runs over the k chosen logits only",
-               "mlp.post": "MoE block output (transformers' mlp returns (output, scores): "
-                           "the output)"},
+        notes={
+            "attention.post": "attention output after o_proj (vLLM's module is attn, "
+            "transformers' self_attn; attention sinks inside)",
+            "router.logits": "router logits [T, n_experts] with the router's bias, before "
+            "top-k; the softmax runs over the k chosen logits only",
+            "mlp.post": "MoE block output (transformers' mlp returns (output, scores): the output)",
+        },
         tiny="tiny-gpt-oss",
     ),
-    Family("gemma2", "Gemma 2", ("Gemma2ForCausalLM",), EngineMap(_GEMMA_VLLM), EngineMap(_GEMMA_HF),
-           notes=_GEMMA_NOTES, tiny="tiny-gemma2"),
-    Family("gemma3", "Gemma 3 (text)", ("Gemma3ForCausalLM",), EngineMap(_GEMMA_VLLM), EngineMap(_GEMMA_HF),
-           notes=_GEMMA_NOTES, tiny="tiny-gemma3"),
-    Family("olmo2", "OLMo 2", ("Olmo2ForCausalLM",), EngineMap(_OLMO2), EngineMap(_OLMO2),
-           notes={"attention.post": "output of post_attention_layernorm",
-                  "residual.mid": "input of the MLP (OLMo 2 has no pre-MLP norm)",
-                  "mlp.post": "output of post_feedforward_layernorm"},
-           tiny="tiny-olmo2"),
+    Family(
+        "gemma2",
+        "Gemma 2",
+        ("Gemma2ForCausalLM",),
+        EngineMap(_GEMMA_VLLM),
+        EngineMap(_GEMMA_HF),
+        notes=_GEMMA_NOTES,
+        tiny="tiny-gemma2",
+    ),
+    Family(
+        "gemma3",
+        "Gemma 3 (text)",
+        ("Gemma3ForCausalLM",),
+        EngineMap(_GEMMA_VLLM),
+        EngineMap(_GEMMA_HF),
+        notes=_GEMMA_NOTES,
+        tiny="tiny-gemma3",
+    ),
+    Family(
+        "olmo2",
+        "OLMo 2",
+        ("Olmo2ForCausalLM",),
+        EngineMap(_OLMO2),
+        EngineMap(_OLMO2),
+        notes={
+            "attention.post": "output of post_attention_layernorm",
+            "residual.mid": "input of the MLP (OLMo 2 has no pre-MLP norm)",
+            "mlp.post": "output of post_feedforward_layernorm",
+        },
+        tiny="tiny-olmo2",
+    ),
 )
 
 _BY_ARCH: dict[str, Family] = {a: f for f in FAMILIES for a in f.architectures}
@@ -281,7 +350,8 @@ def require_family(architecture: str, where: str = "") -> Family:
         raise UnsupportedArchitecture(
             f"xmix has no site table for architecture {architecture or '<none declared>'!r}{at}; "
             f"supported: {', '.join(supported_architectures())}. "
-            f"See docs/models.md for how to add a family.")
+            f"See docs/models.md for how to add a family."
+        )
     return fam
 
 
@@ -295,5 +365,16 @@ def resolve(root, path: str):
     return obj
 
 
-__all__ = ["FAMILIES", "Family", "EngineMap", "Tap", "UnsupportedArchitecture", "architecture_of",
-           "engine_map", "family_of", "require_family", "resolve", "supported_architectures"]
+__all__ = [
+    "FAMILIES",
+    "Family",
+    "EngineMap",
+    "Tap",
+    "UnsupportedArchitecture",
+    "architecture_of",
+    "engine_map",
+    "family_of",
+    "require_family",
+    "resolve",
+    "supported_architectures",
+]

@@ -26,9 +26,10 @@ import json
 import math
 import os
 import re
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -45,13 +46,17 @@ class CaptureError(ValueError):
 
 @dataclass(frozen=True)
 class Site:
-    spec: str              # "layers.10.residual.post", "final.post"
+    spec: str  # "layers.10.residual.post", "final.post"
     layer: int | None
     submodule: str
 
     @property
     def read_name(self) -> str:
-        return ("final" if self.layer is None else f"l{self.layer}") + "_" + self.submodule.replace(".", "_")
+        return (
+            ("final" if self.layer is None else f"l{self.layer}")
+            + "_"
+            + self.submodule.replace(".", "_")
+        )
 
 
 def parse_sites(sites: str | Iterable[str], n_layers: int | None = None) -> list[Site]:
@@ -59,7 +64,9 @@ def parse_sites(sites: str | Iterable[str], n_layers: int | None = None) -> list
     comma-separated or as a list."""
     from xmix.hooks import LAYER_SITES, MODEL_SITES
 
-    items = [s.strip() for s in (sites.split(",") if isinstance(sites, str) else sites) if s.strip()]
+    items = [
+        s.strip() for s in (sites.split(",") if isinstance(sites, str) else sites) if s.strip()
+    ]
     if not items:
         raise CaptureError("no sites given (e.g. --sites layers.10.residual.post,final.post)")
     out: list[Site] = []
@@ -120,6 +127,7 @@ def read_prompts(prompts: str | os.PathLike | Iterable[Any], tokenizer) -> Itera
                             yield json.loads(line)
                         except ValueError as e:
                             raise CaptureError(f"{path}:{n}: not a JSON line ({e})") from None
+
         source: Iterable[Any] = records()
     else:
         source = prompts
@@ -135,7 +143,7 @@ def read_prompts(prompts: str | os.PathLike | Iterable[Any], tokenizer) -> Itera
             text, ids = None, rec
         if ids is None:
             if not isinstance(text, str):
-                raise CaptureError(f"prompt {i}: needs \"prompt\" (text) or \"prompt_token_ids\"")
+                raise CaptureError(f'prompt {i}: needs "prompt" (text) or "prompt_token_ids"')
             ids = tokenizer.encode(text)
         ids = list(ids)
         if not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
@@ -165,8 +173,14 @@ class Shard:
         return h.hexdigest()
 
 
-def plan_shards(prompts: Iterable[Prompt], window: Window, row_bytes: int, shard_bytes: int,
-                max_len: int, skipped: list) -> Iterator[Shard]:
+def plan_shards(
+    prompts: Iterable[Prompt],
+    window: Window,
+    row_bytes: int,
+    shard_bytes: int,
+    max_len: int,
+    skipped: list,
+) -> Iterator[Shard]:
     """Consecutive prompts per shard, at most ``shard_bytes`` of activations (at least one
     prompt); prompts the engine cannot take (longer than max_len - 1) are recorded and left
     out."""
@@ -174,8 +188,14 @@ def plan_shards(prompts: Iterable[Prompt], window: Window, row_bytes: int, shard
     for p in prompts:
         n = len(p.token_ids)
         if n >= max_len:
-            skipped.append({"index": p.index, "id": p.id, "reason": f"{n} tokens; the engine takes "
-                            f"at most {max_len - 1} (max_model_len - 1)"})
+            skipped.append(
+                {
+                    "index": p.index,
+                    "id": p.id,
+                    "reason": f"{n} tokens; the engine takes "
+                    f"at most {max_len - 1} (max_model_len - 1)",
+                }
+            )
             continue
         rows = int(window.count(0, n, n))
         if cur.prompts and (cur.rows + rows) * row_bytes > shard_bytes:
@@ -192,10 +212,22 @@ class CaptureRun:
     "token_ids", "positions", "request_index", "request_ids", "shard"}), written to ``out``
     first when given. ``run()`` goes through every shard and returns the index."""
 
-    def __init__(self, model: str | None, prompts, sites, *, out: str | os.PathLike | None = None,
-                 positions: Any = "prompt", dtype: str = "float32", llm=None, shard_mb: float = 256.0,
-                 progress: bool = True, resume: bool = True, model_dtype: str | None = None,
-                 **engine_args):
+    def __init__(
+        self,
+        model: str | None,
+        prompts,
+        sites,
+        *,
+        out: str | os.PathLike | None = None,
+        positions: Any = "prompt",
+        dtype: str = "float32",
+        llm=None,
+        shard_mb: float = 256.0,
+        progress: bool = True,
+        resume: bool = True,
+        model_dtype: str | None = None,
+        **engine_args,
+    ):
         if dtype not in DTYPES:
             raise CaptureError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
         if shard_mb <= 0:
@@ -233,7 +265,9 @@ class CaptureRun:
             return
         from transformers import AutoConfig
 
-        cfg = AutoConfig.from_pretrained(self.model, trust_remote_code=bool(self.engine_args.get("trust_remote_code")))
+        cfg = AutoConfig.from_pretrained(
+            self.model, trust_remote_code=bool(self.engine_args.get("trust_remote_code"))
+        )
         cfg = getattr(cfg, "text_config", None) or cfg
         n = len(parse_sites(self.sites_spec, int(cfg.num_hidden_layers)))
         tokens = max(int(self.engine_args.get("max_num_batched_tokens") or 16384), 512)
@@ -254,7 +288,9 @@ class CaptureRun:
             r = app.read("capture").submodule(s.submodule).named(s.read_name)
             if s.layer is not None:
                 if not 0 <= s.layer < shape.n_layers:
-                    raise CaptureError(f"site {s.spec!r}: the model has layers 0..{shape.n_layers - 1}")
+                    raise CaptureError(
+                        f"site {s.spec!r}: the model has layers 0..{shape.n_layers - 1}"
+                    )
                 r.layers([s.layer])
         names = {a["name"] for a in llm.xmix.apps()}
         if APP_NAME in names:  # a previous capture on this engine
@@ -286,11 +322,22 @@ class CaptureRun:
         row_bytes = width * DTYPES[self.dtype] * len(sites)
         self._deploy(llm, sites, shape)
         control = {"apps": [APP_NAME], "dtype": self.dtype, "positions": self.window.to_control()}
-        params = SamplingParams(max_tokens=1, temperature=0.0, output_kind=RequestOutputKind.FINAL_ONLY,
-                                extra_args={"xmix": control})
-        header = {"format": FORMAT, "model": str(cfg.model), "sites": [s.spec for s in sites],
-                  "width": width, "dtype": self.dtype, "positions": self.window.to_control(),
-                  "max_model_len": int(cfg.max_model_len), "shard_bytes": self.shard_bytes}
+        params = SamplingParams(
+            max_tokens=1,
+            temperature=0.0,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+            extra_args={"xmix": control},
+        )
+        header = {
+            "format": FORMAT,
+            "model": str(cfg.model),
+            "sites": [s.spec for s in sites],
+            "width": width,
+            "dtype": self.dtype,
+            "positions": self.window.to_control(),
+            "max_model_len": int(cfg.max_model_len),
+            "shard_bytes": self.shard_bytes,
+        }
         done = self._load_index(header)
         skipped: list = []
         index = {**header, "shards": [], "skipped": skipped, "complete": False}
@@ -302,11 +349,22 @@ class CaptureRun:
 
             bar = tqdm(total=total, unit="prompt", desc="xmix capture")
         try:
-            for shard in plan_shards(read_prompts(self.prompts, tok), self.window, row_bytes,
-                                     self.shard_bytes, int(cfg.max_model_len), skipped):
-                entry = {"file": f"shard-{shard.number:05d}.safetensors", "first_prompt": shard.first,
-                         "end_prompt": shard.end, "prompts": len(shard.prompts), "tokens": shard.rows,
-                         "sha256_token_ids": shard.digest()}
+            for shard in plan_shards(
+                read_prompts(self.prompts, tok),
+                self.window,
+                row_bytes,
+                self.shard_bytes,
+                int(cfg.max_model_len),
+                skipped,
+            ):
+                entry = {
+                    "file": f"shard-{shard.number:05d}.safetensors",
+                    "first_prompt": shard.first,
+                    "end_prompt": shard.end,
+                    "prompts": len(shard.prompts),
+                    "tokens": shard.rows,
+                    "sha256_token_ids": shard.digest(),
+                }
                 prev = done.get(shard.number)
                 if prev is not None and self._still_valid(prev, entry):
                     index["shards"].append(prev)
@@ -381,8 +439,10 @@ class CaptureRun:
         store = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}[self.dtype]
         return {
             "shard": shard.number,
-            "acts": {k: to_tensor(np.concatenate(v) if v else np.zeros((0, w), store), self.dtype)
-                     for k, v in acts.items()},
+            "acts": {
+                k: to_tensor(np.concatenate(v) if v else np.zeros((0, w), store), self.dtype)
+                for k, v in acts.items()
+            },
             "token_ids": torch.from_numpy(np.concatenate(toks)),
             "positions": torch.from_numpy(np.concatenate(poss)),
             "request_index": torch.from_numpy(np.concatenate(reqs)),
@@ -399,19 +459,25 @@ class CaptureRun:
             return {}
         old = json.loads(path.read_text())
         if not self.resume:
-            raise CaptureError(f"{self.out} already holds a capture (index.json); resume it or use "
-                               f"another directory")
+            raise CaptureError(
+                f"{self.out} already holds a capture (index.json); resume it or use "
+                f"another directory"
+            )
         diff = [k for k in header if old.get(k) != header[k]]
         if diff:
-            raise CaptureError(f"{self.out} holds a capture made with other settings ({', '.join(diff)}); "
-                               f"use another directory")
+            raise CaptureError(
+                f"{self.out} holds a capture made with other settings ({', '.join(diff)}); "
+                f"use another directory"
+            )
         return {i: e for i, e in enumerate(old.get("shards", []))}
 
     def _still_valid(self, prev: dict, entry: dict) -> bool:
         for k in ("file", "first_prompt", "end_prompt", "tokens", "sha256_token_ids"):
             if prev.get(k) != entry[k]:
-                raise CaptureError(f"{self.out}: shard {entry['file']} was made from other prompts "
-                                   f"({k} differs); use another directory")
+                raise CaptureError(
+                    f"{self.out}: shard {entry['file']} was made from other prompts "
+                    f"({k} differs); use another directory"
+                )
         f = self.out / prev["file"]
         return f.exists() and f.stat().st_size == prev.get("bytes")
 
@@ -419,11 +485,19 @@ class CaptureRun:
         from safetensors.torch import save_file
 
         tensors = {f"acts.{k}": v.contiguous() for k, v in batch["acts"].items()}
-        tensors.update(token_ids=batch["token_ids"], positions=batch["positions"],
-                       request_index=batch["request_index"])
-        meta = {"format": FORMAT, "shard": str(shard.number), "first_prompt": str(shard.first),
-                "end_prompt": str(shard.end), "request_ids": json.dumps(batch["request_ids"]),
-                "sites": json.dumps([s.spec for s in sites])}
+        tensors.update(
+            token_ids=batch["token_ids"],
+            positions=batch["positions"],
+            request_index=batch["request_index"],
+        )
+        meta = {
+            "format": FORMAT,
+            "shard": str(shard.number),
+            "first_prompt": str(shard.first),
+            "end_prompt": str(shard.end),
+            "request_ids": json.dumps(batch["request_ids"]),
+            "sites": json.dumps([s.spec for s in sites]),
+        }
         tmp = self.out / (name + ".tmp")
         save_file(tensors, str(tmp), metadata=meta)
         os.replace(tmp, self.out / name)
@@ -454,31 +528,67 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(
         prog="xmix capture",
         description="Run a prompt set through the engine with capture reads and write sharded "
-                    "safetensors files. Arguments not listed here go to the vLLM engine (as for "
-                    "`vllm serve`; the model's dtype is --model-dtype here).")
+        "safetensors files. Arguments not listed here go to the vLLM engine (as for "
+        "`vllm serve`; the model's dtype is --model-dtype here).",
+    )
     ap.add_argument("model")
-    ap.add_argument("--prompts", required=True, help="JSONL: {\"prompt\": text} or {\"prompt_token_ids\": [...]}, optional \"id\"")
-    ap.add_argument("--sites", required=True, help="comma-separated: layers.N.SUBMODULE (layers.* = all), final.post")
+    ap.add_argument(
+        "--prompts",
+        required=True,
+        help='JSONL: {"prompt": text} or {"prompt_token_ids": [...]}, optional "id"',
+    )
+    ap.add_argument(
+        "--sites",
+        required=True,
+        help="comma-separated: layers.N.SUBMODULE (layers.* = all), final.post",
+    )
     ap.add_argument("--out", required=True, help="directory for shard-*.safetensors and index.json")
-    ap.add_argument("--positions", default="prompt", help="prompt | last_token | START:STOP, comma-separated (default: prompt)")
-    ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="dtype of the activations written")
-    ap.add_argument("--shard-mb", type=float, default=256.0, help="activations per shard at most (MiB)")
+    ap.add_argument(
+        "--positions",
+        default="prompt",
+        help="prompt | last_token | START:STOP, comma-separated (default: prompt)",
+    )
+    ap.add_argument(
+        "--dtype",
+        default="float32",
+        choices=sorted(DTYPES),
+        help="dtype of the activations written",
+    )
+    ap.add_argument(
+        "--shard-mb", type=float, default=256.0, help="activations per shard at most (MiB)"
+    )
     ap.add_argument("--model-dtype", default=None, help="the engine's --dtype")
     ap.add_argument("--no-progress", action="store_true")
     args, rest = ap.parse_known_args(argv)
     engine = _engine_args(rest)
     engine.pop("dtype", None)
     try:
-        run = capture(args.model, args.prompts, args.sites, out=args.out, positions=args.positions,
-                      dtype=args.dtype, shard_mb=args.shard_mb, progress=not args.no_progress,
-                      model_dtype=args.model_dtype, **engine)
+        run = capture(
+            args.model,
+            args.prompts,
+            args.sites,
+            out=args.out,
+            positions=args.positions,
+            dtype=args.dtype,
+            shard_mb=args.shard_mb,
+            progress=not args.no_progress,
+            model_dtype=args.model_dtype,
+            **engine,
+        )
         index = run.run()
     except CaptureError as e:
         print(f"xmix capture: {e}", file=sys.stderr)
         return 2
     n = sum(s["tokens"] for s in index["shards"])
-    print(f"xmix capture: {len(index['shards'])} shards, {n} tokens x {len(index['sites'])} sites "
-          f"in {args.out}" + (f"; {len(index['skipped'])} prompts skipped (see index.json)" if index["skipped"] else ""))
+    print(
+        f"xmix capture: {len(index['shards'])} shards, {n} tokens x {len(index['sites'])} sites "
+        f"in {args.out}"
+        + (
+            f"; {len(index['skipped'])} prompts skipped (see index.json)"
+            if index["skipped"]
+            else ""
+        )
+    )
     return 0
 
 

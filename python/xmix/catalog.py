@@ -11,15 +11,15 @@ from dataclasses import dataclass, field
 FLT_MAX = 3.4028234663852886e38
 
 # Artifact shape kinds, checked against the model at deploy.
-VEC = "vector[d]"            # [d], or [n_layers, d] / [len(layers), d] per layer
-MAT_DD = "matrix[d,d]"       # [d, d], or with a leading layer dimension
+VEC = "vector[d]"  # [d], or [n_layers, d] / [len(layers), d] per layer
+MAT_DD = "matrix[d,d]"  # [d, d], or with a leading layer dimension
 CENTROIDS = "centroids[k,d]"  # [k, d], or with a leading layer dimension
-EXPERTS = "mask[experts]"    # [n_experts] in {-1, 0, 1}, or [n_layers, n_experts]
+EXPERTS = "mask[experts]"  # [n_experts] in {-1, 0, 1}, or [n_layers, n_experts]
 
 # SAE kernels take an xmix.SAE (``sae=``), shared by the app's ops, instead of tensors.
 SAE_KERNELS = ("sae", "sae_steer", "sae_clamp")
-MAX_TOP_K = 128              # top_k of an "sae" read (ids + activations per token)
-MAX_SAE_FEATURES = 64        # features=[...] of an "sae" read, feature=[...] of a clamp
+MAX_TOP_K = 128  # top_k of an "sae" read (ids + activations per token)
+MAX_SAE_FEATURES = 64  # features=[...] of an "sae" read, feature=[...] of a clamp
 
 
 @dataclass(frozen=True)
@@ -33,52 +33,120 @@ class Param:
 @dataclass(frozen=True)
 class Kernel:
     name: str
-    primitive: str                                   # "read" or "write"
-    code: str                                        # OP_* constant name in control.h
+    primitive: str  # "read" or "write"
+    code: str  # OP_* constant name in control.h
     artifacts: dict[str, str] = field(default_factory=dict)
     params: dict[str, Param] = field(default_factory=dict)
-    sites: tuple[str, ...] | None = None             # None: any site except router.logits
+    sites: tuple[str, ...] | None = None  # None: any site except router.logits
     doc: str = ""
 
 
 KERNELS: dict[str, Kernel] = {
     k.name: k
     for k in (
-        Kernel("probe", "read", "OP_PROBE", {"weight": VEC},
-               {"bias": Param(0.0, doc="b in sigmoid(w.x + b)")},
-               doc="sigmoid(w . x + b) per token"),
-        Kernel("capture", "read", "OP_CAPTURE", {},
-               doc="the raw stream vector per token (optionally a dims=(start, stop) slice)"),
-        Kernel("cosine", "read", "OP_COSINE", {"vector": VEC},
-               doc="CAST: cos(m, tanh(P m)), P = v v^T / v^T v, m = mean over the prompt; "
-                   "one value per request, at the last prompt token"),
-        Kernel("distance", "read", "OP_DISTANCE", {"centroids": CENTROIDS},
-               doc="min_k ||x - mu_k|| per token"),
-        Kernel("add", "write", "OP_ADD", {"vector": VEC},
-               {"scale": Param(1.0, doc="s in x += s v")}, doc="x += s v"),
-        Kernel("ablate", "write", "OP_ABLATE", {"direction": VEC},
-               doc="x -= (x . r) r with r normalised to unit length at deploy"),
-        Kernel("affine", "write", "OP_AFFINE", {"matrix": MAT_DD, "mu_s": VEC, "mu_t": VEC},
-               doc="x <- A (x - mu_s) + mu_t"),
-        Kernel("clamp", "write", "OP_CLAMP", {"direction": VEC},
-               {"min": Param(-FLT_MAX, doc="lower bound of x . u"),
-                "max": Param(FLT_MAX, doc="upper bound of x . u")},
-               doc="clamp the component of x along unit u to [min, max]"),
-        Kernel("router", "write", "OP_ROUTER", {"mask": EXPERTS},
-               {"delta": Param(0.01, lo=0.0, doc="margin for forced experts")},
-               sites=("router.logits",),
-               doc="router logits -> log-softmax; mask +1: max + delta, -1: min - delta"),
-        Kernel("sae", "read", "OP_SAE_READ", {},
-               doc="SAE encoder (xmix.SAE): top_k=K -> per token the K largest active features "
-                   "as {ids, acts}; features=[...] -> the activations of those features"),
-        Kernel("sae_steer", "write", "OP_ADD", {},
-               {"scale": Param(1.0, doc="a in x += a W_dec[f]")},
-               doc="x += a W_dec[f] (summed over feature=[...]): the add kernel on decoder rows"),
-        Kernel("sae_clamp", "write", "OP_SAE_CLAMP", {},
-               {"value": Param(0.0, doc="c: the activation the features are set to")},
-               doc="x += sum_f (c - a_f(x)) W_dec[f]: features set to c, the SAE's error kept"),
-        Kernel("custom", "either", "OP_CUSTOM", {},
-               doc="a user kernel with the xmix_custom_args ABI (csrc/include/xmix/custom.h)"),
+        Kernel(
+            "probe",
+            "read",
+            "OP_PROBE",
+            {"weight": VEC},
+            {"bias": Param(0.0, doc="b in sigmoid(w.x + b)")},
+            doc="sigmoid(w . x + b) per token",
+        ),
+        Kernel(
+            "capture",
+            "read",
+            "OP_CAPTURE",
+            {},
+            doc="the raw stream vector per token (optionally a dims=(start, stop) slice)",
+        ),
+        Kernel(
+            "cosine",
+            "read",
+            "OP_COSINE",
+            {"vector": VEC},
+            doc="CAST: cos(m, tanh(P m)), P = v v^T / v^T v, m = mean over the prompt; "
+            "one value per request, at the last prompt token",
+        ),
+        Kernel(
+            "distance",
+            "read",
+            "OP_DISTANCE",
+            {"centroids": CENTROIDS},
+            doc="min_k ||x - mu_k|| per token",
+        ),
+        Kernel(
+            "add",
+            "write",
+            "OP_ADD",
+            {"vector": VEC},
+            {"scale": Param(1.0, doc="s in x += s v")},
+            doc="x += s v",
+        ),
+        Kernel(
+            "ablate",
+            "write",
+            "OP_ABLATE",
+            {"direction": VEC},
+            doc="x -= (x . r) r with r normalised to unit length at deploy",
+        ),
+        Kernel(
+            "affine",
+            "write",
+            "OP_AFFINE",
+            {"matrix": MAT_DD, "mu_s": VEC, "mu_t": VEC},
+            doc="x <- A (x - mu_s) + mu_t",
+        ),
+        Kernel(
+            "clamp",
+            "write",
+            "OP_CLAMP",
+            {"direction": VEC},
+            {
+                "min": Param(-FLT_MAX, doc="lower bound of x . u"),
+                "max": Param(FLT_MAX, doc="upper bound of x . u"),
+            },
+            doc="clamp the component of x along unit u to [min, max]",
+        ),
+        Kernel(
+            "router",
+            "write",
+            "OP_ROUTER",
+            {"mask": EXPERTS},
+            {"delta": Param(0.01, lo=0.0, doc="margin for forced experts")},
+            sites=("router.logits",),
+            doc="router logits -> log-softmax; mask +1: max + delta, -1: min - delta",
+        ),
+        Kernel(
+            "sae",
+            "read",
+            "OP_SAE_READ",
+            {},
+            doc="SAE encoder (xmix.SAE): top_k=K -> per token the K largest active features "
+            "as {ids, acts}; features=[...] -> the activations of those features",
+        ),
+        Kernel(
+            "sae_steer",
+            "write",
+            "OP_ADD",
+            {},
+            {"scale": Param(1.0, doc="a in x += a W_dec[f]")},
+            doc="x += a W_dec[f] (summed over feature=[...]): the add kernel on decoder rows",
+        ),
+        Kernel(
+            "sae_clamp",
+            "write",
+            "OP_SAE_CLAMP",
+            {},
+            {"value": Param(0.0, doc="c: the activation the features are set to")},
+            doc="x += sum_f (c - a_f(x)) W_dec[f]: features set to c, the SAE's error kept",
+        ),
+        Kernel(
+            "custom",
+            "either",
+            "OP_CUSTOM",
+            {},
+            doc="a user kernel with the xmix_custom_args ABI (csrc/include/xmix/custom.h)",
+        ),
     )
 }
 

@@ -37,13 +37,28 @@ def _cmd_import(argv: list[str]) -> int:
 
 
 COMMANDS = {
-    "serve": (_cmd_serve, "vllm serve with xmix: xmix serve MODEL --app PATH ... [vllm serve args]"),
-    "capture": (_cmd_capture, "activations of a prompt set to sharded safetensors: xmix capture MODEL "
-                              "--prompts data.jsonl --sites layers.10.residual.post --out DIR"),
-    "models": (_cmd_models, "make the embedded tiny models: xmix models KIND|all (one per supported family)"),
-    "derive": (_cmd_derive, "derive an app's artifacts from prompt files: "
-                            "xmix derive APP --model M --positive F --negative F"),
-    "import": (_cmd_import, "SAEs and control vectors from other tools: xmix import sae|vector PATH -o OUT"),
+    "serve": (
+        _cmd_serve,
+        "vllm serve with xmix: xmix serve MODEL --app PATH ... [vllm serve args]",
+    ),
+    "capture": (
+        _cmd_capture,
+        "activations of a prompt set to sharded safetensors: xmix capture MODEL "
+        "--prompts data.jsonl --sites layers.10.residual.post --out DIR",
+    ),
+    "models": (
+        _cmd_models,
+        "make the embedded tiny models: xmix models KIND|all (one per supported family)",
+    ),
+    "derive": (
+        _cmd_derive,
+        "derive an app's artifacts from prompt files: "
+        "xmix derive APP --model M --positive F --negative F",
+    ),
+    "import": (
+        _cmd_import,
+        "SAEs and control vectors from other tools: xmix import sae|vector PATH -o OUT",
+    ),
 }
 
 
@@ -72,7 +87,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         parser = argparse.ArgumentParser(prog="xmix", description="serving-native MI apps for vLLM")
-        parser.add_argument("--version", "-V", action="store_true", help="print the version and exit")
+        parser.add_argument(
+            "--version", "-V", action="store_true", help="print the version and exit"
+        )
         parser.add_argument("command", choices=sorted(COMMANDS))
         lines = "\n".join(f"  {name:8s} {help_}" for name, (_, help_) in sorted(COMMANDS.items()))
         parser.epilog = "commands:\n" + lines

@@ -226,7 +226,8 @@ class _Parser:
         raise ConditionError(
             f"in condition {self.text!r}: {name!r} is not a condition; use one of "
             f"{', '.join(FLAGS)}, token_in(set), in_span(open, close), READ >= value, "
-            f"prompt_mean(READ) >= value, prompt_last(READ) >= value")
+            f"prompt_mean(READ) >= value, prompt_last(READ) >= value"
+        )
 
 
 def parse(text: str) -> Node:
@@ -274,7 +275,11 @@ def to_text(node: Node) -> str:
     if isinstance(node, InSpan):
         return f"in_span({node.open}, {node.close})"
     if isinstance(node, Gate):
-        return f"{node.read} {node.cmp} {node.value!r}" if isinstance(node.value, float) else f"{node.read} {node.cmp} {node.value}"
+        return (
+            f"{node.read} {node.cmp} {node.value!r}"
+            if isinstance(node.value, float)
+            else f"{node.read} {node.cmp} {node.value}"
+        )
     if isinstance(node, Latch):
         v = repr(node.value) if isinstance(node.value, float) else node.value
         return f"{node.reduce}({node.read}) {node.cmp} {v}"

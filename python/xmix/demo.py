@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 
 import httpx
-import torch
 from safetensors import safe_open
 
 import xmix
@@ -42,7 +41,9 @@ def demo_apps(model_dir: Path, out_dir: Path, word: str = " the") -> tuple[list[
         w_u = f.get_tensor("lm_head.weight")[tid].float()
     u = w_u / w_u.norm()
 
-    steer = xmix.App("steer_the", metadata={"demo": f"push generation towards {tok.decode([tid])!r}"})
+    steer = xmix.App(
+        "steer_the", metadata={"demo": f"push generation towards {tok.decode([tid])!r}"}
+    )
     steer.write("add", vector=u, scale=12.0).layers([n_layers - 1]).at("residual.post")
     probe = xmix.App("lens_probe", metadata={"demo": f"logit lens towards {tok.decode([tid])!r}"})
     probe.read("probe", weight=u, bias=-2.0).at("final.post").named("lean")
@@ -64,7 +65,7 @@ def wait_ready(base: str, proc: subprocess.Popen, timeout: float) -> None:
     raise TimeoutError(f"xmix serve did not become ready in {timeout:.0f} s")
 
 
-STATE_DIR = Path(tempfile.gettempdir()) / "xmix-demo"   # a kept server's apps, log and pid
+STATE_DIR = Path(tempfile.gettempdir()) / "xmix-demo"  # a kept server's apps, log and pid
 
 
 def stop_kept() -> int:
@@ -88,14 +89,20 @@ def stop_kept() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m xmix.demo", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m xmix.demo",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--port", type=int, default=8642)
     ap.add_argument("--prompt", default="Once upon a time")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--timeout", type=float, default=600)
-    ap.add_argument("--keep", action="store_true",
-                    help="leave the server up afterwards (to open the console); stop it with --stop")
+    ap.add_argument(
+        "--keep",
+        action="store_true",
+        help="leave the server up afterwards (to open the console); stop it with --stop",
+    )
     ap.add_argument("--stop", action="store_true", help="stop the server a --keep run left up")
     args = ap.parse_args(argv)
     if args.stop:
@@ -114,18 +121,39 @@ def main(argv: list[str] | None = None) -> int:
     with work as tmp:
         apps, word = demo_apps(model, Path(tmp))
         # Loopback only: the demo's API key is printed in the open.
-        cmd = [sys.executable, "-m", "xmix.cli", "serve", str(model), "--host", "127.0.0.1",
-               "--port", str(args.port), "--dtype", "float32", "--max-model-len", "512",
-               "--api-key", api_key, "--xmix-admin-key", admin_key, "--served-model-name", "tiny-llama"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "xmix.cli",
+            "serve",
+            str(model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(args.port),
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "512",
+            "--api-key",
+            api_key,
+            "--xmix-admin-key",
+            admin_key,
+            "--served-model-name",
+            "tiny-llama",
+        ]
         for p in apps:
             cmd += ["--app", str(p)]
         env = dict(os.environ)
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         log_path = Path(tmp) / "serve.log"
         log = open(log_path, "w")
-        print(f"[demo] starting: xmix serve {model.name} --app steer_the.xmix --app lens_probe.xmix")
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
+        print(
+            f"[demo] starting: xmix serve {model.name} --app steer_the.xmix --app lens_probe.xmix"
+        )
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
         base = f"http://127.0.0.1:{args.port}"
         keep = False
         try:
@@ -135,11 +163,17 @@ def main(argv: list[str] | None = None) -> int:
             deployed = client.get("/xmix/v1/apps").json()["apps"]
             print("[demo] deployed apps:")
             for a in deployed:
-                print(f"         {a['name']:11s} mode={a['mode']:8s} sites={a['sites']}  ({a['metadata'].get('demo', '')})")
+                print(
+                    f"         {a['name']:11s} mode={a['mode']:8s} sites={a['sites']}  ({a['metadata'].get('demo', '')})"
+                )
 
             def complete(apps_used: list[str]) -> dict:
-                body = {"model": "tiny-llama", "prompt": args.prompt, "max_tokens": args.max_tokens,
-                        "temperature": 0}
+                body = {
+                    "model": "tiny-llama",
+                    "prompt": args.prompt,
+                    "max_tokens": args.max_tokens,
+                    "temperature": 0,
+                }
                 if apps_used:
                     body["vllm_xargs"] = {"xmix_apps": apps_used}
                 r = client.post("/v1/completions", json=body)
@@ -152,25 +186,41 @@ def main(argv: list[str] | None = None) -> int:
             both = complete(["steer_the", "lens_probe"])
             print(f"\n[demo] prompt: {args.prompt!r}")
             print(f"[demo] vanilla : {vanilla['choices'][0]['text']!r}")
-            print(f"[demo] steered : {steered['choices'][0]['text']!r}   (steer_the pushes towards {word!r})")
+            print(
+                f"[demo] steered : {steered['choices'][0]['text']!r}   (steer_the pushes towards {word!r})"
+            )
             for label, resp in (("probe, vanilla", probed), ("probe, steered", both)):
                 lean = resp["xmix"]["lens_probe"]["lean"]
-                gen = [v for p, v in zip(lean["positions"], lean["values"])
-                       if p >= resp["usage"]["prompt_tokens"] - 1]
+                gen = [
+                    v
+                    for p, v in zip(lean["positions"], lean["values"])
+                    if p >= resp["usage"]["prompt_tokens"] - 1
+                ]
                 mean = sum(gen) / max(len(gen), 1)
-                print(f"[demo] {label}: lean towards {word!r} per generated token = "
-                      f"{', '.join(f'{v:.2f}' for v in gen[:8])}{' ...' if len(gen) > 8 else ''}  (mean {mean:.3f})")
-            assert probed["choices"][0]["text"] == vanilla["choices"][0]["text"], \
+                print(
+                    f"[demo] {label}: lean towards {word!r} per generated token = "
+                    f"{', '.join(f'{v:.2f}' for v in gen[:8])}{' ...' if len(gen) > 8 else ''}  (mean {mean:.3f})"
+                )
+            assert probed["choices"][0]["text"] == vanilla["choices"][0]["text"], (
                 "a read-only app must not change the answer"
+            )
             print("\n[demo] the probe-only answer equals the vanilla answer (reads never write).")
-            print(f"\n[demo] console: {base}/xmix/ui/   (API key: {api_key}; admin key, to change apps: {admin_key})")
+            print(
+                f"\n[demo] console: {base}/xmix/ui/   (API key: {api_key}; admin key, to change apps: {admin_key})"
+            )
             if args.keep:
                 (STATE_DIR / "server.pid").write_text(f"{proc.pid}\n")
                 keep = True
-                print(f"[demo] the server keeps running (process group {proc.pid}, log {log_path}).")
-                print(f"[demo] stop it with: scripts/demo.sh --stop   (or: kill -TERM -- -{proc.pid})")
+                print(
+                    f"[demo] the server keeps running (process group {proc.pid}, log {log_path})."
+                )
+                print(
+                    f"[demo] stop it with: scripts/demo.sh --stop   (or: kill -TERM -- -{proc.pid})"
+                )
             else:
-                print("[demo] run scripts/demo.sh --keep to leave the server up and open the console.")
+                print(
+                    "[demo] run scripts/demo.sh --keep to leave the server up and open the console."
+                )
             return 0
         finally:
             log.close()

@@ -43,7 +43,8 @@ import os
 import threading
 import types
 import weakref
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from xmix import _C
 from xmix import conditions as C
@@ -62,33 +63,33 @@ VLLM_CAPTURE_MODULES = (
 )
 
 _STATS_KEYS = (
-    "captured",          # graphs captured through XmixCUDAGraph
-    "plain",             # ... with no anchor in them (nothing to do)
-    "patched",           # ... spliced (anchors off, per-op nodes)
-    "fallback",          # ... the planner could not handle: anchors kept
-    "disabled",          # ... left alone because XMIX_GRAPH_PATCH=0
-    "errors",            # patch attempts that raised (graph put back as captured)
-    "replans",           # graphs re-planned by on_apps_changed
-    "reinstantiated",    # ... that needed a new executable graph
+    "captured",  # graphs captured through XmixCUDAGraph
+    "plain",  # ... with no anchor in them (nothing to do)
+    "patched",  # ... spliced (anchors off, per-op nodes)
+    "fallback",  # ... the planner could not handle: anchors kept
+    "disabled",  # ... left alone because XMIX_GRAPH_PATCH=0
+    "errors",  # patch attempts that raised (graph put back as captured)
+    "replans",  # graphs re-planned by on_apps_changed
+    "reinstantiated",  # ... that needed a new executable graph
     "updated_in_place",  # ... updated with node params / enabled states only
-    "toggled_nodes",     # cudaGraphNodeSetEnabled calls from set_app_enabled
+    "toggled_nodes",  # cudaGraphNodeSetEnabled calls from set_app_enabled
     "unhooked_anchors",  # anchors captured into a graph xmix does not keep
-    "checks",            # first-replay checks run (XMIX_GRAPH_CHECK)
-    "check_passed",      # ... patched graph equal to its anchors
-    "check_failed",      # ... different: the graph fell back to its anchors for good
+    "checks",  # first-replay checks run (XMIX_GRAPH_CHECK)
+    "check_passed",  # ... patched graph equal to its anchors
+    "check_failed",  # ... different: the graph fell back to its anchors for good
     "check_unverifiable",  # ... could not be compared (nondeterministic, too large): fell back
-    "anchors_by_stub",   # anchor nodes recognised by the kernel's host stub ...
+    "anchors_by_stub",  # anchor nodes recognised by the kernel's host stub ...
     "anchors_by_function",  # ... by its cudaFunction_t
-    "anchors_by_kernel",    # ... by its cudaKernel_t
-    "anchors_by_name",      # ... by the kernel's (mangled) name only
+    "anchors_by_kernel",  # ... by its cudaKernel_t
+    "anchors_by_name",  # ... by the kernel's (mangled) name only
 )
 _stats = dict.fromkeys(_STATS_KEYS, 0)
 _lock = threading.RLock()
-_capturing: list[Any] = []           # XmixCUDAGraph instances between capture_begin/_end
-_registry: "weakref.WeakSet[Any]" = weakref.WeakSet()  # graphs with anchors (patched or not)
-_planned: "weakref.WeakKeyDictionary[Any, tuple]" = weakref.WeakKeyDictionary()
+_capturing: list[Any] = []  # XmixCUDAGraph instances between capture_begin/_end
+_registry: weakref.WeakSet[Any] = weakref.WeakSet()  # graphs with anchors (patched or not)
+_planned: weakref.WeakKeyDictionary[Any, tuple] = weakref.WeakKeyDictionary()
 _graph_cls: type | None = None
-_installed: dict[str, Any] = {}      # module name -> the module's original `torch`
+_installed: dict[str, Any] = {}  # module name -> the module's original `torch`
 _warned_unhooked = False
 
 
@@ -109,7 +110,12 @@ def _count(key: str, n: int = 1) -> None:
 
 
 def patching_enabled() -> bool:
-    return os.environ.get("XMIX_GRAPH_PATCH", "1").strip().lower() not in ("0", "false", "no", "off")
+    return os.environ.get("XMIX_GRAPH_PATCH", "1").strip().lower() not in (
+        "0",
+        "false",
+        "no",
+        "off",
+    )
 
 
 def _verify() -> bool:
@@ -118,7 +124,12 @@ def _verify() -> bool:
 
 def check_enabled() -> bool:
     """The first-replay check (module docstring); on unless XMIX_GRAPH_CHECK is 0/off."""
-    return os.environ.get("XMIX_GRAPH_CHECK", "1").strip().lower() not in ("0", "false", "no", "off")
+    return os.environ.get("XMIX_GRAPH_CHECK", "1").strip().lower() not in (
+        "0",
+        "false",
+        "no",
+        "off",
+    )
 
 
 def cuda_patching_available() -> str | None:
@@ -194,8 +205,9 @@ def program_for(cb, expected_anchors: int = -1, use_conditionals: bool | None = 
         for k, so in enumerate(lst):
             inst, o = so.inst, so.op
             custom = o.kernel == "custom"
-            spec = G.OpSpec(site, k, inst.index, enabled=inst.mode != "off", gated=is_gated(o),
-                            custom=custom)
+            spec = G.OpSpec(
+                site, k, inst.index, enabled=inst.mode != "off", gated=is_gated(o), custom=custom
+            )
             if custom:
                 spec.custom_args = _custom_args(cb, so.linked)
             ops.append(spec)
@@ -228,9 +240,11 @@ class _Recorder:
             warn = not _warned_unhooked
             _warned_unhooked = True
         if warn:
-            logger.warning("xmix: a hook site was captured into a CUDA graph that xmix does not "
-                           "keep (was install_capture_hook() called before capture?); such "
-                           "graphs run their self-dispatching anchors: correct, not free")
+            logger.warning(
+                "xmix: a hook site was captured into a CUDA graph that xmix does not "
+                "keep (was install_capture_hook() called before capture?); such "
+                "graphs run their self-dispatching anchors: correct, not free"
+            )
 
 
 RECORDER = _Recorder()
@@ -315,8 +329,11 @@ def _patch_new(g, cb, expected: int) -> str:
         return "plain"
     if plan.fallback:
         _count("fallback")
-        logger.warning("xmix: CUDA graph with %d anchors not patched: %s (anchors stay; "
-                       "correct, not free)", plan.n_anchors, plan.reason)
+        logger.warning(
+            "xmix: CUDA graph with %d anchors not patched: %s (anchors stay; correct, not free)",
+            plan.n_anchors,
+            plan.reason,
+        )
         return "fallback"
     _count("patched")
     _arm_check(g, plan)
@@ -341,9 +358,13 @@ def _note_anchor_forms(rec) -> None:
         _count(f"anchors_by_{form}", n)
         if form not in _forms_logged:
             _forms_logged.add(form)
-            logger.info("xmix: CUDA graph anchor nodes recognised by their %s%s", form,
-                        " (kernel name lookup: the function handle matched none of ours)"
-                        if form == "name" else "")
+            logger.info(
+                "xmix: CUDA graph anchor nodes recognised by their %s%s",
+                form,
+                " (kernel name lookup: the function handle matched none of ours)"
+                if form == "name"
+                else "",
+            )
 
 
 def _update(rec, prog, exec_: int):
@@ -353,8 +374,9 @@ def _update(rec, prog, exec_: int):
     if not mismatch:
         return plan, needs
     _count("errors")
-    logger.error("xmix: patched graph does not match its plan; putting it back as captured:\n%s",
-                 mismatch)
+    logger.error(
+        "xmix: patched graph does not match its plan; putting it back as captured:\n%s", mismatch
+    )
     fb = G.fallback_plan(rec.read(), "the graph read back differs from the plan")
     rec.apply(fb, 0)
     return fb, True
@@ -374,8 +396,11 @@ def _instantiate_or_fall_back(g, first: bool) -> bool:
         if rec is None:
             raise
         _count("errors")
-        logger.error("xmix: instantiating a patched CUDA graph %s failed (%s); its anchors "
-                     "stay", "after capture" if first else "after a re-plan", e)
+        logger.error(
+            "xmix: instantiating a patched CUDA graph %s failed (%s); its anchors stay",
+            "after capture" if first else "after a re-plan",
+            e,
+        )
     rec.apply(G.fallback_plan(rec.read(), "instantiation of the patched graph failed"), 0)
     if first and g._xmix_state == "patched":
         _count("patched", -1)
@@ -443,17 +468,27 @@ class _RawRegion:
         import torch
 
         out = torch.empty(self.nbytes, dtype=torch.uint8, device="cuda")
-        G.copy_device(out.data_ptr(), self.addr, self.nbytes, torch.cuda.current_stream().cuda_stream)
+        G.copy_device(
+            out.data_ptr(), self.addr, self.nbytes, torch.cuda.current_stream().cuda_stream
+        )
         return out
 
     def load(self, saved) -> None:
         import torch
 
-        G.copy_device(self.addr, saved.data_ptr(), self.nbytes, torch.cuda.current_stream().cuda_stream)
+        G.copy_device(
+            self.addr, saved.data_ptr(), self.nbytes, torch.cuda.current_stream().cuda_stream
+        )
 
 
-_CB_STATE = (("results", False), ("result_valid", True), ("capture", False), ("read_state", False), ("vec_state", False),
-             ("counters", True))
+_CB_STATE = (
+    ("results", False),
+    ("result_valid", True),
+    ("capture", False),
+    ("read_state", False),
+    ("vec_state", False),
+    ("counters", True),
+)
 
 
 def _check_limit_bytes() -> int:
@@ -469,8 +504,13 @@ def _pool_regions(g) -> list:
     regions = []
     for seg in torch.cuda.memory_snapshot():
         if tuple(seg.get("segment_pool_id", ())) == pool:
-            regions.append(_RawRegion(f"graph pool segment {seg['address']:#x} (+{seg['total_size']} B)",
-                                      int(seg["address"]), int(seg["total_size"])))
+            regions.append(
+                _RawRegion(
+                    f"graph pool segment {seg['address']:#x} (+{seg['total_size']} B)",
+                    int(seg["address"]),
+                    int(seg["total_size"]),
+                )
+            )
     return regions
 
 
@@ -486,8 +526,9 @@ def _check_regions(g, cb) -> list:
         raise _Unverifiable("no segment of its memory pool was found")
     total = sum(r.nbytes for r in pool)
     if total > _check_limit_bytes():
-        raise _Unverifiable(f"its memory pool ({total / 2**20:.0f} MiB) exceeds "
-                            f"XMIX_GRAPH_CHECK_MAX_MB")
+        raise _Unverifiable(
+            f"its memory pool ({total / 2**20:.0f} MiB) exceeds XMIX_GRAPH_CHECK_MAX_MB"
+        )
     return regions + pool
 
 
@@ -511,14 +552,20 @@ def first_difference(regions, saved) -> str | None:
             both_nan = got.isnan() & want.isnan()
             d[both_nan] = 0
             i = int(d.argmax())
-            return (f"{r.name}: element {i} is {float(got.reshape(-1)[i])!r}, the anchors "
-                    f"give {float(want.reshape(-1)[i])!r}")
+            return (
+                f"{r.name}: element {i} is {float(got.reshape(-1)[i])!r}, the anchors "
+                f"give {float(want.reshape(-1)[i])!r}"
+            )
     return None
 
 
 def _check_due(g, cb) -> bool:
-    return (cb is not None and cb.ptr == g._xmix_cb and bool(getattr(cb, "any_active", False))
-            and bool(int(getattr(cb, "step_active", 0) or 0) & g._xmix_check_apps))
+    return (
+        cb is not None
+        and cb.ptr == g._xmix_cb
+        and bool(getattr(cb, "any_active", False))
+        and bool(int(getattr(cb, "step_active", 0) or 0) & g._xmix_check_apps)
+    )
 
 
 def _replay(g, base_replay) -> None:
@@ -552,12 +599,12 @@ def _first_replay_check(g, cb, base_replay) -> None:
             sync()  # _refuse replaces the executable graph
             _refuse(g, "check_unverifiable", f"the check could not snapshot the graph: {e}")
             return
-        base_replay()                      # patched
+        base_replay()  # patched
         patched = [r.save() for r in regions]
         for r, s in zip(regions, before):
             r.load(s)
         rec.set_anchor_config(exec_, True)
-        base_replay()                      # anchors: what is served
+        base_replay()  # anchors: what is served
         sync()
         diff = first_difference(regions, patched)
         if diff is None:
@@ -568,12 +615,16 @@ def _first_replay_check(g, cb, base_replay) -> None:
         anchors = [r.save() for r in regions]
         for r, s in zip(regions, before):
             r.load(s)
-        base_replay()                      # anchors again: is the graph deterministic?
+        base_replay()  # anchors again: is the graph deterministic?
         sync()
         noise = first_difference(regions, anchors)
     if noise is not None:
-        _refuse(g, "check_unverifiable", f"two replays with the anchors differ ({noise}): the "
-                "graph is not deterministic, so its patched form cannot be checked")
+        _refuse(
+            g,
+            "check_unverifiable",
+            f"two replays with the anchors differ ({noise}): the "
+            "graph is not deterministic, so its patched form cannot be checked",
+        )
     else:
         _refuse(g, "check_failed", f"the patched graph differs from its anchors: {diff}")
 
@@ -706,8 +757,12 @@ def kept_graphs(cb=None) -> list:
     """Graphs xmix manages (patched or fallen back), optionally only those planned against
     one control block."""
     with _lock:
-        return [g for g in _registry if getattr(g, "_xmix", None) is not None
-                and (cb is None or getattr(g, "_xmix_cb", None) == cb.ptr)]
+        return [
+            g
+            for g in _registry
+            if getattr(g, "_xmix", None) is not None
+            and (cb is None or getattr(g, "_xmix_cb", None) == cb.ptr)
+        ]
 
 
 # ---------------------------------------------------------------- between steps

@@ -22,9 +22,16 @@ SITES_PER_LAYER: int = _K["SITES_PER_LAYER"]
 #   router.logits   MoE router logits (MoE layers only)
 #   mlp.post        MLP / MoE block output before it joins the stream
 #   residual.post   stream leaving layer l
-LAYER_SITES: dict[str, int] = dict(sorted(
-    ((k[len("SITE_"):].lower().replace("_", "."), v) for k, v in _K.items() if k.startswith("SITE_")),
-    key=lambda kv: kv[1]))
+LAYER_SITES: dict[str, int] = dict(
+    sorted(
+        (
+            (k[len("SITE_") :].lower().replace("_", "."), v)
+            for k, v in _K.items()
+            if k.startswith("SITE_")
+        ),
+        key=lambda kv: kv[1],
+    )
+)
 MODEL_SITES = ("final.post",)  # after the final norm
 SITE_NAMES = tuple(LAYER_SITES) + MODEL_SITES
 
@@ -59,17 +66,21 @@ class ModelShape:
     n_layers: int
     hidden_size: int
     vocab_size: int
-    n_experts: int = 0                       # 0 for dense models
+    n_experts: int = 0  # 0 for dense models
     moe_layers: tuple[int, ...] = field(default=())
     model_name: str = ""
-    architecture: str = ""                   # config.architectures[0]: the site table's key
+    architecture: str = ""  # config.architectures[0]: the site table's key
 
     @staticmethod
-    def from_hf_config(config, model_name: str = "") -> "ModelShape":
+    def from_hf_config(config, model_name: str = "") -> ModelShape:
         text = getattr(config, "text_config", None) or config
         n_layers = int(text.num_hidden_layers)
-        n_experts = int(getattr(text, "num_local_experts", 0) or getattr(text, "num_experts", 0)
-                        or getattr(text, "n_routed_experts", 0) or 0)
+        n_experts = int(
+            getattr(text, "num_local_experts", 0)
+            or getattr(text, "num_experts", 0)
+            or getattr(text, "n_routed_experts", 0)
+            or 0
+        )
         moe_layers: tuple[int, ...] = ()
         if getattr(text, "n_routed_experts", None):
             # DeepSeek-V2/V3: dense before first_k_dense_replace, then every moe_layer_freq-th

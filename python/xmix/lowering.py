@@ -10,7 +10,6 @@ Order at a site: apps in deployment order, then ops in declaration order.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +18,7 @@ import torch
 from xmix import conditions as C
 from xmix.api import App, AppError
 from xmix.catalog import CENTROIDS, EXPERTS, FLT_MAX, KERNELS, MAT_DD, SAE_KERNELS, VEC
-from xmix.hooks import LAYER_SITES, ModelShape, site_id
+from xmix.hooks import ModelShape, site_id
 
 if TYPE_CHECKING:
     from xmix.api import Op
@@ -47,7 +46,7 @@ APP_MODES = ("off", "request", "all")
 WRITE_BOUND = 1e30
 
 
-def param_bounds(o: "LoweredOp") -> dict[str, tuple[float, float]]:
+def param_bounds(o: LoweredOp) -> dict[str, tuple[float, float]]:
     """Ranges of an op's parameters within which its write stays within WRITE_BOUND (on top
     of the kernel's own ranges); checked for defaults at deploy and for every request."""
     if o.kernel in ("add", "sae_steer"):  # x += scale * a0 (sae_steer: summed decoder rows)
@@ -67,28 +66,28 @@ def param_bounds(o: "LoweredOp") -> dict[str, tuple[float, float]]:
 @dataclass
 class LoweredOp:
     app: str
-    op_index: int                     # declaration index in the app
+    op_index: int  # declaration index in the app
     label: str
     primitive: str
     kernel: str
-    site: str                         # site name (Op.at)
+    site: str  # site name (Op.at)
     layer: int | None
     site_id: int
-    result_key: str | None            # reads: key under which results are reported
+    result_key: str | None  # reads: key under which results are reported
     artifacts: dict[str, torch.Tensor]  # fp32, already per layer (a0, a1, a2 by kernel)
-    params: list[tuple[str, float]]   # (name, default), in the kernel's ParamIndex order
-    cond: Any                         # conditions.Node or None
+    params: list[tuple[str, float]]  # (name, default), in the kernel's ParamIndex order
+    cond: Any  # conditions.Node or None
     n: int = 0
     m: int = 0
-    state_width: int = 0              # floats of per-slot vector state (cosine)
+    state_width: int = 0  # floats of per-slot vector state (cosine)
     capture_width: int = 0
-    custom: Any = None                # api.CustomKernel
-    name: str | None = None           # the op's .named() name, for per-op parameters
-    flags: int = 0                    # OpDesc.flags (SAE kernels: architecture, normalisation)
-    n_channels: int = 1               # result channels (an SAE features read: one per feature)
-    sae: Any = None                   # xmix.SAE of an SAE kernel
+    custom: Any = None  # api.CustomKernel
+    name: str | None = None  # the op's .named() name, for per-op parameters
+    flags: int = 0  # OpDesc.flags (SAE kernels: architecture, normalisation)
+    n_channels: int = 1  # result channels (an SAE features read: one per feature)
+    sae: Any = None  # xmix.SAE of an SAE kernel
     features: list[int] = field(default_factory=list)  # SAE features of the op, in order
-    top_k: int = 0                    # "sae" read: ids + activations per token
+    top_k: int = 0  # "sae" read: ids + activations per token
 
     @property
     def is_read(self) -> bool:
@@ -100,9 +99,9 @@ class LoweredApp:
     name: str
     app: App
     shape: ModelShape
-    ops: list[LoweredOp]                              # sorted by (site_id, op_index)
-    token_sets: dict[str, list[int]]                  # name -> sorted token ids
-    spans: list[tuple[str, str]]                      # (open set, close set)
+    ops: list[LoweredOp]  # sorted by (site_id, op_index)
+    token_sets: dict[str, list[int]]  # name -> sorted token ids
+    spans: list[tuple[str, str]]  # (open set, close set)
     app_params: dict[str, float]
     reads: dict[str, LoweredOp] = field(default_factory=dict)
     # "name.f<id>": (result key, channel index) of one feature of an SAE features read
@@ -154,41 +153,68 @@ def _check_finite(app: str, what: str, name: str, t: torch.Tensor) -> None:
     f = t.float()
     if not torch.isfinite(f).all():
         bad = (~torch.isfinite(f)).nonzero()[0].tolist()
-        raise _fail(app, what, f"artifact {name!r} contains NaN or Inf in fp32 (first at index {bad})")
+        raise _fail(
+            app, what, f"artifact {name!r} contains NaN or Inf in fp32 (first at index {bad})"
+        )
 
 
-def _per_layer(app: str, what: str, name: str, t: torch.Tensor, kind: str, layers: list[int | None],
-               shape: ModelShape) -> list[torch.Tensor]:
+def _per_layer(
+    app: str,
+    what: str,
+    name: str,
+    t: torch.Tensor,
+    kind: str,
+    layers: list[int | None],
+    shape: ModelShape,
+) -> list[torch.Tensor]:
     """Split an artifact into one fp32 tensor per layer, checking its shape against the model."""
     d, L = shape.hidden_size, shape.n_layers
     base_rank = {VEC: 1, EXPERTS: 1, MAT_DD: 2, CENTROIDS: 2}[kind]
 
     def check_base(x: torch.Tensor) -> None:
         if kind == VEC and tuple(x.shape) != (d,):
-            raise _fail(app, what, f"artifact {name!r} has shape {tuple(t.shape)}; expected "
-                                   f"[{d}] (hidden size) or [n_layers, {d}]")
+            raise _fail(
+                app,
+                what,
+                f"artifact {name!r} has shape {tuple(t.shape)}; expected "
+                f"[{d}] (hidden size) or [n_layers, {d}]",
+            )
         if kind == MAT_DD and tuple(x.shape) != (d, d):
-            raise _fail(app, what, f"artifact {name!r} has shape {tuple(t.shape)}; expected [{d}, {d}]")
+            raise _fail(
+                app, what, f"artifact {name!r} has shape {tuple(t.shape)}; expected [{d}, {d}]"
+            )
         if kind == CENTROIDS and (x.dim() != 2 or x.shape[1] != d or x.shape[0] < 1):
-            raise _fail(app, what, f"artifact {name!r} has shape {tuple(t.shape)}; expected [k, {d}]")
+            raise _fail(
+                app, what, f"artifact {name!r} has shape {tuple(t.shape)}; expected [k, {d}]"
+            )
         if kind == EXPERTS:
             if tuple(x.shape) != (shape.n_experts,):
-                raise _fail(app, what, f"artifact {name!r} has shape {tuple(t.shape)}; expected "
-                                       f"[{shape.n_experts}] (experts) or [n_layers, {shape.n_experts}]")
+                raise _fail(
+                    app,
+                    what,
+                    f"artifact {name!r} has shape {tuple(t.shape)}; expected "
+                    f"[{shape.n_experts}] (experts) or [n_layers, {shape.n_experts}]",
+                )
 
     if t.dim() == base_rank:
         check_base(t)
         return [t.float()] * len(layers)
     if t.dim() == base_rank + 1:
         if layers == [None]:
-            raise _fail(app, what, f"artifact {name!r} has a layer dimension but the site is model level")
+            raise _fail(
+                app, what, f"artifact {name!r} has a layer dimension but the site is model level"
+            )
         if t.shape[0] == L:
             rows = [t[l] for l in layers]
         elif t.shape[0] == len(layers):
             rows = [t[i] for i in range(len(layers))]
         else:
-            raise _fail(app, what, f"artifact {name!r} has {t.shape[0]} layer rows; expected "
-                                   f"{L} (one per model layer) or {len(layers)} (one per selected layer)")
+            raise _fail(
+                app,
+                what,
+                f"artifact {name!r} has {t.shape[0]} layer rows; expected "
+                f"{L} (one per model layer) or {len(layers)} (one per selected layer)",
+            )
         for r in rows:
             check_base(r)
         return [r.float().contiguous() for r in rows]
@@ -202,15 +228,23 @@ def resolve_token_sets(app: App, shape: ModelShape, tokenizer: Any) -> dict[str,
         what = f"token set {ts.name!r}"
         for i in ts.ids or []:
             if i >= shape.vocab_size:
-                raise _fail(app.name, what, f"token id {i} is outside the vocabulary ({shape.vocab_size})")
+                raise _fail(
+                    app.name, what, f"token id {i} is outside the vocabulary ({shape.vocab_size})"
+                )
             ids.add(i)
         if (ts.strings or ts.contains) and tokenizer is None:
-            raise _fail(app.name, what, "strings need the model's tokenizer, which is not available")
+            raise _fail(
+                app.name, what, "strings need the model's tokenizer, which is not available"
+            )
         for s in ts.strings or []:
             enc = tokenizer.encode(s, add_special_tokens=False)
             if len(enc) != 1:
-                raise _fail(app.name, what, f"string {s!r} is {len(enc)} tokens {enc}, not one; "
-                                            f"use contains=[...] or ids=[...]")
+                raise _fail(
+                    app.name,
+                    what,
+                    f"string {s!r} is {len(enc)} tokens {enc}, not one; "
+                    f"use contains=[...] or ids=[...]",
+                )
             ids.add(int(enc[0]))
         if ts.contains:
             n = min(len(tokenizer), shape.vocab_size)
@@ -232,15 +266,19 @@ def _layers_of(op: Op, shape: ModelShape) -> int:
     return len(op.layer_spec)
 
 
-def lower(app: App, shape: ModelShape, tokenizer: Any = None, max_ops: int | None = None) -> LoweredApp:
+def lower(
+    app: App, shape: ModelShape, tokenizer: Any = None, max_ops: int | None = None
+) -> LoweredApp:
     """Check ``app`` against ``shape`` and lower it. Raises DeployError naming app, op, field.
     ``max_ops`` bounds the lowered ops (one per op and layer), checked before any work."""
     name = app.name
     if max_ops is not None:
         n = sum(_layers_of(op, shape) for op in app.ops)
         if n > max_ops:
-            raise DeployError(f"app {name!r}: {n} ops once placed on their layers; the engine has "
-                              f"room for {max_ops} more")
+            raise DeployError(
+                f"app {name!r}: {n} ops once placed on their layers; the engine has "
+                f"room for {max_ops} more"
+            )
     token_sets = resolve_token_sets(app, shape, tokenizer)
     checked: set[int] = set()  # artifacts shared by several ops are checked once
     fp32: dict[int, torch.Tensor] = {}  # ... and converted once
@@ -249,37 +287,56 @@ def lower(app: App, shape: ModelShape, tokenizer: Any = None, max_ops: int | Non
         if id(t) not in fp32:
             fp32[id(t)] = t.float()
         return fp32[id(t)]
+
     ops: list[LoweredOp] = []
-    sae_tensors: dict[int, dict[str, torch.Tensor]] = {}   # one fp32 copy per SAE of the app
+    sae_tensors: dict[int, dict[str, torch.Tensor]] = {}  # one fp32 copy per SAE of the app
     for idx, op in enumerate(app.ops):
         what = f"op {op.label}"
         spec = KERNELS[op.kernel]
         if op.site is None:
             raise _fail(name, what, "no site: call .at(site)")
         if spec.sites is not None and op.site not in spec.sites:
-            raise _fail(name, what, f"kernel {op.kernel!r} only runs at {', '.join(spec.sites)}, not {op.site!r}")
+            raise _fail(
+                name,
+                what,
+                f"kernel {op.kernel!r} only runs at {', '.join(spec.sites)}, not {op.site!r}",
+            )
         if spec.sites is None and op.site == "router.logits" and op.kernel != "custom":
             raise _fail(name, what, f"kernel {op.kernel!r} does not run on router logits")
         if op.site == "final.post":
             if op.layer_spec is not None:
-                raise _fail(name, what, "final.post is a model-level site; do not give .layers(...)")
+                raise _fail(
+                    name, what, "final.post is a model-level site; do not give .layers(...)"
+                )
             layers: list[int | None] = [None]
         else:
             if op.layer_spec is None:
                 raise _fail(name, what, f"site {op.site!r} needs .layers(...)")
             if op.site == "router.logits":
                 if not shape.n_experts:
-                    raise _fail(name, what, "router.logits needs a mixture-of-experts model; "
-                                            f"{shape.model_name or 'this model'} has no experts")
+                    raise _fail(
+                        name,
+                        what,
+                        "router.logits needs a mixture-of-experts model; "
+                        f"{shape.model_name or 'this model'} has no experts",
+                    )
                 layers = list(shape.moe_layers) if op.layer_spec == "all" else list(op.layer_spec)
                 for l in layers:
                     if l not in shape.moe_layers:
-                        raise _fail(name, what, f"layer {l} has no router (MoE layers: {list(shape.moe_layers)})")
+                        raise _fail(
+                            name,
+                            what,
+                            f"layer {l} has no router (MoE layers: {list(shape.moe_layers)})",
+                        )
             else:
-                layers = list(range(shape.n_layers)) if op.layer_spec == "all" else list(op.layer_spec)
+                layers = (
+                    list(range(shape.n_layers)) if op.layer_spec == "all" else list(op.layer_spec)
+                )
             for l in layers:
                 if l is None or not 0 <= l < shape.n_layers:
-                    raise _fail(name, what, f"layer {l} out of range (model has {shape.n_layers} layers)")
+                    raise _fail(
+                        name, what, f"layer {l} out of range (model has {shape.n_layers} layers)"
+                    )
 
         for a, t in op.artifacts.items():
             if id(t) not in checked:
@@ -287,21 +344,33 @@ def lower(app: App, shape: ModelShape, tokenizer: Any = None, max_ops: int | Non
                 checked.add(id(t))
         if op.kernel in SAE_KERNELS:
             if len(layers) != 1:
-                raise _fail(name, what, f"an SAE runs at the one site it was trained on; give "
-                                        f"one layer, got {len(layers)}")
+                raise _fail(
+                    name,
+                    what,
+                    f"an SAE runs at the one site it was trained on; give "
+                    f"one layer, got {len(layers)}",
+                )
             assert op.sae is not None  # App sets it for every SAE kernel
             if op.sae.d_in != shape.hidden_size:
-                raise _fail(name, what, f"the SAE reads vectors of width {op.sae.d_in}, the "
-                                        f"model's hidden size is {shape.hidden_size}")
+                raise _fail(
+                    name,
+                    what,
+                    f"the SAE reads vectors of width {op.sae.d_in}, the "
+                    f"model's hidden size is {shape.hidden_size}",
+                )
         for p, v in op.params.items():
             pspec = spec.params.get(p)
             if pspec and not (pspec.lo <= v <= pspec.hi):
-                raise _fail(name, what, f"parameter {p!r}={v} out of range [{pspec.lo}, {pspec.hi}]")
+                raise _fail(
+                    name, what, f"parameter {p!r}={v} out of range [{pspec.lo}, {pspec.hi}]"
+                )
 
         per_layer: dict[str, list[torch.Tensor]] = {}
         kinds = dict(spec.artifacts)
         if op.kernel == "custom" and "artifact" in op.artifacts:
-            per_layer["artifact"] = [op.artifacts["artifact"].float().reshape(-1).contiguous()] * len(layers)
+            per_layer["artifact"] = [
+                op.artifacts["artifact"].float().reshape(-1).contiguous()
+            ] * len(layers)
         for a, kind in kinds.items():
             per_layer[a] = _per_layer(name, what, a, as_fp32(op.artifacts[a]), kind, layers, shape)
         if op.kernel == "router":
@@ -387,17 +456,39 @@ def lower(app: App, shape: ModelShape, tokenizer: Any = None, max_ops: int | Non
             if op.primitive == "read":
                 key = f"{op.result_name}.{layer}" if multi else op.result_name
             lop = LoweredOp(
-                app=name, op_index=idx, label=op.label, primitive=op.primitive, kernel=op.kernel,
-                site=op.site, layer=layer, site_id=site_id(op.site, layer, shape.n_layers),
-                result_key=key, artifacts=arts, params=list(params), cond=op.condition(),
-                n=n, m=m, state_width=state, capture_width=cap, custom=op.custom, name=op.name,
-                flags=flags, n_channels=len(features) if op.kernel == "sae" and features else 1,
-                sae=op.sae, features=features, top_k=top_k)
+                app=name,
+                op_index=idx,
+                label=op.label,
+                primitive=op.primitive,
+                kernel=op.kernel,
+                site=op.site,
+                layer=layer,
+                site_id=site_id(op.site, layer, shape.n_layers),
+                result_key=key,
+                artifacts=arts,
+                params=list(params),
+                cond=op.condition(),
+                n=n,
+                m=m,
+                state_width=state,
+                capture_width=cap,
+                custom=op.custom,
+                name=op.name,
+                flags=flags,
+                n_channels=len(features) if op.kernel == "sae" and features else 1,
+                sae=op.sae,
+                features=features,
+                top_k=top_k,
+            )
             for p, (lo, hi) in param_bounds(lop).items():
                 v = dict(lop.params)[p]
                 if not lo <= v <= hi:
-                    raise _fail(name, what, f"parameter {p!r}={v} would write values beyond "
-                                            f"{WRITE_BOUND:g}; it must lie in [{lo:g}, {hi:g}]")
+                    raise _fail(
+                        name,
+                        what,
+                        f"parameter {p!r}={v} would write values beyond "
+                        f"{WRITE_BOUND:g}; it must lie in [{lo:g}, {hi:g}]",
+                    )
             ops.append(lop)
 
     ops.sort(key=lambda o: (o.site_id, o.op_index))
@@ -413,8 +504,11 @@ def lower(app: App, shape: ModelShape, tokenizer: Any = None, max_ops: int | Non
                     aliases[f"{o.result_key}.f{f}"] = (o.result_key, i)
     for a in aliases:
         if a in reads:
-            raise _fail(name, f"op {reads[a].label}", f"result name {a!r} is also a feature of "
-                                                      f"the SAE read {aliases[a][0]!r}")
+            raise _fail(
+                name,
+                f"op {reads[a].label}",
+                f"result name {a!r} is also a feature of the SAE read {aliases[a][0]!r}",
+            )
 
     spans: list[tuple[str, str]] = []
     for o in ops:
@@ -425,7 +519,9 @@ def lower(app: App, shape: ModelShape, tokenizer: Any = None, max_ops: int | Non
             raise _fail(name, what, "condition is nested too deeply (more than 16 levels)")
         for node in C.walk(o.cond):
             if isinstance(node, C.TokenIn) and node.set not in token_sets:
-                raise _fail(name, what, f"unknown token set {node.set!r} (declare it with app.token_set)")
+                raise _fail(
+                    name, what, f"unknown token set {node.set!r} (declare it with app.token_set)"
+                )
             if isinstance(node, C.InSpan):
                 for s in (node.open, node.close):
                     if s not in token_sets:
@@ -434,12 +530,24 @@ def lower(app: App, shape: ModelShape, tokenizer: Any = None, max_ops: int | Non
                     spans.append((node.open, node.close))
             if isinstance(node, (C.Gate, C.Latch)):
                 if isinstance(node.value, str) and node.value not in app.app_params:
-                    raise _fail(name, what, f"unknown parameter {node.value!r} in condition "
-                                            f"(declare it with app.param)")
+                    raise _fail(
+                        name,
+                        what,
+                        f"unknown parameter {node.value!r} in condition "
+                        f"(declare it with app.param)",
+                    )
     _check_gate_order(name, ops, reads, aliases)
-    lowered = LoweredApp(name=name, app=app, shape=shape, ops=ops, token_sets=token_sets,
-                         spans=spans, app_params=dict(app.app_params), reads=reads,
-                         aliases=aliases)
+    lowered = LoweredApp(
+        name=name,
+        app=app,
+        shape=shape,
+        ops=ops,
+        token_sets=token_sets,
+        spans=spans,
+        app_params=dict(app.app_params),
+        reads=reads,
+        aliases=aliases,
+    )
     return lowered
 
 
@@ -451,9 +559,12 @@ SAE_FEATURES = 1 << 9
 
 
 def sae_flags(sae: SAE, features_read: bool) -> int:
-    return (SAE_ARCH[sae.architecture] | SAE_NORM[sae.normalize_activations] << 4
-            | (SAE_B_DEC_IN if sae.apply_b_dec_to_input else 0)
-            | (SAE_FEATURES if features_read else 0))
+    return (
+        SAE_ARCH[sae.architecture]
+        | SAE_NORM[sae.normalize_activations] << 4
+        | (SAE_B_DEC_IN if sae.apply_b_dec_to_input else 0)
+        | (SAE_FEATURES if features_read else 0)
+    )
 
 
 def _sae_arrays(sae: SAE) -> dict[str, torch.Tensor]:
@@ -461,7 +572,11 @@ def _sae_arrays(sae: SAE) -> dict[str, torch.Tensor]:
     | threshold [F] (0 without) | b_dec [d] | k (TopK), all fp32."""
     F = sae.d_sae
     thr = sae.threshold if sae.threshold is not None else torch.zeros(F)
-    aux = torch.cat([sae.b_enc, thr, sae.b_dec, torch.tensor([float(sae.k or 0)])]).float().contiguous()
+    aux = (
+        torch.cat([sae.b_enc, thr, sae.b_dec, torch.tensor([float(sae.k or 0)])])
+        .float()
+        .contiguous()
+    )
     return {"a0": sae.encoder_rows(), "a1": sae.W_dec.contiguous(), "a2": aux}
 
 
@@ -475,8 +590,9 @@ def latch_from_generated(lowered: LoweredApp, op: LoweredOp, latch: C.Latch) -> 
     return read.site_id >= op.site_id
 
 
-def _check_gate_order(app: str, ops: list[LoweredOp], reads: dict[str, LoweredOp],
-                      aliases: dict[str, tuple[str, int]]) -> None:
+def _check_gate_order(
+    app: str, ops: list[LoweredOp], reads: dict[str, LoweredOp], aliases: dict[str, tuple[str, int]]
+) -> None:
     # Dependencies between ops (by position in the lowered list) through gates and latches.
     deps: dict[int, list[tuple[int, str, bool]]] = {}
     pos = {id(o): i for i, o in enumerate(ops)}
@@ -488,14 +604,21 @@ def _check_gate_order(app: str, ops: list[LoweredOp], reads: dict[str, LoweredOp
                 continue
             src = reads[aliases[node.read][0]] if node.read in aliases else reads.get(node.read)
             if src is not None and src.n_channels > 1 and node.read == src.result_key:
-                raise _fail(app, f"op {o.label}", f"{node.read!r} reads {src.n_channels} SAE "
-                                                  f"features; name one: "
-                                                  f"{', '.join(sorted(k for k, v in aliases.items() if v[0] == node.read)[:4])}")
+                raise _fail(
+                    app,
+                    f"op {o.label}",
+                    f"{node.read!r} reads {src.n_channels} SAE "
+                    f"features; name one: "
+                    f"{', '.join(sorted(k for k, v in aliases.items() if v[0] == node.read)[:4])}",
+                )
             if src is None:
                 multi = sorted(k for k in reads if k.startswith(node.read + "."))
                 hint = f"; it is on several layers, name one of {multi}" if multi else ""
-                raise _fail(app, f"op {o.label}", f"condition reads {node.read!r}, which is not a "
-                                                  f"read of this app{hint}")
+                raise _fail(
+                    app,
+                    f"op {o.label}",
+                    f"condition reads {node.read!r}, which is not a read of this app{hint}",
+                )
             deps.setdefault(i, []).append((pos[id(src)], node.read, isinstance(node, C.Latch)))
     # A cycle first (it would also be "later"), then the forward-order rule. Depth-first
     # with an explicit stack: a chain of gates is as deep as it is long.
@@ -514,7 +637,7 @@ def _check_gate_order(app: str, ops: list[LoweredOp], reads: dict[str, LoweredOp
                 continue
             j = nxt[0]
             if state.get(j) == 1:
-                cyc = " -> ".join(ops[k].label for k in path[path.index(j):] + [j])
+                cyc = " -> ".join(ops[k].label for k in path[path.index(j) :] + [j])
                 raise _fail(app, f"op {ops[path[-1]].label}", f"conditions form a cycle: {cyc}")
             if state.get(j) is None:
                 state[j] = 1
@@ -527,10 +650,20 @@ def _check_gate_order(app: str, ops: list[LoweredOp], reads: dict[str, LoweredOp
             if latch:
                 continue  # any site: see latch_from_generated
             elif src.kernel == "cosine" and src.site_id >= o.site_id:
-                raise _fail(app, f"op {o.label}", f"gate on cosine read {rname!r} must be at a later site")
+                raise _fail(
+                    app, f"op {o.label}", f"gate on cosine read {rname!r} must be at a later site"
+                )
             elif src.kernel == "custom" and src.site_id >= o.site_id:
                 # user kernels run after a site's built-in ops
-                raise _fail(app, f"op {o.label}", f"gate on custom read {rname!r} must be at a later site")
-            elif not (src.site_id < o.site_id or (src.site_id == o.site_id and src.op_index < o.op_index)):
-                raise _fail(app, f"op {o.label}", f"gate on {rname!r}, which runs later in the forward "
-                                                  f"pass; gates may only read earlier reads")
+                raise _fail(
+                    app, f"op {o.label}", f"gate on custom read {rname!r} must be at a later site"
+                )
+            elif not (
+                src.site_id < o.site_id or (src.site_id == o.site_id and src.op_index < o.op_index)
+            ):
+                raise _fail(
+                    app,
+                    f"op {o.label}",
+                    f"gate on {rname!r}, which runs later in the forward "
+                    f"pass; gates may only read earlier reads",
+                )

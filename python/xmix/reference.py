@@ -98,7 +98,9 @@ def sae_normalise(x: torch.Tensor, sae) -> tuple[torch.Tensor, torch.Tensor]:
     if sae.normalize_activations == "constant_norm_rescale":
         norm = x.norm(dim=-1)
         coeff = torch.where(norm > 0, math.sqrt(x.shape[-1]) / norm, torch.zeros_like(norm))
-        return x * coeff[:, None], torch.where(norm > 0, norm / math.sqrt(x.shape[-1]), torch.zeros_like(norm))
+        return x * coeff[:, None], torch.where(
+            norm > 0, norm / math.sqrt(x.shape[-1]), torch.zeros_like(norm)
+        )
     if sae.normalize_activations == "layer_norm":
         mu = x.mean(dim=-1, keepdim=True)
         xc = x - mu

@@ -27,13 +27,13 @@ from __future__ import annotations
 import base64
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 
-ERROR_KEY = "!error"          # a worker could not serve the request (the frontend ends it)
+ERROR_KEY = "!error"  # a worker could not serve the request (the frontend ends it)
 TRUNCATED_KEY = "!truncated"  # the request's results were cut at its byte cap
 # apps the engine left out of the request because the version it was admitted with is gone
 # there (a change through another API server, or between admission and scheduling): the
@@ -113,8 +113,15 @@ class ReadResult(Mapping):
         self._parts: list[tuple[np.ndarray, np.ndarray, np.ndarray | None]] = []
 
     @classmethod
-    def of(cls, kind: str, positions, values, ids=None, dtype: str = "float32",
-           features: Iterable[int] = ()) -> "ReadResult":
+    def of(
+        cls,
+        kind: str,
+        positions,
+        values,
+        ids=None,
+        dtype: str = "float32",
+        features: Iterable[int] = (),
+    ) -> ReadResult:
         r = cls(kind, dtype, tuple(features))
         r.add(positions, values, ids)
         return r
@@ -122,15 +129,19 @@ class ReadResult(Mapping):
     def add(self, positions, values, ids=None) -> None:
         pos = np.asarray(positions, dtype=np.int32)
         if len(pos):
-            self._parts.append((pos, np.asarray(values), None if ids is None else np.asarray(ids, dtype=np.int32)))
+            self._parts.append(
+                (pos, np.asarray(values), None if ids is None else np.asarray(ids, dtype=np.int32))
+            )
 
-    def extend(self, other: "ReadResult") -> "ReadResult":
+    def extend(self, other: ReadResult) -> ReadResult:
         if other.kind != self.kind or other.dtype != self.dtype:
-            raise ValueError(f"cannot append {other.kind}/{other.dtype} results to {self.kind}/{self.dtype}")
+            raise ValueError(
+                f"cannot append {other.kind}/{other.dtype} results to {self.kind}/{self.dtype}"
+            )
         self._parts.extend(other._parts)
         return self
 
-    def copy(self) -> "ReadResult":
+    def copy(self) -> ReadResult:
         r = ReadResult(self.kind, self.dtype, self.features)
         r._parts = list(self._parts)  # arrays are never written after they are made
         return r
@@ -140,8 +151,13 @@ class ReadResult(Mapping):
             if not self._parts:
                 return np.zeros(0, np.int32), np.zeros(0, np.float32), None
             ps, vs, ids = zip(*self._parts)
-            self._parts = [(np.concatenate(ps), np.concatenate(vs),
-                            None if ids[0] is None else np.concatenate(ids))]
+            self._parts = [
+                (
+                    np.concatenate(ps),
+                    np.concatenate(vs),
+                    None if ids[0] is None else np.concatenate(ids),
+                )
+            ]
         return self._parts[0]
 
     # arrays
@@ -167,11 +183,12 @@ class ReadResult(Mapping):
     def values_f32(self) -> np.ndarray:
         return to_float32(self.values, self.dtype)
 
-    def head(self, k: int) -> "ReadResult":
+    def head(self, k: int) -> ReadResult:
         """The first k positions."""
         pos, val, ids = self._joined()
-        return ReadResult.of(self.kind, pos[:k], val[:k], None if ids is None else ids[:k],
-                             self.dtype, self.features)
+        return ReadResult.of(
+            self.kind, pos[:k], val[:k], None if ids is None else ids[:k], self.dtype, self.features
+        )
 
     def nbytes(self) -> int:
         return sum(p.nbytes + v.nbytes + (0 if i is None else i.nbytes) for p, v, i in self._parts)
@@ -198,7 +215,9 @@ class ReadResult(Mapping):
         if self.kind == "topk":
             ids = self.ids
             counts = np.count_nonzero(ids >= 0, axis=1).tolist()
-            return [{"ids": i[:c], "acts": a[:c]} for i, a, c in zip(ids.tolist(), v.tolist(), counts)]
+            return [
+                {"ids": i[:c], "acts": a[:c]} for i, a, c in zip(ids.tolist(), v.tolist(), counts)
+            ]
         if self.kind == "features":
             feats = list(self.features)
             return [{"ids": list(feats), "acts": a} for a in v.tolist()]
@@ -212,19 +231,28 @@ class ReadResult(Mapping):
         "ids": int64 (n, K) of SAE reads (-1 = no feature; listed features on every row)}."""
         import torch
 
-        out = {"positions": torch.from_numpy(self.positions.astype(np.int64)),
-               "values": to_tensor(self.values, self.dtype)}
+        out = {
+            "positions": torch.from_numpy(self.positions.astype(np.int64)),
+            "values": to_tensor(self.values, self.dtype),
+        }
         if self.kind == "topk":
             out["ids"] = torch.from_numpy(self.ids.astype(np.int64))
         elif self.kind == "features":
-            out["ids"] = torch.tensor(self.features, dtype=torch.int64).expand(self.n, -1).contiguous()
+            out["ids"] = (
+                torch.tensor(self.features, dtype=torch.int64).expand(self.n, -1).contiguous()
+            )
         return out
 
     # between processes (msgpack carries bytes, not arrays of unknown types)
     def pack(self) -> dict:
         pos, val, ids = self._joined()
-        d = {"k": self.kind, "dt": self.dtype, "p": pos.tobytes(), "v": val.tobytes(),
-             "s": list(val.shape[1:])}
+        d = {
+            "k": self.kind,
+            "dt": self.dtype,
+            "p": pos.tobytes(),
+            "v": val.tobytes(),
+            "s": list(val.shape[1:]),
+        }
         if ids is not None:
             d["i"] = ids.tobytes()
         if self.features:
@@ -232,7 +260,7 @@ class ReadResult(Mapping):
         return d
 
     @classmethod
-    def unpack(cls, d: dict) -> "ReadResult":
+    def unpack(cls, d: dict) -> ReadResult:
         dtype = d["dt"]
         store = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}[dtype]
         pos = np.frombuffer(d["p"], dtype=np.int32)
@@ -243,6 +271,7 @@ class ReadResult(Mapping):
 
 # ---------------------------------------------------------------------- a request's results
 # {app: {read: ReadResult}}, plus SPECIAL_KEYS -> str
+
 
 def merge_results(into: dict, new: dict) -> dict:
     """Append ``new`` to ``into`` in step order (``into`` is changed; ``new``'s results are
@@ -265,34 +294,49 @@ def merge_results(into: dict, new: dict) -> dict:
 
 
 def copy_results(res: dict) -> dict:
-    return {app: (reads if app in SPECIAL_KEYS else
-                  {k: (r.copy() if isinstance(r, ReadResult) else r) for k, r in reads.items()})
-            for app, reads in res.items()}
+    return {
+        app: (
+            reads
+            if app in SPECIAL_KEYS
+            else {k: (r.copy() if isinstance(r, ReadResult) else r) for k, r in reads.items()}
+        )
+        for app, reads in res.items()
+    }
 
 
 def pack_results(res: dict) -> dict:
-    return {app: (reads if app in SPECIAL_KEYS else {k: r.pack() for k, r in reads.items()})
-            for app, reads in res.items()}
+    return {
+        app: (reads if app in SPECIAL_KEYS else {k: r.pack() for k, r in reads.items()})
+        for app, reads in res.items()
+    }
 
 
 def unpack_results(d: dict) -> dict:
-    return {app: (reads if app in SPECIAL_KEYS else
-                  {k: ReadResult.unpack(r) for k, r in reads.items()})
-            for app, reads in d.items()}
+    return {
+        app: (reads if app in SPECIAL_KEYS else {k: ReadResult.unpack(r) for k, r in reads.items()})
+        for app, reads in d.items()
+    }
 
 
 def as_lists(res: dict) -> dict:
     """The default shape: {app: {read: {"positions": [...], "values": [...]}}} (plain lists;
     non-finite values as they are)."""
-    return {app: (reads if app in SPECIAL_KEYS else
-                  {k: (r.to_lists() if isinstance(r, ReadResult) else r) for k, r in reads.items()})
-            for app, reads in res.items()}
+    return {
+        app: (
+            reads
+            if app in SPECIAL_KEYS
+            else {k: (r.to_lists() if isinstance(r, ReadResult) else r) for k, r in reads.items()}
+        )
+        for app, reads in res.items()
+    }
 
 
 def as_tensors(res: dict) -> dict:
     """{app: {read: {"positions": tensor, "values": tensor[, "ids": tensor]}}}."""
-    return {app: (reads if app in SPECIAL_KEYS else {k: r.tensors() for k, r in reads.items()})
-            for app, reads in res.items()}
+    return {
+        app: (reads if app in SPECIAL_KEYS else {k: r.tensors() for k, r in reads.items()})
+        for app, reads in res.items()
+    }
 
 
 # ---------------------------------------------------------------------- options
@@ -348,8 +392,8 @@ class ResultOptions:
     encoding: str = "json"
     compression: str | None = None
     dtype: str = "float32"
-    window: Window | None = None          # None: every position
-    max_bytes: int | None = None          # this sequence's budget (set by the frontend)
+    window: Window | None = None  # None: every position
+    max_bytes: int | None = None  # this sequence's budget (set by the frontend)
 
     def to_control(self) -> dict:
         """The canonical form carried to the workers (only what differs from the defaults)."""
@@ -367,13 +411,18 @@ class ResultOptions:
         return d
 
     @staticmethod
-    def from_control(d: Any) -> "ResultOptions":
+    def from_control(d: Any) -> ResultOptions:
         """From the canonical form (already checked by the frontend)."""
         if not isinstance(d, dict) or not d:
             return DEFAULT_OPTIONS
         win = d.get("positions")
-        return ResultOptions(d.get("encoding", "json"), d.get("compression"), d.get("dtype", "float32"),
-                             _window(win) if win is not None else None, d.get("max_bytes"))
+        return ResultOptions(
+            d.get("encoding", "json"),
+            d.get("compression"),
+            d.get("dtype", "float32"),
+            _window(win) if win is not None else None,
+            d.get("max_bytes"),
+        )
 
 
 DEFAULT_OPTIONS = ResultOptions()
@@ -382,33 +431,52 @@ DEFAULT_OPTIONS = ResultOptions()
 def _window(spec: Any) -> Window:
     """A checked Window from the "positions" value of a control; ValueError naming what is
     wrong."""
-    items = [spec] if isinstance(spec, str) or (
-        isinstance(spec, list) and len(spec) == 2 and all(x is None or _is_int(x) for x in spec)
-        and not all(x is None for x in spec)) else spec
+    items = (
+        [spec]
+        if isinstance(spec, str)
+        or (
+            isinstance(spec, list)
+            and len(spec) == 2
+            and all(x is None or _is_int(x) for x in spec)
+            and not all(x is None for x in spec)
+        )
+        else spec
+    )
     if not isinstance(items, list) or not items:
-        raise ValueError(f'"positions" must be "prompt", "generated", "last_token", a [start, stop] '
-                         f"range or a non-empty list of those, got {_shown(spec)}")
+        raise ValueError(
+            f'"positions" must be "prompt", "generated", "last_token", a [start, stop] '
+            f"range or a non-empty list of those, got {_shown(spec)}"
+        )
     if len(items) > MAX_WINDOW_ITEMS:
         raise ValueError(f'"positions" lists {len(items)} items; at most {MAX_WINDOW_ITEMS}')
     out = []
     for it in items:
         if isinstance(it, str):
             if it not in WINDOW_NAMES:
-                raise ValueError(f'"positions": unknown window {_shown(it)}; known: {list(WINDOW_NAMES)} '
-                                 f"or [start, stop] ranges")
+                raise ValueError(
+                    f'"positions": unknown window {_shown(it)}; known: {list(WINDOW_NAMES)} '
+                    f"or [start, stop] ranges"
+                )
             out.append(it)
         elif isinstance(it, list) and len(it) == 2 and all(x is None or _is_int(x) for x in it):
             a, b = it
             if a is not None and b is not None and (a >= 0) == (b >= 0) and b <= a:
                 raise ValueError(f'"positions": the range {it} is empty (stop must be above start)')
-            if (a is not None and a >= 0 and b is not None and b < 0) or (a is not None and abs(a) > 2**31) \
-                    or (b is not None and abs(b) > 2**31):
-                raise ValueError(f'"positions": the range {it} mixes an absolute start with a stop '
-                                 f"counted from the prompt's end, or is out of range")
+            if (
+                (a is not None and a >= 0 and b is not None and b < 0)
+                or (a is not None and abs(a) > 2**31)
+                or (b is not None and abs(b) > 2**31)
+            ):
+                raise ValueError(
+                    f'"positions": the range {it} mixes an absolute start with a stop '
+                    f"counted from the prompt's end, or is out of range"
+                )
             out.append((a, b))
         else:
-            raise ValueError(f'"positions": each item must be "prompt", "generated", "last_token" or '
-                             f"[start, stop] (integers or null), got {_shown(it)}")
+            raise ValueError(
+                f'"positions": each item must be "prompt", "generated", "last_token" or '
+                f"[start, stop] (integers or null), got {_shown(it)}"
+            )
     return Window(tuple(out))
 
 
@@ -458,7 +526,9 @@ def parse_options(raw: dict, n: int = 1, server_cap: int | None = None) -> Resul
     if comp is not None and comp not in COMPRESSIONS:
         raise ValueError(f'"compression" must be "zstd" (or absent), got {_shown(comp)}')
     if comp is not None and enc != "base64":
-        raise ValueError('"compression": "zstd" needs "encoding": "base64" (JSON numbers are not compressed)')
+        raise ValueError(
+            '"compression": "zstd" needs "encoding": "base64" (JSON numbers are not compressed)'
+        )
     if comp is not None:
         _zstd()  # refused now, not when the response is built
     dt = raw.get("dtype", "float32")
@@ -470,8 +540,10 @@ def parse_options(raw: dict, n: int = 1, server_cap: int | None = None) -> Resul
         if not _is_int(asked) or asked <= 0:
             raise ValueError(f'"max_result_bytes" must be a positive integer, got {_shown(asked)}')
         if asked > cap:
-            raise ValueError(f'"max_result_bytes" is {asked}; the server allows at most {cap} per '
-                             f"request (XMIX_MAX_RESULT_BYTES)")
+            raise ValueError(
+                f'"max_result_bytes" is {asked}; the server allows at most {cap} per '
+                f"request (XMIX_MAX_RESULT_BYTES)"
+            )
     total = cap if asked is None else asked
     return ResultOptions(enc, comp, dt, win, max(total // max(n, 1), 0))
 
@@ -480,7 +552,9 @@ def _zstd():
     try:
         import zstandard
     except ImportError:  # pragma: no cover - a dependency of xmix
-        raise ValueError('"compression": "zstd" needs the zstandard package on the server') from None
+        raise ValueError(
+            '"compression": "zstd" needs the zstandard package on the server'
+        ) from None
     return zstandard
 
 
@@ -488,7 +562,7 @@ def _zstd():
 @dataclass(frozen=True)
 class ReadShape:
     kind: str
-    width: int          # values per position (1, capture width, K, F)
+    width: int  # values per position (1, capture width, K, F)
     once: bool = False  # reports once per request (CAST), at the last prompt token
 
 
@@ -497,7 +571,9 @@ def read_shape(op) -> ReadShape:
     if op.kernel == "capture":
         return ReadShape("vector", op.capture_width)
     if op.kernel == "sae":
-        return ReadShape("features", len(op.features)) if op.features else ReadShape("topk", op.top_k)
+        return (
+            ReadShape("features", len(op.features)) if op.features else ReadShape("topk", op.top_k)
+        )
     return ReadShape("scalar", 1, once=op.kernel == "cosine")
 
 
@@ -593,8 +669,14 @@ def encode_results(res: dict, opts: ResultOptions = DEFAULT_OPTIONS) -> dict:
             if not isinstance(r, ReadResult):
                 r = from_lists(r)
             if r.dtype != opts.dtype:  # results made before the options applied
-                r = ReadResult.of(r.kind, r.positions, to_dtype(r.values_f32(), opts.dtype), r._joined()[2],
-                                  opts.dtype, r.features)
+                r = ReadResult.of(
+                    r.kind,
+                    r.positions,
+                    to_dtype(r.values_f32(), opts.dtype),
+                    r._joined()[2],
+                    opts.dtype,
+                    r.features,
+                )
             dst[key] = _json_entry(r) if opts.encoding == "json" else _b64_entry(r, opts)
     return out
 
@@ -612,13 +694,22 @@ def from_lists(entry: Mapping) -> ReadResult:
             acts[i, :c] = [math.nan if a is None else a for a in v["acts"]]
         return ReadResult.of("topk", pos, acts, ids)
     if vals and isinstance(vals[0], list):
-        arr = np.array([[math.nan if x is None else x for x in row] for row in vals], dtype=np.float32)
+        arr = np.array(
+            [[math.nan if x is None else x for x in row] for row in vals], dtype=np.float32
+        )
         return ReadResult.of("vector", pos, arr)
-    return ReadResult.of("scalar", pos, np.array([math.nan if x is None else x for x in vals], dtype=np.float32))
+    return ReadResult.of(
+        "scalar", pos, np.array([math.nan if x is None else x for x in vals], dtype=np.float32)
+    )
 
 
 # ---------------------------------------------------------------------- clients
-_DECODE_STORE = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "int32": np.int32}
+_DECODE_STORE = {
+    "float32": np.float32,
+    "float16": np.float16,
+    "bfloat16": np.uint16,
+    "int32": np.int32,
+}
 
 
 def _decode_array(a: dict, compressed: bool):
@@ -628,7 +719,9 @@ def _decode_array(a: dict, compressed: bool):
     if compressed:
         raw = _zstd().ZstdDecompressor().decompress(raw)
     dt = a["dtype"]
-    arr = np.frombuffer(raw, dtype=np.dtype(_DECODE_STORE[dt]).newbyteorder("<")).reshape(a["shape"])
+    arr = np.frombuffer(raw, dtype=np.dtype(_DECODE_STORE[dt]).newbyteorder("<")).reshape(
+        a["shape"]
+    )
     if dt == "int32":
         return torch.from_numpy(arr.astype(np.int64))
     return to_tensor(arr.astype(_DECODE_STORE[dt]), dt)
@@ -639,11 +732,18 @@ def _decode_entry(e: Mapping) -> dict:
 
     if e.get("encoding") == "base64":
         z = e.get("compression") == "zstd"
-        out = {"positions": _decode_array(e["positions"], z), "values": _decode_array(e["values"], z)}
+        out = {
+            "positions": _decode_array(e["positions"], z),
+            "values": _decode_array(e["values"], z),
+        }
         if isinstance(e.get("ids"), dict):
             out["ids"] = _decode_array(e["ids"], z)
         elif "ids" in e:  # listed SAE features: the same on every row
-            out["ids"] = torch.tensor(e["ids"], dtype=torch.int64).expand(len(out["positions"]), -1).contiguous()
+            out["ids"] = (
+                torch.tensor(e["ids"], dtype=torch.int64)
+                .expand(len(out["positions"]), -1)
+                .contiguous()
+            )
         return out
     return from_lists(e).tensors()
 
@@ -705,7 +805,9 @@ def options_of_control(raw: Any) -> ResultOptions:
     if not isinstance(raw, dict):
         return DEFAULT_OPTIONS
     try:
-        return parse_options({k: raw[k] for k in ("encoding", "compression", "dtype") if k in raw},
-                             server_cap=1 << 62)
+        return parse_options(
+            {k: raw[k] for k in ("encoding", "compression", "dtype") if k in raw},
+            server_cap=1 << 62,
+        )
     except ValueError:
         return DEFAULT_OPTIONS

@@ -42,9 +42,11 @@ ARCHITECTURES = ("relu", "jumprelu", "topk")
 NORMALIZATIONS = ("none", "constant_norm_rescale", "layer_norm")
 FORMAT = "xmix.sae/1"
 TENSORS = ("W_enc", "b_enc", "W_dec", "b_dec", "threshold")
-MAX_FEATURES = 1 << 24       # feature ids travel as fp32 in the capture buffer: exact below 2^24
-LN_EPS = 1e-5                # SAELens's layer_norm epsilon
-_HOOK = re.compile(r"^(?:layers\.(\d+)\.(residual\.pre|attention\.post|residual\.mid|mlp\.post|residual\.post)|final\.post)$")
+MAX_FEATURES = 1 << 24  # feature ids travel as fp32 in the capture buffer: exact below 2^24
+LN_EPS = 1e-5  # SAELens's layer_norm epsilon
+_HOOK = re.compile(
+    r"^(?:layers\.(\d+)\.(residual\.pre|attention\.post|residual\.mid|mlp\.post|residual\.post)|final\.post)$"
+)
 
 
 class SAEError(ValueError):
@@ -55,9 +57,11 @@ def parse_hook(hook: str) -> tuple[str, int | None]:
     """``"layers.12.residual.post"`` -> ("residual.post", 12); ``"final.post"`` -> (.., None)."""
     m = _HOOK.match(hook) if isinstance(hook, str) else None
     if not m:
-        raise SAEError(f"SAE hook {hook!r} is not an xmix site; expected 'layers.<L>.<site>' with "
-                       f"site one of residual.pre, attention.post, residual.mid, mlp.post, "
-                       f"residual.post, or 'final.post'")
+        raise SAEError(
+            f"SAE hook {hook!r} is not an xmix site; expected 'layers.<L>.<site>' with "
+            f"site one of residual.pre, attention.post, residual.mid, mlp.post, "
+            f"residual.post, or 'final.post'"
+        )
     if hook == "final.post":
         return "final.post", None
     return m.group(2), int(m.group(1))
@@ -72,7 +76,9 @@ def _tensor(name: str, value, shape: tuple[int, ...]) -> torch.Tensor:
     if not value.is_floating_point():
         raise SAEError(f"SAE tensor {name!r} has dtype {value.dtype}; expected a float tensor")
     if tuple(value.shape) != shape:
-        raise SAEError(f"SAE tensor {name!r} has shape {tuple(value.shape)}; expected {list(shape)}")
+        raise SAEError(
+            f"SAE tensor {name!r} has shape {tuple(value.shape)}; expected {list(shape)}"
+        )
     t = value.detach().to("cpu", torch.float32).contiguous()
     if not torch.isfinite(t).all():
         bad = (~torch.isfinite(t)).nonzero()[0].tolist()
@@ -83,24 +89,43 @@ def _tensor(name: str, value, shape: tuple[int, ...]) -> torch.Tensor:
 class SAE:
     """One sparse autoencoder: tensors, encoder architecture, input normalisation, hook."""
 
-    def __init__(self, W_enc, b_enc, W_dec, b_dec, *, architecture: str = "relu",
-                 threshold=None, k: int | None = None, apply_b_dec_to_input: bool = False,
-                 normalize_activations: str = "none", hook: str | None = None,
-                 metadata: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        W_enc,
+        b_enc,
+        W_dec,
+        b_dec,
+        *,
+        architecture: str = "relu",
+        threshold=None,
+        k: int | None = None,
+        apply_b_dec_to_input: bool = False,
+        normalize_activations: str = "none",
+        hook: str | None = None,
+        metadata: dict[str, Any] | None = None,
+    ):
         if architecture not in ARCHITECTURES:
-            raise SAEError(f"SAE architecture {architecture!r} is not supported; xmix runs "
-                           f"{', '.join(ARCHITECTURES)}")
+            raise SAEError(
+                f"SAE architecture {architecture!r} is not supported; xmix runs "
+                f"{', '.join(ARCHITECTURES)}"
+            )
         if normalize_activations not in NORMALIZATIONS:
-            raise SAEError(f"SAE normalize_activations {normalize_activations!r} is not supported; "
-                           f"xmix runs {', '.join(NORMALIZATIONS)} (fold a constant scaling factor "
-                           f"into the weights with SAE.fold_scaling_factor)")
+            raise SAEError(
+                f"SAE normalize_activations {normalize_activations!r} is not supported; "
+                f"xmix runs {', '.join(NORMALIZATIONS)} (fold a constant scaling factor "
+                f"into the weights with SAE.fold_scaling_factor)"
+            )
         if not isinstance(W_enc, torch.Tensor):
             W_enc = torch.as_tensor(W_enc)
         if W_enc.dim() != 2:
-            raise SAEError(f"SAE tensor 'W_enc' has shape {tuple(W_enc.shape)}; expected [d_in, d_sae]")
+            raise SAEError(
+                f"SAE tensor 'W_enc' has shape {tuple(W_enc.shape)}; expected [d_in, d_sae]"
+            )
         d, F = int(W_enc.shape[0]), int(W_enc.shape[1])
         if d < 1 or F < 1:
-            raise SAEError(f"SAE tensor 'W_enc' has shape {tuple(W_enc.shape)}; expected [d_in, d_sae]")
+            raise SAEError(
+                f"SAE tensor 'W_enc' has shape {tuple(W_enc.shape)}; expected [d_in, d_sae]"
+            )
         if F >= MAX_FEATURES:
             raise SAEError(f"SAE has {F} features; xmix supports fewer than {MAX_FEATURES}")
         self.W_enc = _tensor("W_enc", W_enc, (d, F))
@@ -141,8 +166,10 @@ class SAE:
 
     def __repr__(self) -> str:
         extra = f", k={self.k}" if self.k else ""
-        return (f"SAE({self.architecture}, d_in={self.d_in}, d_sae={self.d_sae}{extra}, "
-                f"hook={self.hook!r})")
+        return (
+            f"SAE({self.architecture}, d_in={self.d_in}, d_sae={self.d_sae}{extra}, "
+            f"hook={self.hook!r})"
+        )
 
     def encoder_rows(self) -> torch.Tensor:
         """W_enc transposed, [F, d] contiguous: one encoder row per feature (kernel layout)."""
@@ -151,7 +178,9 @@ class SAE:
         return self._w_enc_t
 
     def check_features(self, features, what: str = "feature") -> list[int]:
-        lst = [features] if isinstance(features, int) and not isinstance(features, bool) else features
+        lst = (
+            [features] if isinstance(features, int) and not isinstance(features, bool) else features
+        )
         try:
             lst = list(lst)
         except TypeError:
@@ -166,7 +195,7 @@ class SAE:
         return [int(f) for f in lst]
 
     # -- transformations -------------------------------------------------------------------
-    def fold_scaling_factor(self, s: float) -> "SAE":
+    def fold_scaling_factor(self, s: float) -> SAE:
         """SAELens's ``fold_activation_norm_scaling_factor``: an SAE trained on x * s becomes
         one that takes x (W_enc * s, W_dec / s, b_dec / s)."""
         if not (isinstance(s, (int, float)) and math.isfinite(s) and s > 0):
@@ -180,11 +209,15 @@ class SAE:
     # -- storage ---------------------------------------------------------------------------
     def config(self) -> dict[str, Any]:
         return {
-            "format": FORMAT, "d_in": self.d_in, "d_sae": self.d_sae,
-            "architecture": self.architecture, "k": self.k,
+            "format": FORMAT,
+            "d_in": self.d_in,
+            "d_sae": self.d_sae,
+            "architecture": self.architecture,
+            "k": self.k,
             "apply_b_dec_to_input": self.apply_b_dec_to_input,
             "normalize_activations": self.normalize_activations,
-            "hook": self.hook, "metadata": self.metadata,
+            "hook": self.hook,
+            "metadata": self.metadata,
         }
 
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -194,7 +227,7 @@ class SAE:
         return out
 
     @staticmethod
-    def from_parts(config: Any, tensors: dict[str, torch.Tensor], source: str = "<sae>") -> "SAE":
+    def from_parts(config: Any, tensors: dict[str, torch.Tensor], source: str = "<sae>") -> SAE:
         if not isinstance(config, dict) or config.get("format") != FORMAT:
             got = config.get("format") if isinstance(config, dict) else config
             raise SAEError(f"{source}: unknown SAE format {got!r}; expected {FORMAT!r}")
@@ -202,29 +235,42 @@ class SAE:
         if missing:
             raise SAEError(f"{source}: SAE tensors missing: {missing}")
         try:
-            sae = SAE(tensors["W_enc"], tensors["b_enc"], tensors["W_dec"], tensors["b_dec"],
-                      architecture=config.get("architecture", "relu"),
-                      threshold=tensors.get("threshold"), k=config.get("k"),
-                      apply_b_dec_to_input=bool(config.get("apply_b_dec_to_input", False)),
-                      normalize_activations=config.get("normalize_activations", "none"),
-                      hook=config.get("hook"), metadata=config.get("metadata") or {})
+            sae = SAE(
+                tensors["W_enc"],
+                tensors["b_enc"],
+                tensors["W_dec"],
+                tensors["b_dec"],
+                architecture=config.get("architecture", "relu"),
+                threshold=tensors.get("threshold"),
+                k=config.get("k"),
+                apply_b_dec_to_input=bool(config.get("apply_b_dec_to_input", False)),
+                normalize_activations=config.get("normalize_activations", "none"),
+                hook=config.get("hook"),
+                metadata=config.get("metadata") or {},
+            )
         except SAEError as e:
             raise SAEError(f"{source}: {e}") from None
         for key in ("d_in", "d_sae"):
             if key in config and config[key] != getattr(sae, key):
-                raise SAEError(f"{source}: config says {key}={config[key]}, the tensors "
-                               f"have {getattr(sae, key)}")
+                raise SAEError(
+                    f"{source}: config says {key}={config[key]}, the tensors "
+                    f"have {getattr(sae, key)}"
+                )
         return sae
 
     def save(self, path: str | Path) -> Path:
         from safetensors.torch import save_file
 
         path = Path(path)
-        save_file(self.tensors(), str(path), metadata={"xmix.sae": json.dumps(self.config(), sort_keys=True)})
+        save_file(
+            self.tensors(),
+            str(path),
+            metadata={"xmix.sae": json.dumps(self.config(), sort_keys=True)},
+        )
         return path
 
     @staticmethod
-    def load(path: str | Path) -> "SAE":
+    def load(path: str | Path) -> SAE:
         from safetensors import SafetensorError, safe_open
 
         path = Path(path)
@@ -235,8 +281,10 @@ class SAE:
         except (OSError, SafetensorError) as e:
             raise SAEError(f"{path}: not a safetensors SAE file ({e})") from None
         if "xmix.sae" not in meta:
-            raise SAEError(f"{path}: safetensors file without an xmix SAE config (metadata "
-                           f"'xmix.sae'); import it with `xmix import sae ...` first")
+            raise SAEError(
+                f"{path}: safetensors file without an xmix SAE config (metadata "
+                f"'xmix.sae'); import it with `xmix import sae ...` first"
+            )
         try:
             config = json.loads(meta["xmix.sae"])
         except (json.JSONDecodeError, RecursionError) as e:

@@ -13,7 +13,8 @@ substitute a fake that defers every queued operation the way a busy GPU does
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -117,7 +118,7 @@ class PinnedSet:
             self.ptrs[name] = self.np[name].ctypes.data
         return t
 
-    def alloc_all(self) -> "PinnedSet":
+    def alloc_all(self) -> PinnedSet:
         for name in self._spec:
             self.buf(name)
         return self
@@ -131,8 +132,13 @@ class PinnedRing:
     host waits on that before writing the set again. With depth above the steps vLLM keeps in
     flight the wait is already over when it is checked."""
 
-    def __init__(self, queue: DeviceQueue, depth: int, spec: dict[str, tuple[int, torch.dtype]],
-                 eager: bool = True):
+    def __init__(
+        self,
+        queue: DeviceQueue,
+        depth: int,
+        spec: dict[str, tuple[int, torch.dtype]],
+        eager: bool = True,
+    ):
         if depth < 2:
             raise ValueError("a staging ring needs at least 2 sets")
         self.sets = [PinnedSet(queue, spec) for _ in range(depth)]

@@ -7,13 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from xmix.apps import cast
-
 from apps_oracle import (
     ATOL,
+    RTOL,
     Env,
     G,
-    RTOL,
     Req,
     Spec,
     cast_score,
@@ -24,6 +22,7 @@ from apps_oracle import (
     ref_add,
     vanilla,
 )
+from xmix.apps import cast
 
 pytestmark = pytest.mark.engine
 
@@ -41,7 +40,9 @@ def test_cast_latch_on_prompt_mean(llama):
     scores = []
     for x in ids:
         grab = {}
-        env.ref.set_plan([("residual.pre", 1, lambda h, c, grab=grab: grab.__setitem__("x", h.clone()))])
+        env.ref.set_plan(
+            [("residual.pre", 1, lambda h, c, grab=grab: grab.__setitem__("x", h.clone()))]
+        )
         env.ref.forward(x, len(x))
         scores.append(cast_score(grab["x"].double().mean(0), v))
     env.ref.set_plan([])
@@ -60,9 +61,10 @@ def test_cast_latch_on_prompt_mean(llama):
         want = [latch and p >= len(x) - 1 for p in range(len(x) + G - 1)]
         assert fired(eng, "rp2") == want
         if latch:
-            eff = effect(eng, "rp2")[len(x) - 1:]
-            np.testing.assert_allclose(eff, np.broadcast_to(8.0 * u[0].numpy(), eff.shape),
-                                       rtol=RTOL, atol=1e-4)
+            eff = effect(eng, "rp2")[len(x) - 1 :]
+            np.testing.assert_allclose(
+                eff, np.broadcast_to(8.0 * u[0].numpy(), eff.shape), rtol=RTOL, atol=1e-4
+            )
             assert toks != vanilla(env, x)
         else:
             assert toks == vanilla(env, x)
@@ -86,35 +88,62 @@ def test_cast_behaviour_layers_around_the_condition(llama):
     scores = []
     for x in ids:  # the prompt mean at the condition site; writes on generated tokens cannot
         grab = {}  # reach prompt positions (causal attention), so a vanilla pass gives it
-        env.ref.set_plan([("residual.pre", cl, lambda h, c, grab=grab: grab.__setitem__("x", h.clone()))])
+        env.ref.set_plan(
+            [("residual.pre", cl, lambda h, c, grab=grab: grab.__setitem__("x", h.clone()))]
+        )
         env.ref.forward(x, len(x))
         scores.append(cast_score(grab["x"].double().mean(0), v))
     env.ref.set_plan([])
     srt = sorted(scores)
-    gap, theta = max((srt[i + 1] - srt[i], (srt[i] + srt[i + 1]) / 2) for i in range(1, len(srt) - 2))
+    gap, theta = max(
+        (srt[i + 1] - srt[i], (srt[i] + srt[i + 1]) / 2) for i in range(1, len(srt) - 2)
+    )
     assert gap > 1e-3
     latch = {tuple(x): s > theta for x, s in zip(ids, scores)}
 
     def ops(p):
         def read(x, ctx):
-            ctx.read(name, "cast_sim", [ctx.P - 1], [cast_score(x[:ctx.P].double().mean(0), v)])
+            ctx.read(name, "cast_sim", [ctx.P - 1], [cast_score(x[: ctx.P].double().mean(0), v)])
 
         out = [("residual.pre", cl, read)]
         for i, l in enumerate(layers):
             start = 0 if l <= cl else 1  # from position P, or from P - 1
-            out.append(("residual.pre", l, ref_add(
-                U[i], p["scale"], lambda c, q, s=start: latch[tuple(c.ids[:c.P])] and q >= c.P - s)))
+            out.append(
+                (
+                    "residual.pre",
+                    l,
+                    ref_add(
+                        U[i],
+                        p["scale"],
+                        lambda c, q, s=start: latch[tuple(c.ids[: c.P])] and q >= c.P - s,
+                    ),
+                )
+            )
         return out
 
-    spec = Spec(cast(v, U, condition_layer=cl, behavior_layers=layers, threshold=theta,
-                     comparator=">", alpha=alpha, name=name), ops, {"theta": theta, "scale": alpha})
+    spec = Spec(
+        cast(
+            v,
+            U,
+            condition_layer=cl,
+            behavior_layers=layers,
+            threshold=theta,
+            comparator=">",
+            alpha=alpha,
+            name=name,
+        ),
+        ops,
+        {"theta": theta, "scale": alpha},
+    )
     # deployed between the observers, so "post" sees its write at residual.pre of layer 2
     post = env.specs["post"]
     env.llm.xmix.undeploy("post")
     env.llm.xmix.deploy(spec.app)
     env.llm.xmix.deploy(post.app)
     specs = {k: v for k, v in env.specs.items() if k != "post"}
-    env2 = Env(env.kind, env.llm, env.ref, env.tok, {**specs, name: spec, "post": post}, env.vanilla)
+    env2 = Env(
+        env.kind, env.llm, env.ref, env.tok, {**specs, name: spec, "post": post}, env.vanilla
+    )
     try:
         res = check(env2, [Req(x, ["pre", name, "post"]) for x in ids])
     finally:
@@ -128,8 +157,9 @@ def test_cast_behaviour_layers_around_the_condition(llama):
         assert fired(eng, "rp2") == [on and q >= P for q in range(P + G - 1)]
         if on:
             eff = effect(eng, "rp2")[P:]
-            np.testing.assert_allclose(eff, np.broadcast_to(alpha * U[1].double().numpy(), eff.shape),
-                                       rtol=RTOL, atol=1e-4)
+            np.testing.assert_allclose(
+                eff, np.broadcast_to(alpha * U[1].double().numpy(), eff.shape), rtol=RTOL, atol=1e-4
+            )
             changed += toks != vanilla(env, x)
         else:
             assert toks == vanilla(env, x)

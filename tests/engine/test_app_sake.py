@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from apps_oracle import G, RTOL, Req, check, fired, lines, vanilla
+from apps_oracle import RTOL, G, Req, check, fired, lines, vanilla
 
 pytestmark = pytest.mark.engine
 
@@ -22,8 +22,9 @@ def test_sake_edits_only_within_distance(llama):
         # distances move) has steps on both sides and none within 0.1 % of t
         _, reads, _ = env.ref.generate(ids, spec.ops({"t": -1.0}), G)
         d = sorted(reads["sake"]["dist"]["values"])
-        for _, t in sorted(((d[i + 1] - d[i], (d[i] + d[i + 1]) / 2) for i in range(len(d) - 1)),
-                           reverse=True):
+        for _, t in sorted(
+            ((d[i + 1] - d[i], (d[i] + d[i + 1]) / 2) for i in range(len(d) - 1)), reverse=True
+        ):
             _, edited, _ = env.ref.generate(ids, spec.ops({"t": t}), G)
             de = edited["sake"]["dist"]["values"]
             if min(abs(x - t) for x in de) > 1e-3 * t and min(de) < t < max(de):
@@ -32,7 +33,9 @@ def test_sake_edits_only_within_distance(llama):
             pytest.fail(f"no clear threshold for {p!r}")
         reqs.append(Req(ids, ["pre", "sake", "post"], {"sake": {"t": t}}))
     res = check(env, reqs)
-    A, mu_s, mu_t = (spec.app.ops[1].artifacts[k].double().numpy() for k in ("matrix", "mu_s", "mu_t"))
+    A, mu_s, mu_t = (
+        spec.app.ops[1].artifacts[k].double().numpy() for k in ("matrix", "mu_s", "mu_t")
+    )
     both = changed = 0
     for r, (toks, eng, _, _) in zip(reqs, res):
         t = r.params["sake"]["t"]

@@ -23,8 +23,11 @@ def test_seal_fires_on_separators_inside_think(llama):
     cases = [
         # separators before, inside and after a closed thought in the prompt; a thought opened
         # at the end, closed by the first generated token, then separators outside it
-        ("Question: what is two plus two?\n\n<think> Add them.\n\nThe sum is four.</think>\n\nSo"
-         " the answer:\n\n<think> Check", [nl2, unthink, tok.encode(".", add_special_tokens=False)[0]]),
+        (
+            "Question: what is two plus two?\n\n<think> Add them.\n\nThe sum is four.</think>\n\nSo"
+            " the answer:\n\n<think> Check",
+            [nl2, unthink, tok.encode(".", add_special_tokens=False)[0]],
+        ),
         # a thought open at the end of the prompt: generated separators inside it (steered, so
         # the next steps differ), then </think> and separators after it
         ("<think> Let me think.\n\nOk", [nl2, unthink]),

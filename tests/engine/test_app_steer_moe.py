@@ -8,7 +8,6 @@ import pytest
 import torch
 
 import xmix
-
 from apps_oracle import PROMPTS_DIR, Req, check, lines
 
 pytestmark = pytest.mark.engine
@@ -33,8 +32,10 @@ def test_steer_moe_changes_routing(mixtral):
             sel = ctx_s.routing[l]
             assert all(bool((sel == e).any(-1).all()) for e in on)
             assert not any(bool((sel == e).any()) for e in off)
-        moved = sum(not torch.equal(ctx_s.routing[l].sort(-1).values, ctx_v.routing[l].sort(-1).values)
-                    for l in range(mask.shape[0]))
+        moved = sum(
+            not torch.equal(ctx_s.routing[l].sort(-1).values, ctx_v.routing[l].sort(-1).values)
+            for l in range(mask.shape[0])
+        )
         assert moved > 0
         # the served stream follows the steered routing, not the vanilla one
         x_s = np.asarray(e_s["post"]["ro.3"]["values"])
@@ -50,9 +51,26 @@ def test_derive_steer_moe_matches_the_routing(mixtral, tmp_path):
     from xmix.apps import derive_cli as DC
 
     out = tmp_path / "moe.xmix"
-    rc = DC.main(["steer_moe", "--model", "tiny-mixtral", "--positive", str(PROMPTS_DIR / "cast_pos.txt"),
-                  "--negative", str(PROMPTS_DIR / "cast_neg.txt"), "--n-activate", "1",
-                  "--n-deactivate", "1", "--per-layer", "--out", str(out), "--quiet"], llm=mixtral.llm)
+    rc = DC.main(
+        [
+            "steer_moe",
+            "--model",
+            "tiny-mixtral",
+            "--positive",
+            str(PROMPTS_DIR / "cast_pos.txt"),
+            "--negative",
+            str(PROMPTS_DIR / "cast_neg.txt"),
+            "--n-activate",
+            "1",
+            "--n-deactivate",
+            "1",
+            "--per-layer",
+            "--out",
+            str(out),
+            "--quiet",
+        ],
+        llm=mixtral.llm,
+    )
     assert rc == 0
     app = xmix.App.load(out)
     want = mixtral.specs["steer_moe"].app.ops[0].artifacts["mask"]

@@ -22,6 +22,6 @@ def test_truth_probe_scores(llama):
         P = len(r.ids)
         if "truth_probe" in r.apps:
             assert eng["truth_probe"]["truth"]["positions"] == list(range(P, P + G - 1))
-            assert toks == vanilla(env, r.ids)   # a read does not change the answer
+            assert toks == vanilla(env, r.ids)  # a read does not change the answer
         else:
             assert eng["truth_last"]["truth"]["positions"] == list(range(P - 1, P + G - 1))

@@ -23,10 +23,21 @@ def test_all_seven_on_one_engine(mixtral):
     matching the oracle that composes its apps in deployment order."""
     env = mixtral
     p_think = env.ids("Think first.\n\n<think> The numbers are two and three.\n\nAdd them")
-    base = [env.ids(p) for p in lines("cast_pos")[:4] + lines("refusal_pos")[:4] + lines("truth_neg")[:4]]
+    base = [
+        env.ids(p)
+        for p in lines("cast_pos")[:4] + lines("refusal_pos")[:4] + lines("truth_neg")[:4]
+    ]
     subsets = [
-        [], ["refusal"], ["seal"], ["cast"], ["truth_probe"], ["sake"], ["kl_then_steer"],
-        ["steer_moe"], ["refusal", "truth_probe"], ["seal", "cast", "sake"],
+        [],
+        ["refusal"],
+        ["seal"],
+        ["cast"],
+        ["truth_probe"],
+        ["sake"],
+        ["kl_then_steer"],
+        ["steer_moe"],
+        ["refusal", "truth_probe"],
+        ["seal", "cast", "sake"],
         ["kl_then_steer", "steer_moe", "truth_probe"],
         ["refusal", "seal", "cast", "truth_probe", "sake", "kl_then_steer", "steer_moe"],
         ["steer_moe", "refusal", "post"],

@@ -20,12 +20,11 @@ import pytest
 import torch
 
 import xmix
+from apps_oracle import CMP, cast_score, lines, shared_llm
+from engine_util import hf_model
 from xmix import conditions as C
 from xmix.apps import derive_cli as DC
 from xmix.models.tiny import tiny_model_path
-
-from engine_util import hf_model
-from apps_oracle import CMP, cast_score, lines, shared_llm
 
 pytestmark = pytest.mark.engine
 
@@ -64,8 +63,11 @@ def hf_states(env, prompts: list[str]) -> list[tuple]:
 def mlp_post_all(env, ids: list[int], layer: int) -> torch.Tensor:
     """mlp.post of ``layer`` at every token, from a forward hook on the transformers MLP."""
     grab = {}
-    h = env["hf"].model.layers[layer].mlp.register_forward_hook(
-        lambda m, a, o: grab.__setitem__("x", o[0].detach().clone()))
+    h = (
+        env["hf"]
+        .model.layers[layer]
+        .mlp.register_forward_hook(lambda m, a, o: grab.__setitem__("x", o[0].detach().clone()))
+    )
     try:
         with torch.no_grad():
             env["hf"](torch.tensor([ids]))
@@ -82,8 +84,12 @@ def mlp_post(env, prompts: list[str], layer: int) -> torch.Tensor:
 def generate(llm, prompts: list[list[int]], apps: list[str], max_tokens: int = 1):
     from vllm import SamplingParams
 
-    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
-                        extra_args={"xmix": {"apps": apps}} if apps else None)
+    sp = SamplingParams(
+        temperature=0.0,
+        max_tokens=max_tokens,
+        ignore_eos=True,
+        extra_args={"xmix": {"apps": apps}} if apps else None,
+    )
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     return [(list(o.outputs[0].token_ids), xmix.results(o)) for o in outs]
 
@@ -94,19 +100,32 @@ def test_collect_activations_are_the_models_hidden_states(env):
     prompts = lines("refusal_pos")[:3] + ["<think> a\n\nb\n\nc"]
     hs = hf_states(env, prompts)
     last = DC.collect_activations(llm, prompts, layers="all", position="last", progress=False)
-    mean = DC.collect_activations(llm, prompts, sites=[("residual.pre", 1), ("final.post", None)],
-                                  position="mean", progress=False)
+    mean = DC.collect_activations(
+        llm,
+        prompts,
+        sites=[("residual.pre", 1), ("final.post", None)],
+        position="mean",
+        progress=False,
+    )
     every = DC.collect_activations(llm, prompts, layers=[2], position="all", progress=False)
     assert last.shape == (4, 4, 256) and mean.shape == (4, 2, 256)
     for i, h in enumerate(hs):
         for l in range(4):
             torch.testing.assert_close(last[i, l], h[l][0, -1], rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(mean[i, 0].double(), h[1][0].double().mean(0), rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(mean[i, 1].double(), h[-1][0].double().mean(0), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(
+            mean[i, 0].double(), h[1][0].double().mean(0), rtol=1e-4, atol=1e-5
+        )
+        torch.testing.assert_close(
+            mean[i, 1].double(), h[-1][0].double().mean(0), rtol=1e-4, atol=1e-5
+        )
         torch.testing.assert_close(every[i][:, 0], h[2][0], rtol=1e-4, atol=1e-5)
-    sep = DC.collect_activations(llm, prompts[-1:], layers=[2], progress=False,
-                                 position=lambda ids: [k for k, t in enumerate(ids)
-                                                       if "\n\n" in env["tok"].decode([t])])
+    sep = DC.collect_activations(
+        llm,
+        prompts[-1:],
+        layers=[2],
+        progress=False,
+        position=lambda ids: [k for k, t in enumerate(ids) if "\n\n" in env["tok"].decode([t])],
+    )
     assert sep[0].shape[0] == 2
     ids = env["tok"].encode(prompts[-1])
     k = [j for j, t in enumerate(ids) if "\n\n" in env["tok"].decode([t])]
@@ -136,12 +155,17 @@ class SmallBufferLLM:
                 from xmix.lowering import DeployError, lower
 
                 lw = lower(app, outer.shape)
-                used = sum(o.capture_width * outer.max_tokens for a in outer.deployed.values()
-                           for o in a.ops)
+                used = sum(
+                    o.capture_width * outer.max_tokens
+                    for a in outer.deployed.values()
+                    for o in a.ops
+                )
                 need = sum(o.capture_width * outer.max_tokens for o in lw.ops)
                 if used + need > outer.budget:
-                    raise DeployError(f"deploying app {app.name!r} failed on a worker: app "
-                                      f"{app.name!r}: not enough room for capture buffer ({need} needed)")
+                    raise DeployError(
+                        f"deploying app {app.name!r} failed on a worker: app "
+                        f"{app.name!r}: not enough room for capture buffer ({need} needed)"
+                    )
                 outer.deployed[app.name] = lw
                 outer.passes.append([(o.site, o.layer, o.m, o.m + o.n) for o in lw.ops])
 
@@ -178,8 +202,10 @@ class SmallBufferLLM:
                     x = hs[o.layer][0]
                 last = isinstance(o.cond, C.Flag) and o.cond.name == "last_token"
                 pos = [len(ids) - 1] if last else list(range(len(ids)))
-                res[o.result_key] = {"positions": pos,
-                                     "values": [x[q, o.m:o.m + o.n].tolist() for q in pos]}
+                res[o.result_key] = {
+                    "positions": pos,
+                    "values": [x[q, o.m : o.m + o.n].tolist() for q in pos],
+                }
             outs.append(SimpleNamespace(xmix={name: res}, outputs=[SimpleNamespace(token_ids=[0])]))
         return outs
 
@@ -191,8 +217,12 @@ def test_collect_splits_when_the_capture_buffer_is_short(hfm):
     prompts = lines("cast_pos")[:3]
     sites = [("residual.pre", 3), ("mlp.post", 1), ("residual.pre", 0)]
     hs = hf_states(env, prompts)
-    want_last = torch.stack([torch.stack([h[3][0, -1], mlp_post(env, [p], 1)[0], h[0][0, -1]])
-                             for p, h in zip(prompts, hs)])
+    want_last = torch.stack(
+        [
+            torch.stack([h[3][0, -1], mlp_post(env, [p], 1)[0], h[0][0, -1]])
+            for p, h in zip(prompts, hs)
+        ]
+    )
     for budget, n_passes in ((3 * 256 * 512, 1), (2 * 256 * 512, 2), (256 * 512 // 2, 6)):
         fake = SmallBufferLLM(env, budget)
         got = DC.collect_activations(fake, prompts, sites=sites, position="last", progress=False)
@@ -202,8 +232,12 @@ def test_collect_splits_when_the_capture_buffer_is_short(hfm):
         torch.testing.assert_close(got, want_last, rtol=1e-5, atol=1e-6)
     fake = SmallBufferLLM(env, 256 * 512 // 2)
     got = DC.collect_activations(fake, prompts, sites=sites[:1], position="mean", progress=False)
-    torch.testing.assert_close(got[:, 0].double(), torch.stack([h[3][0].double().mean(0) for h in hs]),
-                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        got[:, 0].double(),
+        torch.stack([h[3][0].double().mean(0) for h in hs]),
+        rtol=1e-5,
+        atol=1e-6,
+    )
     with pytest.raises(DC.DeriveError, match="capture buffer"):
         DC.collect_activations(SmallBufferLLM(env, 256), prompts, sites=sites[:1], progress=False)
 
@@ -212,9 +246,21 @@ def test_collect_splits_when_the_capture_buffer_is_short(hfm):
 def test_derive_refusal_ablation_removes_the_direction(env, tmp_path):
     llm = env["llm"]
     out = tmp_path / "refusal.xmix"
-    rc = DC.main(["refusal", "--model", KIND, "--positive", str(PROMPTS / "refusal_pos.txt"),
-                  "--negative", str(PROMPTS / "refusal_neg.txt"), "--out", str(out), "--quiet"],
-                 llm=llm)
+    rc = DC.main(
+        [
+            "refusal",
+            "--model",
+            KIND,
+            "--positive",
+            str(PROMPTS / "refusal_pos.txt"),
+            "--negative",
+            str(PROMPTS / "refusal_neg.txt"),
+            "--out",
+            str(out),
+            "--quiet",
+        ],
+        llm=llm,
+    )
     assert rc == 0
     app = xmix.App.load(out)
     meta = app.metadata
@@ -258,12 +304,33 @@ def test_derive_refusal_ablation_removes_the_direction(env, tmp_path):
 def test_derive_cast_condition_and_behaviour(env, tmp_path):
     llm = env["llm"]
     out = tmp_path / "cast.xmix"
-    rc = DC.main(["cast", "--model", KIND, "--positive", str(PROMPTS / "cast_pos.txt"),
-                  "--negative", str(PROMPTS / "cast_neg.txt"),
-                  "--behavior-positive", str(PROMPTS / "refusal_pos.txt"),
-                  "--behavior-negative", str(PROMPTS / "refusal_neg.txt"),
-                  "--condition-layer", "0", "1", "--behavior-layers", "2", "3", "--alpha", "8",
-                  "--out", str(out), "--quiet"], llm=llm)
+    rc = DC.main(
+        [
+            "cast",
+            "--model",
+            KIND,
+            "--positive",
+            str(PROMPTS / "cast_pos.txt"),
+            "--negative",
+            str(PROMPTS / "cast_neg.txt"),
+            "--behavior-positive",
+            str(PROMPTS / "refusal_pos.txt"),
+            "--behavior-negative",
+            str(PROMPTS / "refusal_neg.txt"),
+            "--condition-layer",
+            "0",
+            "1",
+            "--behavior-layers",
+            "2",
+            "3",
+            "--alpha",
+            "8",
+            "--out",
+            str(out),
+            "--quiet",
+        ],
+        llm=llm,
+    )
     assert rc == 0
     app = xmix.App.load(out)
     meta = app.metadata
@@ -271,19 +338,27 @@ def test_derive_cast_condition_and_behaviour(env, tmp_path):
     assert cl in (0, 1) and meta["layers"]["behavior"] == [2, 3]
     assert [c["layer"] for c in meta["condition_search"]] == [0, 1]
     assert meta["f1"] == max(c["f1"] for c in meta["condition_search"])
-    assert meta["counts"] == {"positive": 24, "negative": 24, "behavior_positive": 24,
-                              "behavior_negative": 24}
+    assert meta["counts"] == {
+        "positive": 24,
+        "negative": 24,
+        "behavior_positive": 24,
+        "behavior_negative": 24,
+    }
     theta, cmp = meta["params"]["theta"], meta["params"]["comparator"]
     v = app.ops[0].artifacts["vector"]
 
     pos, neg = lines("cast_pos"), lines("cast_neg")
     # CAST: the condition vector is the first PC of the pair-centred prompt means
-    means = [torch.stack([h[cl][0].double().mean(0) for h in hf_states(env, s)]) for s in (pos, neg)]
+    means = [
+        torch.stack([h[cl][0].double().mean(0) for h in hf_states(env, s)]) for s in (pos, neg)
+    ]
     c = (means[0] + means[1]) / 2
     train = torch.cat([means[0] - c, means[1] - c])
     pc = torch.linalg.svd(train - train.mean(0), full_matrices=False).Vh[0]
     assert abs(float(pc @ v.double())) == pytest.approx(1.0, abs=1e-4)
-    assert int(((means[0] - means[1]) @ v.double() > 0).sum()) >= 12  # CAST's sign: positives higher
+    assert (
+        int(((means[0] - means[1]) @ v.double() > 0).sum()) >= 12
+    )  # CAST's sign: positives higher
 
     watch_pre, watch_post = xmix.App("wpre"), xmix.App("wpost")
     watch_pre.read("capture").layers([2]).submodule("residual.pre").named("x").cond("last_token")
@@ -303,7 +378,7 @@ def test_derive_cast_condition_and_behaviour(env, tmp_path):
         steered = res["wpre"]["x"]["values"][0] != res["wpost"]["x"]["values"][0]
         assert steered == CMP[cmp](score, theta)
         fires.append(steered)
-    on_pos, on_neg = sum(fires[:len(pos)]), sum(fires[len(pos):])
+    on_pos, on_neg = sum(fires[: len(pos)]), sum(fires[len(pos) :])
     f1 = 2 * on_pos / (2 * on_pos + on_neg + (len(pos) - on_pos))
     assert f1 == pytest.approx(meta["f1"])
     # On the training prompts CAST fires on more condition prompts than others; the random-
@@ -318,9 +393,27 @@ def test_derive_truth_probe_subprocess(env, tmp_path):
     (tmp_path / "pos.txt").write_text("\n".join(pos[:16]) + "\n", encoding="utf-8")
     (tmp_path / "neg.txt").write_text("\n".join(neg[:16]) + "\n", encoding="utf-8")
     out = tmp_path / "truth.xmix"
-    cmd = [sys.executable, "-m", "xmix.cli", "derive", "truth_probe", "--model", KIND,
-           "--positive", str(tmp_path / "pos.txt"), "--negative", str(tmp_path / "neg.txt"),
-           "--layer", "2", "--tokens", "last_token", "--max-model-len", "512", "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "xmix.cli",
+        "derive",
+        "truth_probe",
+        "--model",
+        KIND,
+        "--positive",
+        str(tmp_path / "pos.txt"),
+        "--negative",
+        str(tmp_path / "neg.txt"),
+        "--layer",
+        "2",
+        "--tokens",
+        "last_token",
+        "--max-model-len",
+        "512",
+        "--out",
+        str(out),
+    ]
     envv = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=envv, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -331,8 +424,10 @@ def test_derive_truth_probe_subprocess(env, tmp_path):
     assert meta["xmix_app"] == "truth_probe" and meta["model"] == KIND
     assert meta["hidden_size"] == 256 and meta["n_layers"] == 4 and meta["layers"] == [2]
     assert meta["counts"] == {"positive": 16, "negative": 16}
-    assert meta["prompt_files"] == {"positive": str(tmp_path / "pos.txt"),
-                                    "negative": str(tmp_path / "neg.txt")}
+    assert meta["prompt_files"] == {
+        "positive": str(tmp_path / "pos.txt"),
+        "negative": str(tmp_path / "neg.txt"),
+    }
     assert "logistic regression" in meta["method"] and meta["site"] == "mlp.post"
     w = app.ops[0].artifacts["weight"].double()
     b = app.ops[0].params["bias"]
@@ -364,25 +459,62 @@ def test_derive_seal_kts_sake(env, tmp_path):
     to the transformers model's activations, and the served apps gate as derived."""
     llm, tok = env["llm"], env["tok"]
     # SEAL: thoughts after each "\n\n": execution, reflection, transition, execution
-    trace = ("<think> Add the two numbers first.\n\nThe sum is seven.\n\nWait, check the second "
-             "number.\n\nAlternatively, count them one by one.\n\nSo the answer is seven.</think>")
+    trace = (
+        "<think> Add the two numbers first.\n\nThe sum is seven.\n\nWait, check the second "
+        "number.\n\nAlternatively, count them one by one.\n\nSo the answer is seven.</think>"
+    )
     (tmp_path / "traces.jsonl").write_text(f'{{"text": {__import__("json").dumps(trace)}}}\n')
-    rc = DC.main(["seal", "--model", KIND, "--traces", str(tmp_path / "traces.jsonl"), "--layer", "2",
-                  "--out", str(tmp_path / "seal.xmix"), "--quiet"], llm=llm)
+    rc = DC.main(
+        [
+            "seal",
+            "--model",
+            KIND,
+            "--traces",
+            str(tmp_path / "traces.jsonl"),
+            "--layer",
+            "2",
+            "--out",
+            str(tmp_path / "seal.xmix"),
+            "--quiet",
+        ],
+        llm=llm,
+    )
     assert rc == 0
     seal_app = xmix.App.load(tmp_path / "seal.xmix")
-    assert seal_app.metadata["counts"] == {"execution": 2, "reflection": 1, "transition": 1, "traces": 1}
+    assert seal_app.metadata["counts"] == {
+        "execution": 2,
+        "reflection": 1,
+        "transition": 1,
+        "traces": 1,
+    }
     h = hf_states(env, [trace])[0][2][0]
     ids = tok.encode(trace)
     sep = [k for k, t in enumerate(ids) if "\n\n" in tok.decode([t])]
     S = h[[sep[0], sep[3]]].double().mean(0) - h[[sep[1], sep[2]]].double().mean(0)
-    torch.testing.assert_close(seal_app.ops[0].artifacts["vector"].double(), S, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(
+        seal_app.ops[0].artifacts["vector"].double(), S, rtol=1e-4, atol=1e-5
+    )
 
     # KTS: normalised mean difference at residual.post (last token) per steered layer, and a
     # logistic gate on the prompt mean at the probe layer
-    rc = DC.main(["kl_then_steer", "--model", KIND, "--positive", str(PROMPTS / "refusal_pos.txt"),
-                  "--negative", str(PROMPTS / "refusal_neg.txt"), "--layer", "2", "3",
-                  "--out", str(tmp_path / "kts.xmix"), "--quiet"], llm=llm)
+    rc = DC.main(
+        [
+            "kl_then_steer",
+            "--model",
+            KIND,
+            "--positive",
+            str(PROMPTS / "refusal_pos.txt"),
+            "--negative",
+            str(PROMPTS / "refusal_neg.txt"),
+            "--layer",
+            "2",
+            "3",
+            "--out",
+            str(tmp_path / "kts.xmix"),
+            "--quiet",
+        ],
+        llm=llm,
+    )
     assert rc == 0
     kts = xmix.App.load(tmp_path / "kts.xmix")
     assert kts.metadata["layers"] == {"probe": 1, "steer": [2, 3]}
@@ -400,17 +532,33 @@ def test_derive_seal_kts_sake(env, tmp_path):
         llm.xmix.undeploy(kts.name)
     for hs, (_, res) in zip(hp + hn, got):
         probe = torch.sigmoid(hs[2][0].double() @ w + b)  # residual.post of layer 1
-        np.testing.assert_allclose(res[kts.name]["kts_probe"]["values"], probe.numpy(),
-                                   rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(
+            res[kts.name]["kts_probe"]["values"], probe.numpy(), rtol=1e-4, atol=1e-5
+        )
     gate = [float(np.mean(res[kts.name]["kts_probe"]["values"])) >= 0.5 for _, res in got]
     assert sum(gate[:24]) > sum(gate[24:])  # the gate was fit to flag the positive prompts
 
     # SAKE: Gaussian OT between final-norm outputs at the last token of source and target
     # prompts; t by Youden's J against unrelated prompts
-    rc = DC.main(["sake", "--model", KIND, "--positive", str(PROMPTS / "truth_pos.txt"),
-                  "--negative", str(PROMPTS / "truth_neg.txt"), "--unrelated",
-                  str(PROMPTS / "cast_neg.txt"), "--shrinkage", "0.5",
-                  "--out", str(tmp_path / "sake.xmix"), "--quiet"], llm=llm)
+    rc = DC.main(
+        [
+            "sake",
+            "--model",
+            KIND,
+            "--positive",
+            str(PROMPTS / "truth_pos.txt"),
+            "--negative",
+            str(PROMPTS / "truth_neg.txt"),
+            "--unrelated",
+            str(PROMPTS / "cast_neg.txt"),
+            "--shrinkage",
+            "0.5",
+            "--out",
+            str(tmp_path / "sake.xmix"),
+            "--quiet",
+        ],
+        llm=llm,
+    )
     assert rc == 0
     sk = xmix.App.load(tmp_path / "sake.xmix")
     xs = torch.stack([x[-1][0, -1] for x in hf_states(env, lines("truth_pos"))]).double()
@@ -418,7 +566,9 @@ def test_derive_seal_kts_sake(env, tmp_path):
     xu = torch.stack([x[-1][0, -1] for x in hf_states(env, lines("cast_neg"))]).double()
     mu_s = sk.ops[1].artifacts["mu_s"].double()
     torch.testing.assert_close(mu_s, xs.mean(0), rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(sk.ops[1].artifacts["mu_t"].double(), xt.mean(0), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(
+        sk.ops[1].artifacts["mu_t"].double(), xt.mean(0), rtol=1e-4, atol=1e-5
+    )
     A = sk.ops[1].artifacts["matrix"].double()
 
     def cov(x):  # biased, shrunk halfway to the scaled identity, + reg·I (as derived)

@@ -37,16 +37,19 @@ def cfg(extra):
     return SimpleNamespace(additional_config=extra)
 
 
-@pytest.mark.parametrize("extra, env, want", [
-    ({}, {}, False),
-    ({}, {"XMIX_ENABLE": "1"}, True),
-    ({"xmix": True}, {}, True),
-    ({"xmix": {"version": "x"}}, {}, True),
-    ({"xmix": False}, {"XMIX_ENABLE": "1"}, False),      # the config entry wins over the variable
-    ({"xmix": "false"}, {}, False),
-    ({"xmix": True}, {"XMIX_DISABLE": "1"}, False),     # XMIX_DISABLE wins over everything
-    ({"other": 1}, {}, False),
-])
+@pytest.mark.parametrize(
+    "extra, env, want",
+    [
+        ({}, {}, False),
+        ({}, {"XMIX_ENABLE": "1"}, True),
+        ({"xmix": True}, {}, True),
+        ({"xmix": {"version": "x"}}, {}, True),
+        ({"xmix": False}, {"XMIX_ENABLE": "1"}, False),  # the config entry wins over the variable
+        ({"xmix": "false"}, {}, False),
+        ({"xmix": True}, {"XMIX_DISABLE": "1"}, False),  # XMIX_DISABLE wins over everything
+        ({"other": 1}, {}, False),
+    ],
+)
 def test_who_asks_for_xmix(monkeypatch, extra, env, want):
     for k in ("XMIX_ENABLE", "XMIX_DISABLE"):
         monkeypatch.delenv(k, raising=False)
@@ -57,7 +60,10 @@ def test_who_asks_for_xmix(monkeypatch, extra, env, want):
 
 def test_xmix_entry_point_options():
     assert enable.with_xmix(None) == {"xmix": {"version": enable.SITES_VERSION}}
-    assert enable.with_xmix({"other": 2, "xmix": True}) == {"other": 2, "xmix": {"version": enable.SITES_VERSION}}
+    assert enable.with_xmix({"other": 2, "xmix": True}) == {
+        "other": 2,
+        "xmix": {"version": enable.SITES_VERSION},
+    }
     with pytest.raises(ValueError, match="false"):
         enable.with_xmix({"xmix": False})
     with pytest.raises(ValueError, match="unknown option"):
@@ -69,7 +75,10 @@ def test_xmix_serve_merges_the_operators_additional_config():
 
     want = {"xmix": {"version": enable.SITES_VERSION}}
     out = _ask_for_xmix(["m", "--port", "1"])
-    assert out[:3] == ["m", "--port", "1"] and json.loads(out[out.index("--additional-config") + 1]) == want
+    assert (
+        out[:3] == ["m", "--port", "1"]
+        and json.loads(out[out.index("--additional-config") + 1]) == want
+    )
     for form in (["--additional-config", '{"a": 1}'], ['--additional-config={"a": 1}']):
         out = _ask_for_xmix(["m", *form, "--port", "1"])
         assert out.count("--additional-config") == 1 and "--port" in out
@@ -94,8 +103,9 @@ def test_worker_gate(monkeypatch):
 
         def __init__(self, extra, arch):
             hf = SimpleNamespace(architectures=[arch])
-            self.vllm_config = SimpleNamespace(additional_config=extra,
-                                               model_config=SimpleNamespace(hf_config=hf, model="m"))
+            self.vllm_config = SimpleNamespace(
+                additional_config=extra, model_config=SimpleNamespace(hf_config=hf, model="m")
+            )
 
         def load_model(self):
             calls.append(self)
@@ -134,7 +144,7 @@ def _renamed_llama(tmp_path) -> str:
 
 
 # ---------------------------------------------------------------------------- engines
-SCRIPT = textwrap.dedent('''
+SCRIPT = textwrap.dedent("""
     import json, os, sys
     if __name__ == "__main__":
         import vllm
@@ -163,18 +173,33 @@ SCRIPT = textwrap.dedent('''
         res = {"tokens": [list(o.outputs[0].token_ids) for o in outs], "probe": llm.collective_rpc(probe),
                "has_xmix_attr": any(hasattr(o, "xmix") for o in outs)}
         print("XMIX-RESULT " + json.dumps(res), flush=True)
-''')
+""")
 
 
 def _run(tmp_path, mode: str, model: str, prompts, env_extra: dict) -> tuple[dict, list[str], str]:
     script = tmp_path / "engine_probe.py"
     script.write_text(SCRIPT)
     cache = tmp_path / f"cache-{mode}-{os.path.basename(model)}"
-    env = {k: v for k, v in os.environ.items() if k not in ("XMIX_ENABLE", "XMIX_DISABLE", "VLLM_PLUGINS")}
-    env.update({"VLLM_CACHE_ROOT": str(cache), "VLLM_CPU_KVCACHE_SPACE": "1",
-                "VLLM_ALLOW_INSECURE_SERIALIZATION": "1", **env_extra})
-    r = subprocess.run([sys.executable, str(script), mode, model, json.dumps(prompts)],
-                       capture_output=True, text=True, env=env, timeout=900)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("XMIX_ENABLE", "XMIX_DISABLE", "VLLM_PLUGINS")
+    }
+    env.update(
+        {
+            "VLLM_CACHE_ROOT": str(cache),
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+            **env_extra,
+        }
+    )
+    r = subprocess.run(
+        [sys.executable, str(script), mode, model, json.dumps(prompts)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
     out = r.stdout + r.stderr
     lines = [l for l in r.stdout.splitlines() if l.startswith("XMIX-RESULT ")]
     assert r.returncode == 0 and lines, out[-4000:]
@@ -200,13 +225,17 @@ def test_plain_vllm_with_xmix_installed_is_vanilla(tmp_path):
     (p,) = installed["probe"]
     assert not p["runner_xmix"] and not p["sites"] and "xmix" not in p["additional_config"]
     assert not installed["has_xmix_attr"]
-    assert van_keys and inst_keys == van_keys, "the compile-cache key differs from VLLM_PLUGINS=none"
+    assert van_keys and inst_keys == van_keys, (
+        "the compile-cache key differs from VLLM_PLUGINS=none"
+    )
     # and both are transformers' greedy tokens of the same model
     model = AutoModelForCausalLM.from_pretrained(olmo, dtype=torch.float32).eval()
     for ids, toks in zip(prompts, vanilla["tokens"]):
         with torch.no_grad():
-            want = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=12, eos_token_id=None)
-        assert toks == want[0, len(ids):].tolist()
+            want = model.generate(
+                torch.tensor([ids]), do_sample=False, max_new_tokens=12, eos_token_id=None
+            )
+        assert toks == want[0, len(ids) :].tolist()
 
 
 @pytest.mark.engine
@@ -219,13 +248,19 @@ def test_family_without_a_site_table(tmp_path):
     plain, _, _ = _run(tmp_path, "installed", model, prompts, {})
     (p,) = plain["probe"]
     assert not p["runner_xmix"] and not p["sites"]
-    hf = AutoModelForCausalLM.from_pretrained(str(tiny_model_path("tiny-llama")), dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(tiny_model_path("tiny-llama")), dtype=torch.float32
+    ).eval()
     for ids, toks in zip(prompts, plain["tokens"]):
         with torch.no_grad():
-            want = hf.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=12, eos_token_id=None)
-        assert toks == want[0, len(ids):].tolist()
+            want = hf.generate(
+                torch.tensor([ids]), do_sample=False, max_new_tokens=12, eos_token_id=None
+            )
+        assert toks == want[0, len(ids) :].tolist()
     asked, _, log = _run(tmp_path, "asked", model, prompts, {})
-    assert "error" in asked, "an engine that asks for xmix on a family without a table must not start"
+    assert "error" in asked, (
+        "an engine that asks for xmix on a family without a table must not start"
+    )
     refusal = [l for l in log.splitlines() if "has no site table" in l]
     assert refusal, log[-3000:]
     assert UNSUPPORTED in refusal[0] and all(a in refusal[0] for a in supported_architectures())

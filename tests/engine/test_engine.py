@@ -12,10 +12,9 @@ import pytest
 import torch
 
 import xmix
+from engine_util import PROMPTS, assert_reads_match, greedy, hf_model, make_llm, shutdown, tokenize
 from xmix.hooks import ModelShape
 from xmix.models.tiny import tiny_model_path
-
-from engine_util import PROMPTS, assert_reads_match, greedy, hf_model, make_llm, shutdown, tokenize
 
 pytestmark = pytest.mark.engine
 
@@ -32,16 +31,23 @@ def build_apps(shape: ModelShape, tok) -> list[xmix.App]:
         return v / v.norm()
 
     steer = xmix.App("steer")
-    steer.write("add", vector=unit() * 6.0, scale=1.0).layers([1]).submodule("residual.post").named("push")
+    steer.write("add", vector=unit() * 6.0, scale=1.0).layers([1]).submodule("residual.post").named(
+        "push"
+    )
 
     probe = xmix.App("probe")
-    probe.read("probe", weight=unit() * 0.5, bias=0.1).layers([2]).submodule("residual.post").named("p2")
+    probe.read("probe", weight=unit() * 0.5, bias=0.1).layers([2]).submodule("residual.post").named(
+        "p2"
+    )
 
     guarded = xmix.App("guarded")
     guarded.token_set("trig", ids=sorted(set(tok.encode(" the a e", add_special_tokens=False))))
-    guarded.read("probe", weight=unit() * 0.5, bias=0.0).layers([1]).submodule("residual.mid").named("g")
-    guarded.write("add", vector=unit() * 8.0, scale=1.0).layers([2]).submodule("attention.post") \
-        .cond(when="token_in(trig) or generated", gate="g >= 0.5")
+    guarded.read("probe", weight=unit() * 0.5, bias=0.0).layers([1]).submodule(
+        "residual.mid"
+    ).named("g")
+    guarded.write("add", vector=unit() * 8.0, scale=1.0).layers([2]).submodule(
+        "attention.post"
+    ).cond(when="token_in(trig) or generated", gate="g >= 0.5")
 
     ablate = xmix.App("ablate")
     r = unit()
@@ -50,15 +56,19 @@ def build_apps(shape: ModelShape, tok) -> list[xmix.App]:
 
     latch = xmix.App("latch")
     latch.param("theta", 0.5)
-    latch.read("probe", weight=unit() * 0.5, bias=0.0).layers([0]).submodule("residual.post").named("q")
-    latch.write("add", vector=unit() * 8.0, scale=1.0).layers([2, 3]).submodule("residual.pre") \
-        .cond(gate="prompt_mean(q) >= theta")
+    latch.read("probe", weight=unit() * 0.5, bias=0.0).layers([0]).submodule("residual.post").named(
+        "q"
+    )
+    latch.write("add", vector=unit() * 8.0, scale=1.0).layers([2, 3]).submodule(
+        "residual.pre"
+    ).cond(gate="prompt_mean(q) >= theta")
 
     span = xmix.App("span")
     span.token_set("open", strings=["<think>"]).token_set("close", strings=["</think>"])
     span.token_set("nl2", contains=["\n\n"])
-    span.write("add", vector=unit() * 8.0, scale=1.0).layers([1]).submodule("residual.pre") \
-        .cond("in_span(open, close) and (token_in(nl2) or generated)")
+    span.write("add", vector=unit() * 8.0, scale=1.0).layers([1]).submodule("residual.pre").cond(
+        "in_span(open, close) and (token_in(nl2) or generated)"
+    )
 
     capture = xmix.App("capture")
     capture.read("capture", dims=(0, 8)).submodule("final.post").named("h").cond("last_token")
@@ -66,9 +76,12 @@ def build_apps(shape: ModelShape, tok) -> list[xmix.App]:
     # a latch feeding writes before (layers 1, 2: from the first generated token) and after
     # (layer 3: from the last prompt token) its read at residual.mid of layer 2
     late = xmix.App("late")
-    late.read("probe", weight=unit() * 0.5, bias=0.0).layers([2]).submodule("residual.mid").named("q")
-    late.write("add", vector=unit() * 8.0, scale=1.0).layers([1, 2, 3]).submodule("residual.pre") \
-        .cond(gate="prompt_mean(q) >= 0.0")
+    late.read("probe", weight=unit() * 0.5, bias=0.0).layers([2]).submodule("residual.mid").named(
+        "q"
+    )
+    late.write("add", vector=unit() * 8.0, scale=1.0).layers([1, 2, 3]).submodule(
+        "residual.pre"
+    ).cond(gate="prompt_mean(q) >= 0.0")
 
     apps = [steer, probe, guarded, ablate, latch, span, capture, late]
     if shape.n_experts:
@@ -99,8 +112,17 @@ def env(request):
     from xmix.integrations.hf import attach
 
     oracle = attach(model, apps, tokenizer=tok)
-    yield dict(kind=request.param, path=path, tok=tok, shape=shape, apps=apps, llm=llm,
-               oracle=oracle, ids=van_ids, vanilla=van_out)
+    yield dict(
+        kind=request.param,
+        path=path,
+        tok=tok,
+        shape=shape,
+        apps=apps,
+        llm=llm,
+        oracle=oracle,
+        ids=van_ids,
+        vanilla=van_out,
+    )
     oracle.detach()
     shutdown(llm)
 
@@ -119,8 +141,8 @@ CONTROLS = [
     {"apps": ["guarded"]},
     {"apps": ["ablate"]},
     {"apps": ["steer", "probe"], "params": {"steer": {"scale": 0.5}}},
-    {"apps": ["latch"], "params": {"latch": {"theta": 0.0}}},   # latch true for every prompt
-    {"apps": ["latch"], "params": {"latch": {"theta": 1.0}}},   # never (sigmoid < 1)
+    {"apps": ["latch"], "params": {"latch": {"theta": 0.0}}},  # latch true for every prompt
+    {"apps": ["latch"], "params": {"latch": {"theta": 1.0}}},  # never (sigmoid < 1)
     {"apps": ["span"]},
     {"apps": ["capture", "probe"]},
     {"apps": ["late"]},
@@ -142,8 +164,9 @@ def test_mixed_batch_matches_oracle(env):
             assert toks == env["vanilla"][i], f"request {i} without apps differs from vanilla"
             assert xmix.results(out) == {}
             continue
-        o_toks, o_res = env["oracle"].generate(env["ids"][i], MAX_TOKENS, apps=ctl["apps"],
-                                               params=ctl.get("params"))
+        o_toks, o_res = env["oracle"].generate(
+            env["ids"][i], MAX_TOKENS, apps=ctl["apps"], params=ctl.get("params")
+        )
         assert toks == o_toks, f"request {i} ({ctl}) differs from the oracle"
         assert_reads_match(xmix.results(out), o_res, f"request {i} ({ctl})")
         changed += toks != env["vanilla"][i]
@@ -157,8 +180,14 @@ def test_parallel_sampling_keeps_sequences_apart(env):
     from vllm import SamplingParams
 
     ids = env["ids"][1]
-    sp = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=8, ignore_eos=True,
-                        extra_args={"xmix": {"apps": ["probe"]}})
+    sp = SamplingParams(
+        n=3,
+        temperature=1.0,
+        seed=11,
+        max_tokens=8,
+        ignore_eos=True,
+        extra_args={"xmix": {"apps": ["probe"]}},
+    )
     (out,) = env["llm"].generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)
     assert [co.index for co in out.outputs] == [0, 1, 2]
     seqs = {tuple(co.token_ids) for co in out.outputs}
@@ -214,8 +243,9 @@ def test_latch_over_chunked_prompt(env):
 def test_reusing_sampling_params(env):
     from vllm import SamplingParams
 
-    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True,
-                        extra_args={"xmix": {"apps": ["probe"]}})
+    sp = SamplingParams(
+        temperature=0.0, max_tokens=8, ignore_eos=True, extra_args={"xmix": {"apps": ["probe"]}}
+    )
     before = dict(sp.extra_args)
     a = env["llm"].generate([{"prompt_token_ids": env["ids"][1]}], sp, use_tqdm=False)[0]
     b = env["llm"].generate([{"prompt_token_ids": env["ids"][1]}], sp, use_tqdm=False)[0]
@@ -232,13 +262,20 @@ def test_in_flight_mode_changes_and_deploys(env):
     ids = env["ids"]
     n = 32
     for i in range(n):
-        ctl = [None, {"apps": ["steer"]}, {"apps": ["probe"]}, {"apps": ["guarded", "probe"]}][i % 4]
-        sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
-                            extra_args={"xmix": ctl} if ctl else None)
+        ctl = [None, {"apps": ["steer"]}, {"apps": ["probe"]}, {"apps": ["guarded", "probe"]}][
+            i % 4
+        ]
+        sp = SamplingParams(
+            temperature=0.0,
+            max_tokens=24,
+            ignore_eos=True,
+            extra_args={"xmix": ctl} if ctl else None,
+        )
         engine.add_request(f"flight-{i}", {"prompt_token_ids": ids[i % len(ids)]}, sp)
     extra = xmix.App("extra")
-    extra.read("probe", weight=torch.ones(env["shape"].hidden_size) / 64).layers([0]) \
-        .submodule("residual.pre").named("e")
+    extra.read("probe", weight=torch.ones(env["shape"].hidden_size) / 64).layers([0]).submodule(
+        "residual.pre"
+    ).named("e")
     finished = {}
     step = 0
     while engine.has_unfinished_requests():
@@ -276,7 +313,9 @@ def test_bad_input_offline(env):
     p = [{"prompt_token_ids": env["ids"][0]}]
 
     def gen(ctl):
-        return llm.generate(p, SamplingParams(max_tokens=2, extra_args={"xmix": ctl}), use_tqdm=False)
+        return llm.generate(
+            p, SamplingParams(max_tokens=2, extra_args={"xmix": ctl}), use_tqdm=False
+        )
 
     cases = [
         ({"apps": ["nope"]}, "unknown app 'nope'"),
@@ -296,7 +335,9 @@ def test_bad_input_offline(env):
     # rejected, nothing half-deployed
     before = llm.xmix.apps()
     wrong = xmix.App("wrong")
-    wrong.write("add", vector=torch.ones(env["shape"].hidden_size + 1)).layers([0]).submodule("residual.pre")
+    wrong.write("add", vector=torch.ones(env["shape"].hidden_size + 1)).layers([0]).submodule(
+        "residual.pre"
+    )
     with pytest.raises(xmix.DeployError, match="hidden size"):
         llm.xmix.deploy(wrong)
     huge = xmix.App("huge")

@@ -21,9 +21,8 @@ import pytest
 import torch
 
 import xmix
-from xmix.models.tiny import tiny_model_path
-
 from engine_util import PROMPTS, greedy, make_llm, shutdown, tokenize
+from xmix.models.tiny import tiny_model_path
 
 pytestmark = pytest.mark.engine
 
@@ -47,11 +46,19 @@ def _output_code(mode: str, model: str, tmp) -> str:
     script = tmp / "compile_probe.py"
     script.write_text(SCRIPT)
     env = {**os.environ, "TORCH_LOGS": "output_code", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    r = subprocess.run([sys.executable, str(script), mode, model], capture_output=True, text=True,
-                       env=env, timeout=600)
+    r = subprocess.run(
+        [sys.executable, str(script), mode, model],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
-    lines = [l.split("[__output_code]", 1)[1] for l in (r.stdout + r.stderr).splitlines()
-             if "[__output_code]" in l]
+    lines = [
+        l.split("[__output_code]", 1)[1]
+        for l in (r.stdout + r.stderr).splitlines()
+        if "[__output_code]" in l
+    ]
     assert lines, "no Inductor output code was logged"
     return "\n".join(lines)
 
@@ -68,24 +75,34 @@ def test_sites_add_no_copies_to_the_compiled_graph(tmp_path):
     sites = list(re.finditer(r"torch\.ops\.xmix\.site\.default\((\w+), (\w+), (\d+)\)", call))
     # 4 layers x (residual.pre, attention.post, residual.mid, mlp.post, residual.post) + final.post
     assert sorted(int(m.group(3)) for m in sites) == sorted(
-        [l * 6 + k for l in range(4) for k in (0, 1, 2, 4, 5)] + [24])
+        [l * 6 + k for l in range(4) for k in (0, 1, 2, 4, 5)] + [24]
+    )
     # In place: each site works on a buffer the graph goes on to use, never on a copy of it.
     for m in sites[:-1]:
         buf = m.group(1)
-        rest = call[m.end():]
-        assert re.search(rf"\b{buf}\b", rest), f"site {m.group(3)} works on {buf}, which nothing reads"
-        assert not re.search(rf"{buf} = ", rest.split("torch.ops.xmix.site", 1)[0]), \
+        rest = call[m.end() :]
+        assert re.search(rf"\b{buf}\b", rest), (
+            f"site {m.group(3)} works on {buf}, which nothing reads"
+        )
+        assert not re.search(rf"{buf} = ", rest.split("torch.ops.xmix.site", 1)[0]), (
             f"{buf} is reallocated right after site {m.group(3)}"
+        )
 
 
 def _apps(d: int):
     g = torch.Generator().manual_seed(3)
     steer = xmix.App("steer")
-    steer.write("add", vector=torch.randn(d, generator=g) * 4, scale=1.0).layers([1]).submodule("residual.post")
+    steer.write("add", vector=torch.randn(d, generator=g) * 4, scale=1.0).layers([1]).submodule(
+        "residual.post"
+    )
     probe = xmix.App("probe")
-    probe.read("probe", weight=torch.randn(d, generator=g) / 8).layers([2]).submodule("mlp.post").named("p")
+    probe.read("probe", weight=torch.randn(d, generator=g) / 8).layers([2]).submodule(
+        "mlp.post"
+    ).named("p")
     ablate = xmix.App("ablate")
-    ablate.write("ablate", direction=torch.randn(d, generator=g)).layers("all").submodule("attention.post")
+    ablate.write("ablate", direction=torch.randn(d, generator=g)).layers("all").submodule(
+        "attention.post"
+    )
     return [steer, probe, ablate]
 
 
@@ -95,8 +112,14 @@ def test_tensor_parallel_matches_single_process(monkeypatch):
     path = str(tiny_model_path("tiny-llama"))
     tok = AutoTokenizer.from_pretrained(path)
     ids = [tokenize(tok, p) for p in PROMPTS[:6]]
-    controls = [None, {"apps": ["steer"]}, {"apps": ["probe"]}, {"apps": ["ablate", "probe"]},
-                {"apps": ["steer", "probe"]}, {"apps": ["ablate"]}]
+    controls = [
+        None,
+        {"apps": ["steer"]},
+        {"apps": ["probe"]},
+        {"apps": ["ablate", "probe"]},
+        {"apps": ["steer", "probe"]},
+        {"apps": ["ablate"]},
+    ]
     results = {}
     for tp in (1, 2):
         if tp == 2:
@@ -116,6 +139,7 @@ def test_tensor_parallel_matches_single_process(monkeypatch):
         assert set(r1) == set(r2), ctl
         if "probe" in r1:
             assert r1["probe"]["p"]["positions"] == r2["probe"]["p"]["positions"]
-            np.testing.assert_allclose(r1["probe"]["p"]["values"], r2["probe"]["p"]["values"],
-                                       rtol=1e-4, atol=1e-5)
+            np.testing.assert_allclose(
+                r1["probe"]["p"]["values"], r2["probe"]["p"]["values"], rtol=1e-4, atol=1e-5
+            )
     assert results[1][1][0] != results[1][0][0], "the steering app changes the answer"

@@ -4,16 +4,13 @@ oracle, and requests without apps still match each other across runs."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
-import torch
+from test_engine import build_apps
 
 import xmix
+from engine_util import PROMPTS, assert_reads_match, greedy, hf_model, make_llm, shutdown, tokenize
 from xmix.hooks import ModelShape
 from xmix.models.tiny import tiny_model_path
-
-from engine_util import PROMPTS, assert_reads_match, greedy, hf_model, make_llm, shutdown, tokenize
-from test_engine import build_apps
 
 pytestmark = pytest.mark.engine
 
@@ -29,23 +26,37 @@ def test_preempted_requests_keep_their_apps():
     apps = build_apps(shape, tok)
     # 6 blocks of 32 tokens for 8 requests of ~60 tokens each: preemption is certain
     # a plain vllm.LLM asking for xmix in its config: the entry-point plugin alone gives it llm.xmix
-    llm = make_llm(path, plain=True, num_gpu_blocks_override=6, block_size=32, max_num_seqs=8,
-                   max_model_len=128)
+    llm = make_llm(
+        path,
+        plain=True,
+        num_gpu_blocks_override=6,
+        block_size=32,
+        max_num_seqs=8,
+        max_model_len=128,
+    )
     try:
         for a in apps:
             llm.xmix.deploy(a)
         ids = [tokenize(tok, p) for p in PROMPTS[:8]]
-        controls = [{"apps": ["probe"]}, {"apps": ["latch"], "params": {"latch": {"theta": 0.0}}},
-                    {"apps": ["span"]}, None, {"apps": ["steer", "probe"]}, {"apps": ["guarded"]},
-                    {"apps": ["capture"]}, {"apps": ["ablate"]}]
+        controls = [
+            {"apps": ["probe"]},
+            {"apps": ["latch"], "params": {"latch": {"theta": 0.0}}},
+            {"apps": ["span"]},
+            None,
+            {"apps": ["steer", "probe"]},
+            {"apps": ["guarded"]},
+            {"apps": ["capture"]},
+            {"apps": ["ablate"]},
+        ]
         outs = greedy(llm, ids, 40, controls)
         restarts = sum(s["stats"]["restarts"] for s in llm.xmix.status())
         assert restarts > 0, "the test must preempt"
         model = hf_model(path)
         with attach(model, apps, tokenizer=tok) as oracle:
             for i, (out, ctl) in enumerate(zip(outs, controls)):
-                o_toks, o_res = oracle.generate(ids[i], 40, apps=(ctl or {}).get("apps", []),
-                                                params=(ctl or {}).get("params"))
+                o_toks, o_res = oracle.generate(
+                    ids[i], 40, apps=(ctl or {}).get("apps", []), params=(ctl or {}).get("params")
+                )
                 assert list(out.outputs[0].token_ids) == o_toks, f"request {i} ({ctl})"
                 assert_reads_match(xmix.results(out), o_res, f"request {i} ({ctl})")
     finally:

@@ -13,17 +13,13 @@
 
 from __future__ import annotations
 
-
-import numpy as np
 import pytest
 import torch
 
-import xmix
+from harness import Harness, Req, build_user_kernels
 from xmix import reference as R
 from xmix.api import App
 from xmix.hooks import ModelShape
-
-from harness import Harness, Req, build_user_kernels
 
 D = 64
 SHAPE = ModelShape(n_layers=2, hidden_size=D, vocab_size=64)
@@ -70,8 +66,9 @@ def test_an_adversarial_affine_matrix_cannot_make_the_stream_infinite(backend, d
     g = torch.Generator().manual_seed(1)
     m = torch.eye(D) * 1e38
     app = App("k")
-    app.write("affine", matrix=m, mu_s=torch.zeros(D), mu_t=torch.zeros(D)).layers([0]) \
-       .submodule("residual.pre")
+    app.write("affine", matrix=m, mu_s=torch.zeros(D), mu_t=torch.zeros(D)).layers([0]).submodule(
+        "residual.pre"
+    )
     h = (torch.randn(5, D, generator=g) * 4).to(dtype).to(backend)
     h0 = h.clone()
     hs = Harness(SHAPE, [app], backend)
@@ -122,15 +119,17 @@ def lib(tmp_path_factory):
 
 def test_a_user_kernel_that_writes_nan_gets_zeros_and_is_counted(lib):
     app = App("k")
-    app.write("custom", cpu_library=lib, cpu_symbol="nan_first").layers([0]).submodule("residual.pre")
+    app.write("custom", cpu_library=lib, cpu_symbol="nan_first").layers([0]).submodule(
+        "residual.pre"
+    )
     h = torch.arange(5 * D, dtype=torch.float32).reshape(5, D) / 100
     h0 = h.clone()
     hs = Harness(SHAPE, [app])
     hs.step(STEP)
     hs.run("residual.pre", 0, h, None)
-    assert torch.equal(h[:3, 0], torch.zeros(3))          # NaN -> 0
-    assert torch.equal(h[:3, 1], h0[:3, 1] + 1)           # the rest of the write stays
-    assert torch.equal(h[3:], h0[3:])                     # b untouched
+    assert torch.equal(h[:3, 0], torch.zeros(3))  # NaN -> 0
+    assert torch.equal(h[:3, 1], h0[:3, 1] + 1)  # the rest of the write stays
+    assert torch.equal(h[3:], h0[3:])  # b untouched
     assert _counts(hs) == {"k": 3}
 
 
@@ -139,11 +138,17 @@ def test_a_failing_op_fails_its_requests_and_the_site_goes_on(lib):
     both, b only stamp, c neither. stamp still runs for a and b after bad failed; only a is
     recorded as failed, with the kernel's message; the next step runs normally."""
     bad = App("bad")
-    bad.write("custom", cpu_library=lib, cpu_symbol="always_throws").layers([0]).submodule("residual.pre")
+    bad.write("custom", cpu_library=lib, cpu_symbol="always_throws").layers([0]).submodule(
+        "residual.pre"
+    )
     stamp = App("stamp")
-    stamp.write("custom", cpu_library=lib, cpu_symbol="stamp_position").layers([0]).submodule("residual.pre")
+    stamp.write("custom", cpu_library=lib, cpu_symbol="stamp_position").layers([0]).submodule(
+        "residual.pre"
+    )
     hs = Harness(SHAPE, [bad, stamp])
-    hs.step({"a": Req(2, 0, 2, ("bad", "stamp")), "b": Req(2, 5, 7, ("stamp",)), "c": Req(1, 0, 1, ())})
+    hs.step(
+        {"a": Req(2, 0, 2, ("bad", "stamp")), "b": Req(2, 5, 7, ("stamp",)), "c": Req(1, 0, 1, ())}
+    )
     h = torch.ones(5, D)
     hs.run("residual.pre", 0, h, None)
     assert h[:, 2].tolist() == [0.0, 1.0, 5.0, 6.0, 1.0]  # a: positions 0,1; b: 5,6; c untouched
@@ -172,8 +177,10 @@ def test_an_exception_before_the_site_runs_fails_the_sites_requests(monkeypatch)
     class Broken:
         def __getattr__(self, name):
             if name == "run_site_cpu":
+
                 def fail(*a):
                     raise MemoryError("no room for scratch rows")
+
                 return fail
             return getattr(ops._C, name)
 
@@ -196,8 +203,9 @@ def llm():
 
 def _ghost_app(name: str, seed: int) -> App:
     app = App(name)
-    app.write("add", vector=torch.randn(256, generator=torch.Generator().manual_seed(seed)), scale=3.0) \
-        .layers([1]).submodule("residual.post")
+    app.write(
+        "add", vector=torch.randn(256, generator=torch.Generator().manual_seed(seed)), scale=3.0
+    ).layers([1]).submodule("residual.post")
     return app
 
 
@@ -218,11 +226,22 @@ def test_an_app_removed_behind_the_registrys_back_heals(llm):
     ghost = _ghost_app("ghost", 1)
     info = llm.xmix.deploy(ghost)
     steered = _answer(llm, ["ghost"])
-    out = greedy(llm, [[1, 17, 29, 41]], 4, [{"apps": ["ghost"], "params": {"ghost": {"scale": 2.0}}}])[0]
-    assert out.xmix_applied == {"apps": [{"name": "ghost", "version": info["version"], "mode": "request",
-                                          "params": {"#0.scale": 2.0}}], "changed": []}  # offline provenance
+    out = greedy(
+        llm, [[1, 17, 29, 41]], 4, [{"apps": ["ghost"], "params": {"ghost": {"scale": 2.0}}}]
+    )[0]
+    assert out.xmix_applied == {
+        "apps": [
+            {
+                "name": "ghost",
+                "version": info["version"],
+                "mode": "request",
+                "params": {"#0.scale": 2.0},
+            }
+        ],
+        "changed": [],
+    }  # offline provenance
     llm.collective_rpc("xmix_undeploy", args=("ghost",))
-    llm.xmix.undeploy("ghost")                        # before: RuntimeError from the worker
+    llm.xmix.undeploy("ghost")  # before: RuntimeError from the worker
     assert "ghost" not in [a["name"] for a in llm.xmix.apps()]
     llm.xmix.deploy(ghost)
     assert _answer(llm, ["ghost"]) == steered
@@ -230,9 +249,11 @@ def test_an_app_removed_behind_the_registrys_back_heals(llm):
     # the other way round: a worker holds an app the registry never saw
     other = _ghost_app("hidden", 2)
     llm.collective_rpc("xmix_deploy", args=(other.to_bytes(), "request", 77))
-    info = llm.xmix.deploy(other)                     # before: "already deployed" forever
+    info = llm.xmix.deploy(other)  # before: "already deployed" forever
     assert info["version"] != 77
     workers = llm.xmix.status()[0]["apps"]
-    assert [(a["name"], a["version"]) for a in workers if a["name"] == "hidden"] == [("hidden", info["version"])]
+    assert [(a["name"], a["version"]) for a in workers if a["name"] == "hidden"] == [
+        ("hidden", info["version"])
+    ]
     assert _answer(llm, ["hidden"]) != _answer(llm, [])
     llm.xmix.undeploy("hidden")

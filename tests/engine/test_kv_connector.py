@@ -27,9 +27,8 @@ import pytest
 import torch
 
 import xmix
-from xmix.models.tiny import tiny_model_path
-
 from engine_util import PROMPTS, make_llm, shutdown
+from xmix.models.tiny import tiny_model_path
 
 pytestmark = pytest.mark.engine
 
@@ -49,12 +48,17 @@ def _apps():
 
     cap = xmix.App("cap")
     cap.read("capture", dims=(0, 16)).layers([1]).submodule("residual.post").named("h")
-    cap.read("probe", weight=unit() * 0.5, bias=0.1).layers([2]).submodule("residual.post").named("p")
+    cap.read("probe", weight=unit() * 0.5, bias=0.1).layers([2]).submodule("residual.post").named(
+        "p"
+    )
     # a latch over the prompt (state the prompt's computation builds) gating a read
     latch = xmix.App("latch")
-    latch.read("probe", weight=unit() * 0.5, bias=0.0).layers([0]).submodule("residual.post").named("q")
-    latch.read("probe", weight=unit() * 0.5, bias=0.0).layers([3]).submodule("residual.post").named("r") \
-        .cond(gate="prompt_mean(q) >= -100.0")
+    latch.read("probe", weight=unit() * 0.5, bias=0.0).layers([0]).submodule("residual.post").named(
+        "q"
+    )
+    latch.read("probe", weight=unit() * 0.5, bias=0.0).layers([3]).submodule("residual.post").named(
+        "r"
+    ).cond(gate="prompt_mean(q) >= -100.0")
     steer = xmix.App("steer")
     steer.write("add", vector=unit() * 6.0, scale=1.0).layers([1]).submodule("residual.post")
     return cap, latch, steer
@@ -68,7 +72,9 @@ def _gen(llm, control=None, kvp=None):
         extra["xmix"] = control
     if kvp is not None:
         extra["kv_transfer_params"] = kvp
-    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, extra_args=extra or None)
+    sp = SamplingParams(
+        temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, extra_args=extra or None
+    )
     return llm.generate([PROMPT], sp, use_tqdm=False)[0]
 
 
@@ -86,8 +92,9 @@ def _run(llm, connector: bool) -> dict:
         out[name + "_kvp"] = o.kv_transfer_params
     if connector:
         for control, kvp, words in (
-                ({"apps": ["steer"]}, None, ["steer", "ExampleConnector", "cache salt"]),
-                ({"apps": ["cap"]}, {"do_remote_prefill": True}, ["do_remote_prefill", "cap"])):
+            ({"apps": ["steer"]}, None, ["steer", "ExampleConnector", "cache salt"]),
+            ({"apps": ["cap"]}, {"do_remote_prefill": True}, ["do_remote_prefill", "cap"]),
+        ):
             with pytest.raises(ValueError) as e:
                 _gen(llm, control, kvp)
             for w in words:
@@ -108,8 +115,11 @@ def runs(tmp_path_factory):
     for connector in (True, False):
         kw = dict(enable_prefix_caching=False, max_num_batched_tokens=512)
         if connector:
-            kw["kv_transfer_config"] = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
-                                        "kv_connector_extra_config": {"shared_storage_path": str(store)}}
+            kw["kv_transfer_config"] = {
+                "kv_connector": "ExampleConnector",
+                "kv_role": "kv_both",
+                "kv_connector_extra_config": {"shared_storage_path": str(store)},
+            }
         llm = make_llm(path, **kw)
         try:
             for a in (cap, latch, steer):
@@ -139,7 +149,10 @@ def _close(a, b, where: str) -> None:
     elif isinstance(b, torch.Tensor):
         assert isinstance(a, torch.Tensor) and a.shape == b.shape, where
         if b.is_floating_point():
-            assert torch.allclose(a.float(), b.float(), rtol=1e-4, atol=1e-6), (where, (a - b).abs().max())
+            assert torch.allclose(a.float(), b.float(), rtol=1e-4, atol=1e-6), (
+                where,
+                (a - b).abs().max(),
+            )
         else:
             assert torch.equal(a, b), where
     else:
@@ -161,6 +174,10 @@ def test_no_shipped_connector_uses_the_results_key():
     from xmix.integrations.vllm.frontend import RESULTS_KEY
 
     root = pathlib.Path(vllm.__file__).parent
-    hits = [p for d in ("distributed/kv_transfer", "v1/kv_offload", "distributed/ec_transfer")
-            for p in (root / d).rglob("*.py") if RESULTS_KEY in p.read_text(errors="replace")]
+    hits = [
+        p
+        for d in ("distributed/kv_transfer", "v1/kv_offload", "distributed/ec_transfer")
+        for p in (root / d).rglob("*.py")
+        if RESULTS_KEY in p.read_text(errors="replace")
+    ]
     assert not hits

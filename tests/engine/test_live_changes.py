@@ -10,21 +10,19 @@ one offline CPU engine (tiny Llama, 4 running requests at a time so requests que
 from __future__ import annotations
 
 import json
-import os
 
 import numpy as np
 import pytest
 import torch
 
 import xmix
+from harness import SMALL
 from xmix import conditions as C
 from xmix.api import AppError, LimitError
 from xmix.control import ControlBlock, RequestError
 from xmix.hooks import ModelShape
 from xmix.lowering import DeployError, lower
 from xmix.models.tiny import tiny_model_path
-
-from harness import SMALL
 
 SHAPE = ModelShape(n_layers=4, hidden_size=64, vocab_size=300)
 D = SHAPE.hidden_size
@@ -47,25 +45,35 @@ def _assert_same(a: dict, b: dict) -> None:
     assert not changed, f"live control-block state changed: {changed}"
 
 
-def _overflow_cond_app(name: str, shape: ModelShape = SHAPE, terms: int = 40, writes: int = 2) -> xmix.App:
+def _overflow_cond_app(
+    name: str, shape: ModelShape = SHAPE, terms: int = 40, writes: int = 2
+) -> xmix.App:
     """Fits every per-app limit but not a control block's condition code: a read and writes
     gated by long conditions, all at the first site, so that before the fix every later
     site's tables and masks were left half rewritten."""
     app = xmix.App(name)
-    app.read("probe", weight=_vec(1, shape.hidden_size)).layers([0]).submodule("residual.pre").named("g")
+    app.read("probe", weight=_vec(1, shape.hidden_size)).layers([0]).submodule(
+        "residual.pre"
+    ).named("g")
     cond = " or ".join(["g >= 0.5"] * terms)
     for i in range(writes):
-        app.write("add", vector=_vec(2 + i, shape.hidden_size)).layers([0]).submodule("residual.pre").cond(cond)
+        app.write("add", vector=_vec(2 + i, shape.hidden_size)).layers([0]).submodule(
+            "residual.pre"
+        ).cond(cond)
     return app
 
 
 def _steer_probe(cb: ControlBlock) -> None:
     steer = xmix.App("steer")
-    steer.write("add", vector=_vec(3), scale=4.0).layers([1]).submodule("residual.post").named("push")
+    steer.write("add", vector=_vec(3), scale=4.0).layers([1]).submodule("residual.post").named(
+        "push"
+    )
     gated = xmix.App("gated")
     gated.token_set("t", ids=[5, 6, 7])
     gated.read("probe", weight=_vec(4)).layers([0]).submodule("residual.post").named("p")
-    gated.write("add", vector=_vec(5)).layers([2]).submodule("residual.pre").cond(when="token_in(t)", gate="p >= 0.5")
+    gated.write("add", vector=_vec(5)).layers([2]).submodule("residual.pre").cond(
+        when="token_in(t)", gate="p >= 0.5"
+    )
     cb.install(lower(steer, SHAPE), version=1)
     cb.install(lower(gated, SHAPE), version=2)
 
@@ -239,8 +247,9 @@ def test_hostile_conditions_and_gate_chains_are_refused_without_recursion():
     chain = xmix.App("chain")
     chain.read("probe", weight=_vec(82)).layers([0]).submodule("residual.pre").named("r0")
     for i in range(1, 1100):
-        chain.read("probe", weight=_vec(82)).layers([0]).submodule("residual.pre") \
-            .named(f"r{i}").cond(gate=f"r{i - 1} >= 0")
+        chain.read("probe", weight=_vec(82)).layers([0]).submodule("residual.pre").named(
+            f"r{i}"
+        ).cond(gate=f"r{i - 1} >= 0")
     lw = lower(chain, SHAPE)
     assert len(lw.ops) == 1100
     with pytest.raises(DeployError, match="not enough room|max_ops"):
@@ -255,10 +264,24 @@ def test_shared_artifacts_are_stored_once_and_bytes_are_bounded(monkeypatch):
     from safetensors.torch import save
 
     m = torch.eye(D) * 0.5
-    spec = {"format": "xmix.app/1", "name": "many", "metadata": {}, "params": {}, "token_sets": [],
-            "ops": [{"primitive": "write", "kernel": "affine", "site": "residual.post", "layers": [i % 4],
-                     "params": {}, "artifacts": {"matrix": "m", "mu_s": "z", "mu_t": "z"}}
-                    for i in range(1000)]}
+    spec = {
+        "format": "xmix.app/1",
+        "name": "many",
+        "metadata": {},
+        "params": {},
+        "token_sets": [],
+        "ops": [
+            {
+                "primitive": "write",
+                "kernel": "affine",
+                "site": "residual.post",
+                "layers": [i % 4],
+                "params": {},
+                "artifacts": {"matrix": "m", "mu_s": "z", "mu_t": "z"},
+            }
+            for i in range(1000)
+        ],
+    }
     data = save({"m": m, "z": torch.zeros(D)}, metadata={"xmix.spec": json.dumps(spec)})
     app = xmix.App.from_bytes(data)
     assert len(app.tensors()) == 2 and app.artifact_bytes() == 4 * (D * D + D)
@@ -308,8 +331,12 @@ def test_writes_are_bounded_to_1e30_per_element():
     W_dec[2, 0], W_dec[5, 0] = 2.0, -3.0
     sae = SAE(torch.randn(D, 8, generator=g), torch.zeros(8), W_dec, torch.zeros(D))
     app = xmix.App("sae")
-    app.write("sae_clamp", sae=sae, feature=[2, 5], value=1.0).layers([1]).submodule("residual.post")
-    app.write("sae_steer", sae=sae, feature=[2, 5], scale=1.0).layers([2]).submodule("residual.post")
+    app.write("sae_clamp", sae=sae, feature=[2, 5], value=1.0).layers([1]).submodule(
+        "residual.post"
+    )
+    app.write("sae_steer", sae=sae, feature=[2, 5], scale=1.0).layers([2]).submodule(
+        "residual.post"
+    )
     cols = param_columns(lower(app, SHAPE))
     bounds = {c.name: c.hi for c in cols}
     assert bounds == {"value": WRITE_BOUND / 5.0, "scale": WRITE_BOUND / 1.0}
@@ -350,7 +377,9 @@ def env():
     steer = xmix.App("steer")
     steer.write("add", vector=unit() * 4.0, scale=1.0).layers([1]).submodule("residual.post")
     probe = xmix.App("probe")
-    probe.read("probe", weight=unit() * 0.5, bias=0.0).layers([2]).submodule("residual.post").named("p2")
+    probe.read("probe", weight=unit() * 0.5, bias=0.0).layers([2]).submodule("residual.post").named(
+        "p2"
+    )
     llm.xmix.deploy(steer)
     llm.xmix.deploy(probe)
     yield dict(llm=llm, tok=tok, shape=shape, unit=unit, d=d)
@@ -368,8 +397,12 @@ def _run(env, reqs: list[tuple[str, list[int], dict | None, int]], between=None)
 
     engine = env["llm"].llm_engine
     for rid, ids, ctl, n in reqs:
-        sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True,
-                            extra_args={"xmix": ctl} if ctl is not None else None)
+        sp = SamplingParams(
+            temperature=0.0,
+            max_tokens=n,
+            ignore_eos=True,
+            extra_args={"xmix": ctl} if ctl is not None else None,
+        )
         engine.add_request(rid, {"prompt_token_ids": ids}, sp)
     done, step = {}, 0
     while engine.has_unfinished_requests():
@@ -456,10 +489,13 @@ def test_refused_deploys_under_load_change_no_token_and_no_read(env):
 
     loaded = _run(env, reqs("loaded"), refuse)
     assert len(refused) == 30
-    diff_tokens = sum(_answer(control[f"control-{i}"])[0] != _answer(loaded[f"loaded-{i}"])[0]
-                      for i in range(16))
-    diff_reads = sum(_answer(control[f"control-{i}"])[1:] != _answer(loaded[f"loaded-{i}"])[1:]
-                     for i in range(16))
+    diff_tokens = sum(
+        _answer(control[f"control-{i}"])[0] != _answer(loaded[f"loaded-{i}"])[0] for i in range(16)
+    )
+    diff_reads = sum(
+        _answer(control[f"control-{i}"])[1:] != _answer(loaded[f"loaded-{i}"])[1:]
+        for i in range(16)
+    )
     assert (diff_tokens, diff_reads) == (0, 0)
     assert sum(len(_answer(o)[2]) for o in loaded.values()) > 0
     assert [a["name"] for a in llm.xmix.apps()] == ["steer", "probe"]
@@ -479,7 +515,9 @@ def test_parameter_change_gives_new_requests_a_new_cache_salt(env):
 
     def one(ctl, salt=None):
         prompt = {"prompt_token_ids": ids, **({"cache_salt": salt} if salt else {})}
-        sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, extra_args={"xmix": ctl})
+        sp = SamplingParams(
+            temperature=0.0, max_tokens=12, ignore_eos=True, extra_args={"xmix": ctl}
+        )
         return llm.generate([prompt], sp, use_tqdm=False)[0]
 
     try:
@@ -504,8 +542,10 @@ def test_a_fault_in_worker_admission_fails_one_request_and_the_engine_serves_on(
     from engine_util import PROMPTS
 
     llm = env["llm"]
-    reqs = [(f"{{}}-{i}", _ids(env, PROMPTS[i]), {"apps": ["steer", "probe"]} if i % 2 else None, 12)
-            for i in range(6)]
+    reqs = [
+        (f"{{}}-{i}", _ids(env, PROMPTS[i]), {"apps": ["steer", "probe"]} if i % 2 else None, 12)
+        for i in range(6)
+    ]
 
     def named(prefix):
         return [(rid.format(prefix), ids, ctl, n) for rid, ids, ctl, n in reqs]

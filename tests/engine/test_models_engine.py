@@ -20,11 +20,10 @@ import pytest
 import torch
 
 import xmix
+from engine_util import PROMPTS, assert_reads_match, greedy, make_llm, shutdown, tokenize
 from xmix.architectures import FAMILIES
 from xmix.hooks import ModelShape
 from xmix.models.tiny import tiny_model_path
-
-from engine_util import PROMPTS, assert_reads_match, greedy, make_llm, shutdown, tokenize
 
 pytestmark = pytest.mark.engine
 
@@ -47,24 +46,34 @@ def build_apps(shape: ModelShape, tok) -> list[xmix.App]:
     steer = xmix.App("steer")
     steer.write("add", vector=unit() * 6.0, scale=1.0).layers([1]).submodule("residual.post")
     probe = xmix.App("probe")
-    probe.read("probe", weight=unit() * 0.5, bias=0.1).layers([2]).submodule("residual.post").named("p2")
+    probe.read("probe", weight=unit() * 0.5, bias=0.1).layers([2]).submodule("residual.post").named(
+        "p2"
+    )
     ablate = xmix.App("ablate")
     r = unit()
     for site in ("residual.pre", "attention.post", "mlp.post"):
         ablate.write("ablate", direction=r.clone()).layers("all").submodule(site)
     guarded = xmix.App("guarded")
     guarded.token_set("trig", ids=sorted(set(tok.encode(" the a e", add_special_tokens=False))))
-    guarded.read("probe", weight=unit() * 0.5, bias=0.0).layers([1]).submodule("residual.mid").named("g")
-    guarded.write("add", vector=unit() * 8.0, scale=1.0).layers([2]).submodule("attention.post") \
-        .cond(when="token_in(trig) or generated", gate="g >= 0.5")
+    guarded.read("probe", weight=unit() * 0.5, bias=0.0).layers([1]).submodule(
+        "residual.mid"
+    ).named("g")
+    guarded.write("add", vector=unit() * 8.0, scale=1.0).layers([2]).submodule(
+        "attention.post"
+    ).cond(when="token_in(trig) or generated", gate="g >= 0.5")
     latch = xmix.App("latch")
     latch.param("theta", 0.0)
-    latch.read("probe", weight=unit() * 0.5, bias=0.0).layers([0]).submodule("residual.post").named("q")
-    latch.write("add", vector=unit() * 8.0, scale=1.0).layers([2, 3]).submodule("residual.pre") \
-        .cond(gate="prompt_mean(q) >= theta")
+    latch.read("probe", weight=unit() * 0.5, bias=0.0).layers([0]).submodule("residual.post").named(
+        "q"
+    )
+    latch.write("add", vector=unit() * 8.0, scale=1.0).layers([2, 3]).submodule(
+        "residual.pre"
+    ).cond(gate="prompt_mean(q) >= theta")
     cap = xmix.App("cap")
     for site in SITES:
-        cap.read("capture", dims=CAP_DIMS).layers("all").submodule(site).named(site.replace(".", "_"))
+        cap.read("capture", dims=CAP_DIMS).layers("all").submodule(site).named(
+            site.replace(".", "_")
+        )
     return [steer, probe, ablate, guarded, latch, cap]
 
 
@@ -92,10 +101,16 @@ def env(request):
     ids = [tokenize(tok, p) for p in PROMPTS[:N_PROMPTS]]
     # Eager attention: transformers' SDPA path leaves out Gemma 2's attention logit
     # softcapping (vLLM applies it; ~1e-2 in log-probabilities on tiny-gemma2).
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     with torch.no_grad():
-        plain = [model.generate(torch.tensor([i]), do_sample=False, max_new_tokens=MAX_TOKENS,
-                                eos_token_id=None)[0, len(i):].tolist() for i in ids]
+        plain = [
+            model.generate(
+                torch.tensor([i]), do_sample=False, max_new_tokens=MAX_TOKENS, eos_token_id=None
+            )[0, len(i) :].tolist()
+            for i in ids
+        ]
     from xmix.integrations.hf import attach
 
     oracle = attach(model, apps, tokenizer=tok)
@@ -131,13 +146,19 @@ def test_mixed_batch_matches_the_oracle_and_the_convention(env):
             assert toks == env["plain"][i]
             assert xmix.results(out) == {}
             continue
-        o_toks, o_res = env["oracle"].generate(env["ids"][i], MAX_TOKENS, apps=ctl["apps"],
-                                               params=ctl.get("params"))
+        o_toks, o_res = env["oracle"].generate(
+            env["ids"][i], MAX_TOKENS, apps=ctl["apps"], params=ctl.get("params")
+        )
         assert toks == o_toks, f"{env['kind']} request {i} ({ctl}) differs from the oracle"
-        assert_reads_match(xmix.results(out), o_res, f"{env['kind']} request {i} ({ctl})",
-                           rtol=READ_RTOL, scaled=True)
+        assert_reads_match(
+            xmix.results(out),
+            o_res,
+            f"{env['kind']} request {i} ({ctl})",
+            rtol=READ_RTOL,
+            scaled=True,
+        )
         changed += toks != env["plain"][i]
-        if ctl["apps"] == ["cap"]:      # no write between the captures: the identities hold
+        if ctl["apps"] == ["cap"]:  # no write between the captures: the identities hold
             _check_convention(xmix.results(out)["cap"], env["shape"].n_layers, f"request {i}")
     assert changed >= 3, "the writes in this batch should change several answers"
 
@@ -147,9 +168,21 @@ def _check_convention(cap: dict, L: int, what: str) -> None:
         return np.asarray(cap[f"{site.replace('.', '_')}.{l}"]["values"], np.float64)
 
     for l in range(L):
-        np.testing.assert_allclose(v("residual.mid", l), v("residual.pre", l) + v("attention.post", l),
-                                   rtol=1e-4, atol=1e-4, err_msg=f"{what} layer {l}: mid != pre + attention.post")
-        np.testing.assert_allclose(v("residual.post", l), v("residual.mid", l) + v("mlp.post", l),
-                                   rtol=1e-4, atol=1e-4, err_msg=f"{what} layer {l}: post != mid + mlp.post")
+        np.testing.assert_allclose(
+            v("residual.mid", l),
+            v("residual.pre", l) + v("attention.post", l),
+            rtol=1e-4,
+            atol=1e-4,
+            err_msg=f"{what} layer {l}: mid != pre + attention.post",
+        )
+        np.testing.assert_allclose(
+            v("residual.post", l),
+            v("residual.mid", l) + v("mlp.post", l),
+            rtol=1e-4,
+            atol=1e-4,
+            err_msg=f"{what} layer {l}: post != mid + mlp.post",
+        )
         if l + 1 < L:
-            np.testing.assert_allclose(v("residual.post", l), v("residual.pre", l + 1), rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(
+                v("residual.post", l), v("residual.pre", l + 1), rtol=1e-5, atol=1e-5
+            )

@@ -26,15 +26,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from test_models_engine import CONTROLS, READ_RTOL, _check_convention, build_apps
 
 import xmix
+from engine_util import PROMPTS, assert_reads_match, greedy, make_llm, shutdown, tokenize
 from xmix.api import App
 from xmix.hooks import ModelShape
 from xmix.integrations.hf import attach
 from xmix.models.tiny import tiny_model_path
-
-from engine_util import PROMPTS, assert_reads_match, greedy, make_llm, shutdown, tokenize
-from test_models_engine import CONTROLS, READ_RTOL, _check_convention, build_apps
 
 transformers = pytest.importorskip("transformers")
 
@@ -95,7 +94,9 @@ def gate_logits(kind: str, layer, x: torch.Tensor) -> torch.Tensor:
     return out + r.bias.double() if kind == "tiny-gpt-oss" else out
 
 
-def moe_output(kind: str, layer, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def moe_output(
+    kind: str, layer, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor
+) -> torch.Tensor:
     """The transformers MoE block's output for router input ``x`` and a given choice."""
     with torch.no_grad():
         out = layer.mlp.experts(x, idx, w.to(x.dtype))
@@ -107,8 +108,9 @@ def moe_output(kind: str, layer, x: torch.Tensor, idx: torch.Tensor, w: torch.Te
 def load(kind: str):
     path = str(tiny_model_path(kind))
     tok = transformers.AutoTokenizer.from_pretrained(path)
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                              attn_implementation="eager").eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     return path, tok, model
 
 
@@ -129,8 +131,9 @@ def test_router_edit_on_the_transformers_path_routes_as_the_reference(kind):
     router = router_of(kind, layer)
     seen = []
     pre = router.register_forward_pre_hook(lambda m, a: seen.append(("in", a[0].detach().clone())))
-    post = router.register_forward_hook(lambda m, a, o: seen.append(("out", o[0].detach().clone(),
-                                                                        o[2].detach().clone())))
+    post = router.register_forward_hook(
+        lambda m, a, o: seen.append(("out", o[0].detach().clone(), o[2].detach().clone()))
+    )
     ids = tok.encode(PROMPTS[0] + " and " + PROMPTS[1])
     try:
         with torch.no_grad():
@@ -146,12 +149,14 @@ def test_router_edit_on_the_transformers_path_routes_as_the_reference(kind):
         with attach(model, [app], tokenizer=tok) as att:
             att.forward(ids, apps=["moe"])
             (_, x2), (_, logits, idx) = seen[-2:]
-            att.forward(ids)                     # without the app: the patched router is transparent
+            att.forward(ids)  # without the app: the patched router is transparent
             (_, _), (_, same_logits, same_idx) = seen[-2:]
     finally:
         pre.remove()
         post.remove()
-    torch.testing.assert_close(x2.reshape(-1, cfg.hidden_size), x)   # the edit is at this layer's router
+    torch.testing.assert_close(
+        x2.reshape(-1, cfg.hidden_size), x
+    )  # the edit is at this layer's router
     assert torch.equal(same_logits, plain_logits) and torch.equal(same_idx, plain_idx)
     hand = gate_logits(kind, layer, x)
     torch.testing.assert_close(plain_logits.double(), hand, rtol=1e-5, atol=1e-5)
@@ -169,12 +174,12 @@ def test_a_deepseek_router_the_site_does_not_follow_is_refused_at_attach():
 
     _, tok, model = load("tiny-deepseek-v2")
     gate = model.model.layers[3].mlp.gate
-    gate.topk_method = "noaux_tc"                  # DeepSeek-V3's scoring, not V2's
+    gate.topk_method = "noaux_tc"  # DeepSeek-V3's scoring, not V2's
     app = App("moe")
     app.write("router", mask=torch.ones(8)).layers([3]).submodule("router.logits")
     with pytest.raises(DeployError, match="topk_method 'noaux_tc'"):
         attach(model, [app], tokenizer=tok)
-    assert "forward" not in gate.__dict__           # nothing left patched
+    assert "forward" not in gate.__dict__  # nothing left patched
 
 
 # ------------------------------------------------------------------------------ the engine
@@ -186,12 +191,18 @@ def env(request):
     apps = build_apps(shape, tok)
     ids = [tokenize(tok, p) for p in PROMPTS[:N_PROMPTS]]
     with torch.no_grad():
-        plain = [model.generate(torch.tensor([i]), do_sample=False, max_new_tokens=MAX_TOKENS,
-                                eos_token_id=None)[0, len(i):].tolist() for i in ids]
+        plain = [
+            model.generate(
+                torch.tensor([i]), do_sample=False, max_new_tokens=MAX_TOKENS, eos_token_id=None
+            )[0, len(i) :].tolist()
+            for i in ids
+        ]
     # routing of the plain model at the last MoE layer, to pick experts the edit moves
     l = shape.moe_layers[-1]
     got = []
-    h = router_of(kind, model.model.layers[l]).register_forward_hook(lambda m, a, o: got.append(o[2]))
+    h = router_of(kind, model.model.layers[l]).register_forward_hook(
+        lambda m, a, o: got.append(o[2])
+    )
     with torch.no_grad():
         model(torch.tensor([ids[0]]))
     h.remove()
@@ -210,8 +221,19 @@ def env(request):
     try:
         for a in apps:
             llm.xmix.deploy(a)
-        yield dict(kind=kind, tok=tok, shape=shape, llm=llm, oracle=oracle, model=model, ids=ids,
-                   plain=plain, layer=l, on=on, off=off)
+        yield dict(
+            kind=kind,
+            tok=tok,
+            shape=shape,
+            llm=llm,
+            oracle=oracle,
+            model=model,
+            ids=ids,
+            plain=plain,
+            layer=l,
+            on=on,
+            off=off,
+        )
     finally:
         oracle.detach()
         shutdown(llm)
@@ -245,12 +267,19 @@ def test_mixed_batch_matches_the_oracle(env):
             assert toks == env["plain"][i]
             assert xmix.results(out) == {}
             continue
-        o_toks, o_res = env["oracle"].generate(env["ids"][i], MAX_TOKENS, apps=ctl["apps"],
-                                               params=ctl.get("params"))
+        o_toks, o_res = env["oracle"].generate(
+            env["ids"][i], MAX_TOKENS, apps=ctl["apps"], params=ctl.get("params")
+        )
         what = f"{env['kind']} request {i} ({ctl})"
         assert toks == o_toks, f"{what} differs from the oracle"
-        assert_reads_match(xmix.results(out), o_res, what, rtol=READ_RTOL,
-                           atol=CAPTURE_ATOL.get(env["kind"], 1e-5), scaled=True)
+        assert_reads_match(
+            xmix.results(out),
+            o_res,
+            what,
+            rtol=READ_RTOL,
+            atol=CAPTURE_ATOL.get(env["kind"], 1e-5),
+            scaled=True,
+        )
         changed += toks != env["plain"][i]
         if ctl["apps"] == ["cap"]:
             _check_convention(xmix.results(out)["cap"], env["shape"].n_layers, f"request {i}")
@@ -263,7 +292,7 @@ def test_router_edit_runs_the_experts_the_reference_routes_to(env):
     layer = model.model.layers[l]
     (out,) = greedy(env["llm"], env["ids"][:1], 1, [{"apps": ["router1"]}])
     res = xmix.results(out)["router1"]
-    mid = torch.tensor(res["mid"]["values"], dtype=torch.float32)       # [T, d], the prompt
+    mid = torch.tensor(res["mid"]["values"], dtype=torch.float32)  # [T, d], the prompt
     got = np.asarray(res["mlp"]["values"], np.float64)
     with torch.no_grad():
         x = layer.post_attention_layernorm(mid)
@@ -273,11 +302,18 @@ def test_router_edit_runs_the_experts_the_reference_routes_to(env):
     assert (idx == env["on"]).any(dim=-1).all() and not (idx == env["off"]).any()
     assert not torch.equal(idx, plain_idx), "the edit should change the routing"
     want = moe_output(kind, layer, x, idx, w).double().numpy()
-    scale = float(np.sqrt(np.mean(want ** 2)))
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * scale,
-                               err_msg=f"{kind}: the engine's experts at layer {l} are not the reference's")
+    scale = float(np.sqrt(np.mean(want**2)))
+    np.testing.assert_allclose(
+        got,
+        want,
+        rtol=1e-4,
+        atol=1e-4 * scale,
+        err_msg=f"{kind}: the engine's experts at layer {l} are not the reference's",
+    )
     # and the unedited choice gives a clearly different block output (the check can fail)
-    other = moe_output(kind, layer, x, plain_idx, route(kind, model.config, logits)[1]).double().numpy()
+    other = (
+        moe_output(kind, layer, x, plain_idx, route(kind, model.config, logits)[1]).double().numpy()
+    )
     assert np.abs(other - want).max() > 100 * 1e-4 * scale
 
 
@@ -289,7 +325,9 @@ def test_derive_steer_moe_refuses_routers_it_does_not_recompute():
     from xmix.apps.derive_cli import DeriveError, derive_steer_moe
 
     for kind in ("tiny-deepseek-v2", "tiny-gpt-oss"):
-        shape = ModelShape.from_hf_config(transformers.AutoConfig.from_pretrained(tiny_model_path(kind)))
-        llm = NS(xmix=NS(registry=NS(shape=shape)))       # refused before the engine is used
+        shape = ModelShape.from_hf_config(
+            transformers.AutoConfig.from_pretrained(tiny_model_path(kind))
+        )
+        llm = NS(xmix=NS(registry=NS(shape=shape)))  # refused before the engine is used
         with pytest.raises(DeriveError, match=f"{shape.architecture} routes otherwise"):
             derive_steer_moe(NS(model=kind), llm)

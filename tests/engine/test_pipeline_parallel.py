@@ -15,9 +15,8 @@ import pytest
 import torch
 
 import xmix
-from xmix.models.tiny import tiny_model_path
-
 from engine_util import PROMPTS, greedy, make_llm, shutdown, tokenize
+from xmix.models.tiny import tiny_model_path
 
 pytestmark = pytest.mark.engine
 
@@ -27,24 +26,41 @@ D = 256
 def _apps():
     g = torch.Generator().manual_seed(11)
     steer = xmix.App("steer")
-    steer.write("add", vector=torch.randn(D, generator=g) * 4, scale=1.0).layers([3]).submodule("residual.post")
+    steer.write("add", vector=torch.randn(D, generator=g) * 4, scale=1.0).layers([3]).submodule(
+        "residual.post"
+    )
     probe = xmix.App("probe")
-    probe.read("probe", weight=torch.randn(D, generator=g) / 8).layers([0]).submodule("mlp.post").named("p")
+    probe.read("probe", weight=torch.randn(D, generator=g) / 8).layers([0]).submodule(
+        "mlp.post"
+    ).named("p")
     gated = xmix.App("gated")
-    gated.read("probe", weight=torch.randn(D, generator=g) / 8).layers([1]).submodule("residual.post").named("g")
-    gated.write("add", vector=torch.randn(D, generator=g) * 6, scale=1.0).layers([2]).submodule("attention.post") \
-        .cond("g >= 0.5")
+    gated.read("probe", weight=torch.randn(D, generator=g) / 8).layers([1]).submodule(
+        "residual.post"
+    ).named("g")
+    gated.write("add", vector=torch.randn(D, generator=g) * 6, scale=1.0).layers([2]).submodule(
+        "attention.post"
+    ).cond("g >= 0.5")
     latched = xmix.App("latched")
-    latched.read("probe", weight=torch.randn(D, generator=g) / 8).layers([0]).submodule("residual.post").named("m")
-    latched.write("add", vector=torch.randn(D, generator=g) * 6, scale=1.0).layers([3]).submodule("mlp.post") \
-        .cond("prompt_mean(m) >= 0.5")
+    latched.read("probe", weight=torch.randn(D, generator=g) / 8).layers([0]).submodule(
+        "residual.post"
+    ).named("m")
+    latched.write("add", vector=torch.randn(D, generator=g) * 6, scale=1.0).layers([3]).submodule(
+        "mlp.post"
+    ).cond("prompt_mean(m) >= 0.5")
     final = xmix.App("final")
     final.read("probe", weight=torch.randn(D, generator=g) / 8).submodule("final.post").named("f")
     return [steer, probe, gated, latched, final]
 
 
-CONTROLS = [None, {"apps": ["steer"]}, {"apps": ["probe"]}, {"apps": ["gated"]}, {"apps": ["latched"]},
-            {"apps": ["final", "probe"]}, {"apps": ["steer", "gated", "latched", "final", "probe"]}]
+CONTROLS = [
+    None,
+    {"apps": ["steer"]},
+    {"apps": ["probe"]},
+    {"apps": ["gated"]},
+    {"apps": ["latched"]},
+    {"apps": ["final", "probe"]},
+    {"apps": ["steer", "gated", "latched", "final", "probe"]},
+]
 
 
 def _run(llm, ids):
@@ -58,7 +74,7 @@ def runs():
 
     path = str(tiny_model_path("tiny-llama"))
     tok = AutoTokenizer.from_pretrained(path)
-    ids = [tokenize(tok, p) for p in PROMPTS[:len(CONTROLS)]]
+    ids = [tokenize(tok, p) for p in PROMPTS[: len(CONTROLS)]]
     out = {"ids": ids}
     llm = make_llm(path)
     try:
@@ -89,7 +105,9 @@ def test_pipeline_parallel_matches_one_engine(runs):
         for app, reads in r1.items():
             for key, v in reads.items():
                 assert v["positions"] == r2[app][key]["positions"], (ctl, app, key)
-                np.testing.assert_allclose(r2[app][key]["values"], v["values"], rtol=1e-4, atol=1e-6)
+                np.testing.assert_allclose(
+                    r2[app][key]["values"], v["values"], rtol=1e-4, atol=1e-6
+                )
     # the reads of both stages are there, and the apps change answers (so the test can fail)
     assert set(runs[1][6][1]) == {"probe", "gated", "latched", "final"}
     for i in (1, 3, 4):
@@ -107,9 +125,12 @@ def test_backward_condition_is_refused(runs):
     llm = runs["llm"]
     g = torch.Generator().manual_seed(5)
     back = xmix.App("back")
-    back.read("probe", weight=torch.randn(D, generator=g)).layers([3]).submodule("residual.post").named("late")
-    back.write("add", vector=torch.randn(D, generator=g), scale=1.0).layers([0]).submodule("mlp.post") \
-        .cond("prompt_last(late) > 0.5")
+    back.read("probe", weight=torch.randn(D, generator=g)).layers([3]).submodule(
+        "residual.post"
+    ).named("late")
+    back.write("add", vector=torch.randn(D, generator=g), scale=1.0).layers([0]).submodule(
+        "mlp.post"
+    ).cond("prompt_last(late) > 0.5")
     with pytest.raises(Exception) as e:
         llm.xmix.deploy(back)
     msg = str(e.value)
@@ -127,11 +148,17 @@ def test_control_change_while_streaming_loses_no_request(runs):
     engine = llm.llm_engine
     g = torch.Generator().manual_seed(9)
     extra = xmix.App("extra")
-    extra.write("add", vector=torch.randn(D, generator=g), scale=1.0).layers([2]).submodule("residual.post")
+    extra.write("add", vector=torch.randn(D, generator=g), scale=1.0).layers([2]).submodule(
+        "residual.post"
+    )
     for i, p in enumerate(ids * 2):
         ctl = CONTROLS[i % len(CONTROLS)]
-        sp = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True,
-                            extra_args={"xmix": ctl} if ctl is not None else None)
+        sp = SamplingParams(
+            temperature=0.0,
+            max_tokens=10,
+            ignore_eos=True,
+            extra_args={"xmix": ctl} if ctl is not None else None,
+        )
         engine.add_request(f"s{i}", {"prompt_token_ids": p}, sp)
     done, step = {}, 0
     while engine.has_unfinished_requests():

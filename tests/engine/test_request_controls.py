@@ -22,13 +22,17 @@ def flat(args):
 
 
 def test_flat_form_becomes_the_canonical_control():
-    assert flat({"xmix_apps": ["steer", "probe"], "xmix.steer.scale": 2.0}) == \
-        {"apps": ["steer", "probe"], "params": {"steer": {"scale": 2.0}}}
+    assert flat({"xmix_apps": ["steer", "probe"], "xmix.steer.scale": 2.0}) == {
+        "apps": ["steer", "probe"],
+        "params": {"steer": {"scale": 2.0}},
+    }
     # a comma-separated string, as vllm_xargs allows plain strings; spaces around names dropped
     assert flat({"xmix_apps": "steer, probe"}) == {"apps": ["steer", "probe"], "params": {}}
     # op-qualified parameter names keep their dot: the app name ends at the first dot
-    assert flat({"xmix_apps": "steer", "xmix.steer.push.scale": 3, "xmix.steer.theta": -1.5}) == \
-        {"apps": ["steer"], "params": {"steer": {"push.scale": 3, "theta": -1.5}}}
+    assert flat({"xmix_apps": "steer", "xmix.steer.push.scale": 3, "xmix.steer.theta": -1.5}) == {
+        "apps": ["steer"],
+        "params": {"steer": {"push.scale": 3, "theta": -1.5}},
+    }
     # params alone (for an app in mode "all"); admission decides whether that is allowed
     assert flat({"xmix.always.scale": 1.0}) == {"apps": [], "params": {"always": {"scale": 1.0}}}
     assert flat({"xmix_apps": ""}) == {"apps": [], "params": {}}
@@ -46,19 +50,22 @@ def test_json_form_and_no_control_pass_through():
     assert not has_control({"xmixer": 1}) and not has_control(None)
 
 
-@pytest.mark.parametrize("args, words", [
-    ({"xmix": "{}", "xmix_apps": ["steer"]}, ['"xmix"', "'xmix_apps'", "one of them"]),
-    ({"xmix": {"apps": []}, "xmix.steer.scale": 1.0}, ['"xmix"', "'xmix.steer.scale'"]),
-    ({"xmix_app": ["steer"]}, ["'xmix_app'", "unknown flat control"]),
-    ({"xmix.steer": 1.0}, ["'xmix.steer'", "xmix.<app>.<parameter>"]),
-    ({"xmix..scale": 1.0}, ["'xmix..scale'"]),
-    ({"xmix.steer.scale": "2.0"}, ["'xmix.steer.scale'", "must be a number"]),
-    ({"xmix.steer.scale": True}, ["must be a number"]),
-    ({"xmix.steer.scale": [1.0]}, ["must be a number"]),
-    ({"xmix_apps": [1, 2]}, ["as strings"]),
-    ({"xmix_apps": 3}, ["list of app names"]),
-    ({"xmix_apps": "steer,,probe"}, ["empty app name"]),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        ({"xmix": "{}", "xmix_apps": ["steer"]}, ['"xmix"', "'xmix_apps'", "one of them"]),
+        ({"xmix": {"apps": []}, "xmix.steer.scale": 1.0}, ['"xmix"', "'xmix.steer.scale'"]),
+        ({"xmix_app": ["steer"]}, ["'xmix_app'", "unknown flat control"]),
+        ({"xmix.steer": 1.0}, ["'xmix.steer'", "xmix.<app>.<parameter>"]),
+        ({"xmix..scale": 1.0}, ["'xmix..scale'"]),
+        ({"xmix.steer.scale": "2.0"}, ["'xmix.steer.scale'", "must be a number"]),
+        ({"xmix.steer.scale": True}, ["must be a number"]),
+        ({"xmix.steer.scale": [1.0]}, ["must be a number"]),
+        ({"xmix_apps": [1, 2]}, ["as strings"]),
+        ({"xmix_apps": 3}, ["list of app names"]),
+        ({"xmix_apps": "steer,,probe"}, ["empty app name"]),
+    ],
+)
 def test_bad_flat_controls_are_refused_by_name(args, words):
     with pytest.raises(Refused) as e:
         flat(args)
@@ -81,11 +88,13 @@ def llm():
 
     g = torch.Generator().manual_seed(11)
     steer = xmix.App("steer")
-    steer.write("add", vector=torch.randn(D, generator=g), scale=4.0).layers([1]) \
-        .submodule("residual.post").named("push")
+    steer.write("add", vector=torch.randn(D, generator=g), scale=4.0).layers([1]).submodule(
+        "residual.post"
+    ).named("push")
     probe = xmix.App("probe")
-    probe.read("probe", weight=torch.randn(D, generator=g) / 16, bias=0.0).layers([2]) \
-        .submodule("residual.post").named("p2")
+    probe.read("probe", weight=torch.randn(D, generator=g) / 16, bias=0.0).layers([2]).submodule(
+        "residual.post"
+    ).named("p2")
     engine = make_llm(str(tiny_model_path("tiny-llama")), apps=[steer, probe])
     yield engine
     shutdown(engine)
@@ -118,14 +127,19 @@ def test_offline_flat_and_json_forms_give_the_same_request(llm):
 def test_offline_conflicting_or_misspelt_controls_raise_and_the_engine_serves_on(llm):
     from vllm import SamplingParams
 
-    bad = [({"xmix": {"apps": ["steer"]}, "xmix_apps": ["steer"]}, "both"),
-           ({"xmix_app": ["steer"]}, "unknown flat control 'xmix_app'"),
-           ({"xmix_apps": ["nope"]}, "unknown app 'nope'"),
-           ({"xmix.probe.scale": 1.0}, "which this request does not use")]
+    bad = [
+        ({"xmix": {"apps": ["steer"]}, "xmix_apps": ["steer"]}, "both"),
+        ({"xmix_app": ["steer"]}, "unknown flat control 'xmix_app'"),
+        ({"xmix_apps": ["nope"]}, "unknown app 'nope'"),
+        ({"xmix.probe.scale": 1.0}, "which this request does not use"),
+    ]
     for extra, msg in bad:
         with pytest.raises(ValueError, match=msg):
             llm.generate(["x"], SamplingParams(max_tokens=2, extra_args=extra), use_tqdm=False)
-    out = llm.generate(["The river"], SamplingParams(max_tokens=4, temperature=0,
-                                                     extra_args={"xmix_apps": "probe"}), use_tqdm=False)
+    out = llm.generate(
+        ["The river"],
+        SamplingParams(max_tokens=4, temperature=0, extra_args={"xmix_apps": "probe"}),
+        use_tqdm=False,
+    )
     assert len(out[0].outputs[0].token_ids) == 4
     assert len(xmix.results(out[0])["probe"]["p2"]["positions"]) > 0

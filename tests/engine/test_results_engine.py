@@ -22,9 +22,8 @@ import pytest
 import torch
 
 import xmix
-from xmix.models.tiny import tiny_model_path
-
 from engine_util import ENGINE_KW, PROMPTS, make_llm, shutdown
+from xmix.models.tiny import tiny_model_path
 
 pytestmark = pytest.mark.engine
 
@@ -45,14 +44,28 @@ STATE: dict = {}
 def _prompts_file(path: Path, n: int) -> Path:
     with path.open("w") as f:
         for i in range(n):
-            f.write(json.dumps({"prompt": PROMPTS[i % len(PROMPTS)] + f" ({i})", "id": f"q{i}"}) + "\n")
+            f.write(
+                json.dumps({"prompt": PROMPTS[i % len(PROMPTS)] + f" ({i})", "id": f"q{i}"}) + "\n"
+            )
     return path
 
 
 def _engine_cli_args() -> list[str]:
-    return ["--model-dtype", "float32", "--max-model-len", str(ENGINE_KW["max_model_len"]), "--seed", "0",
-            "--gpu-memory-utilization", "0.3", "--max-num-batched-tokens", str(ENGINE_KW["max_num_batched_tokens"]),
-            "--max-num-seqs", str(ENGINE_KW["max_num_seqs"]), "--enable-prefix-caching"]
+    return [
+        "--model-dtype",
+        "float32",
+        "--max-model-len",
+        str(ENGINE_KW["max_model_len"]),
+        "--seed",
+        "0",
+        "--gpu-memory-utilization",
+        "0.3",
+        "--max-num-batched-tokens",
+        str(ENGINE_KW["max_num_batched_tokens"]),
+        "--max-num-seqs",
+        str(ENGINE_KW["max_num_seqs"]),
+        "--enable-prefix-caching",
+    ]
 
 
 def _load_dir(d: Path) -> dict:
@@ -72,11 +85,31 @@ def test_capture_command_killed_midway(tmp_path_factory):
     prompts = _prompts_file(tmp / "prompts.jsonl", 600)
     out = tmp / "killed"
     model = str(tiny_model_path("tiny-llama"))
-    cmd = [sys.executable, "-m", "xmix.cli", "capture", model, "--prompts", str(prompts), "--sites", SITES,
-           "--out", str(out), "--shard-mb", "0.5", "--no-progress", *_engine_cli_args()]
+    cmd = [
+        sys.executable,
+        "-m",
+        "xmix.cli",
+        "capture",
+        model,
+        "--prompts",
+        str(prompts),
+        "--sites",
+        SITES,
+        "--out",
+        str(out),
+        "--shard-mb",
+        "0.5",
+        "--no-progress",
+        *_engine_cli_args(),
+    ]
     log = open(tmp / "capture.log", "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+    proc = subprocess.Popen(
+        cmd,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
+    )
     killed_at = None
     t0 = time.time()
     try:
@@ -97,7 +130,9 @@ def test_capture_command_killed_midway(tmp_path_factory):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         log.close()
-    assert killed_at is not None, "the run ended before it could be killed:\n" + (tmp / "capture.log").read_text()[-3000:]
+    assert killed_at is not None, (
+        "the run ended before it could be killed:\n" + (tmp / "capture.log").read_text()[-3000:]
+    )
     index = json.loads((out / "index.json").read_text())
     assert not index["complete"]
     STATE.update(tmp=tmp, prompts=prompts, killed=out, killed_shards=len(index["shards"]))
@@ -110,8 +145,20 @@ def lib(tmp_path_factory):
         pytest.skip("needs a C++ compiler to build a user kernel")
     d = tmp_path_factory.mktemp("kernel")
     (d / "k.cpp").write_text(NAN_KERNEL)
-    subprocess.run([cxx, "-shared", "-fPIC", "-O1", "-I", str(xmix.custom_include_dir()),
-                    "-o", str(d / "libk.so"), str(d / "k.cpp")], check=True)
+    subprocess.run(
+        [
+            cxx,
+            "-shared",
+            "-fPIC",
+            "-O1",
+            "-I",
+            str(xmix.custom_include_dir()),
+            "-o",
+            str(d / "libk.so"),
+            str(d / "k.cpp"),
+        ],
+        check=True,
+    )
     return str(d / "libk.so")
 
 
@@ -120,10 +167,13 @@ def env(lib):
     g = torch.Generator().manual_seed(3)
     cap = xmix.App("cap")
     cap.read("capture").layers([1]).submodule("residual.post").named("h")
-    cap.read("probe", weight=torch.randn(D, generator=g) / 16, bias=0.0).layers([2]) \
-       .submodule("residual.post").named("p")
+    cap.read("probe", weight=torch.randn(D, generator=g) / 16, bias=0.0).layers([2]).submodule(
+        "residual.post"
+    ).named("p")
     nan = xmix.App("nan")
-    nan.read("custom", cpu_library=lib, cpu_symbol="nan_at_even").layers([0]).submodule("residual.pre").named("n")
+    nan.read("custom", cpu_library=lib, cpu_symbol="nan_at_even").layers([0]).submodule(
+        "residual.pre"
+    ).named("n")
     path = str(tiny_model_path("tiny-llama"))
     llm = make_llm(path)
     for a in (cap, nan):
@@ -135,8 +185,14 @@ def env(lib):
 def _gen(env, prompt, control, max_tokens=6, n=1):
     from vllm import SamplingParams
 
-    sp = SamplingParams(temperature=0.0 if n == 1 else 1.0, seed=0, max_tokens=max_tokens, ignore_eos=True,
-                        n=n, extra_args={"xmix": control})
+    sp = SamplingParams(
+        temperature=0.0 if n == 1 else 1.0,
+        seed=0,
+        max_tokens=max_tokens,
+        ignore_eos=True,
+        n=n,
+        extra_args={"xmix": control},
+    )
     return env["llm"].generate([prompt], sp, use_tqdm=False)[0]
 
 
@@ -144,15 +200,22 @@ def test_resumed_capture_equals_an_uninterrupted_one(env):
     if "killed" not in STATE:
         pytest.skip("needs test_capture_command_killed_midway")
     killed, prompts = STATE["killed"], STATE["prompts"]
-    resumed = xmix.capture(None, prompts, SITES, out=killed, shard_mb=0.5, llm=env["llm"], progress=False).run()
+    resumed = xmix.capture(
+        None, prompts, SITES, out=killed, shard_mb=0.5, llm=env["llm"], progress=False
+    ).run()
     assert resumed["complete"]
     whole = STATE["tmp"] / "whole"
-    xmix.capture(None, prompts, SITES, out=whole, shard_mb=0.5, llm=env["llm"], progress=False).run()
+    xmix.capture(
+        None, prompts, SITES, out=whole, shard_mb=0.5, llm=env["llm"], progress=False
+    ).run()
     a, b = _load_dir(killed), _load_dir(whole)
     assert a["index"] == b["index"]
-    assert sorted(a) == sorted(b) and len(a) - 1 == len(a["index"]["shards"]) > STATE["killed_shards"]
+    assert (
+        sorted(a) == sorted(b) and len(a) - 1 == len(a["index"]["shards"]) > STATE["killed_shards"]
+    )
     assert not list(killed.glob("*.tmp")) or all(
-        p.name.removesuffix(".tmp") in a for p in killed.glob("*.tmp"))
+        p.name.removesuffix(".tmp") in a for p in killed.glob("*.tmp")
+    )
     for name in a:
         if name == "index":
             continue
@@ -189,7 +252,9 @@ def test_capture_files_equal_the_transformers_oracle(env):
                 hs = model(torch.tensor([ids]), output_hidden_states=True).hidden_states
             for site, want in (("layers.1.residual.post", hs[2][0]), ("final.post", hs[-1][0])):
                 got = d[f"acts.{site}"][rows]
-                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+                torch.testing.assert_close(
+                    got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max())
+                )
             checked += 1
     assert checked >= 4
 
@@ -206,15 +271,24 @@ def test_memory_of_a_long_capture_stays_flat(env, tmp_path):
         return me.memory_info().rss + sum(c.memory_info().rss for c in me.children(recursive=True))
 
     samples, written = [], 0
-    run = xmix.capture(None, prompts, "layers.*.residual.post,final.post", out=tmp_path / "long",
-                       shard_mb=1.0, llm=env["llm"], progress=False)
+    run = xmix.capture(
+        None,
+        prompts,
+        "layers.*.residual.post,final.post",
+        out=tmp_path / "long",
+        shard_mb=1.0,
+        llm=env["llm"],
+        progress=False,
+    )
     for batch in run:
         written += sum(t.numel() * t.element_size() for t in batch["acts"].values())
         samples.append(rss())
     assert len(samples) >= 20 and written > 96 * 2**20
     settled = samples[len(samples) // 4]
-    growth = max(samples[len(samples) // 4:]) - settled
-    assert growth < 32 * 2**20, f"RSS grew by {growth / 2**20:.1f} MiB over {written / 2**20:.0f} MiB captured"
+    growth = max(samples[len(samples) // 4 :]) - settled
+    assert growth < 32 * 2**20, (
+        f"RSS grew by {growth / 2**20:.1f} MiB over {written / 2**20:.0f} MiB captured"
+    )
 
 
 def test_results_as_tensors_in_the_requests_dtype(env):
@@ -238,17 +312,21 @@ def test_results_as_tensors_in_the_requests_dtype(env):
     ids = env["tok"].encode(prompt)
     with attach(model, [env["cap"]], tokenizer=env["tok"]) as att:
         _, o_res = att.generate(ids, 6, apps=["cap"])
-    np.testing.assert_allclose(f32["h"]["values"].numpy(), np.array(o_res["cap"]["h"]["values"]),
-                               rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(
+        f32["h"]["values"].numpy(), np.array(o_res["cap"]["h"]["values"]), rtol=1e-4, atol=1e-5
+    )
 
 
-@pytest.mark.parametrize("spec,want", [
-    ("prompt", lambda p: list(range(p))),
-    ("generated", lambda p: list(range(p, p + 5))),
-    ("last_token", lambda p: list(range(p - 1, p + 5))),
-    ([[-1, None]], lambda p: [p - 1]),
-    ([[2, 4], [-3, -1]], lambda p: sorted({2, 3, p - 3, p - 2})),
-])
+@pytest.mark.parametrize(
+    "spec,want",
+    [
+        ("prompt", lambda p: list(range(p))),
+        ("generated", lambda p: list(range(p, p + 5))),
+        ("last_token", lambda p: list(range(p - 1, p + 5))),
+        ([[-1, None]], lambda p: [p - 1]),
+        ([[2, 4], [-3, -1]], lambda p: sorted({2, 3, p - 3, p - 2})),
+    ],
+)
 def test_windows_report_exactly_the_positions_asked_for(env, spec, want):
     prompt = PROMPTS[2]
     p = len(env["tok"].encode(prompt))
@@ -282,7 +360,9 @@ def test_the_byte_cap_refuses_or_marks(env):
     p = len(env["tok"].encode(prompt))
     per_pos = (1 + D) * 26 + 2 * 26  # capture h + probe p, JSON
     refused = _counter(env, "vllm:xmix_result_cap_refusals_total")
-    with pytest.raises(ValueError, match=f"over its {p} prompt tokens.*the cap is {p * per_pos - 1} bytes"):
+    with pytest.raises(
+        ValueError, match=f"over its {p} prompt tokens.*the cap is {p * per_pos - 1} bytes"
+    ):
         _gen(env, prompt, {"apps": ["cap"], "max_result_bytes": p * per_pos - 1})
     assert _counter(env, "vllm:xmix_result_cap_refusals_total") == refused + 1
     # the prompt fits exactly; 10 generated positions would not: cut after 2 of them
@@ -293,8 +373,14 @@ def test_the_byte_cap_refuses_or_marks(env):
     assert res["cap"]["h"]["positions"] == list(range(p + 2))
     assert _counter(env, "vllm:xmix_results_truncated_total") == truncated + 1
     # the same in base64 at bfloat16 goes further: (4 + 2 x 256) and (4 + 2) bytes, x 4/3
-    res = xmix.results(_gen(env, prompt, {"apps": ["cap"], "max_result_bytes": cap, "encoding": "base64",
-                                          "dtype": "bfloat16"}, max_tokens=11))
+    res = xmix.results(
+        _gen(
+            env,
+            prompt,
+            {"apps": ["cap"], "max_result_bytes": cap, "encoding": "base64", "dtype": "bfloat16"},
+            max_tokens=11,
+        )
+    )
     assert "!truncated" not in res and len(res["cap"]["h"]["positions"]) == p + 10
     # n sequences share the cap
     out = _gen(env, prompt, {"apps": ["cap"], "max_result_bytes": 2 * cap}, max_tokens=11, n=2)

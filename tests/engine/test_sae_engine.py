@@ -15,11 +15,10 @@ import pytest
 import torch
 
 import xmix
+from engine_util import PROMPTS, greedy, hf_model, make_llm, shutdown, tokenize
 from xmix.hooks import ModelShape
 from xmix.models.tiny import tiny_model_path
 from xmix.sae import SAE
-
-from engine_util import PROMPTS, greedy, hf_model, make_llm, shutdown, tokenize
 
 pytestmark = pytest.mark.engine
 
@@ -32,13 +31,17 @@ def _stream(model, tok, layer: int, site: str) -> torch.Tensor:
     """The stream at layers.<layer>.<site> for the test prompts, rows stacked (HF hooks)."""
     rows = []
     blk = model.model.layers[layer]
-    mod, pre = {"residual.post": (blk, False), "residual.mid": (blk.post_attention_layernorm, True),
-                "mlp.post": (blk.mlp, False)}[site]
+    mod, pre = {
+        "residual.post": (blk, False),
+        "residual.mid": (blk.post_attention_layernorm, True),
+        "mlp.post": (blk.mlp, False),
+    }[site]
     if pre:
         hook = mod.register_forward_pre_hook(lambda m, a: rows.append(a[0][0].detach().clone()))
     else:
         hook = mod.register_forward_hook(
-            lambda m, a, o: rows.append((o[0] if isinstance(o, tuple) else o)[0].detach().clone()))
+            lambda m, a, o: rows.append((o[0] if isinstance(o, tuple) else o)[0].detach().clone())
+        )
     with torch.no_grad():
         for p in PROMPTS[:6]:
             model(input_ids=torch.tensor([tokenize(tok, p)]))
@@ -53,12 +56,21 @@ def calibrated_sae(x: torch.Tensor, seed: int, arch: str, hook: str, **kw) -> SA
     W_enc /= W_enc.norm(dim=0, keepdim=True)
     b_dec = x.mean(0) if kw.get("apply_b_dec_to_input") else torch.zeros(d)
     pre = (x - b_dec) @ W_enc
-    b_enc = -pre.quantile(0.9, dim=0)              # each feature fires on ~10% of tokens
+    b_enc = -pre.quantile(0.9, dim=0)  # each feature fires on ~10% of tokens
     W_dec = torch.randn(F, d, generator=g)
     W_dec = W_dec / W_dec.norm(dim=1, keepdim=True) * x.norm(dim=1).mean() * 0.5
     thr = (pre + b_enc).clamp(min=0).quantile(0.5, dim=0) if arch == "jumprelu" else None
-    return SAE(W_enc, b_enc, W_dec, b_dec, architecture=arch, threshold=thr,
-               k=16 if arch == "topk" else None, hook=hook, **kw)
+    return SAE(
+        W_enc,
+        b_enc,
+        W_dec,
+        b_dec,
+        architecture=arch,
+        threshold=thr,
+        k=16 if arch == "topk" else None,
+        hook=hook,
+        **kw,
+    )
 
 
 def build_apps(model, tok) -> tuple[list[xmix.App], dict]:
@@ -66,21 +78,24 @@ def build_apps(model, tok) -> tuple[list[xmix.App], dict]:
     x2 = _stream(model, tok, 2, "residual.mid")
     relu = calibrated_sae(x1, 1, "relu", "layers.1.residual.post", apply_b_dec_to_input=True)
     jump = calibrated_sae(x2, 2, "jumprelu", "layers.2.residual.mid")
-    topk = calibrated_sae(x1, 3, "topk", "layers.1.residual.post", normalize_activations="layer_norm")
+    topk = calibrated_sae(
+        x1, 3, "topk", "layers.1.residual.post", normalize_activations="layer_norm"
+    )
     a1 = relu.encode(x1)
-    busy = int((a1 > 0).float().mean(0).argmax())         # the feature that fires most often
+    busy = int((a1 > 0).float().mean(0).argmax())  # the feature that fires most often
     f_gate = int((jump.encode(x2) > 0).float().mean(0).argmax())
     theta = float(jump.encode(x2)[:, f_gate].median())
 
     reads = xmix.App("sae_reads")
-    reads.read("sae", sae=relu, top_k=8).named("s1")                   # at the SAE's hook
+    reads.read("sae", sae=relu, top_k=8).named("s1")  # at the SAE's hook
     reads.read("sae", sae=topk, top_k=4).named("t1")
     reads.read("sae", sae=jump, features=[f_gate, 7, 100]).named("j2")
 
     gated = xmix.App("sae_gated")
     gated.read("sae", sae=jump, features=[f_gate]).named("j")
-    gated.write("add", vector=relu.W_dec[busy] * 4.0).layers([3]).submodule("residual.pre") \
-        .cond(gate=f"j.f{f_gate} > {theta}")
+    gated.write("add", vector=relu.W_dec[busy] * 4.0).layers([3]).submodule("residual.pre").cond(
+        gate=f"j.f{f_gate} > {theta}"
+    )
 
     steer = xmix.App("sae_steer")
     steer.write("sae_steer", sae=relu, feature=busy, scale=6.0).named("push")
@@ -106,8 +121,15 @@ def env():
     for a in apps:
         llm.xmix.deploy(a)
     oracle = attach(model, apps, tokenizer=tok)
-    yield dict(tok=tok, shape=shape, llm=llm, oracle=oracle, apps=apps, info=info,
-               ids=[tokenize(tok, p) for p in PROMPTS])
+    yield dict(
+        tok=tok,
+        shape=shape,
+        llm=llm,
+        oracle=oracle,
+        apps=apps,
+        info=info,
+        ids=[tokenize(tok, p) for p in PROMPTS],
+    )
     oracle.detach()
     shutdown(llm)
 
@@ -126,11 +148,13 @@ def assert_sae_reads_match(engine: dict, oracle: dict, what: str) -> None:
                     # only a near tie between neighbours may order them differently
                     n = min(len(ev["acts"]), len(ov["acts"]))
                     gap = np.abs(np.diff(np.asarray(ov["acts"][: n + 1])))
-                    assert len(ev["ids"]) == len(ov["ids"]) and gap.min() < 1e-4 * max(ov["acts"]), \
-                        f"{where}: ids {ev['ids']} != {ov['ids']}"
+                    assert len(ev["ids"]) == len(ov["ids"]) and gap.min() < 1e-4 * max(
+                        ov["acts"]
+                    ), f"{where}: ids {ev['ids']} != {ov['ids']}"
                     continue
-                np.testing.assert_allclose(ev["acts"], ov["acts"], rtol=READ_RTOL, atol=1e-5,
-                                           err_msg=where)
+                np.testing.assert_allclose(
+                    ev["acts"], ov["acts"], rtol=READ_RTOL, atol=1e-5, err_msg=where
+                )
 
 
 CONTROLS = [
@@ -154,8 +178,9 @@ def test_sae_primitives_match_the_oracle(env):
     for i, (out, ctl) in enumerate(zip(outs, controls)):
         toks = list(out.outputs[0].token_ids)
         apps = ctl["apps"] if ctl else []
-        o_toks, o_res = env["oracle"].generate(ids[i], MAX_TOKENS, apps=apps,
-                                               params=(ctl or {}).get("params"))
+        o_toks, o_res = env["oracle"].generate(
+            ids[i], MAX_TOKENS, apps=apps, params=(ctl or {}).get("params")
+        )
         assert toks == o_toks, f"request {i} ({ctl}) differs from the oracle"
         res = xmix.results(out)
         assert_sae_reads_match(res, o_res, f"request {i} ({ctl})")
@@ -164,8 +189,9 @@ def test_sae_primitives_match_the_oracle(env):
             plain, _ = env["oracle"].generate(ids[i], MAX_TOKENS)
             if toks != plain:
                 changed.update(a for a in apps if a != "sae_reads")
-    assert {"sae_steer", "sae_clamp", "sae_gated"} <= changed, \
+    assert {"sae_steer", "sae_clamp", "sae_gated"} <= changed, (
         f"each write app should change some answer; changed: {sorted(changed)}"
+    )
 
 
 def test_top_k_results_shape(env):

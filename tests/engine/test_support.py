@@ -16,10 +16,9 @@ import textwrap
 
 import pytest
 
+from engine_util import make_llm
 from xmix.integrations.vllm import support
 from xmix.models.tiny import tiny_model_path
-
-from engine_util import make_llm
 
 MODEL = str(tiny_model_path("tiny-llama"))
 
@@ -51,9 +50,17 @@ def _refused(cfg, words: str) -> str:
 
 
 def test_speculative_decoding_refused():
-    _refused(config(speculative_config={"method": "ngram", "num_speculative_tokens": 2,
-                                        "prompt_lookup_max": 2, "prompt_lookup_min": 1}),
-             "speculative decoding (ngram")
+    _refused(
+        config(
+            speculative_config={
+                "method": "ngram",
+                "num_speculative_tokens": 2,
+                "prompt_lookup_max": 2,
+                "prompt_lookup_min": 1,
+            }
+        ),
+        "speculative decoding (ngram",
+    )
 
 
 def test_prompt_embeds_refused():
@@ -62,8 +69,12 @@ def test_prompt_embeds_refused():
 
 def test_kv_connector_served():
     # Admission decides per request (tests/engine/test_kv_connector.py); the engine starts.
-    assert support.problems(config(kv_transfer_config={"kv_connector": "ExampleConnector",
-                                                       "kv_role": "kv_both"})) == []
+    assert (
+        support.problems(
+            config(kv_transfer_config={"kv_connector": "ExampleConnector", "kv_role": "kv_both"})
+        )
+        == []
+    )
 
 
 def test_several_api_servers_and_data_parallel_are_served():
@@ -78,7 +89,7 @@ def test_pipeline_with_tensor_parallel_refused(plain):
 
     cfg = copy.deepcopy(plain)
     cfg.parallel_config.pipeline_parallel_size = 2
-    assert support.problems(cfg) == []   # pipeline parallel alone is served (pp.py)
+    assert support.problems(cfg) == []  # pipeline parallel alone is served (pp.py)
     cfg.parallel_config.tensor_parallel_size = 2
     _refused(cfg, "pipeline parallel (2 stages) together with tensor parallel (2 ranks)")
 
@@ -105,9 +116,15 @@ def test_prefill_context_parallel_refused(plain):
 
 
 def test_all_problems_listed_at_once():
-    cfg = config(enable_prompt_embeds=True,
-                 speculative_config={"method": "ngram", "num_speculative_tokens": 2,
-                                     "prompt_lookup_max": 2, "prompt_lookup_min": 1})
+    cfg = config(
+        enable_prompt_embeds=True,
+        speculative_config={
+            "method": "ngram",
+            "num_speculative_tokens": 2,
+            "prompt_lookup_max": 2,
+            "prompt_lookup_min": 1,
+        },
+    )
     assert len(support.problems(cfg)) == 2
 
 
@@ -170,9 +187,11 @@ def test_register_touches_no_cuda():
     """Issue 20.2: register() runs in the process that forks vLLM's engine core; it must not
     initialise CUDA (the capture hook is installed by the worker's load_model instead)."""
     env = {k: v for k, v in os.environ.items() if k != "XMIX_DISABLE"}
-    r = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, env=env, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-c", PROBE], capture_output=True, text=True, env=env, timeout=300
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     line = [ln for ln in r.stdout.splitlines() if ln.startswith("CALLS=")]
     assert line, r.stdout[-2000:] + r.stderr[-2000:]
-    calls = json.loads(line[0][len("CALLS="):])
+    calls = json.loads(line[0][len("CALLS=") :])
     assert calls == [], f"register() reached CUDA: {calls}"

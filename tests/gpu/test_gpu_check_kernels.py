@@ -11,20 +11,27 @@ from __future__ import annotations
 import pytest
 import torch
 
+from harness import Harness, Req
 from xmix import reference as R
 from xmix.api import App
 from xmix.control import Capacity
 from xmix.hooks import ModelShape
-
-from harness import Harness, Req
 
 
 @pytest.mark.gpu
 def test_cast_score_over_many_blocks_is_the_reference_every_time():
     d, t, reps = 4096, 1024, 30
     shape = ModelShape(n_layers=2, hidden_size=d, vocab_size=64)
-    cap = Capacity(max_tokens=t, max_slots=4, max_apps=4, max_params=16, max_channels=4,
-                   max_ops=8, max_cond=8, capture_floats=1)
+    cap = Capacity(
+        max_tokens=t,
+        max_slots=4,
+        max_apps=4,
+        max_params=16,
+        max_channels=4,
+        max_ops=8,
+        max_cond=8,
+        capture_floats=1,
+    )
     g = torch.Generator().manual_seed(11)
     v = torch.randn(d, generator=g)
     app = App("k")

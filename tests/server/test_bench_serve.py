@@ -28,10 +28,32 @@ N, OUT_LEN = 8, 6
 
 def test_serve_overhead_runs_end_to_end(tmp_path):
     results, plot, raw = tmp_path / "res.md", tmp_path / "itl.png", tmp_path / "raw"
-    cmd = [sys.executable, str(SCRIPT), "--model", "tiny-llama", "--rounds", "1",
-           "--configs", "unused,mixed", "--num-prompts", str(N), "--input-len", "16",
-           "--output-len", str(OUT_LEN), "--concurrency", "4", "--mixed-concurrency", "4",
-           "--results", str(results), "--plot", str(plot), "--raw", str(raw)]
+    cmd = [
+        sys.executable,
+        str(SCRIPT),
+        "--model",
+        "tiny-llama",
+        "--rounds",
+        "1",
+        "--configs",
+        "unused,mixed",
+        "--num-prompts",
+        str(N),
+        "--input-len",
+        "16",
+        "--output-len",
+        str(OUT_LEN),
+        "--concurrency",
+        "4",
+        "--mixed-concurrency",
+        "4",
+        "--results",
+        str(results),
+        "--plot",
+        str(plot),
+        "--raw",
+        str(raw),
+    ]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1500)
     out = r.stdout + r.stderr
@@ -40,16 +62,24 @@ def test_serve_overhead_runs_end_to_end(tmp_path):
     # the table: one vanilla row (one concurrency), one ratio row per configuration with a
     # median and a min..max per metric (one round: all three equal)
     rows = [l for l in r.stdout.splitlines() if l.startswith("| ")]
-    assert rows[0].startswith("| configuration | mean ITL | P99 ITL | mean TTFT | P99 TTFT | mean E2E | out tok/s |")
+    assert rows[0].startswith(
+        "| configuration | mean ITL | P99 ITL | mean TTFT | P99 TTFT | mean E2E | out tok/s |"
+    )
     assert len([l for l in rows if l.startswith("| vanilla, concurrency 4")]) == 1
     for cfg in ("unused", "mixed"):
         (row,) = [l for l in rows if l.startswith(f"| {cfg} (concurrency 4)")]
         cells = re.findall(r"(\d+\.\d+) \((\d+\.\d+)\.\.(\d+\.\d+)\)", row)
         assert len(cells) == 6, row
         for med, lo, hi in cells:
-            assert float(med) > 0 and abs(float(lo) - float(med)) < 0.006 and abs(float(hi) - float(med)) < 0.006
+            assert (
+                float(med) > 0
+                and abs(float(lo) - float(med)) < 0.006
+                and abs(float(hi) - float(med)) < 0.006
+            )
     text = results.read_text()
-    assert "machine:" in text and "date:" in text and "command: python bench/serve_overhead.py" in text
+    assert (
+        "machine:" in text and "date:" in text and "command: python bench/serve_overhead.py" in text
+    )
     assert rows[0] in text
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

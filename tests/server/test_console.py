@@ -11,12 +11,10 @@ import re
 import shutil
 import struct
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
 import pytest
-import torch
 
 import xmix
 from serve_util import xmix_server
@@ -27,9 +25,17 @@ ROOT = Path(__file__).resolve().parents[2]
 SHOTS = ROOT / "build" / "screenshots"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")
-CHROME_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                "--window-size=1400,1800"]
+CHROME_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--window-size=1400,1800",
+]
 XSS = '<script>window.__xss=1</script><img src=x onerror="window.__xss=2"> Once'
 
 
@@ -43,8 +49,10 @@ def _browser_missing() -> str | None:
     except ImportError:
         return "selenium is not installed (pip install -e '.[test]')"
     if not CHROMIUM or not CHROMEDRIVER:
-        return ("Debian's chromium and chromium-driver are not installed (scripts/setup.sh installs "
-                "them when run as root: apt-get install -y chromium chromium-driver)")
+        return (
+            "Debian's chromium and chromium-driver are not installed (scripts/setup.sh installs "
+            "them when run as root: apt-get install -y chromium chromium-driver)"
+        )
     return None
 
 
@@ -74,8 +82,9 @@ def _apps(model: Path, out: Path):
     g = xmix.App("gated", metadata={"note": "<img src=x onerror=\"window.__xss='meta'\">"})
     g.param("theta", 0.5)
     g.read("probe", weight=u, bias=0.0).layers([1]).submodule("residual.post").named("g")
-    g.write("add", vector=u, scale=6.0).layers([3]).submodule("residual.post").named("push") \
-        .cond(gate="g >= theta")
+    g.write("add", vector=u, scale=6.0).layers([3]).submodule("residual.post").named("push").cond(
+        gate="g >= theta"
+    )
     paths.append(g.save(out / "gated.xmix"))
     up = xmix.App("uploaded", metadata={"note": "<script>window.__xss='upload'</script>"})
     up.read("probe", weight=u, bias=0.0).layers([2]).submodule("residual.post").named("u")
@@ -122,7 +131,11 @@ def view(d, name):
     d.find_element(By.CSS_SELECTOR, f".tab[data-view={name}]").click()
     wait(d, lambda d: d.find_element(By.ID, f"view-{name}").is_displayed(), 10)
     if name == "apps":  # the view reloads the app list when opened: wait for that render
-        wait(d, lambda d: d.find_element(By.ID, "apps-list").get_attribute("data-renders") != renders, 10)
+        wait(
+            d,
+            lambda d: d.find_element(By.ID, "apps-list").get_attribute("data-renders") != renders,
+            10,
+        )
 
 
 def run_playground(d, prompt, apps, params=None, max_tokens=12, kind="completion"):
@@ -133,7 +146,11 @@ def run_playground(d, prompt, apps, params=None, max_tokens=12, kind="completion
             box.click()
     for inp in d.find_elements(By.CSS_SELECTOR, "#pg-app-list input[data-param]"):
         inp.clear()
-        v = (params or {}).get(inp.get_attribute("data-app"), {}).get(inp.get_attribute("data-param"))
+        v = (
+            (params or {})
+            .get(inp.get_attribute("data-app"), {})
+            .get(inp.get_attribute("data-param"))
+        )
         if v is not None:
             inp.send_keys(str(v))
     mt = d.find_element(By.ID, "pg-max-tokens")
@@ -149,8 +166,13 @@ def run_playground(d, prompt, apps, params=None, max_tokens=12, kind="completion
 
 
 def completion(server, prompt, xargs=None, max_tokens=12):
-    body = {"model": server["name"], "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "seed": 0}
+    body = {
+        "model": server["name"],
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "seed": 0,
+    }
     if xargs is not None:
         body["vllm_xargs"] = xargs
     r = server["client"].post("/v1/completions", json=body)
@@ -178,13 +200,19 @@ def test_the_page_is_served_without_the_key_but_its_data_is_not(server):
     r = httpx.get(base + "/xmix/ui", follow_redirects=True)
     assert r.status_code == 200 and r.url.path == "/xmix/ui/"
     assert "script-src 'self'" in r.headers["content-security-policy"]
-    assert httpx.get(base + "/xmix/ui/console.js").headers["content-type"].startswith("text/javascript")
+    assert (
+        httpx.get(base + "/xmix/ui/console.js")
+        .headers["content-type"]
+        .startswith("text/javascript")
+    )
     assert httpx.get(base + "/xmix/ui/../server.py").status_code == 404
     assert httpx.get(base + "/xmix/ui/secret.txt").status_code == 404
     for path in ("/xmix/v1/console/info", "/xmix/v1/console/live"):
         assert httpx.get(base + path).status_code == 401
     assert httpx.post(base + "/xmix/v1/console/tokens", json={"ids": [1]}).status_code == 401
-    assert server["client"].post("/xmix/v1/console/tokens", json={"ids": [10 ** 9]}).status_code == 400
+    assert (
+        server["client"].post("/xmix/v1/console/tokens", json={"ids": [10**9]}).status_code == 400
+    )
 
 
 def test_playground_steered_differs_and_heatmap_cells_equal_the_json(server, page):
@@ -222,28 +250,39 @@ def test_gate_decisions_are_marked_on_the_tokens_they_fired_on(server, page):
     run_playground(page, prompt, ["gated"], {"gated": {"theta": theta}})
     st = completion(server, prompt, {"xmix_apps": "gated", "xmix.gated.theta": theta})
     g = st["xmix"]["gated"]["g"]
-    assert page.find_element(By.CSS_SELECTOR, "#pg-steered pre.answer").text.strip() == \
-        st["choices"][0]["text"].strip()
+    assert (
+        page.find_element(By.CSS_SELECTOR, "#pg-steered pre.answer").text.strip()
+        == st["choices"][0]["text"].strip()
+    )
     by_pos = dict(zip(g["positions"], g["values"]))
     n = st["usage"]["prompt_tokens"] + st["usage"]["completion_tokens"]
     expect = [str(by_pos.get(t, math.nan) >= _f32(theta)).lower() for t in range(n - 1)] + [""]
     marks = cells(page, "steered", "gated", "push", kind="op")
     assert [c.get_attribute("data-fired") for c in marks] == expect
     assert "true" in expect and "false" in expect, "pick a theta that splits the tokens"
-    assert [c.get_attribute("class").split().count("fired") for c in marks] == \
-        [int(e == "true") for e in expect]
+    assert [c.get_attribute("class").split().count("fired") for c in marks] == [
+        int(e == "true") for e in expect
+    ]
 
 
 def test_playground_chat_streams_and_maps_the_template_tokens(server, page):
     message = "Tell me a story"
     run_playground(page, message, ["lens_probe"], kind="chat", max_tokens=8)
-    body = {"model": server["name"], "messages": [{"role": "user", "content": message}],
-            "max_tokens": 8, "temperature": 0, "seed": 0, "vllm_xargs": {"xmix_apps": "lens_probe"}}
+    body = {
+        "model": server["name"],
+        "messages": [{"role": "user", "content": message}],
+        "max_tokens": 8,
+        "temperature": 0,
+        "seed": 0,
+        "vllm_xargs": {"xmix_apps": "lens_probe"},
+    }
     r = server["client"].post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
     chat = r.json()
-    assert page.find_element(By.CSS_SELECTOR, "#pg-steered pre.answer").text.strip() == \
-        chat["choices"][0]["message"]["content"].strip()
+    assert (
+        page.find_element(By.CSS_SELECTOR, "#pg-steered pre.answer").text.strip()
+        == chat["choices"][0]["message"]["content"].strip()
+    )
     lean = chat["xmix"]["lens_probe"]["lean"]
     tokens = cells(page, "steered", "lens_probe", "lean")
     assert len(tokens) == chat["usage"]["prompt_tokens"] + chat["usage"]["completion_tokens"]
@@ -260,7 +299,9 @@ def test_model_and_client_text_renders_as_text(server, page):
     assert not reads.find_elements(By.CSS_SELECTOR, "script, img")
     heat = page.find_element(By.CSS_SELECTOR, "#pg-steered .heatmap[data-app='lens_probe']")
     text = heat.get_attribute("textContent")
-    assert "<script>window.__xss=1</script>" in text and '<img src=x onerror="window.__xss=2">' in text
+    assert (
+        "<script>window.__xss=1</script>" in text and '<img src=x onerror="window.__xss=2">' in text
+    )
     # app metadata (a client's text) in the Apps view
     view(page, "apps")
     card = page.find_element(By.CSS_SELECTOR, ".app-card[data-app='gated']")
@@ -280,8 +321,14 @@ def test_deploy_mode_params_and_undeploy_through_the_page_take_effect(server, pa
     assert status.text == "uploaded: deployed (mode request)", status.text
     wait(page, lambda d: d.find_elements(By.CSS_SELECTOR, ".app-card[data-app='uploaded']"))
     card = page.find_element(By.CSS_SELECTOR, ".app-card[data-app='uploaded']")
-    assert card.find_element(By.CSS_SELECTOR, "td.on").get_attribute("title") == "layers.2.residual.post"
-    assert "<script>window.__xss='upload'</script>" in card.find_element(By.CSS_SELECTOR, "pre.metadata").text
+    assert (
+        card.find_element(By.CSS_SELECTOR, "td.on").get_attribute("title")
+        == "layers.2.residual.post"
+    )
+    assert (
+        "<script>window.__xss='upload'</script>"
+        in card.find_element(By.CSS_SELECTOR, "pre.metadata").text
+    )
     page.save_screenshot(str(SHOTS / "apps.png"))
     before = completion(server, prompt, {"xmix_apps": "uploaded"})["xmix"]["uploaded"]["u"]
 
@@ -302,23 +349,32 @@ def test_deploy_mode_params_and_undeploy_through_the_page_take_effect(server, pa
     card = page.find_element(By.CSS_SELECTOR, ".app-card[data-app='uploaded']")
     Select(card.find_element(By.CSS_SELECTOR, "select.mode-select")).select_by_value("off")
     wait(page, lambda d: status.text == "uploaded: mode changed")
-    body = {"model": server["name"], "prompt": prompt, "max_tokens": 2,
-            "vllm_xargs": {"xmix_apps": "uploaded"}}
+    body = {
+        "model": server["name"],
+        "prompt": prompt,
+        "max_tokens": 2,
+        "vllm_xargs": {"xmix_apps": "uploaded"},
+    }
     r = server["client"].post("/v1/completions", json=body)
     assert r.status_code == 400 and "switched off" in r.text
     card = page.find_element(By.CSS_SELECTOR, ".app-card[data-app='uploaded']")
     Select(card.find_element(By.CSS_SELECTOR, "select.mode-select")).select_by_value("all")
     wait(page, lambda d: status.text == "uploaded: mode changed")
     assert "uploaded" in completion(server, prompt)["xmix"]
-    assert [a["mode"] for a in server["client"].get("/xmix/v1/apps").json()["apps"]
-            if a["name"] == "uploaded"] == ["all"]
+    assert [
+        a["mode"]
+        for a in server["client"].get("/xmix/v1/apps").json()["apps"]
+        if a["name"] == "uploaded"
+    ] == ["all"]
 
     # undeploy: gone from the control plane, and the next request naming it is refused
     card = page.find_element(By.CSS_SELECTOR, ".app-card[data-app='uploaded']")
     card.find_element(By.CSS_SELECTOR, "button.undeploy").click()
     wait(page, lambda d: status.text == "uploaded: undeployed")
     wait(page, lambda d: not d.find_elements(By.CSS_SELECTOR, ".app-card[data-app='uploaded']"))
-    assert "uploaded" not in [a["name"] for a in server["client"].get("/xmix/v1/apps").json()["apps"]]
+    assert "uploaded" not in [
+        a["name"] for a in server["client"].get("/xmix/v1/apps").json()["apps"]
+    ]
     r = server["client"].post("/v1/completions", json=body)
     assert r.status_code == 400 and "unknown app 'uploaded'" in r.text
     assert "uploaded" not in (completion(server, prompt).get("xmix") or {})
@@ -331,7 +387,8 @@ def test_live_view_shows_the_metrics_counters_and_refreshes(server, page):
         # read in one script call: the view re-renders its table every 2 s
         return page.execute_script(
             "const c = document.querySelector(arguments[0]); return c ? c.textContent : null;",
-            f"#live-table tr[data-app='{app}'] {sel}")
+            f"#live-table tr[data-app='{app}'] {sel}",
+        )
 
     def shown(app):
         return float(cell(app, "td.admitted"))
@@ -345,7 +402,7 @@ def test_live_view_shows_the_metrics_counters_and_refreshes(server, page):
     assert cell("steer_the", "td.finished") != "0"
     before = shown("lens_probe")
     completion(server, "Refresh me", {"xmix_apps": ["lens_probe"]})
-    wait(page, lambda d: shown("lens_probe") == before + 1, 15)   # no reload: the view polls
+    wait(page, lambda d: shown("lens_probe") == before + 1, 15)  # no reload: the view polls
     assert shown("lens_probe") == metric(server, "vllm:xmix_app_requests_total", app="lens_probe")
     page.save_screenshot(str(SHOTS / "live.png"))
 
@@ -354,8 +411,13 @@ def test_server_start_logs_each_app_and_the_console_url(server):
     log = server["log"].read_text()
     lines = [l for l in log.splitlines() if re.search(r"xmix: app \w+  mode=", l)]
     assert len(lines) == 3
-    assert re.search(r"xmix: app steer_the  mode=request  sites=layers\.3\.residual\.post$", lines[0])
+    assert re.search(
+        r"xmix: app steer_the  mode=request  sites=layers\.3\.residual\.post$", lines[0]
+    )
     assert re.search(r"xmix: app lens_probe  mode=request  sites=final\.post$", lines[1])
-    assert re.search(r"xmix: app gated  mode=request  sites=layers\.1\.residual\.post, "
-                     r"layers\.3\.residual\.post$", lines[2])
+    assert re.search(
+        r"xmix: app gated  mode=request  sites=layers\.1\.residual\.post, "
+        r"layers\.3\.residual\.post$",
+        lines[2],
+    )
     assert f"xmix: console at http://127.0.0.1:{server['port']}/xmix/ui/" in log

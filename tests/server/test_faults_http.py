@@ -57,16 +57,33 @@ def srv(tmp_path_factory):
         pytest.skip("needs a C++ compiler to build a user kernel")
     (tmp / "k.cpp").write_text(KERNEL_CPP)
     lib = tmp / "libmaybe.so"
-    subprocess.run([cxx, "-shared", "-fPIC", "-O1", "-I", str(xmix.custom_include_dir()), "-o", str(lib),
-                    str(tmp / "k.cpp")], check=True)
+    subprocess.run(
+        [
+            cxx,
+            "-shared",
+            "-fPIC",
+            "-O1",
+            "-I",
+            str(xmix.custom_include_dir()),
+            "-o",
+            str(lib),
+            str(tmp / "k.cpp"),
+        ],
+        check=True,
+    )
     g = torch.Generator().manual_seed(9)
     probe = xmix.App("probe")
-    probe.read("probe", weight=torch.randn(D, generator=g) / 16).layers([2]).submodule("residual.post").named("p")
+    probe.read("probe", weight=torch.randn(D, generator=g) / 16).layers([2]).submodule(
+        "residual.post"
+    ).named("p")
     steer = xmix.App("steer")
-    steer.write("add", vector=torch.randn(D, generator=g), scale=2.0).layers([1]).submodule("residual.post")
+    steer.write("add", vector=torch.randn(D, generator=g), scale=2.0).layers([1]).submodule(
+        "residual.post"
+    )
     bad = xmix.App("bad")  # a user kernel: only from a local file at start, never over HTTP
-    bad.write("custom", cpu_library=str(lib), cpu_symbol="maybe_fail", params={"fail": 0.0}) \
-        .layers([1]).submodule("residual.pre")
+    bad.write("custom", cpu_library=str(lib), cpu_symbol="maybe_fail", params={"fail": 0.0}).layers(
+        [1]
+    ).submodule("residual.pre")
     args = ["--api-key", KEY, "--num-gpu-blocks-override", "128", "--max-num-seqs", "16"]
     for app in (probe, steer, bad):
         args += ["--app", str(app.save(tmp / f"{app.name}.xmix"))]
@@ -77,8 +94,15 @@ def srv(tmp_path_factory):
 
 
 def _body(prompt: str, control=None, **kw) -> dict:
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True, **kw}
+    body = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": 12,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        **kw,
+    }
     if control is not None:
         body["vllm_xargs"] = {"xmix": json.dumps(control)}
     return body
@@ -89,13 +113,21 @@ async def _answers(base: str, bodies: list[dict]) -> list:
         r = await client.post("/v1/completions", json=body)
         return r.status_code, r.json()
 
-    async with httpx.AsyncClient(base_url=base, timeout=300, headers={"Authorization": f"Bearer {KEY}"}) as c:
+    async with httpx.AsyncClient(
+        base_url=base, timeout=300, headers={"Authorization": f"Bearer {KEY}"}
+    ) as c:
         return await asyncio.gather(*(one(c, b) for b in bodies))
 
 
 def _bystanders(salt: str) -> list[dict]:
-    return [_body(f"Bystander number {i} walks along the river and", {"apps": ["probe"]} if i % 2 else None,
-                  cache_salt=salt) for i in range(8)]
+    return [
+        _body(
+            f"Bystander number {i} walks along the river and",
+            {"apps": ["probe"]} if i % 2 else None,
+            cache_salt=salt,
+        )
+        for i in range(8)
+    ]
 
 
 def _outcome(answers) -> list:
@@ -117,8 +149,10 @@ def _metric(s, name: str, app: str, deadline: float = 30) -> float:
 
 
 def test_the_open_control_plane_is_announced(srv):
-    assert "xmix: control plane OPEN (XMIX_ALLOW_OPEN_CONTROL_PLANE=1): the server's API key may deploy" \
+    assert (
+        "xmix: control plane OPEN (XMIX_ALLOW_OPEN_CONTROL_PLANE=1): the server's API key may deploy"
         in srv["server"].log_text()
+    )
 
 
 def test_a_write_driven_to_inf_poisons_no_other_request(srv):
@@ -131,12 +165,15 @@ def test_a_write_driven_to_inf_poisons_no_other_request(srv):
     c, base = srv["c"], srv["server"].base
     before = _outcome(asyncio.run(_answers(base, _bystanders("b1"))))
     adv = xmix.App("adv")
-    adv.write("affine", matrix=torch.eye(D) * 1e38, mu_s=torch.zeros(D), mu_t=torch.zeros(D)) \
-        .layers([1]).submodule("residual.post")
+    adv.write(
+        "affine", matrix=torch.eye(D) * 1e38, mu_s=torch.zeros(D), mu_t=torch.zeros(D)
+    ).layers([1]).submodule("residual.post")
     assert c.post("/xmix/v1/apps", content=adv.to_bytes()).status_code == 201
     try:
-        mixed = _bystanders("b2") + [_body("Overflow " * 30 + str(i), {"apps": ["adv", "probe"]}, max_tokens=24)
-                                     for i in range(4)]
+        mixed = _bystanders("b2") + [
+            _body("Overflow " * 30 + str(i), {"apps": ["adv", "probe"]}, max_tokens=24)
+            for i in range(4)
+        ]
         got = asyncio.run(_answers(base, mixed))
         assert _outcome(got[:8]) == before
         for status, doc in got[8:]:
@@ -157,8 +194,14 @@ def test_a_failing_user_kernel_fails_only_its_request(srv):
     it (they did not get their write), all others in those steps answer as without it, and
     the engine serves on."""
     base = srv["server"].base
-    bodies = [_body(f"Kernel test {i} begins with", {"apps": ["bad"]} if i % 3 == 2 else
-                    ({"apps": ["probe"]} if i % 3 else None), cache_salt="k1") for i in range(6)]
+    bodies = [
+        _body(
+            f"Kernel test {i} begins with",
+            {"apps": ["bad"]} if i % 3 == 2 else ({"apps": ["probe"]} if i % 3 else None),
+            cache_salt="k1",
+        )
+        for i in range(6)
+    ]
     reference = _outcome(asyncio.run(_answers(base, bodies)))
     failing = _body("This one fails", {"apps": ["bad"], "params": {"bad": {"fail": 1.0}}})
     got = asyncio.run(_answers(base, [{**b, "cache_salt": "k2"} for b in bodies] + [failing]))
@@ -175,7 +218,10 @@ def test_a_failing_user_kernel_fails_only_its_request(srv):
         events = [json.loads(l[6:]) for l in r.iter_lines() if l.startswith("data: {")]
     assert "asked this kernel to fail" in events[-1]["error"]["message"], events[-1]
     assert _metric(srv, "xmix_site_errors", "bad") >= 2
-    assert _outcome(asyncio.run(_answers(base, [{**b, "cache_salt": "k3"} for b in bodies]))) == reference
+    assert (
+        _outcome(asyncio.run(_answers(base, [{**b, "cache_salt": "k3"} for b in bodies])))
+        == reference
+    )
     assert srv["server"].alive()
 
 
@@ -188,7 +234,9 @@ def test_clients_that_go_away_mid_stream_leave_nothing_behind(srv):
     tracebacks = srv["server"].tracebacks()
 
     async def go_away(client, i):
-        body = _body(f"Disconnecting stream {i}:", {"apps": ["steer", "probe"]}, max_tokens=64, stream=True)
+        body = _body(
+            f"Disconnecting stream {i}:", {"apps": ["steer", "probe"]}, max_tokens=64, stream=True
+        )
         async with client.stream("POST", "/v1/completions", json=body) as r:
             assert r.status_code == 200
             n = 0
@@ -198,7 +246,9 @@ def test_clients_that_go_away_mid_stream_leave_nothing_behind(srv):
                     break
 
     async def main():
-        async with httpx.AsyncClient(base_url=base, timeout=300, headers={"Authorization": f"Bearer {KEY}"}) as cl:
+        async with httpx.AsyncClient(
+            base_url=base, timeout=300, headers={"Authorization": f"Bearer {KEY}"}
+        ) as cl:
             await asyncio.gather(*(go_away(cl, i) for i in range(16)))
 
     asyncio.run(main())
@@ -216,8 +266,11 @@ def test_clients_that_go_away_mid_stream_leave_nothing_behind(srv):
 def _state(c) -> tuple:
     apps = c.get("/xmix/v1/apps").json()["apps"]
     w = c.get("/xmix/v1/status").json()["workers"][0]
-    return [(a["name"], a["version"], a["mode"]) for a in apps], w["ops_generation"], \
-        [a["name"] for a in w["apps"]]
+    return (
+        [(a["name"], a["version"], a["mode"]) for a in apps],
+        w["ops_generation"],
+        [a["name"] for a in w["apps"]],
+    )
 
 
 def _sets_app(name: str, n: int) -> xmix.App:
@@ -225,7 +278,9 @@ def _sets_app(name: str, n: int) -> xmix.App:
     v = torch.ones(D) / 16
     for i in range(n):
         app.token_set(f"t{i}", ids=[i + 5])
-        app.write("add", vector=v).layers([1]).submodule("residual.pre").cond(when=f"token_in(t{i})")
+        app.write("add", vector=v).layers([1]).submodule("residual.pre").cond(
+            when=f"token_in(t{i})"
+        )
     return app
 
 
@@ -237,8 +292,9 @@ def _spans_app(name: str, opens: int, closes: int) -> xmix.App:
     for i in range(closes):
         app.token_set(f"c{i}", ids=[i + 60])
     for i in range(opens * closes):
-        app.write("add", vector=v).layers([2]).submodule("residual.pre") \
-            .cond(when=f"in_span(o{i // closes}, c{i % closes})")
+        app.write("add", vector=v).layers([2]).submodule("residual.pre").cond(
+            when=f"in_span(o{i // closes}, c{i % closes})"
+        )
     return app
 
 
@@ -257,19 +313,27 @@ def test_a_full_control_block_answers_507_naming_the_limit(srv):
     apps and versions, same op-list generation)."""
     c = srv["c"]
     before = _state(c)
-    for app, limit in ((_wide_app("wide", 60, "all"), "XMIX_MAX_OPS=200"),
-                       (_sets_app("sets", 17), "max_token_sets=16"), (_spans_app("spans", 3, 3), "max_spans=8")):
+    for app, limit in (
+        (_wide_app("wide", 60, "all"), "XMIX_MAX_OPS=200"),
+        (_sets_app("sets", 17), "max_token_sets=16"),
+        (_spans_app("spans", 3, 3), "max_spans=8"),
+    ):
         r = c.post("/xmix/v1/apps", content=app.to_bytes())
         assert r.status_code == 422 and limit in r.json()["error"]["message"], (app.name, r.text)
         assert _state(c) == before
-    for first, second, limit in ((_wide_app("half_a", 60, [0, 1]), _wide_app("half_b", 60, [2, 3]), "XMIX_MAX_OPS=200"),
-                                 (_sets_app("sets_a", 10), _sets_app("sets_b", 10), "max_token_sets=16"),
-                                 (_spans_app("spans_a", 2, 3), _spans_app("spans_b", 2, 3), "max_spans=8")):
+    for first, second, limit in (
+        (_wide_app("half_a", 60, [0, 1]), _wide_app("half_b", 60, [2, 3]), "XMIX_MAX_OPS=200"),
+        (_sets_app("sets_a", 10), _sets_app("sets_b", 10), "max_token_sets=16"),
+        (_spans_app("spans_a", 2, 3), _spans_app("spans_b", 2, 3), "max_spans=8"),
+    ):
         assert c.post("/xmix/v1/apps", content=first.to_bytes()).status_code == 201
         try:
             filled = _state(c)
             r = c.post("/xmix/v1/apps", content=second.to_bytes())
-            assert r.status_code == 507 and limit in r.json()["error"]["message"], (second.name, r.text)
+            assert r.status_code == 507 and limit in r.json()["error"]["message"], (
+                second.name,
+                r.text,
+            )
             assert _state(c) == filled
         finally:
             assert c.delete(f"/xmix/v1/apps/{first.name}").status_code == 200
@@ -285,7 +349,10 @@ def test_a_full_control_block_answers_507_naming_the_limit(srv):
         assert r.status_code == 507 and "XMIX_MAX_APPS" in r.json()["error"]["message"], r.text
         assert len(fillers) == 6 - len(before[0])
         full = _state(c)
-        assert c.post("/xmix/v1/apps", content=xmix.App("one_more").to_bytes()).status_code in (400, 507)
+        assert c.post("/xmix/v1/apps", content=xmix.App("one_more").to_bytes()).status_code in (
+            400,
+            507,
+        )
         assert _state(c) == full
     finally:
         for name in fillers:
@@ -301,15 +368,17 @@ def test_a_control_change_racing_a_shutdown(srv):
     s = srv["server"]
     big = xmix.App("big")
     for i in range(120):
-        big.write("affine", matrix=torch.eye(D) + i * 1e-3, mu_s=torch.zeros(D), mu_t=torch.zeros(D)) \
-            .layers([i % 4]).submodule("residual.post")
+        big.write(
+            "affine", matrix=torch.eye(D) + i * 1e-3, mu_s=torch.zeros(D), mu_t=torch.zeros(D)
+        ).layers([i % 4]).submodule("residual.post")
     data = big.to_bytes()
     answer: dict = {}
 
     async def deploy():
         try:
-            async with httpx.AsyncClient(base_url=s.base, timeout=120,
-                                         headers={"Authorization": f"Bearer {KEY}"}) as cl:
+            async with httpx.AsyncClient(
+                base_url=s.base, timeout=120, headers={"Authorization": f"Bearer {KEY}"}
+            ) as cl:
                 r = await cl.post("/xmix/v1/apps", content=data)
                 answer["status"], answer["text"] = r.status_code, r.text
         except httpx.HTTPError as e:
@@ -331,7 +400,7 @@ def test_a_control_change_racing_a_shutdown(srv):
         if answer["status"] == 503:
             assert "shutting down" in answer["text"]
     log = s.log_text()
-    tail = log[log.find("[shutdown]"):] if "[shutdown]" in log else log
+    tail = log[log.find("[shutdown]") :] if "[shutdown]" in log else log
     ours = re.findall(r"ERROR .*\[(?:frontend|server|worker|tenants)\.py:\d+\].*", tail)
     assert not ours, ours[:10]
     assert code is not None

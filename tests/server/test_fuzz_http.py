@@ -25,9 +25,15 @@ pytestmark = pytest.mark.engine
 KEY = "fuzz-key"
 D = 256
 EXAMPLES = int(os.environ.get("XMIX_FUZZ_EXAMPLES", "60"))
-ROUTES = {("GET", "/xmix/v1/apps"), ("POST", "/xmix/v1/apps"), ("PATCH", "/xmix/v1/apps/{name}"),
-          ("DELETE", "/xmix/v1/apps/{name}"), ("GET", "/xmix/v1/status"),
-          ("POST", "/v1/completions"), ("POST", "/v1/chat/completions")}
+ROUTES = {
+    ("GET", "/xmix/v1/apps"),
+    ("POST", "/xmix/v1/apps"),
+    ("PATCH", "/xmix/v1/apps/{name}"),
+    ("DELETE", "/xmix/v1/apps/{name}"),
+    ("GET", "/xmix/v1/status"),
+    ("POST", "/v1/completions"),
+    ("POST", "/v1/chat/completions"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -37,11 +43,25 @@ def srv(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fuzz")
     g = torch.Generator().manual_seed(13)
     steer = xmix.App("steer")
-    steer.write("add", vector=torch.randn(D, generator=g), scale=2.0).layers([1]).submodule("residual.post")
+    steer.write("add", vector=torch.randn(D, generator=g), scale=2.0).layers([1]).submodule(
+        "residual.post"
+    )
     probe = xmix.App("probe")
-    probe.read("probe", weight=torch.randn(D, generator=g) / 16).layers([2]).submodule("residual.post").named("p")
-    args = ["--api-key", KEY, "--xmix-admin-key", KEY, "--max-num-seqs", "16",
-            "--app", str(steer.save(tmp / "steer.xmix")), "--app", str(probe.save(tmp / "probe.xmix"))]
+    probe.read("probe", weight=torch.randn(D, generator=g) / 16).layers([2]).submodule(
+        "residual.post"
+    ).named("p")
+    args = [
+        "--api-key",
+        KEY,
+        "--xmix-admin-key",
+        KEY,
+        "--max-num-seqs",
+        "16",
+        "--app",
+        str(steer.save(tmp / "steer.xmix")),
+        "--app",
+        str(probe.save(tmp / "probe.xmix")),
+    ]
     with xmix_serve(tmp, *args, env={"XMIX_MAX_APP_BYTES": str(1 << 20)}) as s:
         with s.client(KEY) as c:
             yield dict(server=s, c=c)
@@ -51,35 +71,68 @@ def test_the_control_plane_is_in_the_openapi_document(srv):
     doc = srv["c"].get("/openapi.json").json()
     paths = doc["paths"]
     post = paths["/xmix/v1/apps"]["post"]
-    assert post["requestBody"]["content"]["application/octet-stream"]["schema"]["format"] == "binary"
+    assert (
+        post["requestBody"]["content"]["application/octet-stream"]["schema"]["format"] == "binary"
+    )
     assert {"201", "400", "401", "403", "409", "413", "422", "507"} <= set(post["responses"])
     patch = paths["/xmix/v1/apps/{name}"]["patch"]
     props = patch["requestBody"]["content"]["application/json"]["schema"]["properties"]
-    assert set(props) == {"mode", "params", "locked"} and props["mode"]["enum"] == ["off", "request", "all"]
+    assert set(props) == {"mode", "params", "locked"} and props["mode"]["enum"] == [
+        "off",
+        "request",
+        "all",
+    ]
     assert "delete" in paths["/xmix/v1/apps/{name}"] and "get" in paths["/xmix/v1/status"]
     for route in ("/v1/completions", "/v1/chat/completions"):  # policy and locks answer 403 there
         assert "403" in paths[route]["post"]["responses"]
-    listed = paths["/xmix/v1/apps"]["get"]["responses"]["200"]["content"]["application/json"]["schema"]
-    assert listed["properties"]["apps"]["items"]["properties"]["mode"]["enum"] == ["off", "request", "all"]
+    listed = paths["/xmix/v1/apps"]["get"]["responses"]["200"]["content"]["application/json"][
+        "schema"
+    ]
+    assert listed["properties"]["apps"]["items"]["properties"]["mode"]["enum"] == [
+        "off",
+        "request",
+        "all",
+    ]
 
 
 def _controls():
     from hypothesis import strategies as st
 
     names = st.sampled_from(["steer", "probe", "nope", "", "../etc", "a" * 80, "steer\x00"])
-    number = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-10 ** 40, 10 ** 40),
-                       st.text(max_size=4), st.none(), st.booleans(), st.lists(st.integers(), max_size=2))
-    params = st.dictionaries(st.sampled_from(["scale", "bias", "push.scale", "#0.scale", "x"]), number, max_size=3)
-    obj = st.fixed_dictionaries({}, optional={
-        "apps": st.one_of(st.lists(names, max_size=4), names, st.integers()),
-        "params": st.one_of(st.dictionaries(names, st.one_of(params, number), max_size=3), number),
-        "extra": st.integers()})
+    number = st.one_of(
+        st.floats(allow_nan=True, allow_infinity=True),
+        st.integers(-(10**40), 10**40),
+        st.text(max_size=4),
+        st.none(),
+        st.booleans(),
+        st.lists(st.integers(), max_size=2),
+    )
+    params = st.dictionaries(
+        st.sampled_from(["scale", "bias", "push.scale", "#0.scale", "x"]), number, max_size=3
+    )
+    obj = st.fixed_dictionaries(
+        {},
+        optional={
+            "apps": st.one_of(st.lists(names, max_size=4), names, st.integers()),
+            "params": st.one_of(
+                st.dictionaries(names, st.one_of(params, number), max_size=3), number
+            ),
+            "extra": st.integers(),
+        },
+    )
 
     def dump(v):
         return json.dumps(v, allow_nan=True)
 
-    return st.one_of(obj.map(dump), obj, st.text(max_size=40), st.integers(), st.just("[" * 5000),
-                     st.just(json.dumps({"apps": ["steer"] * 3})), st.just("{" + '"a":1,' * 20000 + '"b":2}'))
+    return st.one_of(
+        obj.map(dump),
+        obj,
+        st.text(max_size=40),
+        st.integers(),
+        st.just("[" * 5000),
+        st.just(json.dumps({"apps": ["steer"] * 3})),
+        st.just("{" + '"a":1,' * 20000 + '"b":2}'),
+    )
 
 
 def _tame(body):
@@ -124,22 +177,44 @@ def test_fuzz_control_plane_and_generation_routes(srv):
 
     for op in ops:
         label = f"{op.method.upper()} {op.path}"
-        strategy = st.one_of(op.as_strategy(generation_mode=GenerationMode.POSITIVE),
-                             op.as_strategy(generation_mode=GenerationMode.NEGATIVE))
+        strategy = st.one_of(
+            op.as_strategy(generation_mode=GenerationMode.POSITIVE),
+            op.as_strategy(generation_mode=GenerationMode.NEGATIVE),
+        )
         generation = op.path.startswith("/v1/")
 
-        @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
-                  suppress_health_check=list(HealthCheck))
-        @given(case=strategy, ctl=_controls(), use_ctl=st.integers(0, 2), stream=st.booleans(),
-               real=st.sampled_from(["steer", "probe", None]))
+        @settings(
+            max_examples=EXAMPLES,
+            deadline=None,
+            derandomize=True,
+            database=None,
+            suppress_health_check=list(HealthCheck),
+        )
+        @given(
+            case=strategy,
+            ctl=_controls(),
+            use_ctl=st.integers(0, 2),
+            stream=st.booleans(),
+            real=st.sampled_from(["steer", "probe", None]),
+        )
         def run(case, ctl, use_ctl, stream, real):
             if generation and isinstance(case.body, dict):
                 _tame(case.body)
                 if use_ctl == 1:  # schemathesis's body, with a random xmix control
                     xargs = case.body.get("vllm_xargs")
-                    case.body["vllm_xargs"] = {**(xargs if isinstance(xargs, dict) else {}), "xmix": ctl}
-                elif use_ctl == 2:  # a request vLLM accepts, so the control reaches xmix's admission
-                    body = {"model": "tiny", "max_tokens": 3, "stream": stream, "vllm_xargs": {"xmix": ctl}}
+                    case.body["vllm_xargs"] = {
+                        **(xargs if isinstance(xargs, dict) else {}),
+                        "xmix": ctl,
+                    }
+                elif (
+                    use_ctl == 2
+                ):  # a request vLLM accepts, so the control reaches xmix's admission
+                    body = {
+                        "model": "tiny",
+                        "max_tokens": 3,
+                        "stream": stream,
+                        "vllm_xargs": {"xmix": ctl},
+                    }
                     if op.path == "/v1/completions":
                         body["prompt"] = "fuzz"
                     else:
@@ -148,7 +223,10 @@ def test_fuzz_control_plane_and_generation_routes(srv):
             if op.path == "/xmix/v1/apps/{name}" and isinstance(case.path_parameters, dict):
                 if op.method.upper() == "PATCH" and real:  # random changes to deployed apps too
                     case.path_parameters["name"] = real
-                elif case.path_parameters.get("name") in ("steer", "probe") and op.method.upper() == "DELETE":
+                elif (
+                    case.path_parameters.get("name") in ("steer", "probe")
+                    and op.method.upper() == "DELETE"
+                ):
                     case.path_parameters["name"] = "not-" + case.path_parameters["name"]
             resp = case.call(base_url=s.base, headers=headers, timeout=120)
             seen[label] = seen.get(label, 0) + 1
@@ -156,15 +234,24 @@ def test_fuzz_control_plane_and_generation_routes(srv):
                 case.validate_response(resp, checks=[not_a_server_error, status_code_conformance])
             except Exception as e:  # keep going: every failure is listed at the end
                 if len(failures) < 50:
-                    failures.append(f"{label} -> {resp.status_code}: {str(e)[:400]} | body "
-                                    f"{str(case.body)[:300]!r}")
+                    failures.append(
+                        f"{label} -> {resp.status_code}: {str(e)[:400]} | body "
+                        f"{str(case.body)[:300]!r}"
+                    )
 
         run()
     assert not failures, "\n".join(failures)
     assert all(seen.get(f"{m} {p}", 0) >= min(EXAMPLES, 5) for m, p in ROUTES), seen
     assert s.alive()
-    ok = srv["c"].post("/v1/completions", json={"model": "tiny", "prompt": "still there?", "max_tokens": 2,
-                                                "vllm_xargs": {"xmix": json.dumps({"apps": ["probe"]})}})
+    ok = srv["c"].post(
+        "/v1/completions",
+        json={
+            "model": "tiny",
+            "prompt": "still there?",
+            "max_tokens": 2,
+            "vllm_xargs": {"xmix": json.dumps({"apps": ["probe"]})},
+        },
+    )
     assert ok.status_code == 200 and "p" in ok.json()["xmix"]["probe"]
 
 
@@ -173,7 +260,9 @@ def test_hostile_app_files_over_http_are_4xx(srv):
 
     c = srv["c"]
     before = c.get("/xmix/v1/apps").json()
-    statuses = {what: c.post("/xmix/v1/apps", content=data).status_code for what, data, _ in cases()}
+    statuses = {
+        what: c.post("/xmix/v1/apps", content=data).status_code for what, data, _ in cases()
+    }
     assert all(400 <= v < 500 for v in statuses.values()), statuses
     assert c.get("/xmix/v1/apps").json() == before
     assert srv["server"].alive() and srv["server"].tracebacks() == 0

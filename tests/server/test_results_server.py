@@ -15,13 +15,11 @@ import sys
 import httpx
 import pytest
 import torch
+from test_results_engine import NAN_KERNEL
 
 import xmix
-from xmix.models.tiny import tiny_model_path
-
 from serve_util import free_port, wait_until_healthy
-
-from test_results_engine import NAN_KERNEL
+from xmix.models.tiny import tiny_model_path
 
 pytestmark = pytest.mark.engine
 
@@ -36,26 +34,60 @@ def server(tmp_path_factory):
         pytest.skip("needs a C++ compiler to build a user kernel")
     tmp = tmp_path_factory.mktemp("serve_results")
     (tmp / "k.cpp").write_text(NAN_KERNEL)
-    subprocess.run([cxx, "-shared", "-fPIC", "-O1", "-I", str(xmix.custom_include_dir()),
-                    "-o", str(tmp / "libk.so"), str(tmp / "k.cpp")], check=True)
+    subprocess.run(
+        [
+            cxx,
+            "-shared",
+            "-fPIC",
+            "-O1",
+            "-I",
+            str(xmix.custom_include_dir()),
+            "-o",
+            str(tmp / "libk.so"),
+            str(tmp / "k.cpp"),
+        ],
+        check=True,
+    )
     g = torch.Generator().manual_seed(3)
     cap = xmix.App("cap")
     cap.read("capture").layers([1]).submodule("residual.post").named("h")
-    cap.read("probe", weight=torch.randn(D, generator=g) / 16, bias=0.0).layers([2]) \
-       .submodule("residual.post").named("p")
+    cap.read("probe", weight=torch.randn(D, generator=g) / 16, bias=0.0).layers([2]).submodule(
+        "residual.post"
+    ).named("p")
     nan = xmix.App("nan")
-    nan.read("custom", cpu_library=str(tmp / "libk.so"), cpu_symbol="nan_at_even").layers([0]) \
-       .submodule("residual.pre").named("n")
+    nan.read("custom", cpu_library=str(tmp / "libk.so"), cpu_symbol="nan_at_even").layers(
+        [0]
+    ).submodule("residual.pre").named("n")
     paths = [cap.save(tmp / "cap.xmix"), nan.save(tmp / "nan.xmix")]
     port = free_port()
     model = str(tiny_model_path("tiny-llama"))
-    cmd = [sys.executable, "-m", "xmix.cli", "serve", model, "--port", str(port), "--dtype", "float32",
-           "--max-model-len", "512", "--served-model-name", "tiny", "--xmix-max-result-bytes", str(SERVER_CAP)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "xmix.cli",
+        "serve",
+        model,
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "512",
+        "--served-model-name",
+        "tiny",
+        "--xmix-max-result-bytes",
+        str(SERVER_CAP),
+    ]
     for p in paths:
         cmd += ["--app", str(p)]
     log = open(tmp / "serve.log", "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+    proc = subprocess.Popen(
+        cmd,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
+    )
     base = f"http://127.0.0.1:{port}"
     wait_until_healthy(proc, base, tmp / "serve.log", timeout=600)
     client = httpx.Client(base_url=base, timeout=120)
@@ -75,14 +107,29 @@ PROMPT = "Once upon a time there was"
 
 
 def complete(s, control, **kw):
-    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
-            "vllm_xargs": {"xmix": json.dumps(control)}, **kw}
+    body = {
+        "model": "tiny",
+        "prompt": PROMPT,
+        "max_tokens": 6,
+        "temperature": 0,
+        "ignore_eos": True,
+        "vllm_xargs": {"xmix": json.dumps(control)},
+        **kw,
+    }
     return s["client"].post("/v1/completions", json=body)
 
 
 def stream_payloads(s, control, **kw) -> list:
-    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
-            "stream": True, "vllm_xargs": {"xmix": json.dumps(control)}, **kw}
+    body = {
+        "model": "tiny",
+        "prompt": PROMPT,
+        "max_tokens": 6,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "vllm_xargs": {"xmix": json.dumps(control)},
+        **kw,
+    }
     out = []
     with s["client"].stream("POST", "/v1/completions", json=body) as r:
         assert r.status_code == 200
@@ -102,8 +149,11 @@ def _same(a, b):
 
 def test_every_encoding_gives_the_same_numbers_over_http(server):
     got = {}
-    for name, extra in (("json", {}), ("base64", {"encoding": "base64"}),
-                        ("zstd", {"encoding": "base64", "compression": "zstd"})):
+    for name, extra in (
+        ("json", {}),
+        ("base64", {"encoding": "base64"}),
+        ("zstd", {"encoding": "base64", "compression": "zstd"}),
+    ):
         r = complete(server, {"apps": ["cap"], "dtype": "bfloat16", **extra})
         assert r.status_code == 200, r.text
         got[name] = xmix.decode_results(r.json()["xmix"])
@@ -117,8 +167,12 @@ def test_every_encoding_gives_the_same_numbers_over_http(server):
         for g in got.values():
             assert torch.equal(g["cap"][key]["positions"], ref["positions"])
     # the float32 result rounded is the bfloat16 result
-    f32 = xmix.decode_results(complete(server, {"apps": ["cap"], "encoding": "base64"}).json()["xmix"])
-    assert torch.equal(f32["cap"]["h"]["values"].to(torch.bfloat16), got["base64"]["cap"]["h"]["values"])
+    f32 = xmix.decode_results(
+        complete(server, {"apps": ["cap"], "encoding": "base64"}).json()["xmix"]
+    )
+    assert torch.equal(
+        f32["cap"]["h"]["values"].to(torch.bfloat16), got["base64"]["cap"]["h"]["values"]
+    )
 
 
 def test_streams_carry_the_encoding_in_every_chunk(server):
@@ -126,7 +180,9 @@ def test_streams_carry_the_encoding_in_every_chunk(server):
     chunks = stream_payloads(server, ctl)
     assert len(chunks) > 1
     for c in chunks:
-        assert all(e["encoding"] == "base64" and e["compression"] == "zstd" for e in c["cap"].values())
+        assert all(
+            e["encoding"] == "base64" and e["compression"] == "zstd" for e in c["cap"].values()
+        )
     whole = xmix.decode_results(complete(server, ctl).json()["xmix"])
     got = xmix.decode_results(chunks)
     for key in ("h", "p"):
@@ -136,8 +192,11 @@ def test_streams_carry_the_encoding_in_every_chunk(server):
 
 def test_windows_over_http(server):
     p = len(server["tok"].encode(PROMPT))
-    for spec, want in (("last_token", list(range(p - 1, p + 5))), ([[-1, None]], [p - 1]),
-                       ([[1, 3], "generated"], [1, 2, *range(p, p + 5)])):
+    for spec, want in (
+        ("last_token", list(range(p - 1, p + 5))),
+        ([[-1, None]], [p - 1]),
+        ([[1, 3], "generated"], [1, 2, *range(p, p + 5)]),
+    ):
         r = complete(server, {"apps": ["cap"], "positions": spec})
         assert r.status_code == 200, r.text
         res = r.json()["xmix"]["cap"]
@@ -149,16 +208,35 @@ def test_result_options_in_the_flat_form(server):
     """xmix_<option> keys are the JSON form's options: same positions and numbers, and the
     response and every stream chunk in the encoding they ask for."""
     p = len(server["tok"].encode(PROMPT))
-    flat = {"xmix_apps": "cap", "xmix_encoding": "base64", "xmix_dtype": "bfloat16",
-            "xmix_positions": "1:3,generated"}
-    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
-            "vllm_xargs": flat}
+    flat = {
+        "xmix_apps": "cap",
+        "xmix_encoding": "base64",
+        "xmix_dtype": "bfloat16",
+        "xmix_positions": "1:3,generated",
+    }
+    body = {
+        "model": "tiny",
+        "prompt": PROMPT,
+        "max_tokens": 6,
+        "temperature": 0,
+        "ignore_eos": True,
+        "vllm_xargs": flat,
+    }
     r = server["client"].post("/v1/completions", json=body)
     assert r.status_code == 200, r.text
     assert all(e["encoding"] == "base64" for e in r.json()["xmix"]["cap"].values())
     got = xmix.decode_results(r.json()["xmix"])
-    ref = xmix.decode_results(complete(server, {"apps": ["cap"], "encoding": "base64", "dtype": "bfloat16",
-                                                "positions": [[1, 3], "generated"]}).json()["xmix"])
+    ref = xmix.decode_results(
+        complete(
+            server,
+            {
+                "apps": ["cap"],
+                "encoding": "base64",
+                "dtype": "bfloat16",
+                "positions": [[1, 3], "generated"],
+            },
+        ).json()["xmix"]
+    )
     for key in ("h", "p"):
         assert got["cap"][key]["positions"].tolist() == [1, 2, *range(p, p + 5)]
         assert torch.equal(got["cap"][key]["positions"], ref["cap"][key]["positions"])
@@ -166,22 +244,31 @@ def test_result_options_in_the_flat_form(server):
     chunks = []
     with server["client"].stream("POST", "/v1/completions", json={**body, "stream": True}) as s:
         assert s.status_code == 200
-        chunks = [json.loads(line[6:])["xmix"] for line in s.iter_lines()
-                  if line.startswith("data: {") and '"xmix"' in line]
+        chunks = [
+            json.loads(line[6:])["xmix"]
+            for line in s.iter_lines()
+            if line.startswith("data: {") and '"xmix"' in line
+        ]
     assert chunks and all(e["encoding"] == "base64" for c in chunks for e in c["cap"].values())
-    r = server["client"].post("/v1/completions", json={**body, "vllm_xargs": {**flat, "xmix_positions": "a:b"}})
+    r = server["client"].post(
+        "/v1/completions", json={**body, "vllm_xargs": {**flat, "xmix_positions": "a:b"}}
+    )
     assert r.status_code == 400 and "'xmix_positions'" in r.json()["error"]["message"]
 
 
 def test_a_nan_read_is_null_and_counted(server):
     p = len(server["tok"].encode(PROMPT))
     r = complete(server, {"apps": ["nan"]}, max_tokens=4)
-    e = json.loads(r.text, parse_constant=lambda c: pytest.fail(f"{c} in the response"))["xmix"]["nan"]["n"]
+    e = json.loads(r.text, parse_constant=lambda c: pytest.fail(f"{c} in the response"))["xmix"][
+        "nan"
+    ]["n"]
     assert e["positions"] == list(range(p + 3))
     assert e["values"] == [None if q % 2 == 0 else float(q) for q in range(p + 3)]
     assert e["nonfinite"] == sum(q % 2 == 0 for q in range(p + 3))
     # base64 keeps the NaN itself
-    b = xmix.decode_results(complete(server, {"apps": ["nan"], "encoding": "base64"}, max_tokens=4).json()["xmix"])
+    b = xmix.decode_results(
+        complete(server, {"apps": ["nan"], "encoding": "base64"}, max_tokens=4).json()["xmix"]
+    )
     v = b["nan"]["n"]["values"]
     assert all(math.isnan(v[q]) == (q % 2 == 0) for q in range(p + 3))
 
@@ -217,4 +304,6 @@ def test_the_byte_cap_over_http(server):
     assert _metric(server, "vllm:xmix_results_truncated_total") == truncated + 2
     # without a cap of its own the request gets the server's: a long generation is cut there
     r = complete(server, {"apps": ["cap"]}, max_tokens=120)
-    assert r.status_code == 200 and r.json()["xmix"]["!truncated"].startswith(f"truncated at {SERVER_CAP} bytes")
+    assert r.status_code == 200 and r.json()["xmix"]["!truncated"].startswith(
+        f"truncated at {SERVER_CAP} bytes"
+    )

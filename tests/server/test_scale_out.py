@@ -32,14 +32,17 @@ CONTROL = {"xmix_apps": ["steer", "probe"]}
 def apps(tmp):
     g = torch.Generator().manual_seed(14)
     steer = xmix.App("steer")
-    steer.write("add", vector=torch.randn(D, generator=g), scale=4.0).layers([1]) \
-        .submodule("residual.post")
+    steer.write("add", vector=torch.randn(D, generator=g), scale=4.0).layers([1]).submodule(
+        "residual.post"
+    )
     probe = xmix.App("probe")
-    probe.read("probe", weight=torch.randn(D, generator=g) / 16, bias=0.0).layers([2]) \
-        .submodule("residual.post").named("p2")
+    probe.read("probe", weight=torch.randn(D, generator=g) / 16, bias=0.0).layers([2]).submodule(
+        "residual.post"
+    ).named("p2")
     late = xmix.App("late")
-    late.write("add", vector=torch.randn(D, generator=g), scale=8.0).layers([2]) \
-        .submodule("residual.post")
+    late.write("add", vector=torch.randn(D, generator=g), scale=8.0).layers([2]).submodule(
+        "residual.post"
+    )
     late.save(tmp / "late.xmix")
     return [steer.save(tmp / "steer.xmix"), probe.save(tmp / "probe.xmix")], tmp / "late.xmix"
 
@@ -47,16 +50,27 @@ def apps(tmp):
 def fresh(s, method, path, **kw):
     """One request on a new connection: vLLM's API servers share the port (SO_REUSEPORT), so
     each new connection may reach another server; the answer names the one it reached."""
-    with httpx.Client(base_url=s["base"], headers={"Authorization": f"Bearer {s['key']}"},
-                      timeout=120) as c:
+    with httpx.Client(
+        base_url=s["base"], headers={"Authorization": f"Bearer {s['key']}"}, timeout=120
+    ) as c:
         r = c.request(method, path, **kw)
     return r, r.headers.get("x-xmix-server")
 
 
 def complete(s, prompt, xargs, max_tokens=6):
-    return fresh(s, "POST", "/v1/completions", json={
-        "model": s["name"], "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-        "return_token_ids": True, "vllm_xargs": xargs})
+    return fresh(
+        s,
+        "POST",
+        "/v1/completions",
+        json={
+            "model": s["name"],
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "return_token_ids": True,
+            "vllm_xargs": xargs,
+        },
+    )
 
 
 def through(s, server_id, fn, tries=64):
@@ -73,9 +87,12 @@ def through(s, server_id, fn, tries=64):
 def outcome(r):
     body = r.json()
     ch = body["choices"][0]
-    return {"ids": ch.get("token_ids"), "text": ch["text"],
-            "p2": (body.get("xmix") or {}).get("probe", {}).get("p2", {}).get("values"),
-            "applied": body.get("xmix_applied")}
+    return {
+        "ids": ch.get("token_ids"),
+        "text": ch["text"],
+        "p2": (body.get("xmix") or {}).get("probe", {}).get("p2", {}).get("values"),
+        "applied": body.get("xmix_applied"),
+    }
 
 
 def stream_while(s, stop: threading.Event, sink: list):
@@ -83,17 +100,29 @@ def stream_while(s, stop: threading.Event, sink: list):
     i = 0
     while not stop.is_set():
         try:
-            with httpx.Client(base_url=s["base"], headers={"Authorization": f"Bearer {s['key']}"},
-                              timeout=120) as c:
-                with c.stream("POST", "/v1/completions", json={
-                        "model": s["name"], "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 8,
-                        "temperature": 0.0, "stream": True,
-                        "vllm_xargs": {"xmix_apps": ["steer"]}}) as r:
+            with httpx.Client(
+                base_url=s["base"], headers={"Authorization": f"Bearer {s['key']}"}, timeout=120
+            ) as c:
+                with c.stream(
+                    "POST",
+                    "/v1/completions",
+                    json={
+                        "model": s["name"],
+                        "prompt": PROMPTS[i % len(PROMPTS)],
+                        "max_tokens": 8,
+                        "temperature": 0.0,
+                        "stream": True,
+                        "vllm_xargs": {"xmix_apps": ["steer"]},
+                    },
+                ) as r:
                     lines = [x for x in r.iter_lines() if x]
                     # a lost request ends without a finish reason, or with an error event
-                    done = (r.status_code == 200 and any(_finished(x) for x in lines)
-                            and lines[-1] == "data: [DONE]"
-                            and not any(x.startswith('data: {"error"') for x in lines))
+                    done = (
+                        r.status_code == 200
+                        and any(_finished(x) for x in lines)
+                        and lines[-1] == "data: [DONE]"
+                        and not any(x.startswith('data: {"error"') for x in lines)
+                    )
                     sink.append((r.status_code, done, r.headers.get("x-xmix-server")))
         except httpx.HTTPError as e:
             sink.append((None, False, repr(e)))
@@ -103,7 +132,7 @@ def stream_while(s, stop: threading.Event, sink: list):
 def _finished(line: str) -> bool:
     if not line.startswith("data: {"):
         return False
-    body = json.loads(line[len("data: "):])
+    body = json.loads(line[len("data: ") :])
     return any(c.get("finish_reason") in ("length", "stop") for c in body.get("choices") or ())
 
 
@@ -116,10 +145,11 @@ def changes_while_streaming(s, late):
     codes = []
     time.sleep(1.0)
     for method, path, kw in [
-            ("POST", "/xmix/v1/apps", {"content": late.read_bytes()}),
-            ("PATCH", "/xmix/v1/apps/steer", {"json": {"params": {"scale": 2.0}}}),
-            ("DELETE", "/xmix/v1/apps/late", {}),
-            ("PATCH", "/xmix/v1/apps/steer", {"json": {"params": {"scale": 4.0}}})]:
+        ("POST", "/xmix/v1/apps", {"content": late.read_bytes()}),
+        ("PATCH", "/xmix/v1/apps/steer", {"json": {"params": {"scale": 2.0}}}),
+        ("DELETE", "/xmix/v1/apps/late", {}),
+        ("PATCH", "/xmix/v1/apps/steer", {"json": {"params": {"scale": 4.0}}}),
+    ]:
         r, _ = fresh(s, method, path, **kw)
         codes.append(r.status_code)
         time.sleep(0.5)
@@ -137,8 +167,9 @@ def runs(tmp_path_factory):
     rec: dict = {}
     t0 = time.time()
     # --- two API servers in front of one engine
-    with xmix_server(tmp, files, "--host", "127.0.0.1", "--api-server-count", "2",
-                     "--max-num-seqs", "8") as s:
+    with xmix_server(
+        tmp, files, "--host", "127.0.0.1", "--api-server-count", "2", "--max-num-seqs", "8"
+    ) as s:
         ids = set()
         for _ in range(64):
             ids.add(fresh(s, "GET", "/xmix/v1/apps")[1])
@@ -152,8 +183,9 @@ def runs(tmp_path_factory):
         r, a = fresh(s, "POST", "/xmix/v1/apps?mode=request", content=late.read_bytes())
         rec["deploy_a"] = (r.status_code, r.json())
         r, seen = through(s, other[a], lambda: complete(s, PROMPTS[0], {"xmix_apps": ["late"]}))
-        rec["late_via_b"] = [(x.status_code, outcome(x) if x.status_code == 200 else x.text, sid)
-                             for x, sid in seen]
+        rec["late_via_b"] = [
+            (x.status_code, outcome(x) if x.status_code == 200 else x.text, sid) for x, sid in seen
+        ]
         # the app list through the other names it, with the deploying server's version
         r, _ = through(s, other[a], lambda: fresh(s, "GET", "/xmix/v1/apps"))
         rec["list_b"] = r.json()["apps"]
@@ -179,8 +211,18 @@ def runs(tmp_path_factory):
     # its OpenMP threads to a core of its own (NOTES: without it, "Not enough allowed NUMA nodes")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
-        with xmix_server(tmp, files, "--host", "127.0.0.1", "--data-parallel-size", "2",
-                         "--api-server-count", "1", "--max-num-seqs", "8") as s:
+        with xmix_server(
+            tmp,
+            files,
+            "--host",
+            "127.0.0.1",
+            "--data-parallel-size",
+            "2",
+            "--api-server-count",
+            "1",
+            "--max-num-seqs",
+            "8",
+        ) as s:
             rec["dp_out"] = [outcome(complete(s, p, CONTROL)[0]) for p in PROMPTS * 2]
             r, _ = fresh(s, "GET", "/xmix/v1/status")
             rec["dp_status"] = r.json()
@@ -190,7 +232,6 @@ def runs(tmp_path_factory):
             rec["dp_log"] = s["log"].read_text()
     rec["t_dp"] = time.time() - t0
     return rec
-
 
 
 def test_two_api_servers_both_answer(runs):
@@ -242,8 +283,12 @@ def test_data_parallel_matches_one_engine(runs):
     ref = runs["api_ref"] * 2
     for got, want in zip(runs["dp_out"], ref):
         assert got["ids"] == want["ids"] and got["text"] == want["text"]
-        np.testing.assert_allclose(np.asarray(got["p2"], dtype=np.float64),
-                                   np.asarray(want["p2"], dtype=np.float64), rtol=1e-4, atol=0)
+        np.testing.assert_allclose(
+            np.asarray(got["p2"], dtype=np.float64),
+            np.asarray(want["p2"], dtype=np.float64),
+            rtol=1e-4,
+            atol=0,
+        )
         assert [a["name"] for a in got["applied"]["apps"]] == ["steer", "probe"]
 
 

@@ -17,9 +17,8 @@ import pytest
 import torch
 
 import xmix
-from xmix.models.tiny import tiny_model_path
-
 from serve_util import free_port, wait_until_healthy
+from xmix.models.tiny import tiny_model_path
 
 pytestmark = pytest.mark.engine
 
@@ -30,10 +29,13 @@ D = 256
 def _apps(tmp):
     g = torch.Generator().manual_seed(7)
     steer = xmix.App("steer")
-    steer.write("add", vector=torch.randn(D, generator=g), scale=4.0).layers([1]).submodule("residual.post")
+    steer.write("add", vector=torch.randn(D, generator=g), scale=4.0).layers([1]).submodule(
+        "residual.post"
+    )
     probe = xmix.App("probe")
-    probe.read("probe", weight=torch.randn(D, generator=g) / 16, bias=0.0).layers([2]) \
-        .submodule("residual.post").named("p2")
+    probe.read("probe", weight=torch.randn(D, generator=g) / 16, bias=0.0).layers([2]).submodule(
+        "residual.post"
+    ).named("p2")
     return steer, probe, [steer.save(tmp / "steer.xmix"), probe.save(tmp / "probe.xmix")]
 
 
@@ -43,23 +45,57 @@ def server(tmp_path_factory):
     steer, probe, paths = _apps(tmp)
     port = free_port()
     model = str(tiny_model_path("tiny-llama"))
-    cmd = [sys.executable, "-m", "xmix.cli", "serve", model, "--port", str(port), "--dtype", "float32",
-           "--max-model-len", "512", "--api-key", KEY, "--xmix-admin-key", KEY, "--served-model-name", "tiny",
-           "--max-num-seqs", "48"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "xmix.cli",
+        "serve",
+        model,
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "512",
+        "--api-key",
+        KEY,
+        "--xmix-admin-key",
+        KEY,
+        "--served-model-name",
+        "tiny",
+        "--max-num-seqs",
+        "48",
+    ]
     for p in paths:
         cmd += ["--app", str(p)]
     log = open(tmp / "serve.log", "w")
     # Small limits, so the hostile-input tests stay small: app files of 8 MiB, read results
     # of 2 MiB per request.
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
-                                 "XMIX_MAX_APP_BYTES": str(8 << 20),
-                                 "XMIX_MAX_RESULT_BYTES": str(2 << 20)})
+    proc = subprocess.Popen(
+        cmd,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env={
+            **os.environ,
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "XMIX_MAX_APP_BYTES": str(8 << 20),
+            "XMIX_MAX_RESULT_BYTES": str(2 << 20),
+        },
+    )
     base = f"http://127.0.0.1:{port}"
     wait_until_healthy(proc, base, tmp / "serve.log", timeout=400)
     client = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
-    yield dict(base=base, client=client, model=model, tmp=tmp, steer=steer, probe=probe, proc=proc,
-               log=tmp / "serve.log")
+    yield dict(
+        base=base,
+        client=client,
+        model=model,
+        tmp=tmp,
+        steer=steer,
+        probe=probe,
+        proc=proc,
+        log=tmp / "serve.log",
+    )
     client.close()
     os.killpg(proc.pid, signal.SIGTERM)
     try:
@@ -81,12 +117,18 @@ def complete(s, prompt="Once upon a time", control=None, raw_control=None, **kw)
 def test_control_plane_needs_the_api_key(server):
     base = server["base"]
     assert httpx.get(f"{base}/xmix/v1/apps").status_code == 401
-    assert httpx.get(f"{base}/xmix/v1/apps", headers={"Authorization": "Bearer nope"}).status_code == 401
+    assert (
+        httpx.get(f"{base}/xmix/v1/apps", headers={"Authorization": "Bearer nope"}).status_code
+        == 401
+    )
     r = server["client"].get("/xmix/v1/apps")
     assert r.status_code == 200
     assert [a["name"] for a in r.json()["apps"]] == ["steer", "probe"]
     # the data plane is guarded by vLLM itself with the same key
-    assert httpx.post(f"{base}/v1/completions", json={"model": "tiny", "prompt": "x"}).status_code == 401
+    assert (
+        httpx.post(f"{base}/v1/completions", json={"model": "tiny", "prompt": "x"}).status_code
+        == 401
+    )
 
 
 def test_results_in_response_match_the_oracle(server):
@@ -111,12 +153,19 @@ def test_results_in_response_match_the_oracle(server):
 
 
 def test_streaming_carries_the_same_results(server):
-    body = {"model": "tiny", "messages": [{"role": "user", "content": "hello there"}],
-            "max_tokens": 6, "temperature": 0, "vllm_xargs": {"xmix": json.dumps({"apps": ["probe"]})}}
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hello there"}],
+        "max_tokens": 6,
+        "temperature": 0,
+        "vllm_xargs": {"xmix": json.dumps({"apps": ["probe"]})},
+    }
     full = server["client"].post("/v1/chat/completions", json=body).json()
     merged = {"positions": [], "values": []}
     text = ""
-    with server["client"].stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+    with server["client"].stream(
+        "POST", "/v1/chat/completions", json={**body, "stream": True}
+    ) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if not line.startswith("data: {"):
@@ -141,14 +190,23 @@ def test_parallel_sampling_results_per_choice(server):
 
     from xmix.integrations.hf import attach
 
-    body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 6, "temperature": 1.0,
-            "seed": 3, "n": 2, "vllm_xargs": {"xmix": json.dumps({"apps": ["probe"]})}}
+    body = {
+        "model": "tiny",
+        "prompt": "Once upon a time",
+        "max_tokens": 6,
+        "temperature": 1.0,
+        "seed": 3,
+        "n": 2,
+        "vllm_xargs": {"xmix": json.dumps({"apps": ["probe"]})},
+    }
     full = server["client"].post("/v1/completions", json={**body, "return_token_ids": True})
     assert full.status_code == 200, full.text
     full = full.json()
     choices = sorted(full["choices"], key=lambda c: c["index"])
     assert [c["index"] for c in choices] == [0, 1]
-    assert choices[0]["token_ids"] != choices[1]["token_ids"], "seeded sampling should differ per choice"
+    assert choices[0]["token_ids"] != choices[1]["token_ids"], (
+        "seeded sampling should differ per choice"
+    )
     reads = [c["xmix"]["probe"]["p2"] for c in choices]
     model = AutoModelForCausalLM.from_pretrained(server["model"], dtype=torch.float32)
     with attach(model, [server["probe"]]) as att:
@@ -158,7 +216,9 @@ def test_parallel_sampling_results_per_choice(server):
             for t in c["token_ids"][:-1]:  # the last sampled token is never fed back
                 req.decode(t)
             want = req.results["probe"]["p2"]
-            assert r["positions"] == want["positions"] == list(range(len(c["prompt_token_ids"]) + 5))
+            assert (
+                r["positions"] == want["positions"] == list(range(len(c["prompt_token_ids"]) + 5))
+            )
             np.testing.assert_allclose(r["values"], want["values"], rtol=1e-4, atol=1e-6)
     assert "xmix" not in full  # every choice carries its own: the top level repeats none
 
@@ -190,8 +250,13 @@ def test_openai_client_and_steering(server):
 
     client = openai.OpenAI(base_url=server["base"] + "/v1", api_key=KEY)
     van = client.completions.create(model="tiny", prompt="The river", max_tokens=8, temperature=0)
-    st = client.completions.create(model="tiny", prompt="The river", max_tokens=8, temperature=0,
-                                   extra_body={"vllm_xargs": {"xmix": json.dumps({"apps": ["steer"]})}})
+    st = client.completions.create(
+        model="tiny",
+        prompt="The river",
+        max_tokens=8,
+        temperature=0,
+        extra_body={"vllm_xargs": {"xmix": json.dumps({"apps": ["steer"]})}},
+    )
     assert van.choices[0].text != st.choices[0].text
 
 
@@ -199,8 +264,10 @@ def test_metrics_on_vllms_endpoint(server):
     complete(server, control={"apps": ["probe"]})
     complete(server, control={"apps": ["nope"]})
     text = server["client"].get("/metrics").text
-    assert any(l.startswith("vllm:xmix_app_requests_total{") and 'app="probe"' in l
-               for l in text.splitlines())
+    assert any(
+        l.startswith("vllm:xmix_app_requests_total{") and 'app="probe"' in l
+        for l in text.splitlines()
+    )
     assert "vllm:xmix_rejected_requests_total" in text
     assert "vllm:xmix_apps_deployed" in text
 
@@ -216,8 +283,11 @@ def test_graph_counters_of_the_workers_reach_metrics(server):
             break
         time.sleep(0.5)
     assert workers and workers[0].endswith(" 1.0"), workers
-    checks = {l.split("result=")[1].split('"')[1]: float(l.rsplit(" ", 1)[1])
-              for l in text.splitlines() if l.startswith("vllm:xmix_graph_checks_total{")}
+    checks = {
+        l.split("result=")[1].split('"')[1]: float(l.rsplit(" ", 1)[1])
+        for l in text.splitlines()
+        if l.startswith("vllm:xmix_graph_checks_total{")
+    }
     assert checks == {"passed": 0.0, "failed": 0.0, "unverifiable": 0.0}  # no CUDA graph here
     assert "vllm:xmix_graph_fallbacks_total{" in text
 
@@ -254,7 +324,9 @@ def test_deploy_patch_delete_over_http(server):
     r = c.post("/xmix/v1/apps", content=wrong.to_bytes())
     assert r.status_code == 422 and "hidden size" in r.json()["error"]["message"]
     code = xmix.App("code")
-    code.write("custom", cpu_library="/tmp/libx.so", cpu_symbol="f").layers([0]).submodule("residual.pre")
+    code.write("custom", cpu_library="/tmp/libx.so", cpu_symbol="f").layers([0]).submodule(
+        "residual.pre"
+    )
     r = c.post("/xmix/v1/apps", content=code.to_bytes())
     assert r.status_code == 400 and "custom kernel" in r.json()["error"]["message"]
     assert c.post("/xmix/v1/apps?mode=sometimes", content=data).status_code == 400
@@ -264,7 +336,9 @@ def test_deploy_patch_delete_over_http(server):
     assert c.patch("/xmix/v1/apps/extra", json={"mode": "all"}).json()["mode"] == "all"
     r = complete(server)
     assert "e" in r.json()["xmix"]["extra"]  # mode all: every request gets it
-    assert c.patch("/xmix/v1/apps/extra", json={"params": {"bias": 2.0}}).json()["params"] == {"e.bias": 2.0}
+    assert c.patch("/xmix/v1/apps/extra", json={"params": {"bias": 2.0}}).json()["params"] == {
+        "e.bias": 2.0
+    }
     assert c.patch("/xmix/v1/apps/extra", json={"mode": "maybe"}).status_code == 422
     assert c.patch("/xmix/v1/apps/extra", json={"params": {"bias": "x"}}).status_code == 422
     assert c.patch("/xmix/v1/apps/extra", content=b"{").status_code == 400
@@ -285,8 +359,15 @@ def test_changes_while_requests_are_in_flight(server):
 
     async def one(client, i):
         ctl = [None, {"apps": ["steer"]}, {"apps": ["probe"]}, {"apps": ["steer", "probe"]}][i % 4]
-        body = {"model": "tiny", "prompt": f"Story number {i}:", "max_tokens": 24, "temperature": 0,
-                "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+        body = {
+            "model": "tiny",
+            "prompt": f"Story number {i}:",
+            "max_tokens": 24,
+            "temperature": 0,
+            "stream": True,
+            "ignore_eos": True,
+            "stream_options": {"include_usage": True},
+        }
         if ctl:
             body["vllm_xargs"] = {"xmix": json.dumps(ctl)}
         n, finish = 0, None
@@ -305,13 +386,21 @@ def test_changes_while_requests_are_in_flight(server):
         await asyncio.sleep(0.3)
         assert (await client.patch("/xmix/v1/apps/steer", json={"mode": "off"})).status_code == 200
         await asyncio.sleep(0.3)
-        assert (await client.post("/xmix/v1/apps?mode=all", content=flip.to_bytes())).status_code == 201
+        assert (
+            await client.post("/xmix/v1/apps?mode=all", content=flip.to_bytes())
+        ).status_code == 201
         await asyncio.sleep(0.3)
-        assert (await client.patch("/xmix/v1/apps/steer", json={"mode": "request"})).status_code == 200
-        assert (await client.patch("/xmix/v1/apps/probe", json={"params": {"bias": 1.0}})).status_code == 200
+        assert (
+            await client.patch("/xmix/v1/apps/steer", json={"mode": "request"})
+        ).status_code == 200
+        assert (
+            await client.patch("/xmix/v1/apps/probe", json={"params": {"bias": 1.0}})
+        ).status_code == 200
         await asyncio.sleep(0.3)
         assert (await client.delete("/xmix/v1/apps/flip")).status_code == 200
-        assert (await client.patch("/xmix/v1/apps/probe", json={"params": {"bias": 0.0}})).status_code == 200
+        assert (
+            await client.patch("/xmix/v1/apps/probe", json={"params": {"bias": 0.0}})
+        ).status_code == 200
 
     async def main():
         async with httpx.AsyncClient(base_url=base, headers=headers, timeout=300) as client:
@@ -331,8 +420,15 @@ def _raw_app(spec: dict, tensors: dict | None = None) -> bytes:
 
 
 def _spec(name: str, ops: list, **extra) -> dict:
-    return {"format": "xmix.app/1", "name": name, "metadata": {}, "params": {}, "token_sets": [],
-            "ops": ops, **extra}
+    return {
+        "format": "xmix.app/1",
+        "name": name,
+        "metadata": {},
+        "params": {},
+        "token_sets": [],
+        "ops": ops,
+        **extra,
+    }
 
 
 def _tracebacks(server) -> int:
@@ -344,8 +440,11 @@ def test_patch_is_one_change_over_http(server):
     parameter had changed anyway. Now nothing is applied unless everything is valid."""
     c = server["client"]
     before = next(a for a in c.get("/xmix/v1/apps").json()["apps"] if a["name"] == "steer")
-    for body in ({"params": {"scale": 3}, "mode": "bogus"}, {"params": {"nope": 3}, "mode": "off"},
-                 {"params": {"scale": 10**400}, "mode": "all"}):
+    for body in (
+        {"params": {"scale": 3}, "mode": "bogus"},
+        {"params": {"nope": 3}, "mode": "off"},
+        {"params": {"scale": 10**400}, "mode": "all"},
+    ):
         r = c.patch("/xmix/v1/apps/steer", json=body)
         assert r.status_code == 422, (body, r.text)
     after = next(a for a in c.get("/xmix/v1/apps").json()["apps"] if a["name"] == "steer")
@@ -356,10 +455,18 @@ def test_apps_json_cannot_carry_are_refused_and_listing_keeps_working(server):
     """Defect 4: an app with NaN in its metadata, or a parameter default of Infinity,
     answered 400 but was deployed, and every listing answered 400 from then on."""
     c = server["client"]
-    op = {"primitive": "read", "kernel": "capture", "site": "final.post", "params": {}, "artifacts": {}}
-    for spec in (_spec("nanmeta", [op], metadata={"score": float("nan")}),
-                 _spec("infparam", [op], params={"theta": float("inf")}),
-                 _spec("bigparam", [op], params={"theta": 10**400})):
+    op = {
+        "primitive": "read",
+        "kernel": "capture",
+        "site": "final.post",
+        "params": {},
+        "artifacts": {},
+    }
+    for spec in (
+        _spec("nanmeta", [op], metadata={"score": float("nan")}),
+        _spec("infparam", [op], params={"theta": float("inf")}),
+        _spec("bigparam", [op], params={"theta": 10**400}),
+    ):
         r = c.post("/xmix/v1/apps", content=_raw_app(spec))
         assert r.status_code == 400, r.text
         listing = c.get("/xmix/v1/apps")
@@ -375,40 +482,68 @@ def test_client_errors_are_4xx_never_500(server):
     statuses = {}
     deep = "[" * 20_000 + "]" * 20_000
     statuses["int 10^400 in params"] = complete(
-        server, raw_control='{"apps": ["steer"], "params": {"steer": {"scale": 1' + "0" * 400 + "}}}").status_code
+        server,
+        raw_control='{"apps": ["steer"], "params": {"steer": {"scale": 1' + "0" * 400 + "}}}",
+    ).status_code
     statuses["control nested 20 000 deep"] = complete(server, raw_control=deep).status_code
     statuses["control nested 100 000 deep"] = complete(
-        server, raw_control="[" * 100_000 + "]" * 100_000).status_code
-    statuses["vllm_xargs nested"] = c.post("/v1/completions", json={
-        "model": "tiny", "prompt": "x", "vllm_xargs": {"xmix": [[[[1]]]]}}).status_code
+        server, raw_control="[" * 100_000 + "]" * 100_000
+    ).status_code
+    statuses["vllm_xargs nested"] = c.post(
+        "/v1/completions", json={"model": "tiny", "prompt": "x", "vllm_xargs": {"xmix": [[[[1]]]]}}
+    ).status_code
     statuses["body nested 100 000 deep"] = c.post(
-        "/v1/completions", content=b'{"model": "tiny", "prompt": "x", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
-        headers={"Content-Type": "application/json"}).status_code
+        "/v1/completions",
+        content=b'{"model": "tiny", "prompt": "x", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+        headers={"Content-Type": "application/json"},
+    ).status_code
     statuses["PATCH nested 30 000 deep"] = c.patch(
-        "/xmix/v1/apps/steer", content=b'{"params": ' + b"[" * 30_000 + b"]" * 30_000 + b"}").status_code
+        "/xmix/v1/apps/steer", content=b'{"params": ' + b"[" * 30_000 + b"]" * 30_000 + b"}"
+    ).status_code
     statuses["PATCH nested 100 000 deep"] = c.patch(
-        "/xmix/v1/apps/steer", content=b"[" * 100_000 + b"]" * 100_000).status_code
+        "/xmix/v1/apps/steer", content=b"[" * 100_000 + b"]" * 100_000
+    ).status_code
     statuses["PATCH int 10^400"] = c.patch(
-        "/xmix/v1/apps/steer", content=b'{"params": {"scale": 1' + b"0" * 400 + b"}}").status_code
+        "/xmix/v1/apps/steer", content=b'{"params": {"scale": 1' + b"0" * 400 + b"}}"
+    ).status_code
     w = {"probe.weight": torch.ones(D) / 64}
-    read = {"primitive": "read", "kernel": "probe", "site": "residual.pre", "layers": [0], "params": {},
-            "artifacts": {"weight": "probe.weight"}}
+    read = {
+        "primitive": "read",
+        "kernel": "probe",
+        "site": "residual.pre",
+        "layers": [0],
+        "params": {},
+        "artifacts": {"weight": "probe.weight"},
+    }
     terms = {**read, "name": "g"}
-    write = {"primitive": "write", "kernel": "add", "site": "residual.post", "layers": [1], "params": {},
-             "artifacts": {"vector": "probe.weight"}, "cond": {"expr": " or ".join(["g>0"] * 2000)}}
+    write = {
+        "primitive": "write",
+        "kernel": "add",
+        "site": "residual.post",
+        "layers": [1],
+        "params": {},
+        "artifacts": {"vector": "probe.weight"},
+        "cond": {"expr": " or ".join(["g>0"] * 2000)},
+    }
     statuses["2 000-term condition"] = c.post(
-        "/xmix/v1/apps", content=_raw_app(_spec("terms", [terms, write]), w)).status_code
+        "/xmix/v1/apps", content=_raw_app(_spec("terms", [terms, write]), w)
+    ).status_code
     chain = [{**read, "name": "r0"}] + [
-        {**read, "name": f"r{i}", "cond": {"gate": f"r{i - 1} >= 0"}} for i in range(1, 1100)]
+        {**read, "name": f"r{i}", "cond": {"gate": f"r{i - 1} >= 0"}} for i in range(1, 1100)
+    ]
     statuses["1 100-deep gate chain"] = c.post(
-        "/xmix/v1/apps", content=_raw_app(_spec("chain", chain), w)).status_code
+        "/xmix/v1/apps", content=_raw_app(_spec("chain", chain), w)
+    ).status_code
     from safetensors.torch import save
 
-    statuses["spec nested 100 000 deep"] = c.post("/xmix/v1/apps", content=save(
-        {}, metadata={"xmix.spec": "[" * 100_000 + "]" * 100_000})).status_code
+    statuses["spec nested 100 000 deep"] = c.post(
+        "/xmix/v1/apps", content=save({}, metadata={"xmix.spec": "[" * 100_000 + "]" * 100_000})
+    ).status_code
     nested_meta = _spec("nestmeta", [])
     nested_meta["metadata"] = json.loads("[" * 900 + "]" * 900)
-    statuses["metadata nested 900 deep"] = c.post("/xmix/v1/apps", content=_raw_app(nested_meta)).status_code
+    statuses["metadata nested 900 deep"] = c.post(
+        "/xmix/v1/apps", content=_raw_app(nested_meta)
+    ).status_code
     bad = {k: v for k, v in statuses.items() if not 400 <= v < 500}
     assert not bad, statuses
     assert complete(server).status_code == 200
@@ -421,10 +556,17 @@ def test_a_refused_stream_gets_its_status_before_the_stream(server):
     c = server["client"]
     before = _tracebacks(server)
     lines_before = server["log"].read_text().count("refused at admission")
-    for path, body in (("/v1/completions", {"prompt": "x"}),
-                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
-        body = {"model": "tiny", "max_tokens": 4, "stream": True,
-                "vllm_xargs": {"xmix": json.dumps({"apps": ["nope"]})}, **body}
+    for path, body in (
+        ("/v1/completions", {"prompt": "x"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+    ):
+        body = {
+            "model": "tiny",
+            "max_tokens": 4,
+            "stream": True,
+            "vllm_xargs": {"xmix": json.dumps({"apps": ["nope"]})},
+            **body,
+        }
         with c.stream("POST", path, json=body) as r:
             r.read()
             assert r.status_code == 400, r.text
@@ -444,8 +586,12 @@ def test_invocations_need_the_api_key_to_use_apps(server):
     assert r.status_code == 200, r.text
     r = httpx.post(f"{base}/invocations", json=with_apps, timeout=60)
     assert r.status_code == 401, r.text
-    r = httpx.post(f"{base}/invocations", json=with_apps, timeout=60,
-                   headers={"Authorization": f"Bearer {KEY}"})
+    r = httpx.post(
+        f"{base}/invocations",
+        json=with_apps,
+        timeout=60,
+        headers={"Authorization": f"Bearer {KEY}"},
+    )
     assert r.status_code == 200 and "p2" in r.json()["xmix"]["probe"], r.text
 
 
@@ -484,12 +630,22 @@ def test_an_app_of_1000_ops_sharing_one_tensor_costs_one_copy(server):
     is stored once everywhere: deploying and deleting it raises no process's peak memory by
     more than a few tens of MiB."""
     import psutil
-
     from safetensors.torch import save
 
-    spec = _spec("shared", [{"primitive": "write", "kernel": "affine", "site": "residual.post",
-                             "layers": [i % 4], "params": {}, "artifacts": {"matrix": "m", "mu_s": "z", "mu_t": "z"}}
-                            for i in range(1000)])
+    spec = _spec(
+        "shared",
+        [
+            {
+                "primitive": "write",
+                "kernel": "affine",
+                "site": "residual.post",
+                "layers": [i % 4],
+                "params": {},
+                "artifacts": {"matrix": "m", "mu_s": "z", "mu_t": "z"},
+            }
+            for i in range(1000)
+        ],
+    )
     data = save({"m": torch.eye(D), "z": torch.zeros(D)}, metadata={"xmix.spec": json.dumps(spec)})
     assert len(data) < 600_000
     procs = [psutil.Process(server["proc"].pid)]
@@ -519,7 +675,9 @@ def test_read_results_are_bounded(server):
         assert len(ok.json()["xmix"]["cap"]["h"]["values"][0]) == D
         assert "!truncated" not in ok.json()["xmix"]
         for stream in (False, True):  # 350 prompt positions: over 2 MiB
-            r = complete(server, prompt=[5] * 350, control={"apps": ["cap"]}, max_tokens=4, stream=stream)
+            r = complete(
+                server, prompt=[5] * 350, control={"apps": ["cap"]}, max_tokens=4, stream=stream
+            )
             assert r.status_code == 400, r.text
             assert "XMIX_MAX_RESULT_BYTES" in r.json()["error"]["message"]
         # x 4 sequences of 10 + 99 positions: each is cut at its quarter of the cap
@@ -552,7 +710,9 @@ def test_non_finite_reads_are_null_in_strict_json(server):
     every stream chunk (before: NaN and Infinity in the JSON)."""
     c = server["client"]
     dist = xmix.App("dist")
-    dist.read("distance", centroids=torch.zeros(1, D)).layers([2]).submodule("residual.post").named("d")
+    dist.read("distance", centroids=torch.zeros(1, D)).layers([2]).submodule("residual.post").named(
+        "d"
+    )
     assert c.post("/xmix/v1/apps", content=dist.to_bytes()).status_code == 201
     try:
         ctl = {"apps": ["steer", "dist"], "params": {"steer": {"scale": _max_scale(server)}}}
@@ -560,8 +720,14 @@ def test_non_finite_reads_are_null_in_strict_json(server):
         assert r.status_code == 200, r.text
         d = _strict(r.text)["xmix"]["dist"]["d"]
         assert d["nonfinite"] == sum(v is None for v in d["values"]) > 0
-        body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 4, "temperature": 0,
-                "stream": True, "vllm_xargs": {"xmix": json.dumps(ctl)}}
+        body = {
+            "model": "tiny",
+            "prompt": "Once upon a time",
+            "max_tokens": 4,
+            "temperature": 0,
+            "stream": True,
+            "vllm_xargs": {"xmix": json.dumps(ctl)},
+        }
         nulls = 0
         with c.stream("POST", "/v1/completions", json=body) as s:
             assert s.status_code == 200
@@ -584,8 +750,15 @@ def test_writes_that_would_overflow_are_refused_and_cannot_poison_other_requests
 
     def batch(salt):
         async def one(client, i):
-            body = {"model": "tiny", "prompt": f"Bystander {i}:", "max_tokens": 16, "temperature": 0,
-                    "ignore_eos": True, "cache_salt": salt, "return_token_ids": True}
+            body = {
+                "model": "tiny",
+                "prompt": f"Bystander {i}:",
+                "max_tokens": 16,
+                "temperature": 0,
+                "ignore_eos": True,
+                "cache_salt": salt,
+                "return_token_ids": True,
+            }
             if i % 2:
                 body["vllm_xargs"] = {"xmix": json.dumps({"apps": ["probe"]})}
             r = await client.post("/v1/completions", json=body)
@@ -593,8 +766,9 @@ def test_writes_that_would_overflow_are_refused_and_cannot_poison_other_requests
             return r.json()["choices"][0]["token_ids"], r.json().get("xmix")
 
         async def main():
-            async with httpx.AsyncClient(base_url=server["base"], timeout=120,
-                                         headers={"Authorization": f"Bearer {KEY}"}) as client:
+            async with httpx.AsyncClient(
+                base_url=server["base"], timeout=120, headers={"Authorization": f"Bearer {KEY}"}
+            ) as client:
                 return await asyncio.gather(*(one(client, i) for i in range(8)))
 
         return asyncio.run(main())
@@ -603,8 +777,12 @@ def test_writes_that_would_overflow_are_refused_and_cannot_poison_other_requests
     r = complete(server, control={"apps": ["steer"], "params": {"steer": {"scale": 3e38}}})
     assert r.status_code == 400 and "out of range" in r.json()["error"]["message"], r.text
     for _ in range(3):
-        r = complete(server, prompt="Once upon a time " * 4, max_tokens=24,
-                     control={"apps": ["steer"], "params": {"steer": {"scale": _max_scale(server)}}})
+        r = complete(
+            server,
+            prompt="Once upon a time " * 4,
+            max_tokens=24,
+            control={"apps": ["steer"], "params": {"steer": {"scale": _max_scale(server)}}},
+        )
         assert r.status_code == 200, r.text
     assert batch("bystanders-2") == before
 
@@ -622,22 +800,40 @@ def test_soak_live_changes_under_16_streams(server):
     valid = []
     for i in range(4):
         a = xmix.App(f"soak{i}")
-        a.write("add", vector=torch.randn(D, generator=g), scale=1.0).layers([i % 4]).submodule("residual.post")
-        a.read("probe", weight=torch.randn(D, generator=g) / 16).layers([3]).submodule("residual.post").named("q")
+        a.write("add", vector=torch.randn(D, generator=g), scale=1.0).layers([i % 4]).submodule(
+            "residual.post"
+        )
+        a.read("probe", weight=torch.randn(D, generator=g) / 16).layers([3]).submodule(
+            "residual.post"
+        ).named("q")
         valid.append(a.to_bytes())
     overflow = xmix.App("overflow")
-    overflow.read("probe", weight=torch.ones(D) / 64).layers([0]).submodule("residual.pre").named("g")
+    overflow.read("probe", weight=torch.ones(D) / 64).layers([0]).submodule("residual.pre").named(
+        "g"
+    )
     for _ in range(3):
-        overflow.write("add", vector=torch.ones(D)).layers("all").submodule("residual.post") \
-            .cond(" or ".join(["g >= 0.5"] * 200))
-    refused = [overflow.to_bytes(), b"\0" * 64,
-               _raw_app(_spec("nan", [], metadata={"x": float("nan")}))]
+        overflow.write("add", vector=torch.ones(D)).layers("all").submodule("residual.post").cond(
+            " or ".join(["g >= 0.5"] * 200)
+        )
+    refused = [
+        overflow.to_bytes(),
+        b"\0" * 64,
+        _raw_app(_spec("nan", [], metadata={"x": float("nan")})),
+    ]
 
     async def stream(client, i, salt):
         # token ids, not text: the streamed text of this random tiny model (bytes that are
         # not UTF-8) depends on how vLLM groups tokens into chunks
-        body = {"model": "tiny", "prompt": f"Soak story {i}:", "max_tokens": 24, "temperature": 0,
-                "stream": True, "ignore_eos": True, "cache_salt": salt, "return_token_ids": True}
+        body = {
+            "model": "tiny",
+            "prompt": f"Soak story {i}:",
+            "max_tokens": 24,
+            "temperature": 0,
+            "stream": True,
+            "ignore_eos": True,
+            "cache_salt": salt,
+            "return_token_ids": True,
+        }
         if ctls[i % 4]:
             body["vllm_xargs"] = {"xmix": json.dumps(ctls[i % 4])}
         tokens, reads = [], []
@@ -650,7 +846,9 @@ def test_soak_live_changes_under_16_streams(server):
                         tokens += ch["choices"][0].get("token_ids") or []
                     x = ch.get("xmix")
                     if x and "probe" in x:
-                        reads += list(zip(x["probe"]["p2"]["positions"], x["probe"]["p2"]["values"]))
+                        reads += list(
+                            zip(x["probe"]["p2"]["positions"], x["probe"]["p2"]["values"])
+                        )
         return tokens, reads
 
     async def changes(client):
@@ -660,17 +858,27 @@ def test_soak_live_changes_under_16_streams(server):
                 statuses.append(r.status_code)
                 assert r.status_code == 201, r.text
                 for body in ({"params": {"scale": -2.0}}, {"mode": "off"}, {"mode": "request"}):
-                    statuses.append((await client.patch(f"/xmix/v1/apps/soak{i}", json=body)).status_code)
-                r = await client.patch(f"/xmix/v1/apps/soak{i}", json={"params": {"scale": 1}, "mode": "x"})
+                    statuses.append(
+                        (await client.patch(f"/xmix/v1/apps/soak{i}", json=body)).status_code
+                    )
+                r = await client.patch(
+                    f"/xmix/v1/apps/soak{i}", json={"params": {"scale": 1}, "mode": "x"}
+                )
                 statuses.append(r.status_code)
                 assert r.status_code == 422
                 r = await client.post("/xmix/v1/apps", content=refused[(i + round_) % 3])
                 statuses.append(r.status_code)
                 assert r.status_code in (400, 422), r.text
                 # a request that does use the changing app: it must finish, its answer may change
-                r = await client.post("/v1/completions", json={
-                    "model": "tiny", "prompt": "touched", "max_tokens": 8,
-                    "vllm_xargs": {"xmix": json.dumps({"apps": [f"soak{i}"]})}})
+                r = await client.post(
+                    "/v1/completions",
+                    json={
+                        "model": "tiny",
+                        "prompt": "touched",
+                        "max_tokens": 8,
+                        "vllm_xargs": {"xmix": json.dumps({"apps": [f"soak{i}"]})},
+                    },
+                )
                 statuses.append(r.status_code)
                 statuses.append((await client.delete(f"/xmix/v1/apps/soak{i}")).status_code)
                 await asyncio.sleep(0.05)
@@ -691,4 +899,7 @@ def test_soak_live_changes_under_16_streams(server):
     assert all(len(t) == 24 for t, _ in soaked) and sum(len(r) for _, r in soaked) > 0
     assert server["proc"].poll() is None
     assert httpx.get(f"{base}/health", timeout=10).status_code == 200
-    assert [a["name"] for a in server["client"].get("/xmix/v1/apps").json()["apps"]] == ["steer", "probe"]
+    assert [a["name"] for a in server["client"].get("/xmix/v1/apps").json()["apps"]] == [
+        "steer",
+        "probe",
+    ]

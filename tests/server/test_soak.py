@@ -29,8 +29,16 @@ def test_soak_under_live_changes(tmp_path):
     apps = soak.build_apps(0)
     proc, base, log = soak.start_server(tmp_path, apps, "soak-key", "soak-admin-key")
     try:
-        args = argparse.Namespace(requests=REQUESTS, changes=CHANGES, concurrency=16, deadline=300.0,
-                                  seed=3, key="soak-key", admin_key="soak-admin-key", progress=0)
+        args = argparse.Namespace(
+            requests=REQUESTS,
+            changes=CHANGES,
+            concurrency=16,
+            deadline=300.0,
+            seed=3,
+            key="soak-key",
+            admin_key="soak-admin-key",
+            progress=0,
+        )
         fig = asyncio.run(soak.soak(args, base, apps))
     finally:
         soak.stop_server(proc)

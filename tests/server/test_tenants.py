@@ -17,12 +17,11 @@ import pytest
 import torch
 
 import xmix
+from harness import SMALL
 from xmix.hooks import ModelShape
 from xmix.integrations.vllm import tenants
 from xmix.integrations.vllm.frontend import Needs, Registry, provenance
 from xmix.lowering import lower
-
-from harness import SMALL
 
 D = 64
 SHAPE = ModelShape(n_layers=2, hidden_size=D, vocab_size=64)
@@ -35,9 +34,13 @@ def sha(key: str) -> str:
 
 # ------------------------------------------------------------------ policy file and keys
 def test_policy_file_is_checked_and_maps_keys_to_tenants(tmp_path):
-    doc = {"tenants": {"research": {"keys_sha256": [sha("r-key")], "apps": "*", "forced": []},
-                       "product": {"keys_sha256": [sha("p-key").upper()], "apps": ["steer"]}},
-           "default": {"apps": []}}
+    doc = {
+        "tenants": {
+            "research": {"keys_sha256": [sha("r-key")], "apps": "*", "forced": []},
+            "product": {"keys_sha256": [sha("p-key").upper()], "apps": ["steer"]},
+        },
+        "default": {"apps": []},
+    }
     p = tmp_path / "policy.json"
     p.write_text(json.dumps(doc))
     pol = tenants.Policy.load(str(p))
@@ -50,7 +53,10 @@ def test_policy_file_is_checked_and_maps_keys_to_tenants(tmp_path):
         ({"tenants": {"x": {"keys_sha256": ["not-hex"]}}}, "SHA-256 digests"),
         ({"tenants": {"x": {"keys_sha256": [sha("k")], "apps": "steer"}}}, '"apps" must be'),
         ({"tenants": {"x": {"keys_sha256": [sha("k")], "colour": 1}}}, "rules are an object"),
-        ({"tenants": {"x": {"keys_sha256": [sha("k")]}, "y": {"keys_sha256": [sha("k")]}}}, "listed for tenant"),
+        (
+            {"tenants": {"x": {"keys_sha256": [sha("k")]}, "y": {"keys_sha256": [sha("k")]}}},
+            "listed for tenant",
+        ),
         ({"tenant": {}}, "must be an object"),
         ([], "must be an object"),
     ]
@@ -65,12 +71,12 @@ def test_policy_file_is_checked_and_maps_keys_to_tenants(tmp_path):
 def test_admin_key_is_apart_from_inference_keys():
     auth = tenants.Auth(api_keys=["gen"], admin_keys=["adm"])
     assert auth.check_change("Bearer adm") is None
-    assert auth.check_change("Bearer gen")[0] == 403            # may generate, may not deploy
+    assert auth.check_change("Bearer gen")[0] == 403  # may generate, may not deploy
     assert auth.check_change("Bearer nope")[0] == 401
     assert auth.check_change(None)[0] == 401
     assert auth.check_read("Bearer gen") is None and auth.check_read("Bearer adm") is None
     assert auth.check_read("Bearer nope")[0] == 401
-    assert not auth.may_generate("adm")                          # the admin key is not an inference key
+    assert not auth.may_generate("adm")  # the admin key is not an inference key
     # no admin key: off, whatever key is sent, unless opened explicitly
     off = tenants.Auth(api_keys=["gen"], admin_keys=[])
     status, msg = off.check_change("Bearer gen")
@@ -88,12 +94,16 @@ def test_audit_lines_carry_a_fingerprint_never_the_key(tmp_path, caplog):
     path = tmp_path / "audit.jsonl"
     audit = tenants.Audit(str(path))
     with caplog.at_level("INFO", logger="vllm.xmix.audit"):
-        audit.record(tenants.fingerprint("secret-admin-key"), "deploy", "steer", 201, "deployed", mode="all")
+        audit.record(
+            tenants.fingerprint("secret-admin-key"), "deploy", "steer", 201, "deployed", mode="all"
+        )
         audit.record(tenants.fingerprint(None), "patch", "steer", 401, "refused")
     lines = [json.loads(l) for l in path.read_text().splitlines()]
     assert [l["action"] for l in lines] == ["deploy", "patch"]
     assert lines[0]["key"] == sha("secret-admin-key")[:12] and lines[1]["key"] == "none"
-    assert lines[0]["mode"] == "all" and lines[0]["status"] == 201 and lines[0]["time"].endswith("Z")
+    assert (
+        lines[0]["mode"] == "all" and lines[0]["status"] == 201 and lines[0]["time"].endswith("Z")
+    )
     assert "secret-admin-key" not in path.read_text() + caplog.text
     assert caplog.text.count("xmix audit") == 2
 
@@ -105,10 +115,13 @@ def _registry() -> Registry:
     for name, mode in (("steer", "request"), ("probe", "request"), ("safety", "all")):
         app = xmix.App(name)
         if name == "probe":
-            app.read("probe", weight=torch.randn(D, generator=g)).layers([1]).submodule("residual.post").named("p")
+            app.read("probe", weight=torch.randn(D, generator=g)).layers([1]).submodule(
+                "residual.post"
+            ).named("p")
         else:
-            app.write("add", vector=torch.randn(D, generator=g), scale=1.0).layers([0]) \
-               .submodule("residual.post").named("push")
+            app.write("add", vector=torch.randn(D, generator=g), scale=1.0).layers([0]).submodule(
+                "residual.post"
+            ).named("push")
         lw = lower(app, SHAPE)
         reg.add(app, lw, mode, reg.next_version(), Needs.of(lw))
         reg.changed("deploy", name)
@@ -128,11 +141,14 @@ def test_admission_follows_the_callers_policy():
         # the mode-"all" app does not apply to it: opted out by name, not in its provenance
         assert adm.control["forced"] == []
         applied = adm.control["applied"]
-        assert [(a["name"], a["mode"], a["params"]) for a in applied["apps"]] == \
-            [("steer", "request", {"push.scale": 2.0})]
+        assert [(a["name"], a["mode"], a["params"]) for a in applied["apps"]] == [
+            ("steer", "request", {"push.scale": 2.0})
+        ]
         assert applied["tenant"] == "product"
-        for ctl, msg in (({"apps": ["probe"]}, "app 'probe' is not allowed for this key"),
-                         ({"apps": ["steer"], "params": {"probe": {"bias": 1.0}}}, "params for app 'probe'")):
+        for ctl, msg in (
+            ({"apps": ["probe"]}, "app 'probe' is not allowed for this key"),
+            ({"apps": ["steer"], "params": {"probe": {"bias": 1.0}}}, "params for app 'probe'"),
+        ):
             with pytest.raises(ValueError, match=msg) as e:
                 reg.admit(ctl)
             assert tenants.is_forbidden(e.value) and getattr(e.value, "http_status", 403) == 403
@@ -173,8 +189,9 @@ def test_locked_parameters_cannot_be_overridden_by_requests():
         reg.check_patch("safety", None, None, ["volume"])
     _, lock = reg.check_patch("safety", None, None, False)
     reg.patch("safety", None, {}, lock)
-    assert reg.admit({"params": {"safety": {"scale": 0.0}}}).control["applied"]["apps"][0]["params"] == \
-        {"push.scale": 0.0}
+    assert reg.admit({"params": {"safety": {"scale": 0.0}}}).control["applied"]["apps"][0][
+        "params"
+    ] == {"push.scale": 0.0}
 
 
 def test_request_limits(monkeypatch):
@@ -190,7 +207,9 @@ def test_request_limits(monkeypatch):
     extra.read("probe", weight=torch.ones(D)).layers([0]).submodule("residual.pre")
     from xmix.integrations.vllm.frontend import CapacityError
 
-    with pytest.raises(CapacityError, match="3 apps are deployed; the server allows 3 .XMIX_MAX_APPS"):
+    with pytest.raises(
+        CapacityError, match="3 apps are deployed; the server allows 3 .XMIX_MAX_APPS"
+    ):
         reg.prepare(extra)
 
 
@@ -231,7 +250,7 @@ def test_an_app_gone_after_the_pre_stream_check_is_a_change_not_a_refusal():
     def served():
         pre = reg.admit(control, 4, 4, count=False)  # the pre-stream check passes
         frontend.mark_prechecked(pre.control["applied"]["_rev"])
-        reg.patch("steer", "off", {})                 # a change lands before the generator runs
+        reg.patch("steer", "off", {})  # a change lands before the generator runs
         reg.changed("mode", "steer")
         return reg.admit(control, 4, 4)
 
@@ -243,10 +262,12 @@ def test_an_app_gone_after_the_pre_stream_check_is_a_change_not_a_refusal():
     # no pre-stream check in this context: the switched-off app is refused, naming it
     with pytest.raises(ValueError, match="'steer' is deployed but switched off"):
         in_request(lambda: reg.admit(control, 4, 4))
+
     # a check made after the change (same revision) stays strict too
     def checked_after():
         frontend.mark_prechecked(reg.revision)
         return reg.admit(control, 4, 4)
+
     with pytest.raises(ValueError, match="switched off"):
         in_request(checked_after)
 
@@ -264,13 +285,20 @@ def test_a_request_opted_out_of_a_mode_all_app_is_left_alone(backend):
     safety.write("add", vector=v, scale=1.0).layers([0]).submodule("residual.pre")
     cb = ControlBlock(SHAPE, backend, SMALL)
     cb.install(lower(safety, SHAPE), "all", 1)
-    slots = [cb.admit_pinned("a", [], {}, 2)[0], cb.admit_pinned("b", [], {}, 2, forced=[])[0],
-             cb.admit_pinned("c", [], {}, 2, forced=["safety"])[0]]
+    slots = [
+        cb.admit_pinned("a", [], {}, 2)[0],
+        cb.admit_pinned("b", [], {}, 2, forced=[])[0],
+        cb.admit_pinned("c", [], {}, 2, forced=["safety"])[0],
+    ]
     from xmix import ops
 
     def step(site_layer: int = 0) -> torch.Tensor:
-        cb.begin_step(np.array(slots, dtype=np.int32), np.array([2, 2, 2]), np.array([0, 0, 0]),
-                      np.array([2, 2, 2]))
+        cb.begin_step(
+            np.array(slots, dtype=np.int32),
+            np.array([2, 2, 2]),
+            np.array([0, 0, 0]),
+            np.array([2, 2, 2]),
+        )
         cb.prologue(torch.zeros(6, dtype=torch.int32, device=backend))
         ops.set_control(cb)
         h = torch.zeros(6, D, device=backend)
@@ -282,7 +310,7 @@ def test_a_request_opted_out_of_a_mode_all_app_is_left_alone(backend):
         return [bool(torch.allclose(h[2 * i], add)) for i in range(3)]
 
     assert applied(step(), v) == [True, False, True]
-    cb.patch("safety", mode="request")       # nobody named it
+    cb.patch("safety", mode="request")  # nobody named it
     assert applied(step(), v) == [False, False, False]
     cb.patch("safety", mode="all")
     assert applied(step(), v) == [True, False, True]
@@ -305,19 +333,41 @@ def srv(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tenants")
     g = torch.Generator().manual_seed(5)
     steer = xmix.App("steer")
-    steer.write("add", vector=torch.randn(DS, generator=g), scale=4.0).layers([1]).submodule("residual.post")
+    steer.write("add", vector=torch.randn(DS, generator=g), scale=4.0).layers([1]).submodule(
+        "residual.post"
+    )
     probe = xmix.App("probe")
-    probe.read("probe", weight=torch.randn(DS, generator=g) / 16).layers([2]).submodule("residual.post").named("p")
+    probe.read("probe", weight=torch.randn(DS, generator=g) / 16).layers([2]).submodule(
+        "residual.post"
+    ).named("p")
     safety = xmix.App("safety")
-    safety.write("add", vector=torch.randn(DS, generator=g), scale=6.0).layers([0]).submodule("residual.post") \
-        .named("push")
-    policy = {"tenants": {"research": {"keys_sha256": [sha(RESEARCH)], "apps": "*", "forced": []},
-                          "product": {"keys_sha256": [sha(PRODUCT)], "apps": ["steer"], "forced": "*"}},
-              "default": {"apps": ["probe"], "forced": "*"}}
+    safety.write("add", vector=torch.randn(DS, generator=g), scale=6.0).layers([0]).submodule(
+        "residual.post"
+    ).named("push")
+    policy = {
+        "tenants": {
+            "research": {"keys_sha256": [sha(RESEARCH)], "apps": "*", "forced": []},
+            "product": {"keys_sha256": [sha(PRODUCT)], "apps": ["steer"], "forced": "*"},
+        },
+        "default": {"apps": ["probe"], "forced": "*"},
+    }
     (tmp / "policy.json").write_text(json.dumps(policy))
-    args = ["--api-key", RESEARCH, PRODUCT, OTHER, "--xmix-admin-key", ADMIN,
-            "--xmix-policy", str(tmp / "policy.json"), "--xmix-audit-log", str(tmp / "audit.jsonl"),
-            "--app", str(steer.save(tmp / "steer.xmix")), "--app", str(probe.save(tmp / "probe.xmix"))]
+    args = [
+        "--api-key",
+        RESEARCH,
+        PRODUCT,
+        OTHER,
+        "--xmix-admin-key",
+        ADMIN,
+        "--xmix-policy",
+        str(tmp / "policy.json"),
+        "--xmix-audit-log",
+        str(tmp / "audit.jsonl"),
+        "--app",
+        str(steer.save(tmp / "steer.xmix")),
+        "--app",
+        str(probe.save(tmp / "probe.xmix")),
+    ]
     with xmix_serve(tmp, *args, env={"VLLM_SERVER_DEV_MODE": "1"}) as s:
         clients = {k: s.client(k) for k in (ADMIN, RESEARCH, PRODUCT, OTHER)}
         yield dict(server=s, c=clients, safety=safety, audit=tmp / "audit.jsonl", tmp=tmp)
@@ -326,8 +376,15 @@ def srv(tmp_path_factory):
 
 
 def _complete(client, control=None, stream=False, **kw):
-    body = {"model": "tiny", "prompt": "The river runs", "max_tokens": 8, "temperature": 0,
-            "ignore_eos": True, "return_token_ids": True, **kw}
+    body = {
+        "model": "tiny",
+        "prompt": "The river runs",
+        "max_tokens": 8,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        **kw,
+    }
     if control is not None:
         body["vllm_xargs"] = {"xmix": json.dumps(control)}
     if not stream:
@@ -356,7 +413,10 @@ def test_a_key_that_may_generate_may_not_change_apps(srv):
     data = srv["safety"].to_bytes()
     for key in (RESEARCH, PRODUCT):
         r = c[key].post("/xmix/v1/apps", content=data)
-        assert r.status_code == 403 and "may generate but not change apps" in r.json()["error"]["message"]
+        assert (
+            r.status_code == 403
+            and "may generate but not change apps" in r.json()["error"]["message"]
+        )
         assert c[key].patch("/xmix/v1/apps/steer", json={"mode": "off"}).status_code == 403
         assert c[key].delete("/xmix/v1/apps/steer").status_code == 403
         assert c[key].get("/xmix/v1/status").status_code == 403
@@ -365,10 +425,16 @@ def test_a_key_that_may_generate_may_not_change_apps(srv):
     assert httpx.post(srv["server"].base + "/xmix/v1/apps", content=data).status_code == 401
     assert c[ADMIN].get("/xmix/v1/status").status_code == 200
     # listings: what each key may use
-    names = {k: [a["name"] for a in c[k].get("/xmix/v1/apps").json()["apps"]]
-             for k in (ADMIN, RESEARCH, PRODUCT, OTHER)}
-    assert names == {ADMIN: ["steer", "probe"], RESEARCH: ["steer", "probe"], PRODUCT: ["steer"],
-                     OTHER: ["probe"]}
+    names = {
+        k: [a["name"] for a in c[k].get("/xmix/v1/apps").json()["apps"]]
+        for k in (ADMIN, RESEARCH, PRODUCT, OTHER)
+    }
+    assert names == {
+        ADMIN: ["steer", "probe"],
+        RESEARCH: ["steer", "probe"],
+        PRODUCT: ["steer"],
+        OTHER: ["probe"],
+    }
     # the admin key is not an inference key
     assert _complete(c[ADMIN]).status_code == 401
 
@@ -382,7 +448,10 @@ def test_policy_decides_which_apps_a_key_names_and_which_are_forced_on_it(srv):
     assert vanilla[RESEARCH] == vanilla[PRODUCT]
     for key, app in ((PRODUCT, "probe"), (OTHER, "steer")):
         r = _complete(c[key], {"apps": [app]})
-        assert r.status_code == 403 and f"app '{app}' is not allowed for this key" in r.json()["error"]["message"]
+        assert (
+            r.status_code == 403
+            and f"app '{app}' is not allowed for this key" in r.json()["error"]["message"]
+        )
         r = _complete(c[key], {"apps": [app]}, stream=True)  # refused before the stream starts
         assert r.status_code == 403, r
     r = c[ADMIN].post("/xmix/v1/apps?mode=all&locked=true", content=srv["safety"].to_bytes())
@@ -390,24 +459,37 @@ def test_policy_decides_which_apps_a_key_names_and_which_are_forced_on_it(srv):
     try:
         research = _complete(c[RESEARCH], cache_salt="s")
         product = _complete(c[PRODUCT], cache_salt="s")
-        assert _tokens(research) == vanilla[RESEARCH]        # not forced on research
-        assert _tokens(product) != vanilla[PRODUCT]          # forced on product
+        assert _tokens(research) == vanilla[RESEARCH]  # not forced on research
+        assert _tokens(product) != vanilla[PRODUCT]  # forced on product
         # research may still name it: then it applies, exactly as for product
         named = _complete(c[RESEARCH], {"apps": ["safety"]}, cache_salt="s")
         assert _tokens(named) == _tokens(product)
         assert research.json()["xmix_applied"] == {"apps": [], "tenant": "research", "changed": []}
         assert product.json()["xmix_applied"] == {
-            "apps": [{"name": "safety", "version": r.json()["version"], "mode": "all",
-                      "params": {"push.scale": 6.0}}], "tenant": "product", "changed": []}
+            "apps": [
+                {
+                    "name": "safety",
+                    "version": r.json()["version"],
+                    "mode": "all",
+                    "params": {"push.scale": 6.0},
+                }
+            ],
+            "tenant": "product",
+            "changed": [],
+        }
         # product may not set its parameters at all (it may name steer only) ...
         r0 = _complete(c[PRODUCT], {"params": {"safety": {"scale": 0.0}}})
         assert r0.status_code == 403 and "may not use" in r0.json()["error"]["message"], r0.text
         # ... and with its parameters locked, nobody can neutralise it with scale 0
         r0 = _complete(c[RESEARCH], {"apps": ["safety"], "params": {"safety": {"scale": 0.0}}})
-        assert r0.status_code == 403 and "locked by the operator" in r0.json()["error"]["message"], r0.text
+        assert (
+            r0.status_code == 403 and "locked by the operator" in r0.json()["error"]["message"]
+        ), r0.text
         # unlocked: the same request goes through (and neutralises it)
         assert c[ADMIN].patch("/xmix/v1/apps/safety", json={"locked": False}).json()["locked"] == []
-        off = _complete(c[RESEARCH], {"apps": ["safety"], "params": {"safety": {"scale": 0.0}}}, cache_salt="s")
+        off = _complete(
+            c[RESEARCH], {"apps": ["safety"], "params": {"safety": {"scale": 0.0}}}, cache_salt="s"
+        )
         assert _tokens(off) == vanilla[RESEARCH]
     finally:
         assert c[ADMIN].delete("/xmix/v1/apps/safety").status_code == 200
@@ -416,19 +498,29 @@ def test_policy_decides_which_apps_a_key_names_and_which_are_forced_on_it(srv):
 @pytest.mark.engine
 def test_provenance_in_streams_and_per_prompt(srv):
     c = srv["c"]
-    status, chunks = _complete(c[RESEARCH], {"apps": ["steer", "probe"], "params": {"steer": {"scale": 2.0}}},
-                               stream=True, n=2, temperature=1.0, seed=1)
+    status, chunks = _complete(
+        c[RESEARCH],
+        {"apps": ["steer", "probe"], "params": {"steer": {"scale": 2.0}}},
+        stream=True,
+        n=2,
+        temperature=1.0,
+        seed=1,
+    )
     assert status == 200
     finished = [ch for ch in chunks if any(x.get("finish_reason") for x in ch.get("choices") or [])]
     assert len(finished) == 2 and all("xmix_applied" in ch for ch in finished)
     assert [ch for ch in chunks if "xmix_applied" in ch] == finished
     applied = finished[0]["xmix_applied"]
-    assert [(a["name"], a["params"]) for a in applied["apps"]] == [("steer", {"#0.scale": 2.0}),
-                                                                   ("probe", {"p.bias": 0.0})]
+    assert [(a["name"], a["params"]) for a in applied["apps"]] == [
+        ("steer", {"#0.scale": 2.0}),
+        ("probe", {"p.bias": 0.0}),
+    ]
     two = _complete(c[OTHER], {"apps": ["probe"]}, prompt=["a b", "c d"])
     assert two.status_code == 200 and len(two.json()["xmix_applied"]) == 2
-    chat = c[OTHER].post("/v1/chat/completions", json={
-        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    chat = c[OTHER].post(
+        "/v1/chat/completions",
+        json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+    )
     assert chat.json()["xmix_applied"] == {"apps": [], "tenant": "default", "changed": []}
 
 
@@ -443,7 +535,11 @@ def test_every_change_is_one_audit_line_with_a_fingerprint(srv):
     assert ("deploy", "safety", 201) in ours and ("patch", "safety", 200) in ours
     assert ("undeploy", "safety", 200) in ours
     refused = [l for l in lines if l["key"] == sha(PRODUCT)[:12]]
-    assert {(l["action"], l["status"]) for l in refused} >= {("deploy", 403), ("patch", 403), ("undeploy", 403)}
+    assert {(l["action"], l["status"]) for l in refused} >= {
+        ("deploy", 403),
+        ("patch", 403),
+        ("undeploy", 403),
+    }
     assert all(l["time"].endswith("Z") for l in lines)
     assert [l["action"] for l in lines[:2]] == ["deploy", "deploy"] and lines[0]["key"] == "local"
 
@@ -458,10 +554,17 @@ def test_dev_mode_collective_rpc_cannot_change_apps_behind_the_registry(srv):
 
     before = _tokens(_complete(c[RESEARCH], {"apps": ["steer"]}, cache_salt="g"))
     for method in ("xmix_undeploy", "xmix_deploy_abort", "xmix_patch"):
-        r = httpx.post(base + "/collective_rpc", json={"method": method, "args": ["steer"]}, timeout=60)
+        r = httpx.post(
+            base + "/collective_rpc", json={"method": method, "args": ["steer"]}, timeout=60
+        )
         assert r.status_code == 403 and "use /xmix/v1/apps" in r.json()["error"]["message"], r.text
     r = httpx.post(base + "/collective_rpc", json={"method": "xmix_describe"}, timeout=60)
     assert r.status_code == 403
     assert _tokens(_complete(c[RESEARCH], {"apps": ["steer"]}, cache_salt="g2")) == before
     # vLLM's own methods still pass
-    assert httpx.post(base + "/collective_rpc", json={"method": "check_health"}, timeout=60).status_code == 200
+    assert (
+        httpx.post(
+            base + "/collective_rpc", json={"method": "check_health"}, timeout=60
+        ).status_code
+        == 200
+    )

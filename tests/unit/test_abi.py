@@ -14,8 +14,14 @@ from xmix.control import layout
 K = _C.constants()
 
 # The forward order of a decoder layer's sites, as docs/apps.md teaches them.
-FORWARD_ORDER = ["residual.pre", "attention.post", "residual.mid", "router.logits", "mlp.post",
-                 "residual.post"]
+FORWARD_ORDER = [
+    "residual.pre",
+    "attention.post",
+    "residual.mid",
+    "router.logits",
+    "mlp.post",
+    "residual.post",
+]
 
 
 def test_layer_sites_in_forward_order():
@@ -25,7 +31,9 @@ def test_layer_sites_in_forward_order():
 
 def test_site_ids_follow_forward_order_and_final_post_closes_the_model():
     n_layers = 3
-    ids = [hooks.site_id(n, layer, n_layers) for layer in range(n_layers) for n in hooks.LAYER_SITES]
+    ids = [
+        hooks.site_id(n, layer, n_layers) for layer in range(n_layers) for n in hooks.LAYER_SITES
+    ]
     assert ids == list(range(n_layers * 6))
     assert hooks.site_id("final.post", None, n_layers) == 18
     assert hooks.n_sites(n_layers) == 19
@@ -77,5 +85,5 @@ def test_packed_header_reads_back_at_the_headers_offsets():
     rec["n_rows"][0] = 0x01020304
     rec["capture_size"][0] = -2
     off = _C.control_layout()
-    assert buf[off["n_rows"]:off["n_rows"] + 4].tolist() == [4, 3, 2, 1]
-    assert buf[off["capture_size"]:off["capture_size"] + 8].view(np.int64)[0] == -2
+    assert buf[off["n_rows"] : off["n_rows"] + 4].tolist() == [4, 3, 2, 1]
+    assert buf[off["capture_size"] : off["capture_size"] + 8].view(np.int64)[0] == -2

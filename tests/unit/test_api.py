@@ -29,14 +29,20 @@ FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 # ------------------------------------------------------------------------------ strategies
-ident = st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,10}", fullmatch=True).filter(lambda s: s not in RESERVED)
+ident = st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,10}", fullmatch=True).filter(
+    lambda s: s not in RESERVED
+)
 app_names = st.from_regex(r"[A-Za-z_][A-Za-z0-9_\-]{0,20}", fullmatch=True)
 finite = st.floats(allow_nan=False, allow_infinity=False, width=32)
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-2**53, 2**53)
-    | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=8),
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**53), 2**53)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=8),
     lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=6), c, max_size=3),
-    max_leaves=10)
+    max_leaves=10,
+)
 
 
 def _tensor(draw, shape, kind):
@@ -53,15 +59,17 @@ def _artifact(draw, kind, n_sel):
     if kind == CENTROIDS:
         base = (draw(st.integers(1, 3)), D)
     lead = [()]
-    if n_sel:                                  # layer-level sites may give one row per layer
+    if n_sel:  # layer-level sites may give one row per layer
         lead += [(L,), (n_sel,)]
     return _tensor(draw, draw(st.sampled_from(lead)) + base, kind)
 
 
 def _conditions(atoms):
-    return st.recursive(st.sampled_from(atoms),
-                        lambda c: st.builds(C.And, c, c) | st.builds(C.Or, c, c) | st.builds(C.Not, c),
-                        max_leaves=6)
+    return st.recursive(
+        st.sampled_from(atoms),
+        lambda c: st.builds(C.And, c, c) | st.builds(C.Or, c, c) | st.builds(C.Not, c),
+        max_leaves=6,
+    )
 
 
 @st.composite
@@ -69,25 +77,37 @@ def valid_apps(draw, custom=False):
     """Apps built from the catalog that lower on S: every read named, conditions only on
     earlier reads, cosine gates only on earlier sites, latches on earlier sites (later ones
     lower too: test_latch_at_any_site_and_cosine_gate_at_a_later_one)."""
-    app = App(draw(app_names), metadata=draw(st.dictionaries(st.text(max_size=6), json_values, max_size=3)))
+    app = App(
+        draw(app_names),
+        metadata=draw(st.dictionaries(st.text(max_size=6), json_values, max_size=3)),
+    )
     for p in draw(st.lists(ident, max_size=3, unique=True)):
         app.param(p, draw(finite))
     sets = draw(st.lists(ident, max_size=3, unique=True))
     for s in sets:
         app.token_set(s, ids=draw(st.lists(st.integers(0, V - 1), min_size=1, max_size=5)))
     names = iter(draw(st.lists(ident, min_size=8, max_size=8, unique=True)))
-    reads = []                                 # (key, site id, op index, kernel)
+    reads = []  # (key, site id, op index, kernel)
     n_ops = draw(st.integers(0, 6))
     # SAE kernels take an xmix.SAE and one layer: tests/unit/test_sae_kernels.py covers them.
-    kernels = sorted(k for k in KERNELS if k != "custom" and k not in SAE_KERNELS) + (["custom"] if custom else [])
+    kernels = sorted(k for k in KERNELS if k != "custom" and k not in SAE_KERNELS) + (
+        ["custom"] if custom else []
+    )
     for i in range(n_ops):
         kernel = draw(st.sampled_from(kernels))
         spec = KERNELS[kernel]
         site = "router.logits" if kernel == "router" else draw(st.sampled_from(SITES))
         layer_spec = None
         if site != "final.post":
-            layer_spec = draw(st.just("all") | st.lists(st.integers(0, L - 1), min_size=1, max_size=L, unique=True))
-        layers = [None] if layer_spec is None else (list(range(L)) if layer_spec == "all" else layer_spec)
+            layer_spec = draw(
+                st.just("all")
+                | st.lists(st.integers(0, L - 1), min_size=1, max_size=L, unique=True)
+            )
+        layers = (
+            [None]
+            if layer_spec is None
+            else (list(range(L)) if layer_spec == "all" else layer_spec)
+        )
         n_sel = 0 if layer_spec is None else len(layers)
         kw = {a: _artifact(draw, kind, n_sel) for a, kind in spec.artifacts.items()}
         if kernel in ("ablate", "clamp", "cosine"):
@@ -125,13 +145,22 @@ def valid_apps(draw, custom=False):
         first = min(sids)
         atoms = [C.Flag(f) for f in C.FLAGS] + [C.TokenIn(s) for s in sets]
         atoms += [C.InSpan(a, b) for a in sets for b in sets]
-        values = st.one_of(finite.map(float), *( [st.sampled_from(sorted(app.app_params))] if app.app_params else []))
+        values = st.one_of(
+            finite.map(float),
+            *([st.sampled_from(sorted(app.app_params))] if app.app_params else []),
+        )
         for key, sid, _j, k in reads:
             if sid < first or (sid == first and k != "cosine"):
                 atoms.append(C.Gate(key, draw(st.sampled_from(C.CMPS)), draw(values)))
             if sid < first:
-                atoms.append(C.Latch(draw(st.sampled_from(C.REDUCES)), key, draw(st.sampled_from(C.CMPS)),
-                                     draw(values)))
+                atoms.append(
+                    C.Latch(
+                        draw(st.sampled_from(C.REDUCES)),
+                        key,
+                        draw(st.sampled_from(C.CMPS)),
+                        draw(values),
+                    )
+                )
         if draw(st.booleans()):
             text = C.to_text(draw(_conditions(atoms)))
             where = draw(st.sampled_from(["expr", "when", "gate"]))
@@ -152,7 +181,7 @@ def assert_same_app(a: App, b: App) -> None:
     assert sorted(ta) == sorted(tb)
     for k in ta:
         assert tb[k].dtype == ta[k].dtype and tb[k].shape == ta[k].shape, k
-        assert _bits(tb[k]) == _bits(ta[k]), k      # bit-exact, NaN payloads included
+        assert _bits(tb[k]) == _bits(ta[k]), k  # bit-exact, NaN payloads included
 
 
 # ------------------------------------------------------------------------------ save / load
@@ -185,14 +214,21 @@ def test_round_trip_keeps_non_finite_artifacts(app, bad):
 def test_lowering_is_preserved_by_the_file(app):
     a = lower(app, S)
     b = lower(App.from_bytes(app.to_bytes()), S)
-    assert [(o.site_id, o.op_index, o.kernel, o.result_key, o.params, o.cond, o.n, o.m) for o in a.ops] == \
-           [(o.site_id, o.op_index, o.kernel, o.result_key, o.params, o.cond, o.n, o.m) for o in b.ops]
+    assert [
+        (o.site_id, o.op_index, o.kernel, o.result_key, o.params, o.cond, o.n, o.m) for o in a.ops
+    ] == [
+        (o.site_id, o.op_index, o.kernel, o.result_key, o.params, o.cond, o.n, o.m) for o in b.ops
+    ]
     for x, y in zip(a.ops, b.ops):
         assert sorted(x.artifacts) == sorted(y.artifacts)
         for k in x.artifacts:
-            assert y.artifacts[k].dtype == torch.float32 and torch.equal(x.artifacts[k], y.artifacts[k])
+            assert y.artifacts[k].dtype == torch.float32 and torch.equal(
+                x.artifacts[k], y.artifacts[k]
+            )
     # deploy order: sorted by (site, declaration), one result key per read instance
-    assert [(o.site_id, o.op_index) for o in a.ops] == sorted((o.site_id, o.op_index) for o in a.ops)
+    assert [(o.site_id, o.op_index) for o in a.ops] == sorted(
+        (o.site_id, o.op_index) for o in a.ops
+    )
     assert sorted(a.reads) == sorted(o.result_key for o in a.ops if o.is_read)
     assert a.token_sets == {n: sorted(set(s.ids)) for n, s in app.token_sets.items()}
 
@@ -201,9 +237,10 @@ def test_lowering_is_preserved_by_the_file(app):
 @given(valid_apps(), st.integers(0, 6), st.sampled_from(["read", "write"]))
 def test_network_loads_refuse_custom_kernels(app, at, primitive):
     op = (app.read if primitive == "read" else app.write)(
-        "custom", cpu_library="/tmp/evil.so", cpu_symbol="run", params={"k": 1.0})
+        "custom", cpu_library="/tmp/evil.so", cpu_symbol="run", params={"k": 1.0}
+    )
     op.layers([0]).submodule("residual.pre")
-    app.ops.insert(min(at, len(app.ops) - 1), app.ops.pop())   # anywhere in the app
+    app.ops.insert(min(at, len(app.ops) - 1), app.ops.pop())  # anywhere in the app
     data = app.to_bytes()
     with pytest.raises(AppError, match="custom kernel"):
         App.from_bytes(data)
@@ -264,30 +301,54 @@ def _every_field_app() -> App:
     g = torch.Generator().manual_seed(0)
     app = App("every-field", metadata={"author": "x", "tags": ["a", "b"]})
     app.param("theta", 0.5)
-    app.token_set("ids", ids=[1, 2]).token_set("strs", strings=["a"]).token_set("subs", contains=["b"])
-    app.read("probe", weight=torch.randn(D, generator=g), bias=0.1).layers([0, 1]).submodule("residual.pre").named("p")
-    app.read("capture", dims=(1, 3)).layers("all").submodule("mlp.post").named("c").cond("last_token")
-    app.write("add", vector=torch.randn(L, D, generator=g), scale=2.0).layers("all").submodule("residual.post") \
-       .cond("in_span(ids, strs)", when="prompt", gate="p.0 > theta")
-    app.write("clamp", direction=torch.randn(D, generator=g), min=-1.0, max=1.0).layers([2]).submodule("residual.mid") \
-       .cond("prompt_mean(p.1) >= 0.25 or not token_in(subs)")
-    app.write("router", mask=torch.tensor([1, 0, -1, 0], dtype=torch.int8), delta=0.1).layers([3]) \
-       .submodule("router.logits")
-    app.write("custom", cpu_library="/opt/k.so", cpu_symbol="k", params={"k": 1.0},
-              artifact=torch.ones(3)).layers([1]).submodule("attention.post").named("u")
+    app.token_set("ids", ids=[1, 2]).token_set("strs", strings=["a"]).token_set(
+        "subs", contains=["b"]
+    )
+    app.read("probe", weight=torch.randn(D, generator=g), bias=0.1).layers([0, 1]).submodule(
+        "residual.pre"
+    ).named("p")
+    app.read("capture", dims=(1, 3)).layers("all").submodule("mlp.post").named("c").cond(
+        "last_token"
+    )
+    app.write("add", vector=torch.randn(L, D, generator=g), scale=2.0).layers("all").submodule(
+        "residual.post"
+    ).cond("in_span(ids, strs)", when="prompt", gate="p.0 > theta")
+    app.write("clamp", direction=torch.randn(D, generator=g), min=-1.0, max=1.0).layers(
+        [2]
+    ).submodule("residual.mid").cond("prompt_mean(p.1) >= 0.25 or not token_in(subs)")
+    app.write("router", mask=torch.tensor([1, 0, -1, 0], dtype=torch.int8), delta=0.1).layers(
+        [3]
+    ).submodule("router.logits")
+    app.write(
+        "custom", cpu_library="/opt/k.so", cpu_symbol="k", params={"k": 1.0}, artifact=torch.ones(3)
+    ).layers([1]).submodule("attention.post").named("u")
     return app
 
 
 REPLACEMENTS = {
-    "null": None, "true": True, "zero": 0, "neg": -1, "float": 2.5, "big-float": 1e308,
-    "empty-str": "", "str-x": "x", "str-ab": "ab", "str-abc": "abc", "empty-list": [], "list-int": [1],
-    "list-str2": ["ab"], "list-str3": ["abc"], "list-pair": [[1, 2]], "empty-dict": {}, "dict": {"a": 1},
-    "huge-int": 10**400, "deep-parens": "(" * 3000 + "all" + ")" * 3000,
+    "null": None,
+    "true": True,
+    "zero": 0,
+    "neg": -1,
+    "float": 2.5,
+    "big-float": 1e308,
+    "empty-str": "",
+    "str-x": "x",
+    "str-ab": "ab",
+    "str-abc": "abc",
+    "empty-list": [],
+    "list-int": [1],
+    "list-str2": ["ab"],
+    "list-str3": ["abc"],
+    "list-pair": [[1, 2]],
+    "empty-dict": {},
+    "dict": {"a": 1},
+    "huge-int": 10**400,
+    "deep-parens": "(" * 3000 + "all" + ")" * 3000,
 }
 
 
-@pytest.mark.parametrize("value", [
-    pytest.param(v, id=k) for k, v in REPLACEMENTS.items()])
+@pytest.mark.parametrize("value", [pytest.param(v, id=k) for k, v in REPLACEMENTS.items()])
 def test_any_spec_field_replaced_loads_or_raises_app_error(value):
     app = _every_field_app()
     spec, tensors = app.spec(), app.tensors()
@@ -301,21 +362,47 @@ def test_any_spec_field_replaced_loads_or_raises_app_error(value):
 
 
 def _spec_file(**changes) -> bytes:
-    spec = {"format": "xmix.app/1", "name": "a", "metadata": {}, "params": {}, "token_sets": [], "ops": []}
+    spec = {
+        "format": "xmix.app/1",
+        "name": "a",
+        "metadata": {},
+        "params": {},
+        "token_sets": [],
+        "ops": [],
+    }
     spec.update(changes)
     return st_save({}, metadata={"xmix.spec": json.dumps(spec)})
 
 
-@pytest.mark.parametrize("blob", [
-    pytest.param(_spec_file(metadata=["abc"]), id="metadata-list"),
-    pytest.param(_spec_file(ops=[{"primitive": "read", "kernel": "capture", "params": ["abc"]}]), id="op-params-list"),
-    pytest.param(_spec_file(ops=[{"primitive": "read", "kernel": "capture", "options": "ab"}]), id="op-options-str"),
-    pytest.param(_spec_file(params={"theta": 10**400}), id="huge-param"),
-    pytest.param((100000).to_bytes(8, "little") + b"[" * 100000, id="deep-header-json"),
-    pytest.param(st_save({}, metadata={"xmix.spec": "[" * 100000}), id="deep-spec-json"),
-    pytest.param(_spec_file(ops=[{"primitive": "read", "kernel": "capture",
-                                  "cond": {"expr": "not " * 5000 + "all"}}]), id="deep-condition"),
-])
+@pytest.mark.parametrize(
+    "blob",
+    [
+        pytest.param(_spec_file(metadata=["abc"]), id="metadata-list"),
+        pytest.param(
+            _spec_file(ops=[{"primitive": "read", "kernel": "capture", "params": ["abc"]}]),
+            id="op-params-list",
+        ),
+        pytest.param(
+            _spec_file(ops=[{"primitive": "read", "kernel": "capture", "options": "ab"}]),
+            id="op-options-str",
+        ),
+        pytest.param(_spec_file(params={"theta": 10**400}), id="huge-param"),
+        pytest.param((100000).to_bytes(8, "little") + b"[" * 100000, id="deep-header-json"),
+        pytest.param(st_save({}, metadata={"xmix.spec": "[" * 100000}), id="deep-spec-json"),
+        pytest.param(
+            _spec_file(
+                ops=[
+                    {
+                        "primitive": "read",
+                        "kernel": "capture",
+                        "cond": {"expr": "not " * 5000 + "all"},
+                    }
+                ]
+            ),
+            id="deep-condition",
+        ),
+    ],
+)
 def test_malformed_spec_raises_app_error(blob):
     with pytest.raises(AppError):
         App.from_bytes(blob)
@@ -327,7 +414,11 @@ def test_spec_errors_name_the_source_and_the_op():
     with pytest.raises(AppError, match=r"without an xmix spec"):
         App.from_bytes(st_save({"x": torch.zeros(2)}))
     with pytest.raises(AppError, match=r"op #0 names artifact 'op0.vector'"):
-        App.from_bytes(_spec_file(ops=[{"primitive": "write", "kernel": "add", "artifacts": {"vector": "op0.vector"}}]))
+        App.from_bytes(
+            _spec_file(
+                ops=[{"primitive": "write", "kernel": "add", "artifacts": {"vector": "op0.vector"}}]
+            )
+        )
     with pytest.raises(AppError, match=r"cannot read app file"):
         App.load("/nonexistent/dir/app.xmix")
 
@@ -360,11 +451,25 @@ def test_unknown_site_and_kernel_name_app_op_and_field(name, op, site):
     with pytest.raises(AppError, match=f"app {name!r}, read\\('add'\\): 'add' is a write kernel"):
         app.read("add", vector=torch.zeros(D))
     # the same check when the site comes from a file
-    spec = {"format": "xmix.app/1", "name": name, "ops": [
-        {"primitive": "write", "kernel": "add", "site": site + "x", "layers": [0], "name": op,
-         "params": {}, "artifacts": {"vector": "op0.vector"}}]}
+    spec = {
+        "format": "xmix.app/1",
+        "name": name,
+        "ops": [
+            {
+                "primitive": "write",
+                "kernel": "add",
+                "site": site + "x",
+                "layers": [0],
+                "name": op,
+                "params": {},
+                "artifacts": {"vector": "op0.vector"},
+            }
+        ],
+    }
     with pytest.raises(AppError, match=f"app {name!r}, op #0 .*unknown site"):
-        App.from_bytes(st_save({"op0.vector": torch.zeros(D)}, metadata={"xmix.spec": json.dumps(spec)}))
+        App.from_bytes(
+            st_save({"op0.vector": torch.zeros(D)}, metadata={"xmix.spec": json.dumps(spec)})
+        )
 
 
 @FAST
@@ -385,21 +490,35 @@ def test_artifact_shape_that_does_not_fit(name, op, which, data):
     if which == "vector":
         app.write("add", vector=torch.zeros(wrong)).layers([1]).submodule("mlp.post").named(op)
     elif which == "matrix":
-        app.write("affine", matrix=torch.zeros(D, wrong), mu_s=torch.zeros(D), mu_t=torch.zeros(D)) \
-           .layers([1]).submodule("mlp.post").named(op)
+        app.write(
+            "affine", matrix=torch.zeros(D, wrong), mu_s=torch.zeros(D), mu_t=torch.zeros(D)
+        ).layers([1]).submodule("mlp.post").named(op)
     elif which == "centroids":
-        app.read("distance", centroids=torch.zeros(2, wrong)).layers([1]).submodule("mlp.post").named(op)
+        app.read("distance", centroids=torch.zeros(2, wrong)).layers([1]).submodule(
+            "mlp.post"
+        ).named(op)
     else:
         which = "mask"
-        app.write("router", mask=torch.zeros(wrong)).layers([1]).submodule("router.logits").named(op)
+        app.write("router", mask=torch.zeros(wrong)).layers([1]).submodule("router.logits").named(
+            op
+        )
     _raises(app, f"app {name!r}", f"op {op!r}", f"artifact {which!r} has shape")
 
 
 @pytest.mark.parametrize("rows", [3, 5])
 def test_artifact_layer_rows_that_do_not_fit(rows):
     app = _app()
-    app.write("add", vector=torch.zeros(rows, D)).layers([0, 1]).submodule("residual.pre").named("st")
-    _raises(app, "app 'myapp'", "op 'st'", f"artifact 'vector' has {rows} layer rows", "expected 4", "or 2")
+    app.write("add", vector=torch.zeros(rows, D)).layers([0, 1]).submodule("residual.pre").named(
+        "st"
+    )
+    _raises(
+        app,
+        "app 'myapp'",
+        "op 'st'",
+        f"artifact 'vector' has {rows} layer rows",
+        "expected 4",
+        "or 2",
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.bool, torch.complex64])
@@ -410,8 +529,13 @@ def test_artifact_dtype_that_does_not_fit(dtype):
 
 
 @FAST
-@given(app_names, ident, st.sampled_from([float("nan"), float("inf"), -float("inf")]),
-       st.integers(0, D - 1), st.sampled_from(["vector", "mu_s", "centroids"]))
+@given(
+    app_names,
+    ident,
+    st.sampled_from([float("nan"), float("inf"), -float("inf")]),
+    st.integers(0, D - 1),
+    st.sampled_from(["vector", "mu_s", "centroids"]),
+)
 def test_non_finite_artifact(name, op, bad, at, which):
     app = App(name)
     t = torch.zeros(D)
@@ -419,24 +543,29 @@ def test_non_finite_artifact(name, op, bad, at, which):
     if which == "vector":
         app.write("add", vector=t).layers("all").submodule("residual.post").named(op)
     elif which == "mu_s":
-        app.write("affine", matrix=torch.eye(D), mu_s=t, mu_t=torch.zeros(D)).layers([2]) \
-           .submodule("residual.post").named(op)
+        app.write("affine", matrix=torch.eye(D), mu_s=t, mu_t=torch.zeros(D)).layers([2]).submodule(
+            "residual.post"
+        ).named(op)
     else:
-        app.read("distance", centroids=torch.stack([torch.zeros(D), t])).layers([2]) \
-           .submodule("residual.post").named(op)
+        app.read("distance", centroids=torch.stack([torch.zeros(D), t])).layers([2]).submodule(
+            "residual.post"
+        ).named(op)
     _raises(app, f"app {name!r}", f"op {op!r}", f"artifact {which!r} contains NaN or Inf")
 
 
 def test_artifact_that_overflows_fp32_is_refused():
     app = _app()
-    app.write("add", vector=torch.full((D,), 1e39, dtype=torch.float64)).layers([0]) \
-       .submodule("residual.pre").named("st")
+    app.write("add", vector=torch.full((D,), 1e39, dtype=torch.float64)).layers([0]).submodule(
+        "residual.pre"
+    ).named("st")
     _raises(app, "app 'myapp'", "op 'st'", "'vector'")
 
 
 def test_cosine_of_a_tiny_vector_lowers_to_finite_artifacts():
     app = _app()
-    app.read("cosine", vector=torch.full((D,), 1e-25)).layers([0]).submodule("residual.pre").named("c")
+    app.read("cosine", vector=torch.full((D,), 1e-25)).layers([0]).submodule("residual.pre").named(
+        "c"
+    )
     lw = lower(app, S)
     assert all(torch.isfinite(t).all() for t in lw.ops[0].artifacts.values())
 
@@ -452,8 +581,9 @@ def test_gate_on_a_read_that_runs_later(name, gated, read, data):
     # the gated op is at the same site declared first, or at an earlier site
     earlier = [(s, l) for s in SITES[:-1] for l in range(L) if site_id(s, l, L) <= sid]
     site, layer = data.draw(st.sampled_from(earlier))
-    app.write("add", vector=torch.zeros(D)).layers([layer]).submodule(site).named(gated) \
-       .cond(gate=f"{read} > 0.5")
+    app.write("add", vector=torch.zeros(D)).layers([layer]).submodule(site).named(gated).cond(
+        gate=f"{read} > 0.5"
+    )
     app.read("probe", weight=torch.zeros(D)).layers([read_layer]).submodule(read_site).named(read)
     _raises(app, f"app {name!r}", f"op {gated!r}", f"gate on {read!r}", "runs later")
 
@@ -462,50 +592,69 @@ def test_latch_at_any_site_and_cosine_gate_at_a_later_one():
     # a latch may feed an op at the read's site or before it (from the first generated token)
     app = _app()
     app.read("probe", weight=torch.zeros(D)).layers([1]).submodule("residual.pre").named("p")
-    app.write("add", vector=torch.zeros(D)).layers([1]).submodule("residual.pre").named("w") \
-       .cond("prompt_last(p) > 0.5")
-    app.write("add", vector=torch.zeros(D)).layers([0]).submodule("mlp.post").named("w0") \
-       .cond("prompt_mean(p) > 0.5")
-    app.write("add", vector=torch.zeros(D)).layers([2]).submodule("residual.pre").named("w2") \
-       .cond("prompt_mean(p) > 0.5")
+    app.write("add", vector=torch.zeros(D)).layers([1]).submodule("residual.pre").named("w").cond(
+        "prompt_last(p) > 0.5"
+    )
+    app.write("add", vector=torch.zeros(D)).layers([0]).submodule("mlp.post").named("w0").cond(
+        "prompt_mean(p) > 0.5"
+    )
+    app.write("add", vector=torch.zeros(D)).layers([2]).submodule("residual.pre").named("w2").cond(
+        "prompt_mean(p) > 0.5"
+    )
     lw = lower(app, S)
     late = {o.name: latch_from_generated(lw, o, o.cond) for o in lw.ops if o.kernel == "add"}
     assert late == {"w": True, "w0": True, "w2": False}
     app = _app()
     app.read("cosine", vector=torch.ones(D)).layers([1]).submodule("residual.pre").named("c")
-    app.write("add", vector=torch.zeros(D)).layers([1]).submodule("residual.pre").named("w").cond(gate="c > 0")
+    app.write("add", vector=torch.zeros(D)).layers([1]).submodule("residual.pre").named("w").cond(
+        gate="c > 0"
+    )
     _raises(app, "app 'myapp'", "op 'w'", "gate on cosine read 'c'")
 
 
 @FAST
-@given(app_names, st.lists(ident, min_size=1, max_size=4, unique=True), st.sampled_from(SITES[:-1]),
-       st.integers(0, L - 1))
+@given(
+    app_names,
+    st.lists(ident, min_size=1, max_size=4, unique=True),
+    st.sampled_from(SITES[:-1]),
+    st.integers(0, L - 1),
+)
 def test_cycle(name, reads, site, layer):
     app = App(name)
     # each read gated on the next, the last on the first: a cycle of len(reads) ops
     for i, r in enumerate(reads):
         nxt = reads[(i + 1) % len(reads)]
-        app.read("probe", weight=torch.zeros(D)).layers([layer]).submodule(site).named(r).cond(gate=f"{nxt} >= 0")
+        app.read("probe", weight=torch.zeros(D)).layers([layer]).submodule(site).named(r).cond(
+            gate=f"{nxt} >= 0"
+        )
     msg = _raises(app, f"app {name!r}", "conditions form a cycle")
     assert any(f"op {r!r}" in msg for r in reads)
     assert all(repr(r) in msg for r in reads)
 
 
 @FAST
-@given(app_names, ident, ident, st.sampled_from(["token_in({s})", "in_span(known, {s})", "in_span({s}, known)"]))
+@given(
+    app_names,
+    ident,
+    ident,
+    st.sampled_from(["token_in({s})", "in_span(known, {s})", "in_span({s}, known)"]),
+)
 def test_unknown_token_set(name, op, missing, form):
     assume(missing != "known")
     app = App(name)
     app.token_set("known", ids=[1, 2])
-    app.write("add", vector=torch.zeros(D)).layers([0]).submodule("residual.pre").named(op) \
-       .cond(form.format(s=missing))
+    app.write("add", vector=torch.zeros(D)).layers([0]).submodule("residual.pre").named(op).cond(
+        form.format(s=missing)
+    )
     _raises(app, f"app {name!r}", f"op {op!r}", f"unknown token set {missing!r}")
 
 
 def test_token_set_errors():
     app = _app()
     app.token_set("big", ids=[V])
-    app.write("add", vector=torch.zeros(D)).layers([0]).submodule("residual.pre").named("w").cond("token_in(big)")
+    app.write("add", vector=torch.zeros(D)).layers([0]).submodule("residual.pre").named("w").cond(
+        "token_in(big)"
+    )
     _raises(app, "app 'myapp'", "token set 'big'", f"token id {V} is outside the vocabulary")
     app = _app()
     app.token_set("words", strings=["\n\n"])
@@ -538,22 +687,48 @@ _Z = torch.zeros(D)
 OTHER_DEPLOY_ERRORS = {
     "no-site": (lambda a: a.write("add", vector=_Z).layers([0]), "no site"),
     "no-layers": (lambda a: a.write("add", vector=_Z).submodule("mlp.post"), "needs .layers"),
-    "final-with-layers": (lambda a: a.write("add", vector=_Z).layers([0]).submodule("final.post"),
-                          "model-level site"),
-    "router-elsewhere": (lambda a: a.write("router", mask=torch.zeros(E)).layers([0]).submodule("mlp.post"),
-                         "only runs at router.logits"),
-    "router-mask": (lambda a: a.write("router", mask=torch.full((E,), 0.5)).layers([0])
-                    .submodule("router.logits"), "-1, 0 and 1"),
-    "router-delta": (lambda a: a.write("router", mask=torch.zeros(E), delta=-1.0).layers([0])
-                     .submodule("router.logits"), "'delta'=-1.0 out of range"),
-    "clamp-bounds": (lambda a: a.write("clamp", direction=torch.ones(D), min=1.0, max=0.0).layers([0])
-                     .submodule("mlp.post"), "min (1.0) is greater than max (0.0)"),
-    "zero-direction": (lambda a: a.write("ablate", direction=_Z).layers([0]).submodule("mlp.post"),
-                       "'direction' has zero norm"),
-    "capture-dims": (lambda a: a.read("capture", dims=(0, D + 1)).layers([0]).submodule("mlp.post"),
-                     "exceed the hidden size"),
-    "unknown-read": (lambda a: a.write("add", vector=_Z).layers([0]).submodule("mlp.post").cond(gate="x > 0"),
-                     "condition reads 'x'"),
+    "final-with-layers": (
+        lambda a: a.write("add", vector=_Z).layers([0]).submodule("final.post"),
+        "model-level site",
+    ),
+    "router-elsewhere": (
+        lambda a: a.write("router", mask=torch.zeros(E)).layers([0]).submodule("mlp.post"),
+        "only runs at router.logits",
+    ),
+    "router-mask": (
+        lambda a: (
+            a.write("router", mask=torch.full((E,), 0.5)).layers([0]).submodule("router.logits")
+        ),
+        "-1, 0 and 1",
+    ),
+    "router-delta": (
+        lambda a: (
+            a.write("router", mask=torch.zeros(E), delta=-1.0)
+            .layers([0])
+            .submodule("router.logits")
+        ),
+        "'delta'=-1.0 out of range",
+    ),
+    "clamp-bounds": (
+        lambda a: (
+            a.write("clamp", direction=torch.ones(D), min=1.0, max=0.0)
+            .layers([0])
+            .submodule("mlp.post")
+        ),
+        "min (1.0) is greater than max (0.0)",
+    ),
+    "zero-direction": (
+        lambda a: a.write("ablate", direction=_Z).layers([0]).submodule("mlp.post"),
+        "'direction' has zero norm",
+    ),
+    "capture-dims": (
+        lambda a: a.read("capture", dims=(0, D + 1)).layers([0]).submodule("mlp.post"),
+        "exceed the hidden size",
+    ),
+    "unknown-read": (
+        lambda a: a.write("add", vector=_Z).layers([0]).submodule("mlp.post").cond(gate="x > 0"),
+        "condition reads 'x'",
+    ),
 }
 
 
@@ -576,7 +751,9 @@ def test_router_and_parameter_errors():
     app.write("router", mask=torch.zeros(E)).layers([0, 1]).submodule("router.logits").named("r")
     _raises(app, "app 'myapp'", "op 'r'", "layer 0 has no router", shape=some)
     app = _app()
-    app.write("add", vector=torch.zeros(D)).layers([0]).submodule("mlp.post").named("w").cond(gate="p > theta")
+    app.write("add", vector=torch.zeros(D)).layers([0]).submodule("mlp.post").named("w").cond(
+        gate="p > theta"
+    )
     app.read("probe", weight=torch.zeros(D)).layers([0]).submodule("residual.pre").named("p")
     _raises(app, "app 'myapp'", "op 'w'", "unknown parameter 'theta'")
 
@@ -609,7 +786,6 @@ def test_huge_param_is_an_app_error():
 # ------------------------------------------------------------------------------ control block
 def test_control_block_refuses_two_apps_of_one_name():
     from harness import SMALL
-
     from xmix.control import ControlBlock
 
     cb = ControlBlock(S, "cpu", SMALL)
@@ -637,12 +813,19 @@ atoms = st.one_of(
     st.sampled_from(C.FLAGS).map(C.Flag),
     ident.map(C.TokenIn),
     st.builds(C.InSpan, ident, ident),
-    st.builds(C.Gate, ident | st.builds(lambda a, l: f"{a}.{l}", ident, st.integers(0, 99)),
-              st.sampled_from(C.CMPS), values),
+    st.builds(
+        C.Gate,
+        ident | st.builds(lambda a, l: f"{a}.{l}", ident, st.integers(0, 99)),
+        st.sampled_from(C.CMPS),
+        values,
+    ),
     st.builds(C.Latch, st.sampled_from(C.REDUCES), ident, st.sampled_from(C.CMPS), values),
 )
-trees = st.recursive(atoms, lambda c: st.builds(C.And, c, c) | st.builds(C.Or, c, c) | st.builds(C.Not, c),
-                     max_leaves=12)
+trees = st.recursive(
+    atoms,
+    lambda c: st.builds(C.And, c, c) | st.builds(C.Or, c, c) | st.builds(C.Not, c),
+    max_leaves=12,
+)
 
 
 @settings(max_examples=300, deadline=None)
@@ -666,7 +849,9 @@ def condition_texts(draw, depth=0):
             "set": lambda: f"token_in{sp()}({sp()}{draw(ident)}{sp()})",
             "span": lambda: f"in_span({draw(ident)}{sp()},{sp()}{draw(ident)})",
             "gate": lambda: f"{draw(ident)}{sp()}{draw(st.sampled_from(C.CMPS))}{sp()}{num}",
-            "latch": lambda: f"{draw(st.sampled_from(C.REDUCES))}({draw(ident)}) {draw(st.sampled_from(C.CMPS))} {num}",
+            "latch": lambda: (
+                f"{draw(st.sampled_from(C.REDUCES))}({draw(ident)}) {draw(st.sampled_from(C.CMPS))} {num}"
+            ),
         }[kind]()
         return f"({sp()}{text}{sp()})" if draw(st.booleans()) else text
     op = draw(st.sampled_from(["and", "or", "not"]))
@@ -693,26 +878,29 @@ def test_condition_precedence():
     assert C.combine(None, None, None) is None
 
 
-@pytest.mark.parametrize("text,fragment", [
-    ("", "empty condition"),
-    ("   ", "empty condition"),
-    ("prompt and", "expected name, got 'end of condition'"),
-    ("and prompt", "misplaced 'and'"),
-    ("not", "expected name"),
-    ("token_in(", "expected name"),
-    ("token_in(a", "expected ), got 'end of condition'"),
-    ("in_span(a)", "expected ,"),
-    ("foo", "'foo' is not a condition"),
-    ("frob(x)", "unknown function 'frob'"),
-    ("p >=", "expected a number or parameter name"),
-    ("p >> 1", "expected a number or parameter name"),
-    ("prompt_mean(p)", "expected cmp"),
-    ("prompt prompt", "unexpected 'prompt'"),
-    ("(prompt", "expected )"),
-    ("prompt)", "unexpected ')'"),
-    ("prompt & generated", "cannot read condition"),
-    ("p >= 1 2", "unexpected '2'"),
-])
+@pytest.mark.parametrize(
+    "text,fragment",
+    [
+        ("", "empty condition"),
+        ("   ", "empty condition"),
+        ("prompt and", "expected name, got 'end of condition'"),
+        ("and prompt", "misplaced 'and'"),
+        ("not", "expected name"),
+        ("token_in(", "expected name"),
+        ("token_in(a", "expected ), got 'end of condition'"),
+        ("in_span(a)", "expected ,"),
+        ("foo", "'foo' is not a condition"),
+        ("frob(x)", "unknown function 'frob'"),
+        ("p >=", "expected a number or parameter name"),
+        ("p >> 1", "expected a number or parameter name"),
+        ("prompt_mean(p)", "expected cmp"),
+        ("prompt prompt", "unexpected 'prompt'"),
+        ("(prompt", "expected )"),
+        ("prompt)", "unexpected ')'"),
+        ("prompt & generated", "cannot read condition"),
+        ("p >= 1 2", "unexpected '2'"),
+    ],
+)
 def test_malformed_conditions(text, fragment):
     with pytest.raises(C.ConditionError) as info:
         C.parse(text)
@@ -729,15 +917,22 @@ def test_condition_must_be_a_string(value):
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.text(alphabet=st.sampled_from(list("()<>=!,._ -+e09apromtndl")), max_size=40) | st.text(max_size=20))
+@given(
+    st.text(alphabet=st.sampled_from(list("()<>=!,._ -+e09apromtndl")), max_size=40)
+    | st.text(max_size=20)
+)
 def test_any_text_parses_or_raises_condition_error(text):
     try:
         node = C.parse(text)
     except C.ConditionError:
         return
     # numbers that overflow to inf do not round trip: test_overflowing_number_round_trips
-    assume(not any(isinstance(n, (C.Gate, C.Latch)) and isinstance(n.value, float) and math.isinf(n.value)
-                   for n in C.walk(node)))
+    assume(
+        not any(
+            isinstance(n, (C.Gate, C.Latch)) and isinstance(n.value, float) and math.isinf(n.value)
+            for n in C.walk(node)
+        )
+    )
     assert C.parse(C.to_text(node)) == node
 
 

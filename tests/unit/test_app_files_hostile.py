@@ -23,7 +23,9 @@ D = 16
 
 def _good() -> xmix.App:
     app = xmix.App("ok")
-    app.write("add", vector=torch.arange(D, dtype=torch.float32)).layers([0]).submodule("residual.pre")
+    app.write("add", vector=torch.arange(D, dtype=torch.float32)).layers([0]).submodule(
+        "residual.pre"
+    )
     return app
 
 
@@ -33,10 +35,25 @@ def _file(header: dict | bytes, data: bytes = b"", hlen: int | None = None) -> b
 
 
 def _spec(name="ok", artifact="v") -> str:
-    return json.dumps({"format": "xmix.app/1", "name": name, "metadata": {}, "params": {},
-                       "token_sets": [], "ops": [{"primitive": "write", "kernel": "add",
-                                                  "site": "residual.pre", "layers": [0], "params": {},
-                                                  "artifacts": {"vector": artifact}}]})
+    return json.dumps(
+        {
+            "format": "xmix.app/1",
+            "name": name,
+            "metadata": {},
+            "params": {},
+            "token_sets": [],
+            "ops": [
+                {
+                    "primitive": "write",
+                    "kernel": "add",
+                    "site": "residual.pre",
+                    "layers": [0],
+                    "params": {},
+                    "artifacts": {"vector": artifact},
+                }
+            ],
+        }
+    )
 
 
 def _header(tensors: dict, spec: str | None = None, meta: dict | None = None) -> dict:
@@ -56,43 +73,146 @@ def cases() -> list[tuple[str, bytes, str]]:
     bomb = b'{"__metadata__": {"xmix.spec": "{}"}, "x": [' + b"[]," * 2_000_000 + b"[]]}"
     return [
         ("empty", b"", "too short"),
-        ("truncated in the header", good[:8 + hlen // 2], "header claims"),
+        ("truncated in the header", good[: 8 + hlen // 2], "header claims"),
         ("truncated in the data", good[:-5], "outside the file's"),
-        ("header length larger than the file", _file(_header(VEC), DATA, hlen=10 ** 12), "header claims"),
-        ("header length shorter than the JSON", _file(_header(VEC), DATA, hlen=20), "header is not JSON"),
+        (
+            "header length larger than the file",
+            _file(_header(VEC), DATA, hlen=10**12),
+            "header claims",
+        ),
+        (
+            "header length shorter than the JSON",
+            _file(_header(VEC), DATA, hlen=20),
+            "header is not JSON",
+        ),
         ("header nested 100 000 deep", _file(deep), "nested too deeply"),
         ("JSON bomb of 2 000 000 empty lists", _file(bomb), "JSON separators"),
-        ("spec nested 100 000 deep", _file(_header(VEC, spec="[" * 100_000 + "]" * 100_000), DATA),
-         "nested too deeply"),
-        ("spec bomb", _file(_header(VEC, spec="[" + "0," * 1_100_000 + "0]"), DATA), "JSON separators"),
+        (
+            "spec nested 100 000 deep",
+            _file(_header(VEC, spec="[" * 100_000 + "]" * 100_000), DATA),
+            "nested too deeply",
+        ),
+        (
+            "spec bomb",
+            _file(_header(VEC, spec="[" + "0," * 1_100_000 + "0]"), DATA),
+            "JSON separators",
+        ),
         ("header not an object", _file(b"[1, 2]"), "not an object"),
-        ("metadata not strings", _file(_header(VEC, meta={"xmix.spec": {"a": 1}}), DATA), "__metadata__"),
+        (
+            "metadata not strings",
+            _file(_header(VEC, meta={"xmix.spec": {"a": 1}}), DATA),
+            "__metadata__",
+        ),
         ("no spec", _file(_header(VEC, meta={}), DATA), "without an xmix spec"),
-        ("shape that lies", _file(_header({"v": {"dtype": "F32", "shape": [1 << 20],
-                                                 "data_offsets": [0, 4 * D]}}), DATA), "data_offsets span"),
-        ("shape with 2^62 elements", _file(_header({"v": {"dtype": "F32", "shape": [1 << 31, 1 << 31],
-                                                          "data_offsets": [0, 4 * D]}}), DATA), "data_offsets span"),
-        ("negative dimension", _file(_header({"v": {"dtype": "F32", "shape": [-1],
-                                                    "data_offsets": [0, 4 * D]}}), DATA), "shape must be"),
-        ("offsets past the end", _file(_header({"v": {"dtype": "F32", "shape": [D],
-                                                      "data_offsets": [4, 4 + 4 * D]}}), DATA), "outside the file's"),
-        ("overlapping tensors", _file(_header({**VEC, "w": {"dtype": "F32", "shape": [D // 2],
-                                                           "data_offsets": [8, 8 + 2 * D]}}), DATA), "overlap"),
-        ("bool tensor", _file(_header({"v": {"dtype": "BOOL", "shape": [4 * D], "data_offsets": [0, 4 * D]}}),
-                              DATA), "has dtype 'BOOL'"),
-        ("fp8 tensor", _file(_header({"v": {"dtype": "F8_E4M3", "shape": [4 * D], "data_offsets": [0, 4 * D]}}),
-                             DATA), "has dtype"),
-        ("uint8 tensor", _file(_header({"v": {"dtype": "U8", "shape": [4 * D], "data_offsets": [0, 4 * D]}}),
-                               DATA), "has dtype"),
-        ("entry with extra keys", _file(_header({"v": {**VEC["v"], "evil": 1}}), DATA), "entry must have"),
-        ("tensor name with a NUL", _file(_header({"v\x00../../etc/passwd": VEC["v"]},
-                                                 spec=_spec(artifact="v\x00../../etc/passwd")), DATA),
-         "tensor name"),
-        ("tensor name with a newline", _file(_header({"v\nINFO fake log line": VEC["v"]}), DATA), "tensor name"),
-        ("app name with a path", _file(_header(VEC, spec=_spec(name="../../etc/passwd")), DATA), "app name"),
-        ("app name with control characters", _file(_header(VEC, spec=_spec(name="a\x1b[2Jb")), DATA), "app name"),
-        ("app name of a megabyte", _file(_header(VEC, spec=_spec(name="x" * (1 << 20))), DATA), "app name"),
-        ("artifact the file lacks", _file(_header(VEC, spec=_spec(artifact="w")), DATA), "does not contain"),
+        (
+            "shape that lies",
+            _file(
+                _header({"v": {"dtype": "F32", "shape": [1 << 20], "data_offsets": [0, 4 * D]}}),
+                DATA,
+            ),
+            "data_offsets span",
+        ),
+        (
+            "shape with 2^62 elements",
+            _file(
+                _header(
+                    {"v": {"dtype": "F32", "shape": [1 << 31, 1 << 31], "data_offsets": [0, 4 * D]}}
+                ),
+                DATA,
+            ),
+            "data_offsets span",
+        ),
+        (
+            "negative dimension",
+            _file(
+                _header({"v": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4 * D]}}), DATA
+            ),
+            "shape must be",
+        ),
+        (
+            "offsets past the end",
+            _file(
+                _header({"v": {"dtype": "F32", "shape": [D], "data_offsets": [4, 4 + 4 * D]}}), DATA
+            ),
+            "outside the file's",
+        ),
+        (
+            "overlapping tensors",
+            _file(
+                _header(
+                    {
+                        **VEC,
+                        "w": {"dtype": "F32", "shape": [D // 2], "data_offsets": [8, 8 + 2 * D]},
+                    }
+                ),
+                DATA,
+            ),
+            "overlap",
+        ),
+        (
+            "bool tensor",
+            _file(
+                _header({"v": {"dtype": "BOOL", "shape": [4 * D], "data_offsets": [0, 4 * D]}}),
+                DATA,
+            ),
+            "has dtype 'BOOL'",
+        ),
+        (
+            "fp8 tensor",
+            _file(
+                _header({"v": {"dtype": "F8_E4M3", "shape": [4 * D], "data_offsets": [0, 4 * D]}}),
+                DATA,
+            ),
+            "has dtype",
+        ),
+        (
+            "uint8 tensor",
+            _file(
+                _header({"v": {"dtype": "U8", "shape": [4 * D], "data_offsets": [0, 4 * D]}}), DATA
+            ),
+            "has dtype",
+        ),
+        (
+            "entry with extra keys",
+            _file(_header({"v": {**VEC["v"], "evil": 1}}), DATA),
+            "entry must have",
+        ),
+        (
+            "tensor name with a NUL",
+            _file(
+                _header(
+                    {"v\x00../../etc/passwd": VEC["v"]},
+                    spec=_spec(artifact="v\x00../../etc/passwd"),
+                ),
+                DATA,
+            ),
+            "tensor name",
+        ),
+        (
+            "tensor name with a newline",
+            _file(_header({"v\nINFO fake log line": VEC["v"]}), DATA),
+            "tensor name",
+        ),
+        (
+            "app name with a path",
+            _file(_header(VEC, spec=_spec(name="../../etc/passwd")), DATA),
+            "app name",
+        ),
+        (
+            "app name with control characters",
+            _file(_header(VEC, spec=_spec(name="a\x1b[2Jb")), DATA),
+            "app name",
+        ),
+        (
+            "app name of a megabyte",
+            _file(_header(VEC, spec=_spec(name="x" * (1 << 20))), DATA),
+            "app name",
+        ),
+        (
+            "artifact the file lacks",
+            _file(_header(VEC, spec=_spec(artifact="w")), DATA),
+            "does not contain",
+        ),
     ]
 
 
@@ -106,7 +226,7 @@ def test_wrong_shape_is_refused_at_deploy_and_a_huge_header_is_a_limit(monkeypat
     from xmix.hooks import ModelShape
     from xmix.lowering import DeployError, lower
 
-    app = xmix.App.from_bytes(_good().to_bytes())   # a well-formed file still parses
+    app = xmix.App.from_bytes(_good().to_bytes())  # a well-formed file still parses
     assert torch.equal(app.ops[0].artifacts["vector"], torch.arange(D, dtype=torch.float32))
     with pytest.raises(DeployError, match="hidden size"):
         lower(app, ModelShape(n_layers=1, hidden_size=D + 1, vocab_size=32))
@@ -161,7 +281,9 @@ def _peak(kind: str) -> dict:
         open("/proc/self/clear_refs", "w").write("5")
     except OSError:
         pytest.skip("needs /proc/self/clear_refs to measure peak memory")
-    out = subprocess.run([sys.executable, "-c", PEAK, kind], capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", PEAK, kind], capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 

@@ -17,8 +17,18 @@ from transformers import AutoConfig, AutoTokenizer
 
 from xmix import conditions as C
 from xmix.api import App, AppError
-from xmix.apps import APPS, SCHEMAS, cast, derive as D, kl_then_steer, refusal, sake, seal, \
-    steer_moe, truth_probe
+from xmix.apps import (
+    APPS,
+    SCHEMAS,
+    cast,
+    kl_then_steer,
+    refusal,
+    sake,
+    seal,
+    steer_moe,
+    truth_probe,
+)
+from xmix.apps import derive as D
 from xmix.hooks import ModelShape, site_id
 from xmix.lowering import DeployError, latch_from_generated, lower
 from xmix.models.tiny import tiny_model_path
@@ -52,27 +62,53 @@ def _random_apps(d: int, seed: int = 0) -> dict[str, tuple[App, dict]]:
         "cast": {"v": rn(d), "u": rn(2, d)},
         "truth_probe": {"w": rn(d), "b": 0.25},
         "sake": {"A": m @ m.T / d, "mu_s": rn(d), "mu_t": rn(d)},
-        "kl_then_steer": {"u": _unit_rows(rn(3, d)), "s": torch.tensor([0.5, 1.0, 2.0]), "w": rn(d)},
+        "kl_then_steer": {
+            "u": _unit_rows(rn(3, d)),
+            "s": torch.tensor([0.5, 1.0, 2.0]),
+            "w": rn(d),
+        },
     }
     apps = {
         "refusal": refusal(art["refusal"]["direction"]),
-        "refusal_add": refusal(art["refusal_add"]["direction"], variant="add", layer=2, coeff=-1.0,
-                               name="refusal_add"),
+        "refusal_add": refusal(
+            art["refusal_add"]["direction"], variant="add", layer=2, coeff=-1.0, name="refusal_add"
+        ),
         "seal": seal(art["seal"]["vector"], 2),
-        "cast": cast(art["cast"]["v"], art["cast"]["u"], condition_layer=1, behavior_layers=[2, 3],
-                     threshold=0.04, comparator=">"),
+        "cast": cast(
+            art["cast"]["v"],
+            art["cast"]["u"],
+            condition_layer=1,
+            behavior_layers=[2, 3],
+            threshold=0.04,
+            comparator=">",
+        ),
         "truth_probe": truth_probe(art["truth_probe"]["w"], art["truth_probe"]["b"], 2),
         "sake": sake(art["sake"]["A"], art["sake"]["mu_s"], art["sake"]["mu_t"], 3.0),
-        "kl_then_steer": kl_then_steer(art["kl_then_steer"]["u"], art["kl_then_steer"]["s"],
-                                       art["kl_then_steer"]["w"], -0.5, probe_layer=0, layers=[1, 2, 3],
-                                       coeff=2.0, threshold=0.7),
+        "kl_then_steer": kl_then_steer(
+            art["kl_then_steer"]["u"],
+            art["kl_then_steer"]["s"],
+            art["kl_then_steer"]["w"],
+            -0.5,
+            probe_layer=0,
+            layers=[1, 2, 3],
+            coeff=2.0,
+            threshold=0.7,
+        ),
     }
     return {k: (apps[k], art[k]) for k in apps}
 
 
 # ============================================================================ (a) build, save, lower
 def test_registry_has_the_seven_apps_with_schemas():
-    assert list(APPS) == ["refusal", "seal", "cast", "truth_probe", "sake", "kl_then_steer", "steer_moe"]
+    assert list(APPS) == [
+        "refusal",
+        "seal",
+        "cast",
+        "truth_probe",
+        "sake",
+        "kl_then_steer",
+        "steer_moe",
+    ]
     assert set(SCHEMAS) == set(APPS)
     for schema in SCHEMAS.values():
         assert schema.source["arxiv"] and schema.source["repo"].startswith("https://github.com/")
@@ -100,14 +136,20 @@ def test_round_trip_and_lowering(model, tmp_path):
         if key == "refusal":
             # 3 sites x every layer, the direction normalised for the projection
             assert sorted((o.site, o.layer) for o in lw.ops) == sorted(
-                (s, l) for s in ("residual.pre", "attention.post", "mlp.post") for l in range(L))
+                (s, l) for s in ("residual.pre", "attention.post", "mlp.post") for l in range(L)
+            )
             r = art["direction"]
             for o in lw.ops:
                 assert o.kernel == "ablate" and o.cond is None
                 torch.testing.assert_close(o.artifacts["a0"], r / r.norm())
         elif key == "refusal_add":
             (o,) = lw.ops
-            assert (o.kernel, o.site, o.layer, dict(o.params)["scale"]) == ("add", "residual.pre", 2, -1.0)
+            assert (o.kernel, o.site, o.layer, dict(o.params)["scale"]) == (
+                "add",
+                "residual.pre",
+                2,
+                -1.0,
+            )
             torch.testing.assert_close(o.artifacts["a0"], art["direction"])
         elif key == "seal":
             (o,) = lw.ops
@@ -136,7 +178,12 @@ def test_round_trip_and_lowering(model, tmp_path):
         elif key == "sake":
             dist, aff = lw.ops
             final = site_id("final.post", None, L)
-            assert (dist.kernel, dist.site_id, dist.result_key, dist.n) == ("distance", final, "dist", 1)
+            assert (dist.kernel, dist.site_id, dist.result_key, dist.n) == (
+                "distance",
+                final,
+                "dist",
+                1,
+            )
             assert (aff.kernel, aff.site_id) == ("affine", final)
             torch.testing.assert_close(dist.artifacts["a0"], art["mu_s"])
             assert aff.cond == C.And(C.Flag("last_token"), C.Gate("dist", "<=", "t"))
@@ -163,8 +210,9 @@ def test_steer_moe_lowers_on_moe_only(model):
             lower(app, shape, tok)
         return
     lw = lower(app, shape, tok)
-    assert [(o.kernel, o.site, o.layer) for o in lw.ops] == [("router", "router.logits", l)
-                                                            for l in shape.moe_layers]
+    assert [(o.kernel, o.site, o.layer) for o in lw.ops] == [
+        ("router", "router.logits", l) for l in shape.moe_layers
+    ]
     for o in lw.ops:
         torch.testing.assert_close(o.artifacts["a0"], mask[o.layer])
         assert dict(o.params)["delta"] == pytest.approx(0.02) and o.n == shape.n_experts
@@ -185,7 +233,12 @@ def test_paper_model_defaults_and_metadata():
     u = _unit_rows(torch.randn(19, d, generator=g))
     app = kl_then_steer(u, torch.ones(19), v, 0.0, model="llama-3.1-8b-instruct")
     assert app.ops[0].layer_spec == [2] and app.ops[1].layer_spec == list(range(3, 22))
-    assert steer_moe(torch.zeros(32, 8), model="mistralai/Mixtral-8x7B-Instruct-v0.1").metadata["hidden_size"] == 4096
+    assert (
+        steer_moe(torch.zeros(32, 8), model="mistralai/Mixtral-8x7B-Instruct-v0.1").metadata[
+            "hidden_size"
+        ]
+        == 4096
+    )
     with pytest.raises(AppError, match="hidden size 256 but Qwen/Qwen3-8B has 4096"):
         seal(torch.ones(256), model="Qwen/Qwen3-8B")
 
@@ -202,9 +255,9 @@ def test_mean_difference_known_vectors():
 
 
 def test_seal_vector_pools_reflection_and_transition():
-    execution = torch.tensor([[2.0, 0.0], [4.0, 0.0]])            # mean (3, 0)
+    execution = torch.tensor([[2.0, 0.0], [4.0, 0.0]])  # mean (3, 0)
     reflection = torch.tensor([[0.0, 0.0], [0.0, 0.0]])
-    transition = torch.tensor([[0.0, 3.0]])                       # pooled R ∪ T mean (0, 1)
+    transition = torch.tensor([[0.0, 3.0]])  # pooled R ∪ T mean (0, 1)
     assert D.seal_vector(execution, reflection, transition).tolist() == [3.0, -1.0]
     assert D.seal_vector(execution, reflection).tolist() == [3.0, 0.0]
 
@@ -212,12 +265,9 @@ def test_seal_vector_pools_reflection_and_transition():
 def test_select_refusal_direction_filters_like_arditi():
     P, L, d = 2, 5, 3
     cand = torch.arange(P * L * d, dtype=torch.float32).reshape(P, L, d)
-    bypass = torch.tensor([[0.5, -2.0, 0.1, -1.0, -9.0],
-                           [-3.0, -1.5, float("nan"), -1.5, 0.0]])
-    induce = torch.tensor([[1.0, 1.0, 1.0, 1.0, 1.0],
-                           [-0.1, 1.0, 1.0, 1.0, 1.0]])
-    kl = torch.tensor([[0.0, 0.2, 0.0, 0.0, 0.0],
-                       [0.0, 0.0, 0.0, 0.05, 0.0]])
+    bypass = torch.tensor([[0.5, -2.0, 0.1, -1.0, -9.0], [-3.0, -1.5, float("nan"), -1.5, 0.0]])
+    induce = torch.tensor([[1.0, 1.0, 1.0, 1.0, 1.0], [-0.1, 1.0, 1.0, 1.0, 1.0]])
+    kl = torch.tensor([[0.0, 0.2, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.05, 0.0]])
     # (0,4): last 20% of layers; (0,1): KL 0.2; (1,0): induce < 0; (1,2): NaN.
     # Left: (0,0) 0.5, (0,2) 0.1, (0,3) -1.0, (1,1) -1.5, (1,3) -1.5 -> tie, earlier layer wins.
     p, layer, direction = D.select_refusal_direction(cand, bypass, induce, kl)
@@ -243,7 +293,7 @@ def test_pca_recovers_planted_direction_with_cast_sign():
     # "diff" removes the mean difference first; only the spread of the pair offsets along u
     # (a ~ U[1, 2]) is left to find it, so it is less exact on the same data
     assert float(D.pca_direction(pos, neg, method="diff").double() @ u) > 0.95
-    assert float(D.pca_direction(neg, pos).double() @ u) < -0.98   # sign follows the positives
+    assert float(D.pca_direction(neg, pos).double() @ u) < -0.98  # sign follows the positives
     # one PC per layer for [N, L, d]
     w = torch.randn(d, generator=g, dtype=F64)
     w /= w.norm()
@@ -267,13 +317,20 @@ def test_cast_similarity_hand_values():
     scores = D.cast_similarity(torch.tensor([[3.0, 4.0], [-3.0, 4.0], [0.0, 5.0]]), e1)
     torch.testing.assert_close(scores, torch.tensor([0.6, 0.6, 0.0], dtype=F64))
     # m along v = (1, 1): tanh(P m) = tanh(1)(1, 1) is parallel to m
-    assert float(D.cast_similarity(torch.tensor([1.0, 1.0]), torch.tensor([1.0, 1.0]))) == pytest.approx(1.0)
+    assert float(
+        D.cast_similarity(torch.tensor([1.0, 1.0]), torch.tensor([1.0, 1.0]))
+    ) == pytest.approx(1.0)
 
 
 def test_cast_threshold_grid_search_by_hand():
     fit = D.cast_threshold([0.3, 0.4, 0.5], [0.05, 0.1, 0.15])
     # "fire when score > θ": every θ in [0.15, 0.3) separates; the grid's first is 0.15
-    assert (fit.threshold, fit.comparator, fit.cast_direction, fit.f1) == (0.15, ">", "smaller", 1.0)
+    assert (fit.threshold, fit.comparator, fit.cast_direction, fit.f1) == (
+        0.15,
+        ">",
+        "smaller",
+        1.0,
+    )
     fit = D.cast_threshold([0.05, 0.1], [0.3, 0.4])
     # "fire when score < θ": θ must exceed 0.1 (strict), first grid point 0.11
     assert (fit.threshold, fit.comparator, fit.cast_direction, fit.f1) == (0.11, "<", "larger", 1.0)
@@ -326,12 +383,17 @@ def test_probe_from_sets_scores_positives_high():
     pos = torch.randn(50, d, generator=g, dtype=F64) + mu
     neg = torch.randn(50, d, generator=g, dtype=F64) - mu
     w, b = D.probe_from_sets(pos, neg)
-    assert float(torch.sigmoid(mu @ w.double() + b)) > 0.9 > 0.1 > float(torch.sigmoid(-mu @ w.double() + b))
+    assert (
+        float(torch.sigmoid(mu @ w.double() + b))
+        > 0.9
+        > 0.1
+        > float(torch.sigmoid(-mu @ w.double() + b))
+    )
     assert int(w.abs().argmax()) == 0
 
 
 def test_kts_directions_from_mean_difference():
-    pos = torch.tensor([[[3.0, 4.0], [1.0, 0.0]]])                # [N=1, L=2, d=2]
+    pos = torch.tensor([[[3.0, 4.0], [1.0, 0.0]]])  # [N=1, L=2, d=2]
     neg = torch.tensor([[[0.0, 0.0], [0.0, 0.0]]])
     u, s = D.kts_directions(pos, neg)
     torch.testing.assert_close(u, torch.tensor([[0.6, 0.8], [1.0, 0.0]]))
@@ -418,11 +480,10 @@ def test_distances_and_threshold():
 
 def test_steer_moe_counts_difference_and_mask():
     # 2 tokens, 2 layers, top-2 of 4 experts
-    sel = torch.tensor([[[0, 1], [2, 3]],
-                        [[0, 2], [2, 1]]])
+    sel = torch.tensor([[[0, 1], [2, 3]], [[0, 2], [2, 1]]])
     assert D.expert_counts(sel, 4).tolist() == [[2, 1, 1, 0], [0, 1, 2, 1]]
-    pos = torch.tensor([[8, 4, 0, 4], [2, 2, 6, 6]])     # 8 tokens
-    neg = torch.tensor([[2, 2, 2, 2], [1, 1, 1, 1]])     # 4 tokens
+    pos = torch.tensor([[8, 4, 0, 4], [2, 2, 6, 6]])  # 8 tokens
+    neg = torch.tensor([[2, 2, 2, 2], [1, 1, 1, 1]])  # 4 tokens
     delta = D.routing_difference(pos, 8, neg, 4)
     expected = [[0.5, 0.0, -0.5, 0.0], [0.0, 0.0, 0.5, 0.5]]
     assert delta.tolist() == expected
@@ -441,19 +502,39 @@ def test_steer_moe_counts_difference_and_mask():
 
 
 def test_validate_artifacts_messages():
-    ok = D.validate_artifacts("cast", {"condition_vector": torch.ones(8), "behavior_vectors": torch.ones(3, 8),
-                                       "threshold": 0.1}, {"L_sel": 3})
+    ok = D.validate_artifacts(
+        "cast",
+        {"condition_vector": torch.ones(8), "behavior_vectors": torch.ones(3, 8), "threshold": 0.1},
+        {"L_sel": 3},
+    )
     assert ok["d"] == 8
-    with pytest.raises(D.ArtifactError, match=r"behavior_vectors' has shape \[2, 8\]; expected \[d=8\] or "
-                                              r"\[L_sel=3, d=8\] or \[n_layers=4, d=8\]"):
-        D.validate_artifacts("cast", {"condition_vector": torch.ones(8), "behavior_vectors": torch.ones(2, 8),
-                                      "threshold": 0.1}, {"L_sel": 3, "n_layers": 4})
+    with pytest.raises(
+        D.ArtifactError,
+        match=r"behavior_vectors' has shape \[2, 8\]; expected \[d=8\] or "
+        r"\[L_sel=3, d=8\] or \[n_layers=4, d=8\]",
+    ):
+        D.validate_artifacts(
+            "cast",
+            {
+                "condition_vector": torch.ones(8),
+                "behavior_vectors": torch.ones(2, 8),
+                "threshold": 0.1,
+            },
+            {"L_sel": 3, "n_layers": 4},
+        )
     with pytest.raises(D.ArtifactError, match="only -1, 0 and 1"):
         D.validate_artifacts("steer_moe", {"mask": torch.tensor([[0.0, 2.0]])})
     with pytest.raises(D.ArtifactError, match="row 1 has norm 2"):
-        D.validate_artifacts("kl_then_steer", {"directions": torch.tensor([[1.0, 0.0], [2.0, 0.0]]),
-                                               "scales": torch.ones(2), "probe_weight": torch.ones(2),
-                                               "probe_bias": 0.0, "threshold": 0.5})
+        D.validate_artifacts(
+            "kl_then_steer",
+            {
+                "directions": torch.tensor([[1.0, 0.0], [2.0, 0.0]]),
+                "scales": torch.ones(2),
+                "probe_weight": torch.ones(2),
+                "probe_bias": 0.0,
+                "threshold": 0.5,
+            },
+        )
     with pytest.raises(D.ArtifactError, match="missing artifact 'bias'"):
         D.validate_artifacts("truth_probe", {"weight": torch.ones(4)})
     with pytest.raises(D.ArtifactError, match="NaN"):
@@ -473,8 +554,11 @@ def test_cast_behaviour_layers_around_the_condition(model):
     writes = {op.layer: op for op in lw.ops if op.kernel == "add"}
     latch = writes[1].cond
     assert latch == C.Latch("prompt_last", "cast_sim", ">=", "theta")
-    assert {l: latch_from_generated(lw, op, latch) for l, op in writes.items()} == \
-        {1: True, 2: True, 3: False}
+    assert {l: latch_from_generated(lw, op, latch) for l, op in writes.items()} == {
+        1: True,
+        2: True,
+        3: False,
+    }
 
 
 def test_cast_factory_errors():
@@ -491,7 +575,13 @@ def test_cast_factory_errors():
     # [3, 8] would be a valid [n_layers, d] for a 3-layer model, which only deploy can check;
     # a width that differs from the condition vector's is wrong for any model
     with pytest.raises(AppError, match=r"'behavior_vectors' has shape \[2, 6\]"):
-        cast(torch.ones(8), torch.ones(2, 6), condition_layer=0, behavior_layers=[1, 2], threshold=0.1)
+        cast(
+            torch.ones(8),
+            torch.ones(2, 6),
+            condition_layer=0,
+            behavior_layers=[1, 2],
+            threshold=0.1,
+        )
 
 
 def test_factory_argument_errors():
@@ -527,7 +617,9 @@ def test_factory_argument_errors():
     assert kts.ops[1].condition() == C.Latch("prompt_mean", "kts_probe", ">=", "threshold")
     with pytest.raises(AppError, match="rows must be unit"):
         kl_then_steer(2 * u, torch.ones(3), v, 0.0, probe_layer=1, layers=[2, 3, 4])
-    with pytest.raises(AppError, match=r"'directions' has shape \[3, 16\]; expected \[L_sel=2, d=16\]"):
+    with pytest.raises(
+        AppError, match=r"'directions' has shape \[3, 16\]; expected \[L_sel=2, d=16\]"
+    ):
         kl_then_steer(u, torch.ones(3), v, 0.0, probe_layer=1, layers=[2, 3])
     with pytest.raises(AppError, match="reduce must be one of"):
         kl_then_steer(u, torch.ones(3), v, 0.0, probe_layer=1, layers=[2, 3, 4], reduce="mean")
@@ -576,11 +668,14 @@ def test_derived_apps_on_the_tiny_model():
 
     # refusal, ablation: no later activation of the stream has a component along r̂
     # a few prompts per set keep it fast; the checks below hold for any direction
-    r = D.mean_difference(last_hidden(_lines("refusal_pos")[:8], 2), last_hidden(_lines("refusal_neg")[:8], 2))
+    r = D.mean_difference(
+        last_hidden(_lines("refusal_pos")[:8], 2), last_hidden(_lines("refusal_neg")[:8], 2)
+    )
     r_hat = r / r.norm()
     seen = {}
     hook = model.model.layers[3].register_forward_hook(
-        lambda m, a, o: seen.__setitem__("out", (o[0] if isinstance(o, tuple) else o).detach()))
+        lambda m, a, o: seen.__setitem__("out", (o[0] if isinstance(o, tuple) else o).detach())
+    )
     try:
         with hf.attach(model, [refusal(r)], tokenizer=tok) as att:
             att.forward(ids, apps=["refusal"])
@@ -592,8 +687,11 @@ def test_derived_apps_on_the_tiny_model():
     assert ablated < 1e-4 * plain and plain > 0.1
 
     # SAKE: logits become lm_head(A (h - mu_s) + mu_t) exactly when dist <= t
-    A, mu_s, mu_t = D.gaussian_transport(last_hidden(_lines("truth_pos")[:8], -1),
-                                         last_hidden(_lines("truth_neg")[:8], -1), shrinkage=0.5)
+    A, mu_s, mu_t = D.gaussian_transport(
+        last_hidden(_lines("truth_pos")[:8], -1),
+        last_hidden(_lines("truth_neg")[:8], -1),
+        shrinkage=0.5,
+    )
     with torch.no_grad():
         h = model(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0, -1].double()
     dist = float((h - mu_s.double()).norm())

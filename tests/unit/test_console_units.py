@@ -13,12 +13,13 @@ import pytest
 import torch
 
 import xmix
-from xmix.console import console_url, decisions as D, live
+from xmix.console import console_url, live
+from xmix.console import decisions as D
 from xmix.hooks import ModelShape
 from xmix.lowering import lower
 
 SHAPE = ModelShape(n_layers=4, hidden_size=8, vocab_size=50, model_name="m")
-F32_TENTH = struct.unpack("f", struct.pack("f", 0.1))[0]   # 0.10000000149011612
+F32_TENTH = struct.unpack("f", struct.pack("f", 0.1))[0]  # 0.10000000149011612
 
 
 def _app():
@@ -30,30 +31,40 @@ def _app():
     w = torch.ones(8)
     a.read("probe", weight=w, bias=0.0).layers([1]).submodule("residual.post").named("g")
     a.read("capture", dims=(0, 2)).layers([1]).submodule("residual.post").named("cap")
-    a.write("add", vector=w, scale=1.0).layers([3]).submodule("residual.post").named("gate") \
-        .cond(gate="g >= theta")
-    a.write("add", vector=w, scale=1.0).layers([3]).submodule("residual.post").named("tok") \
-        .cond("token_in(trig) and generated")
-    a.write("add", vector=w, scale=1.0).layers([3]).submodule("residual.post").named("span") \
-        .cond("in_span(open, close)")
-    a.write("add", vector=w, scale=1.0).layers([3]).submodule("residual.post").named("late") \
-        .cond("prompt_mean(g) >= 0.5")
-    a.write("add", vector=w, scale=1.0).layers([0]).submodule("residual.post").named("early") \
-        .cond("prompt_last(g) > 0.6")
-    a.write("add", vector=w, scale=1.0).layers([3]).submodule("residual.post").named("capg") \
-        .cond("cap > 0")
-    a.write("add", vector=w, scale=1.0).layers([3]).submodule("residual.post").named("mixed") \
-        .cond("(cap > 0 and prompt) or last_token")
-    a.write("add", vector=w, scale=1.0).layers([3]).submodule("residual.post").named("tenth") \
-        .cond("g <= 0.1")
+    a.write("add", vector=w, scale=1.0).layers([3]).submodule("residual.post").named("gate").cond(
+        gate="g >= theta"
+    )
+    a.write("add", vector=w, scale=1.0).layers([3]).submodule("residual.post").named("tok").cond(
+        "token_in(trig) and generated"
+    )
+    a.write("add", vector=w, scale=1.0).layers([3]).submodule("residual.post").named("span").cond(
+        "in_span(open, close)"
+    )
+    a.write("add", vector=w, scale=1.0).layers([3]).submodule("residual.post").named("late").cond(
+        "prompt_mean(g) >= 0.5"
+    )
+    a.write("add", vector=w, scale=1.0).layers([0]).submodule("residual.post").named("early").cond(
+        "prompt_last(g) > 0.6"
+    )
+    a.write("add", vector=w, scale=1.0).layers([3]).submodule("residual.post").named("capg").cond(
+        "cap > 0"
+    )
+    a.write("add", vector=w, scale=1.0).layers([3]).submodule("residual.post").named("mixed").cond(
+        "(cap > 0 and prompt) or last_token"
+    )
+    a.write("add", vector=w, scale=1.0).layers([3]).submodule("residual.post").named("tenth").cond(
+        "g <= 0.1"
+    )
     return a
 
 
-IDS = [1, 3, 5, 4, 7, 7, 9]          # prompt: 4 tokens; generated 7, 7, 9 (9 never fed back)
+IDS = [1, 3, 5, 4, 7, 7, 9]  # prompt: 4 tokens; generated 7, 7, 9 (9 never fed back)
 P = 4
-G = [0.2, 0.9, 0.5, 0.7, F32_TENTH, 0.55]   # g at positions 0..5
-RESULTS = {"g": {"positions": list(range(6)), "values": G},
-           "cap": {"positions": list(range(6)), "values": [[1.0, 2.0]] * 6}}
+G = [0.2, 0.9, 0.5, 0.7, F32_TENTH, 0.55]  # g at positions 0..5
+RESULTS = {
+    "g": {"positions": list(range(6)), "values": G},
+    "cap": {"positions": list(range(6)), "values": [[1.0, 2.0]] * 6},
+}
 
 
 def _fired(ops, name):
@@ -63,8 +74,9 @@ def _fired(ops, name):
 def test_decisions_from_results_match_hand_computed_rows():
     lw = lower(_app(), SHAPE)
     ops = D.decisions(lw, IDS, P, RESULTS)
-    assert {o["op"] for o in ops} == {f"'{n}'" for n in
-                                      ("gate", "tok", "span", "late", "early", "capg", "mixed", "tenth")}
+    assert {o["op"] for o in ops} == {
+        f"'{n}'" for n in ("gate", "tok", "span", "late", "early", "capg", "mixed", "tenth")
+    }
     # per-token gate against the app's default theta = 0.5
     assert _fired(ops, "gate") == [False, True, True, True, False, True]
     # token_in(trig) and generated: ids 7 at positions 4 and 5
@@ -105,27 +117,36 @@ def test_decisions_use_the_requests_parameters_and_missing_reads():
 
 
 def test_sae_reads_gate_on_their_first_channel_or_one_feature():
-    assert D.read_scalar({"ids": [3, 9], "acts": [2.5, 0.5]}) == 2.5          # top-K: largest
-    assert D.read_scalar({"ids": [], "acts": []}) == 0.0                       # none active
-    assert D.read_scalar({"ids": [40, 12], "acts": [0.0, 1.5]}) == 0.0         # features: first
-    assert D.read_scalar({"ids": [40, 12], "acts": [0.0, 1.5]}, 1) == 1.5      # name.f12
+    assert D.read_scalar({"ids": [3, 9], "acts": [2.5, 0.5]}) == 2.5  # top-K: largest
+    assert D.read_scalar({"ids": [], "acts": []}) == 0.0  # none active
+    assert D.read_scalar({"ids": [40, 12], "acts": [0.0, 1.5]}) == 0.0  # features: first
+    assert D.read_scalar({"ids": [40, 12], "acts": [0.0, 1.5]}, 1) == 1.5  # name.f12
     assert D.read_scalar([1.0, 2.0]) is None
     assert math.isnan(D.read_scalar(None))
 
     from xmix.sae import SAE
 
     g = torch.Generator().manual_seed(0)
-    sae = SAE(torch.randn(8, 16, generator=g), torch.zeros(16), torch.randn(16, 8, generator=g),
-              torch.zeros(8), hook="layers.1.residual.post")
+    sae = SAE(
+        torch.randn(8, 16, generator=g),
+        torch.zeros(16),
+        torch.randn(16, 8, generator=g),
+        torch.zeros(8),
+        hook="layers.1.residual.post",
+    )
     a = xmix.App("s")
     a.read("sae", sae=sae, features=[4, 11]).named("f")
-    a.write("add", vector=torch.ones(8), scale=1.0).layers([3]).submodule("residual.post") \
-        .named("w").cond(gate="f.f11 > 1.0")
-    a.write("add", vector=torch.ones(8), scale=1.0).layers([3]).submodule("residual.post") \
-        .named("v").cond(gate="prompt_mean(f.f4) >= 0.5")
+    a.write("add", vector=torch.ones(8), scale=1.0).layers([3]).submodule("residual.post").named(
+        "w"
+    ).cond(gate="f.f11 > 1.0")
+    a.write("add", vector=torch.ones(8), scale=1.0).layers([3]).submodule("residual.post").named(
+        "v"
+    ).cond(gate="prompt_mean(f.f4) >= 0.5")
     lw = lower(a, SHAPE)
-    vals = [{"ids": [4, 11], "acts": [x, y]} for x, y in
-            [(0.0, 2.0), (1.0, 0.5), (0.2, 1.0), (0.5, 3.0), (0.0, 0.0)]]
+    vals = [
+        {"ids": [4, 11], "acts": [x, y]}
+        for x, y in [(0.0, 2.0), (1.0, 0.5), (0.2, 1.0), (0.5, 3.0), (0.0, 0.0)]
+    ]
     res = {"f": {"positions": list(range(5)), "values": vals}}
     ops = D.decisions(lw, [1, 2, 3, 4, 5, 6], 3, res)
     assert _fired(ops, "w") == [True, False, False, True, False]
@@ -199,8 +220,10 @@ def test_usage_counts_gates_and_latency_per_app_and_live_reads_them_back():
     # gate g >= theta with theta 0.8: values 0.2 0.9 0.5 0.7 0.95 null ran, 2 fired (null, a
     # non-finite value, compares false); g <= 0.1 on none of them; the gate on the capture read
     # has no scalar to count
-    assert a["gates"] == [{"gate": "g <= 0.1", "tokens": 6.0, "fired": 0.0, "rate": 0.0},
-                          {"gate": "g >= theta", "tokens": 6.0, "fired": 2.0, "rate": 1 / 3}]
+    assert a["gates"] == [
+        {"gate": "g <= 0.1", "tokens": 6.0, "fired": 0.0, "rate": 0.0},
+        {"gate": "g >= theta", "tokens": 6.0, "fired": 2.0, "rate": 1 / 3},
+    ]
     # r1: TTFT 0.5 s, 3 tokens from 100.5 to 100.9: TPOT 0.2 s
     assert a["requests_finished"] == 1 and a["ttft_mean_s"] == pytest.approx(0.5)
     assert a["tpot_mean_s"] == pytest.approx(0.2)
@@ -221,7 +244,10 @@ def test_console_url_follows_the_server_arguments():
     assert console_url(ns(host=None, port=8000)) == "http://localhost:8000/xmix/ui/"
     assert console_url(ns(host="0.0.0.0", port=9)) == "http://localhost:9/xmix/ui/"
     assert console_url(ns(host="::1", port=9, ssl_certfile="c.pem")) == "https://[::1]:9/xmix/ui/"
-    assert console_url(ns(host="10.0.0.2", port=9, root_path="/llm/")) == "http://10.0.0.2:9/llm/xmix/ui/"
+    assert (
+        console_url(ns(host="10.0.0.2", port=9, root_path="/llm/"))
+        == "http://10.0.0.2:9/llm/xmix/ui/"
+    )
 
 
 def test_static_files_ship_with_the_package_and_load_nothing_from_outside():
@@ -234,6 +260,6 @@ def test_static_files_ship_with_the_package_and_load_nothing_from_outside():
         assert "http://" not in text and "https://" not in text, name
     html = static_file("index.html").decode()
     assert re.findall(r'(?:src|href)="([^"]+)"', html) == ["console.css", "console.js"]
-    assert "<script>" not in html and "style=" not in html      # CSP: no inline code
+    assert "<script>" not in html and "style=" not in html  # CSP: no inline code
     js = static_file("console.js").decode()
     assert "innerHTML" not in js and "insertAdjacentHTML" not in js and "eval(" not in js

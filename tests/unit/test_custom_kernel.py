@@ -4,14 +4,12 @@ interpreter. Expected values are hand-computed."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
 import xmix
-from xmix.hooks import ModelShape
-
 from harness import Harness, Req, build_user_kernels
+from xmix.hooks import ModelShape
 
 D = 16
 SHAPE = ModelShape(n_layers=2, hidden_size=D, vocab_size=64)
@@ -47,10 +45,16 @@ def lib(tmp_path_factory):
 
 def test_custom_read_and_write_on_cpu(lib):
     app = xmix.App("user")
-    app.read("custom", cpu_library=lib, cpu_symbol="scaled_first", artifact=torch.tensor([0.5]),
-             params={"k": 2.0}).layers([0]).submodule("residual.pre").named("c")
-    app.write("custom", cpu_library=lib, cpu_symbol="stamp_position").layers([1]) \
-       .submodule("residual.pre").cond("not last_token")
+    app.read(
+        "custom",
+        cpu_library=lib,
+        cpu_symbol="scaled_first",
+        artifact=torch.tensor([0.5]),
+        params={"k": 2.0},
+    ).layers([0]).submodule("residual.pre").named("c")
+    app.write("custom", cpu_library=lib, cpu_symbol="stamp_position").layers([1]).submodule(
+        "residual.pre"
+    ).cond("not last_token")
     hs = Harness(SHAPE, [app])
     hs.step({"a": Req(3, 0, 3, ("user",), {"user": {"k": 3.0}}), "b": Req(2, 0, 2, ())})
     h = torch.arange(5 * D, dtype=torch.float32).reshape(5, D) / 10
@@ -73,10 +77,14 @@ def test_custom_read_and_write_on_cpu(lib):
 
 def test_missing_symbol_is_a_deploy_error(lib):
     app = xmix.App("bad")
-    app.write("custom", cpu_library=lib, cpu_symbol="no_such_kernel").layers([0]).submodule("residual.pre")
+    app.write("custom", cpu_library=lib, cpu_symbol="no_such_kernel").layers([0]).submodule(
+        "residual.pre"
+    )
     with pytest.raises(xmix.DeployError, match="no_such_kernel"):
         Harness(SHAPE, [app])
     app2 = xmix.App("bad2")
-    app2.write("custom", cpu_library="/nonexistent/lib.so", cpu_symbol="k").layers([0]).submodule("residual.pre")
+    app2.write("custom", cpu_library="/nonexistent/lib.so", cpu_symbol="k").layers([0]).submodule(
+        "residual.pre"
+    )
     with pytest.raises(xmix.DeployError, match="cannot load"):
         Harness(SHAPE, [app2])

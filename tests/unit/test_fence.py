@@ -62,7 +62,8 @@ def test_every_applied_patch_is_in_the_table():
     assert applied and applied <= declared
     # usage.py's patches apply only with a tenant registry and prometheus; all others do
     assert {d for d in declared if d[2] != "usage"} <= applied | {
-        d for d in declared if d[0] == fence._V2}  # runner V2 may be absent from a build
+        d for d in declared if d[0] == fence._V2
+    }  # runner V2 may be absent from a build
 
 
 def test_wrong_signature_in_the_table_stops_the_start_naming_the_method(monkeypatch):
@@ -72,8 +73,10 @@ def test_wrong_signature_in_the_table_stops_the_start_naming_the_method(monkeypa
 
     wrong = tuple(
         dataclasses.replace(p, params=p.params + ("new_arg",))
-        if (p.target, p.method) == (fence._SCHED, "update_from_output") else p
-        for p in fence.PATCHES)
+        if (p.target, p.method) == (fence._SCHED, "update_from_output")
+        else p
+        for p in fence.PATCHES
+    )
     monkeypatch.setattr(fence, "PATCHES", wrong)
     monkeypatch.delenv("XMIX_DISABLE", raising=False)
     loaded = []
@@ -83,8 +86,9 @@ def test_wrong_signature_in_the_table_stops_the_start_naming_the_method(monkeypa
 
         def __init__(self, extra):
             hf = SimpleNamespace(architectures=["LlamaForCausalLM"])
-            self.vllm_config = SimpleNamespace(additional_config=extra,
-                                               model_config=SimpleNamespace(hf_config=hf, model="m"))
+            self.vllm_config = SimpleNamespace(
+                additional_config=extra, model_config=SimpleNamespace(hf_config=hf, model="m")
+            )
 
         def load_model(self):
             loaded.append(self)
@@ -100,8 +104,10 @@ def test_wrong_signature_in_the_table_stops_the_start_naming_the_method(monkeypa
 
 
 def test_missing_method_and_unexpected_attribute_are_named(monkeypatch):
-    extra = (fence.Patch(fence._SCHED, "schedule_v9", ("self",), "engine_core", "t"),
-             fence.Patch(fence._SCHED, "schedule", None, "engine_core", "t"))
+    extra = (
+        fence.Patch(fence._SCHED, "schedule_v9", ("self",), "engine_core", "t"),
+        fence.Patch(fence._SCHED, "schedule", None, "engine_core", "t"),
+    )
     found = fence.problems(extra)
     assert any("Scheduler.schedule_v9: no such method" in f for f in found)
     assert any("Scheduler.schedule: vLLM now has this attribute" in f for f in found)

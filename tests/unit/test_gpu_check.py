@@ -45,19 +45,42 @@ def test_probe_median_reads_the_rows_that_hold_a_value():
 def test_gated_cases_get_their_threshold_from_the_gate_false_pass(capsys):
     shape = ModelShape(n_layers=3, hidden_size=64, vocab_size=64)
     model = gc.Decoder(3, 64, 128, 4, 8, 8, device="cpu", dtype=torch.float32)
-    cap = Capacity(max_tokens=16, max_slots=16, max_apps=8, max_params=64, max_channels=16,
-                   max_ops=64, max_cond=128, capture_floats=1 << 12)
+    cap = Capacity(
+        max_tokens=16,
+        max_slots=16,
+        max_apps=8,
+        max_params=64,
+        max_channels=16,
+        max_ops=64,
+        max_cond=128,
+        capture_floats=1 << 12,
+    )
     cb = ControlBlock(shape, "cpu", cap)
     run = gc.Runner(cb)
     x = {8: torch.randn(8, 64, generator=torch.Generator().manual_seed(1))}
     ids = {8: ((torch.arange(8) * 7) % 50).to(torch.int32)}
     run.step(gc.mixed_rows(8, ()), ids[8])
-    kinds = {"eager": lambda B: model(x[B]), "patched": lambda B: model(x[B]),
-             "base": lambda B: model(x[B], sites=False)}
+    kinds = {
+        "eager": lambda B: model(x[B]),
+        "patched": lambda B: model(x[B]),
+        "base": lambda B: model(x[B], sites=False),
+    }
     cases = [c for c in gc.check_cases(64, 3) if c.gate_param]
     assert [c.name for c in cases] == ["gated_write", "latched_ablate"]
-    gc.check_correctness(cb, run, kinds, x, ids, cases, [8], shape, "cpu", replan=lambda c: None,
-                         set_mode=lambda c, n, m: c.set_mode(n, m), tol_eager=1e-5)
+    gc.check_correctness(
+        cb,
+        run,
+        kinds,
+        x,
+        ids,
+        cases,
+        [8],
+        shape,
+        "cpu",
+        replan=lambda c: None,
+        set_mode=lambda c, n, m: c.set_mode(n, m),
+        tol_eager=1e-5,
+    )
     out = capsys.readouterr().out
     assert gc.FAILURES == [], out
     gate_lines = [l for l in out.splitlines() if "theta=median" in l]
@@ -73,27 +96,55 @@ def test_a_write_that_changes_nothing_fails_the_orchestration():
     drops the write (here: the model without sites) is caught."""
     shape = ModelShape(n_layers=3, hidden_size=64, vocab_size=64)
     model = gc.Decoder(3, 64, 128, 4, 8, 8, device="cpu", dtype=torch.float32)
-    cb = ControlBlock(shape, "cpu", Capacity(max_tokens=16, max_slots=16, max_apps=8, max_params=64,
-                                             max_channels=16, max_ops=64, max_cond=128))
+    cb = ControlBlock(
+        shape,
+        "cpu",
+        Capacity(
+            max_tokens=16,
+            max_slots=16,
+            max_apps=8,
+            max_params=64,
+            max_channels=16,
+            max_ops=64,
+            max_cond=128,
+        ),
+    )
     run = gc.Runner(cb)
     x = {8: torch.randn(8, 64, generator=torch.Generator().manual_seed(1))}
     ids = {8: torch.zeros(8, dtype=torch.int32)}
     run.step(gc.mixed_rows(8, ()), ids[8])
-    kinds = {"eager": lambda B: model(x[B]), "patched": lambda B: model(x[B], sites=False),
-             "base": lambda B: model(x[B], sites=False)}
+    kinds = {
+        "eager": lambda B: model(x[B]),
+        "patched": lambda B: model(x[B], sites=False),
+        "base": lambda B: model(x[B], sites=False),
+    }
     case = next(c for c in gc.check_cases(64, 3) if c.name == "add_all")
-    gc.check_correctness(cb, run, kinds, x, ids, [case], [8], shape, "cpu", replan=lambda c: None,
-                         set_mode=lambda c, n, m: c.set_mode(n, m), tol_eager=1e-5)
+    gc.check_correctness(
+        cb,
+        run,
+        kinds,
+        x,
+        ids,
+        [case],
+        [8],
+        shape,
+        "cpu",
+        replan=lambda c: None,
+        set_mode=lambda c, n, m: c.set_mode(n, m),
+        tol_eager=1e-5,
+    )
     assert len(gc.FAILURES) == 1 and "add_all B=8 on [patched]" in gc.FAILURES[0]
 
 
 def test_enabled_xmix_nodes_leaves_out_if_nodes_and_their_bodies():
-    nodes = [G.Node(0),                                                    # foreign
-             G.Node(1, G.NodeType.Kernel, G.Role.Anchor, enabled=False),
-             G.Node(2, G.NodeType.Kernel, G.Role.Op, enabled=False),
-             G.Node(3, G.NodeType.Kernel, G.Role.Gate, enabled=False),
-             G.Node(4, G.NodeType.Conditional, G.Role.If),                 # never switched
-             G.Node(5, G.NodeType.Kernel, G.Role.Op, parent=4)]            # body: runs per gate
+    nodes = [
+        G.Node(0),  # foreign
+        G.Node(1, G.NodeType.Kernel, G.Role.Anchor, enabled=False),
+        G.Node(2, G.NodeType.Kernel, G.Role.Op, enabled=False),
+        G.Node(3, G.NodeType.Kernel, G.Role.Gate, enabled=False),
+        G.Node(4, G.NodeType.Conditional, G.Role.If),  # never switched
+        G.Node(5, G.NodeType.Kernel, G.Role.Op, parent=4),
+    ]  # body: runs per gate
     ir = G.Graph(nodes, [])
     assert gc.enabled_xmix_nodes(ir) == []
     ir.nodes[2].enabled = True
@@ -154,13 +205,19 @@ def test_check_symbols_fails_on_an_undefined_xmix_symbol(tmp_path):
     if cxx is None or shutil.which("nm") is None:
         pytest.skip("needs a C++ compiler and nm")
     src = tmp_path / "m.cpp"
-    src.write_text("namespace xmix { int fill_step_maps(int); }\n"
-                   "int entry(int n) { return xmix::fill_step_maps(n); }\n")
+    src.write_text(
+        "namespace xmix { int fill_step_maps(int); }\n"
+        "int entry(int n) { return xmix::fill_step_maps(n); }\n"
+    )
     so = tmp_path / "m.so"
     subprocess.run([cxx, "-shared", "-fPIC", str(src), "-o", str(so)], check=True)
-    bad = subprocess.run([str(ROOT / "bench/check_symbols.sh"), str(so)], capture_output=True, text=True)
+    bad = subprocess.run(
+        [str(ROOT / "bench/check_symbols.sh"), str(so)], capture_output=True, text=True
+    )
     assert bad.returncode == 1 and "xmix::fill_step_maps(int)" in bad.stderr
-    ok = subprocess.run([str(ROOT / "bench/check_symbols.sh"), _C.__file__], capture_output=True, text=True)
+    ok = subprocess.run(
+        [str(ROOT / "bench/check_symbols.sh"), _C.__file__], capture_output=True, text=True
+    )
     assert ok.returncode == 0, ok.stderr
 
 
@@ -173,8 +230,19 @@ def test_piecewise_segments_compose_to_the_full_decoder():
 
     shape = ModelShape(n_layers=3, hidden_size=64, vocab_size=64)
     model = gc.Decoder(3, 64, 128, 4, 8, 8, device="cpu", dtype=torch.float32)
-    cb = ControlBlock(shape, "cpu", Capacity(max_tokens=16, max_slots=16, max_apps=8, max_params=64,
-                                             max_channels=16, max_ops=64, max_cond=128))
+    cb = ControlBlock(
+        shape,
+        "cpu",
+        Capacity(
+            max_tokens=16,
+            max_slots=16,
+            max_apps=8,
+            max_params=64,
+            max_channels=16,
+            max_ops=64,
+            max_cond=128,
+        ),
+    )
     app = App("abl")
     app.write("ablate", direction=gc.vec(64, 2)).layers("all").submodule("mlp.post")
     cb.install(lower(app, shape), mode="all")

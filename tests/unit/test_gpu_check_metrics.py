@@ -35,12 +35,30 @@ def _wait(c):
         c.thread.join(5)
 
 
-WORKER0 = {"apps": [], "stats": {}, "graphs": {"check_passed": 3, "check_failed": 1,
-                                               "check_unverifiable": 0, "patched": 40,
-                                               "fallback": 2, "errors": 1}}
-WORKER1 = {"apps": [], "stats": {}, "graphs": {"check_passed": 2, "check_failed": 0,
-                                               "check_unverifiable": 1, "patched": 40,
-                                               "fallback": 1, "errors": 0}}
+WORKER0 = {
+    "apps": [],
+    "stats": {},
+    "graphs": {
+        "check_passed": 3,
+        "check_failed": 1,
+        "check_unverifiable": 0,
+        "patched": 40,
+        "fallback": 2,
+        "errors": 1,
+    },
+}
+WORKER1 = {
+    "apps": [],
+    "stats": {},
+    "graphs": {
+        "check_passed": 2,
+        "check_failed": 0,
+        "check_unverifiable": 1,
+        "patched": 40,
+        "fallback": 1,
+        "errors": 0,
+    },
+}
 
 
 def test_counters_are_summed_over_workers_and_refreshed_in_the_background():

@@ -9,19 +9,16 @@ check every state against eager execution.
 from __future__ import annotations
 
 import importlib
-import os
 import types
 
-import numpy as np
 import pytest
 import torch
 
+from harness import Harness, Req
 from xmix import _C, graphs, ops
 from xmix import conditions as C
 from xmix.api import App
 from xmix.hooks import ModelShape, site_id
-
-from harness import Harness, Req
 
 G = _C.graph
 CB = 0x7F0000001000
@@ -50,9 +47,15 @@ def test_planner_splices_one_op_per_anchor_and_disables_anchors():
     assert not plan.fallback and plan.needs_instantiate and plan.n_anchors == 2
     after = G.apply(g, plan)
     assert set(G.edge_list(after)) == {
-        "n0->n1", "n1->n2", "n2->n3", "n3->n4",
-        "n0->op@1.0", "op@1.0->n2",
-        "n2->op@3.0", "op@3.0->op@3.1", "op@3.1->n4",
+        "n0->n1",
+        "n1->n2",
+        "n2->n3",
+        "n3->n4",
+        "n0->op@1.0",
+        "op@1.0->n2",
+        "n2->op@3.0",
+        "op@3.0->op@3.1",
+        "op@3.1->n4",
     }
     states = {n.id: n.enabled for n in after.nodes}
     assert states[1] is False and states[3] is False
@@ -73,16 +76,27 @@ def test_planner_gated_custom_op_goes_inside_an_if_body():
     assert after.find(seg.cond).type == G.NodeType.Conditional
     for nid in (seg.sel, seg.user, seg.fin):
         assert after.find(nid).parent == seg.cond
-    assert set(G.edge_list(after)) == {"n0->n1", "n1->n2", "n0->gate@1.0", "gate@1.0->if@1.0",
-                                       "if@1.0->n2", "sel@1.0->user@1.0", "user@1.0->fin@1.0"}
+    assert set(G.edge_list(after)) == {
+        "n0->n1",
+        "n1->n2",
+        "n0->gate@1.0",
+        "gate@1.0->if@1.0",
+        "if@1.0->n2",
+        "sel@1.0->user@1.0",
+        "user@1.0->fin@1.0",
+    }
 
 
 def test_planner_keeps_pdl_data_out_of_the_chain_only():
     g = line(1)
     g.edges = [G.Edge(0, 1, G.EdgeData(1, 0, 1)), G.Edge(1, 2, G.EdgeData(1, 0, 1))]
     after = G.apply(g, G.plan(g, G.Program(CB, 16, [G.OpSpec(1, 0, 0)])))
-    assert set(G.edge_list(after)) == {"n0->n1[1,0,1]", "n1->n2[1,0,1]", "n0->op@1.0",
-                                       "op@1.0->n2[1,0,1]"}
+    assert set(G.edge_list(after)) == {
+        "n0->n1[1,0,1]",
+        "n1->n2[1,0,1]",
+        "n0->op@1.0",
+        "op@1.0->n2[1,0,1]",
+    }
 
 
 def test_planner_falls_back_on_a_foreign_control_block_and_bad_programs_raise():
@@ -101,18 +115,23 @@ SHAPE = ModelShape(n_layers=2, hidden_size=16, vocab_size=64)
 def _apps():
     g = torch.Generator().manual_seed(0)
     steer = App("steer")
-    steer.write("add", vector=torch.randn(16, generator=g), scale=2.0).layers([0, 1]) \
-         .submodule("residual.pre").cond("last_token")
+    steer.write("add", vector=torch.randn(16, generator=g), scale=2.0).layers([0, 1]).submodule(
+        "residual.pre"
+    ).cond("last_token")
     gated = App("gated")
     gated.param("theta", 0.5)
-    gated.read("probe", weight=torch.randn(16, generator=g), bias=0.0).layers([0]) \
-         .submodule("residual.pre").named("p")
-    gated.read("probe", weight=torch.randn(16, generator=g), bias=0.0).layers([0]) \
-         .submodule("mlp.post").named("q").cond("p >= theta")           # a gated read: no IF
-    gated.write("add", vector=torch.randn(16, generator=g), scale=1.0).layers([1]) \
-         .submodule("mlp.post").cond("p >= theta")                      # gated write: IF
-    gated.write("ablate", direction=torch.randn(16, generator=g)).layers([1]) \
-         .submodule("residual.pre").cond("prompt_mean(p) >= 0.1 and generated")  # latch: IF
+    gated.read("probe", weight=torch.randn(16, generator=g), bias=0.0).layers([0]).submodule(
+        "residual.pre"
+    ).named("p")
+    gated.read("probe", weight=torch.randn(16, generator=g), bias=0.0).layers([0]).submodule(
+        "mlp.post"
+    ).named("q").cond("p >= theta")  # a gated read: no IF
+    gated.write("add", vector=torch.randn(16, generator=g), scale=1.0).layers([1]).submodule(
+        "mlp.post"
+    ).cond("p >= theta")  # gated write: IF
+    gated.write("ablate", direction=torch.randn(16, generator=g)).layers([1]).submodule(
+        "residual.pre"
+    ).cond("prompt_mean(p) >= 0.1 and generated")  # latch: IF
     return steer, gated
 
 
@@ -126,15 +145,22 @@ def test_program_follows_the_control_block_site_lists():
     mlp0, mlp1 = site_id("mlp.post", 0, 2), site_id("mlp.post", 1, 2)
     assert got == [
         (pre0, 0, steer, True, False, False),
-        (pre0, 1, gated, True, False, False),    # probe p
-        (mlp0, 0, gated, True, False, False),    # probe q, gated read: never wrapped
+        (pre0, 1, gated, True, False, False),  # probe p
+        (mlp0, 0, gated, True, False, False),  # probe q, gated read: never wrapped
         (pre1, 0, steer, True, False, False),
-        (pre1, 1, gated, True, True, False),     # latched ablate
-        (mlp1, 0, gated, True, True, False),     # gated add
+        (pre1, 1, gated, True, True, False),  # latched ablate
+        (mlp1, 0, gated, True, True, False),  # gated add
     ]
     assert prog.cb == cb.ptr and prog.n_sites == cb.n_sites
     cb.set_mode("gated", "off")
-    assert [o.enabled for o in graphs.program_for(cb).ops] == [True, False, False, True, False, False]
+    assert [o.enabled for o in graphs.program_for(cb).ops] == [
+        True,
+        False,
+        False,
+        True,
+        False,
+        False,
+    ]
 
     # the planner on a graph holding one anchor per used site, in forward order
     sites = [pre0, mlp0, pre1, mlp1]
@@ -144,22 +170,29 @@ def test_program_follows_the_control_block_site_lists():
     assert not plan.fallback, plan.reason
     after = G.apply(g, plan)
     shapes = {sp.anchor: [(s.op_index, s.gated) for s in sp.segments] for sp in after.splices}
-    assert shapes == {1: [(0, False), (1, False)], 3: [(0, False)], 5: [(0, False), (1, True)],
-                      7: [(0, True)]}
+    assert shapes == {
+        1: [(0, False), (1, False)],
+        3: [(0, False)],
+        5: [(0, False), (1, True)],
+        7: [(0, True)],
+    }
     # without conditional nodes the gated writes become plain op nodes
     plain = G.apply(g, G.plan(g, graphs.program_for(cb, use_conditionals=False)))
     assert not any(n.type == G.NodeType.Conditional for n in plain.nodes)
 
 
-@pytest.mark.parametrize("cond,primitive,gated", [
-    (None, "write", False),
-    ("last_token", "write", False),
-    ("token_in(s) or prompt", "write", False),
-    ("p >= 0.5", "write", True),
-    ("not (p < 0.5) and last_token", "write", True),
-    ("prompt_last(p) > 1", "write", True),
-    ("p >= 0.5", "read", False),
-])
+@pytest.mark.parametrize(
+    "cond,primitive,gated",
+    [
+        (None, "write", False),
+        ("last_token", "write", False),
+        ("token_in(s) or prompt", "write", False),
+        ("p >= 0.5", "write", True),
+        ("not (p < 0.5) and last_token", "write", True),
+        ("prompt_last(p) > 1", "write", True),
+        ("p >= 0.5", "read", False),
+    ],
+)
 def test_is_gated(cond, primitive, gated):
     op = types.SimpleNamespace(primitive=primitive, cond=C.parse(cond) if cond else None)
     assert graphs.is_gated(op) is gated
@@ -206,9 +239,14 @@ def test_ensure_current_replans_on_deploys_and_switches_on_modes(monkeypatch):
     hs = Harness(SHAPE, [steer], "cpu")
     cb = hs.cb
     calls = []
-    monkeypatch.setattr(graphs, "on_apps_changed",
-                        lambda c: (calls.append("replan"), graphs._planned.__setitem__(c, graphs._fingerprint(c))))
-    monkeypatch.setattr(graphs, "set_app_enabled", lambda c, i, on: calls.append(("toggle", i, on)) or 0)
+    monkeypatch.setattr(
+        graphs,
+        "on_apps_changed",
+        lambda c: (calls.append("replan"), graphs._planned.__setitem__(c, graphs._fingerprint(c))),
+    )
+    monkeypatch.setattr(
+        graphs, "set_app_enabled", lambda c, i, on: calls.append(("toggle", i, on)) or 0
+    )
     assert graphs.ensure_current(cb) and calls == ["replan"]
     assert not graphs.ensure_current(cb)
     from xmix.lowering import lower
@@ -427,8 +465,11 @@ def test_ensure_current_replans_when_the_op_list_changes_at_a_reused_address(mon
     hs = Harness(SHAPE, [steer], "cpu")
     cb = hs.cb
     calls = []
-    monkeypatch.setattr(graphs, "on_apps_changed",
-                        lambda c: (calls.append("replan"), graphs._planned.__setitem__(c, graphs._fingerprint(c))))
+    monkeypatch.setattr(
+        graphs,
+        "on_apps_changed",
+        lambda c: (calls.append("replan"), graphs._planned.__setitem__(c, graphs._fingerprint(c))),
+    )
     assert graphs.ensure_current(cb) and calls == ["replan"]
     old_list, gen = cb._site_ops, cb.ops_generation
     cb.remove("steer")
@@ -478,7 +519,9 @@ def test_anchor_recognition_forms_are_counted_and_logged_once(sim, monkeypatch, 
         _sim_capture(hs, 31, [pre0, pre0 + 1])
         _sim_capture(hs, 32, [pre0, pre0 + 1])
     st = graphs.stats()
-    assert st["anchors_by_stub"] == 2 and st["anchors_by_name"] == 2 and st["anchors_by_kernel"] == 0
+    assert (
+        st["anchors_by_stub"] == 2 and st["anchors_by_name"] == 2 and st["anchors_by_kernel"] == 0
+    )
     said = [r.getMessage() for r in caplog.records if "recognised by their" in r.getMessage()]
     assert len(said) == 2 and any("by their name" in m for m in said), said
 
@@ -600,8 +643,9 @@ def test_first_replay_check_switches(sim, monkeypatch):
     monkeypatch.setenv("XMIX_GRAPH_CHECK", "1")
     monkeypatch.setenv("XMIX_GRAPH_CHECK_MAX_MB", "0")
     g2, rp2 = _checked_graph(hs, monkeypatch, 25, patched_error=0.5)
-    monkeypatch.setattr(graphs, "_pool_regions",
-                        lambda g: [graphs._RawRegion("pool", 0x1000, 1 << 20)])
+    monkeypatch.setattr(
+        graphs, "_pool_regions", lambda g: [graphs._RawRegion("pool", 0x1000, 1 << 20)]
+    )
     hs.step(ONE)
     graphs._replay(g2, rp2)
     assert rp2.n == 1 and torch.equal(rp2.pool, rp2.x + 2.0), "one replay, with the anchors"
@@ -657,7 +701,9 @@ def test_xmix_graph_class_routes_the_due_replay_through_the_check(sim, monkeypat
     g.replay()
     assert calls == ["replay"]
     seen = []
-    monkeypatch.setattr(graphs, "_first_replay_check", lambda gg, cb, base: seen.append(gg) or base())
+    monkeypatch.setattr(
+        graphs, "_first_replay_check", lambda gg, cb, base: seen.append(gg) or base()
+    )
     from xmix.lowering import lower
 
     hs.cb.install(lower(_apps()[0], SHAPE), mode="all")
@@ -678,7 +724,9 @@ class TinyDecoder:
 
     def __init__(self, dtype=torch.float32):
         g = torch.Generator().manual_seed(0)
-        self.w = [(torch.randn(GD, GD, generator=g) / GD ** 0.5).to("cuda", dtype) for _ in range(2 * GL)]
+        self.w = [
+            (torch.randn(GD, GD, generator=g) / GD**0.5).to("cuda", dtype) for _ in range(2 * GL)
+        ]
 
     def __call__(self, x):
         h, r = x.clone(), torch.zeros_like(x)
@@ -696,21 +744,27 @@ class TinyDecoder:
 def _gpu_apps():
     g = torch.Generator().manual_seed(1)
     steer = App("steer")
-    steer.write("add", vector=torch.randn(GD, generator=g), scale=0.5).layers([0]) \
-         .submodule("residual.pre").cond("last_token")
+    steer.write("add", vector=torch.randn(GD, generator=g), scale=0.5).layers([0]).submodule(
+        "residual.pre"
+    ).cond("last_token")
     abl = App("abl")
     abl.write("ablate", direction=torch.randn(GD, generator=g)).layers("all").submodule("mlp.post")
     gate = App("gate")
     gate.param("theta", 0.5)
-    gate.read("probe", weight=torch.randn(GD, generator=g), bias=0.0).layers([0]) \
-        .submodule("residual.pre").named("p")
-    gate.write("add", vector=torch.randn(GD, generator=g), scale=1.0).layers([1]) \
-        .submodule("attention.post").cond("p >= theta")
+    gate.read("probe", weight=torch.randn(GD, generator=g), bias=0.0).layers([0]).submodule(
+        "residual.pre"
+    ).named("p")
+    gate.write("add", vector=torch.randn(GD, generator=g), scale=1.0).layers([1]).submodule(
+        "attention.post"
+    ).cond("p >= theta")
     return steer, abl, gate
 
 
-STEP = {"a": Req(3, 0, 3, ("steer", "abl")), "b": Req(1, 7, 4, ("steer", "abl")),
-        "c": Req(2, 0, 2, ())}
+STEP = {
+    "a": Req(3, 0, 3, ("steer", "abl")),
+    "b": Req(1, 7, 4, ("steer", "abl")),
+    "c": Req(2, 0, 2, ()),
+}
 N = 8  # rows in the graph: 6 tokens + 2 padding
 
 
@@ -852,7 +906,9 @@ def test_gpu_graph_without_sites_is_plain(gpu_env):
 
 
 @pytest.mark.gpu
-def test_gpu_first_replay_check_passes_a_correct_graph_and_refuses_a_broken_one(gpu_env, monkeypatch):
+def test_gpu_first_replay_check_passes_a_correct_graph_and_refuses_a_broken_one(
+    gpu_env, monkeypatch
+):
     monkeypatch.setenv("XMIX_GRAPH_CHECK", "1")
     steer, abl, _ = _gpu_apps()
     hs = Harness(GSHAPE, [steer, abl], "cuda")
@@ -871,7 +927,10 @@ def test_gpu_first_replay_check_passes_a_correct_graph_and_refuses_a_broken_one(
     # the same graph, its ablation nodes switched off behind the control block's back: the
     # patched result is wrong, the check serves the anchors' and puts the graph back
     g2, out2 = _capture(model, x)
-    assert g2._xmix.set_app_enabled(int(g2.raw_cuda_graph_exec()), hs.cb.apps["abl"].index, False) == GL
+    assert (
+        g2._xmix.set_app_enabled(int(g2.raw_cuda_graph_exec()), hs.cb.apps["abl"].index, False)
+        == GL
+    )
     y2, _ = _replay(hs, g2, out2)
     st = graphs.stats()
     assert st["check_failed"] == 1 and g2.xmix_state == "fallback", (st, g2._xmix_refused)

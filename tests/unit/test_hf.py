@@ -33,7 +33,9 @@ def models():
     def get(kind):
         if kind not in cache:
             path = tiny_model_path(kind)
-            model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                path, dtype=torch.float32
+            ).eval()
             tok = transformers.AutoTokenizer.from_pretrained(path)
             cache[kind] = (model, tok)
         return cache[kind]
@@ -57,7 +59,7 @@ def plain_greedy(model, ids, n):
     seq = list(ids)
     for _ in range(n):
         seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
-    return seq[len(ids):]
+    return seq[len(ids) :]
 
 
 def forcing_token(model):
@@ -66,7 +68,7 @@ def forcing_token(model):
     W = model.lm_head.weight.detach()
     for k in range(3, W.shape[0]):
         dots = W @ W[k]
-        if dots[k] > torch.cat([dots[:k], dots[k + 1:]]).max() + 1.0:
+        if dots[k] > torch.cat([dots[:k], dots[k + 1 :]]).max() + 1.0:
             return k, W[k].clone()
     raise AssertionError("no forcing token in this vocabulary")
 
@@ -118,11 +120,13 @@ def test_detach_restores_the_model_bit_identically(models, kind):
     app.read("probe", weight=u).layers([3]).submodule("residual.post").named("p")
     app.write("add", vector=wk, scale=1000.0).submodule("final.post")
     if kind == "tiny-mixtral":
-        app.write("router", mask=torch.tensor([1.0, -1.0, 0.0, 0.0])).layers("all").submodule("router.logits")
+        app.write("router", mask=torch.tensor([1.0, -1.0, 0.0, 0.0])).layers("all").submodule(
+            "router.logits"
+        )
     att = attach(model, [app], tokenizer=tok)
     with torch.no_grad():
-        inert = model(x).logits.clone()        # the model called outside the attachment
-    _, res = att.forward(ids)                  # a request without the app
+        inert = model(x).logits.clone()  # the model called outside the attachment
+    _, res = att.forward(ids)  # a request without the app
     assert res == {}
     hooked, _ = att.forward(ids, apps=["every_site"])
     assert int(hooked.argmax()) == k
@@ -137,11 +141,14 @@ def test_detach_restores_the_model_bit_identically(models, kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("sites,layers", [
-    (("residual.pre", "attention.post", "mlp.post"), "all"),
-    # residual.mid must be changed in place: HF adds the MLP output to that very tensor
-    (("residual.mid", "mlp.post"), [3]),
-])
+@pytest.mark.parametrize(
+    "sites,layers",
+    [
+        (("residual.pre", "attention.post", "mlp.post"), "all"),
+        # residual.mid must be changed in place: HF adds the MLP output to that very tensor
+        (("residual.mid", "mlp.post"), [3]),
+    ],
+)
 def test_ablation_leaves_the_stream_orthogonal(models, kind, sites, layers):
     model, tok = models(kind)
     ids = prompt(tok)
@@ -175,13 +182,15 @@ def test_affine_and_clamp_at_residual_post(models):
     u = torch.randn(D, generator=g)
     un = u / u.norm()
     app = App("aff")
-    app.write("affine", matrix=A, mu_s=mus, mu_t=mut).layers([1]).submodule("residual.post").cond("prompt")
+    app.write("affine", matrix=A, mu_s=mus, mu_t=mut).layers([1]).submodule("residual.post").cond(
+        "prompt"
+    )
     app.read("capture").layers([1]).submodule("residual.post").named("after_affine")
     app.write("clamp", direction=u, min=-0.5, max=0.25).layers([1]).submodule("residual.post")
     app.read("capture").layers([1]).submodule("residual.post").named("after_clamp")
     with attach(model, [app]) as att:
         _, res = att.forward(ids, apps=["aff"])
-    x = hs[2]                                  # the output of layer 1, unhooked
+    x = hs[2]  # the output of layer 1, unhooked
     exp = (x - mus) @ A.T + mut
     got = torch.tensor(res["aff"]["after_affine"]["values"])
     torch.testing.assert_close(got, exp, rtol=1e-4, atol=1e-4)
@@ -202,8 +211,9 @@ def test_probe_equals_sigmoid_of_hidden_states(models, kind):
     app = App("pr")
     app.read("probe", weight=w, bias=-0.3).layers([0, 2]).submodule("residual.post").named("p")
     app.read("probe", weight=w, bias=0.7).layers([1]).submodule("residual.pre").named("q")
-    app.read("distance", centroids=torch.stack([w, -w])).layers([1]).submodule("residual.pre") \
-       .named("dist").cond("not prompt or last_token")
+    app.read("distance", centroids=torch.stack([w, -w])).layers([1]).submodule(
+        "residual.pre"
+    ).named("dist").cond("not prompt or last_token")
     with attach(model, [app]) as att:
         _, res = att.forward(ids, apps=["pr"], params={"pr": {"q.bias": 0.1}})
     assert set(res["pr"]) == {"p.0", "p.2", "q", "dist"}
@@ -227,14 +237,19 @@ def test_capture_residual_mid_and_attention_post(models):
     seen = {}
     layer = model.model.layers[2]
     h1 = layer.post_attention_layernorm.register_forward_pre_hook(
-        lambda m, a: seen.__setitem__("mid", a[0][0].clone()))
-    h2 = layer.self_attn.register_forward_hook(lambda m, a, o: seen.__setitem__("attn", o[0][0].clone()))
+        lambda m, a: seen.__setitem__("mid", a[0][0].clone())
+    )
+    h2 = layer.self_attn.register_forward_hook(
+        lambda m, a, o: seen.__setitem__("attn", o[0][0].clone())
+    )
     with torch.no_grad():
         model(torch.tensor([ids]))
     h1.remove()
     h2.remove()
     app = App("cap")
-    app.read("capture", dims=(10, 20)).layers([2]).submodule("residual.mid").named("mid").cond("last_token")
+    app.read("capture", dims=(10, 20)).layers([2]).submodule("residual.mid").named("mid").cond(
+        "last_token"
+    )
     app.read("capture").layers([2]).submodule("attention.post").named("attn")
     with attach(model, [app]) as att:
         _, res = att.forward(ids, apps=["cap"])
@@ -262,14 +277,15 @@ def test_cosine_over_the_prompt(models, chunk):
     app = App("cast")
     app.token_set("the", ids=the)
     app.read("cosine", vector=v).layers([2]).submodule("residual.pre").named("all_tokens")
-    app.read("cosine", vector=v).layers([2]).submodule("residual.pre").named("the_tokens") \
-       .cond("token_in(the)")
+    app.read("cosine", vector=v).layers([2]).submodule("residual.pre").named("the_tokens").cond(
+        "token_in(the)"
+    )
     with attach(model, [app]) as att:
         gen, res = att.generate(ids, 3, apps=["cast"], chunk=chunk)
     t = len(ids) - 1
     a = by_pos(res, "cast", "all_tokens")
     b = by_pos(res, "cast", "the_tokens")
-    assert list(a) == [t] and list(b) == [t]   # one value per request, none for generated tokens
+    assert list(a) == [t] and list(b) == [t]  # one value per request, none for generated tokens
     rows = [i for i, x in enumerate(ids) if x == the[0]]
     assert a[t] == pytest.approx(_cast(hs[2].mean(0), v), abs=1e-5)
     assert b[t] == pytest.approx(_cast(hs[2][rows].mean(0), v), abs=1e-5)
@@ -282,12 +298,14 @@ def test_gate_fires_on_exactly_the_tokens_whose_read_passes(models):
     hs, _ = plain_hidden(model, ids)
     w = torch.randn(D, generator=torch.Generator().manual_seed(5)) / 16
     v = torch.randn(D, generator=torch.Generator().manual_seed(6))
-    probe = torch.sigmoid(hs[1].double() @ w.double())          # residual.pre of layer 1
+    probe = torch.sigmoid(hs[1].double() @ w.double())  # residual.pre of layer 1
     theta = float(probe.median())
     app = App("gated")
     app.param("theta", theta)
     app.read("probe", weight=w).layers([1]).submodule("residual.pre").named("p")
-    app.write("add", vector=v, scale=2.0).layers([2]).submodule("residual.post").cond(gate="p >= theta")
+    app.write("add", vector=v, scale=2.0).layers([2]).submodule("residual.post").cond(
+        gate="p >= theta"
+    )
     app.read("capture").layers([2]).submodule("residual.post").named("x")
     with attach(model, [app]) as att:
         for th in (theta, float(probe.min()) - 1e-3, 2.0):
@@ -312,11 +330,14 @@ def test_gate_on_a_read_that_did_not_run_is_false(models):
     v = torch.ones(D)
     app = App("g")
     app.token_set("the", ids=[the])
-    app.read("probe", weight=torch.zeros(D)).layers([0]).submodule("residual.pre").named("p") \
-       .cond("token_in(the)")
+    app.read("probe", weight=torch.zeros(D)).layers([0]).submodule("residual.pre").named("p").cond(
+        "token_in(the)"
+    )
     # sigmoid(0) = 0.5 wherever p ran; "!=" and ">=" must both be false where it did not
     app.write("add", vector=v, scale=1.0).layers([0]).submodule("residual.post").cond(gate="p >= 0")
-    app.write("add", vector=v, scale=10.0).layers([0]).submodule("residual.post").cond(gate="p != 7")
+    app.write("add", vector=v, scale=10.0).layers([0]).submodule("residual.post").cond(
+        gate="p != 7"
+    )
     app.read("capture", dims=(0, 1)).layers([0]).submodule("residual.post").named("x")
     with attach(model, [app]) as att:
         _, res = att.forward(ids, apps=["g"])
@@ -335,7 +356,7 @@ def test_latch_is_decided_at_the_last_prompt_token(models, reduce):
     ids = prompt(tok)
     hs, _ = plain_hidden(model, ids)
     w = torch.randn(D, generator=torch.Generator().manual_seed(7)) / 16
-    probe = torch.sigmoid(hs[0].double() @ w.double())         # residual.pre of layer 0
+    probe = torch.sigmoid(hs[0].double() @ w.double())  # residual.pre of layer 0
     stat = float(probe.mean()) if reduce == "prompt_mean" else float(probe[-1])
     k, wk = forcing_token(model)
     natural = plain_greedy(model, ids, 3)
@@ -345,7 +366,9 @@ def test_latch_is_decided_at_the_last_prompt_token(models, reduce):
         app.param("theta", theta)
         app.read("probe", weight=w).layers([0]).submodule("residual.pre").named("p")
         cond = f"{reduce}(p) > theta"
-        app.read("capture", dims=(0, 2)).layers([1]).submodule("residual.mid").named("where").cond(cond)
+        app.read("capture", dims=(0, 2)).layers([1]).submodule("residual.mid").named("where").cond(
+            cond
+        )
         app.write("add", vector=wk, scale=1000.0).submodule("final.post").cond(cond)
         with attach(model, [app]) as att:
             out, res = att.generate(ids, 3, apps=["latch"])
@@ -362,14 +385,15 @@ def test_latch_is_decided_at_the_last_prompt_token(models, reduce):
 def test_spans_carry_across_forward_passes_and_reset_per_request(models):
     model, tok = models("tiny-llama")
     a, b, c = tok.encode(" the", add_special_tokens=False)[0], 300, 301
-    ids = [0, a, b, THINK, c, b, a]                              # the span opens at position 3
+    ids = [0, a, b, THINK, c, b, a]  # the span opens at position 3
     P = len(ids)
     W = model.lm_head.weight.detach()
     app = App("span")
     app.token_set("open", ids=[THINK])
     app.token_set("close", ids=[END_THINK])
-    app.read("capture", dims=(0, 1)).layers([0]).submodule("residual.pre").named("inside") \
-       .cond("in_span(open, close)")
+    app.read("capture", dims=(0, 1)).layers([0]).submodule("residual.pre").named("inside").cond(
+        "in_span(open, close)"
+    )
     # push the closer as the second generated token: the first generated token is still
     # inside (state carried from the prompt), the closer and what follows are not
     app.write("add", vector=W[END_THINK], scale=1000.0).submodule("final.post").cond("generated")
@@ -391,15 +415,17 @@ def test_span_state_is_followed_while_the_app_is_off(models):
     app = App("late")
     app.token_set("open", ids=[THINK])
     app.token_set("close", ids=[END_THINK])
-    app.read("capture", dims=(0, 1)).layers([2]).submodule("mlp.post").named("inside").cond("in_span(open, close)")
+    app.read("capture", dims=(0, 1)).layers([2]).submodule("mlp.post").named("inside").cond(
+        "in_span(open, close)"
+    )
     with attach(model, [app], enabled={"late": "off"}) as att:
         req = att.request(ids, apps=["late"])
         logits = req.prefill()
         assert req.results == {}
-        att.set_mode("late", "all")       # switched on between steps of a running request
+        att.set_mode("late", "all")  # switched on between steps of a running request
         first = int(logits.argmax())
         assert first not in (THINK, END_THINK)
-        for tok_id in (first, 302, END_THINK, 303):     # positions 4, 5, 6, 7
+        for tok_id in (first, 302, END_THINK, 303):  # positions 4, 5, 6, 7
             req.decode(tok_id)
     assert req.results["late"]["inside"]["positions"] == [4, 5]
     with pytest.raises(RuntimeError, match="detached"):
@@ -413,9 +439,15 @@ def test_last_token_and_token_in_flags_over_decode_steps(models):
     k, wk = forcing_token(model)
     app = App("flags")
     app.token_set("k", ids=[k])
-    app.read("capture", dims=(0, 1)).layers([0]).submodule("residual.pre").named("last").cond("last_token")
-    app.read("capture", dims=(0, 1)).layers([0]).submodule("residual.pre").named("gen").cond("generated")
-    app.read("capture", dims=(0, 1)).layers([3]).submodule("mlp.post").named("k_in").cond("token_in(k)")
+    app.read("capture", dims=(0, 1)).layers([0]).submodule("residual.pre").named("last").cond(
+        "last_token"
+    )
+    app.read("capture", dims=(0, 1)).layers([0]).submodule("residual.pre").named("gen").cond(
+        "generated"
+    )
+    app.read("capture", dims=(0, 1)).layers([3]).submodule("mlp.post").named("k_in").cond(
+        "token_in(k)"
+    )
     app.write("add", vector=wk, scale=1000.0).submodule("final.post").cond("prompt")
     with attach(model, [app]) as att:
         out, res = att.generate(ids, 4, apps=["flags"])
@@ -443,8 +475,9 @@ def test_router_mask_forces_and_suppresses_experts(models):
         mask = torch.tensor([1.0, 0.0, 0.0, -1.0])
         app = App("moe")
         app.token_set("the", ids=[the])
-        app.write("router", mask=mask, delta=0.05).layers([1]).submodule("router.logits") \
-           .cond("not token_in(the)")
+        app.write("router", mask=mask, delta=0.05).layers([1]).submodule("router.logits").cond(
+            "not token_in(the)"
+        )
         with attach(model, [app]) as att:
             att.forward(ids, apps=["moe"])
             logits, idx = seen.pop()
@@ -486,8 +519,9 @@ def test_modes_params_and_app_order(models):
     first.write("add", vector=e, scale=1.0).layers([0]).submodule("residual.post").named("two")
     second = App("second")
     # runs after both writes of "first" (apps in attachment order) and doubles the stream
-    second.write("affine", matrix=2 * torch.eye(D), mu_s=torch.zeros(D), mu_t=torch.zeros(D)) \
-          .layers([0]).submodule("residual.post")
+    second.write(
+        "affine", matrix=2 * torch.eye(D), mu_s=torch.zeros(D), mu_t=torch.zeros(D)
+    ).layers([0]).submodule("residual.post")
     second.read("capture", dims=(0, 1)).layers([0]).submodule("residual.post").named("x")
     x0 = float(hs[1][0, 0])
 
@@ -549,10 +583,16 @@ def test_custom_cpu_kernels(models, tmp_path):
     lib = tmp_path / "libk.so"
     subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-o", str(lib), str(src)], check=True)
     app = App("cu")
-    app.read("custom", cpu_library=str(lib), cpu_symbol="read0", artifact=torch.tensor([0.25]),
-             params={"k": 2.0}).layers([0]).submodule("residual.pre").named("c")
-    app.write("custom", cpu_library=str(lib), cpu_symbol="write_pos").layers([0]) \
-       .submodule("residual.post").named("w").cond("not last_token")
+    app.read(
+        "custom",
+        cpu_library=str(lib),
+        cpu_symbol="read0",
+        artifact=torch.tensor([0.25]),
+        params={"k": 2.0},
+    ).layers([0]).submodule("residual.pre").named("c")
+    app.write("custom", cpu_library=str(lib), cpu_symbol="write_pos").layers([0]).submodule(
+        "residual.post"
+    ).named("w").cond("not last_token")
     app.read("capture", dims=(1, 2)).layers([0]).submodule("residual.post").named("x")
     app.read("capture", dims=(1, 2)).layers([1]).submodule("residual.pre").named("y")
     with attach(model, [app]) as att:
@@ -565,7 +605,7 @@ def test_custom_cpu_kernels(models, tmp_path):
     torch.testing.assert_close(torch.tensor(x), hs[1][:, 1])
     y = [v[0] for v in res["cu"]["y"]["values"]]
     P = len(ids)
-    assert y[:P - 1] == [float(t) for t in range(P - 1)]
+    assert y[: P - 1] == [float(t) for t in range(P - 1)]
     assert y[P - 1] == pytest.approx(float(hs[1][P - 1, 1]), abs=1e-6)
 
 
@@ -580,22 +620,28 @@ def _session_apps(tok, d=D):
     steer = App("steer")
     steer.write("add", vector=unit() * 6.0, scale=1.0).layers([1]).submodule("residual.post")
     probe = App("probe")
-    probe.read("probe", weight=unit() * 0.5, bias=0.1).layers([2]).submodule("residual.post").named("p2")
+    probe.read("probe", weight=unit() * 0.5, bias=0.1).layers([2]).submodule("residual.post").named(
+        "p2"
+    )
     guarded = App("guarded")
     guarded.token_set("trig", ids=sorted(set(tok.encode(" the a e", add_special_tokens=False))))
     guarded.read("probe", weight=unit() * 0.5).layers([1]).submodule("residual.mid").named("g")
-    guarded.write("add", vector=unit() * 8.0, scale=1.0).layers([2]).submodule("attention.post") \
-        .cond(when="token_in(trig) or generated", gate="g >= 0.5")
+    guarded.write("add", vector=unit() * 8.0, scale=1.0).layers([2]).submodule(
+        "attention.post"
+    ).cond(when="token_in(trig) or generated", gate="g >= 0.5")
     latch = App("latch")
     latch.read("probe", weight=unit() * 0.5).layers([0]).submodule("residual.post").named("q")
-    latch.write("add", vector=unit() * 8.0, scale=1.0).layers([2, 3]).submodule("residual.pre") \
-        .cond(gate="prompt_mean(q) >= 0.0")
+    latch.write("add", vector=unit() * 8.0, scale=1.0).layers([2, 3]).submodule(
+        "residual.pre"
+    ).cond(gate="prompt_mean(q) >= 0.0")
     return [steer, probe, guarded, latch]
 
 
-SESSION_PROMPTS = ["the quick brown fox jumps over the lazy dog and then",
-                   "She opened the letter",
-                   "Rivers carry water from the mountains to the sea, where"]
+SESSION_PROMPTS = [
+    "the quick brown fox jumps over the lazy dog and then",
+    "She opened the letter",
+    "Rivers carry water from the mountains to the sea, where",
+]
 
 
 def _assert_reads_close(got: dict, want: dict, what: str) -> None:
@@ -604,9 +650,13 @@ def _assert_reads_close(got: dict, want: dict, what: str) -> None:
         assert set(got[app]) == set(reads), what
         for key, o in reads.items():
             assert got[app][key]["positions"] == o["positions"], f"{what}: {app}.{key}"
-            torch.testing.assert_close(torch.tensor(got[app][key]["values"], dtype=torch.float64),
-                                       torch.tensor(o["values"], dtype=torch.float64),
-                                       rtol=1e-4, atol=1e-5, msg=f"{what}: {app}.{key}")
+            torch.testing.assert_close(
+                torch.tensor(got[app][key]["values"], dtype=torch.float64),
+                torch.tensor(o["values"], dtype=torch.float64),
+                rtol=1e-4,
+                atol=1e-5,
+                msg=f"{what}: {app}.{key}",
+            )
 
 
 @pytest.mark.parametrize("kind", ["tiny-llama", "tiny-gemma2"])
@@ -621,18 +671,30 @@ def test_session_generate_of_a_padded_batch_equals_one_request_each(models, kind
         single = [att.generate(tok.encode(p), n_new, apps=names) for p in SESSION_PROMPTS]
         tok.padding_side = "left"
         batch = tok(SESSION_PROMPTS, return_tensors="pt", padding=True)
-        assert (batch["attention_mask"] == 0).any(), "the prompts differ in length: some rows are padded"
+        assert (batch["attention_mask"] == 0).any(), (
+            "the prompts differ in length: some rows are padded"
+        )
         with att.session(apps=names) as s:
-            out = model.generate(**batch, do_sample=False, max_new_tokens=n_new, eos_token_id=None,
-                                 pad_token_id=tok.pad_token_id)
+            out = model.generate(
+                **batch,
+                do_sample=False,
+                max_new_tokens=n_new,
+                eos_token_id=None,
+                pad_token_id=tok.pad_token_id,
+            )
         T = batch["input_ids"].shape[1]
         for i, (toks, res) in enumerate(single):
             assert out[i, T:].tolist() == toks, f"row {i}"
             _assert_reads_close(s.results[i], res, f"row {i}")
         # the apps changed something: the same batch without a session differs
         with pytest.warns(UserWarning, match="outside attachment.session"):
-            plain = model.generate(**batch, do_sample=False, max_new_tokens=n_new, eos_token_id=None,
-                                   pad_token_id=tok.pad_token_id)
+            plain = model.generate(
+                **batch,
+                do_sample=False,
+                max_new_tokens=n_new,
+                eos_token_id=None,
+                pad_token_id=tok.pad_token_id,
+            )
         assert not torch.equal(plain, out)
 
 
@@ -665,7 +727,7 @@ def test_outside_a_session_the_model_is_untouched_and_says_so_once(models):
                 model(x)
         assert len([w for w in rec if "outside attachment.session" in str(w.message)]) == 1
         assert torch.equal(before, after)
-        with att.session(apps=[]):            # "all" mode: the steer runs for every row
+        with att.session(apps=[]):  # "all" mode: the steer runs for every row
             with torch.no_grad():
                 steered = model(x).logits
         assert not torch.allclose(steered, before)

@@ -14,14 +14,13 @@ import numpy as np
 import pytest
 import torch
 
+from harness import Harness, Req
 from xmix import reference as R
 from xmix.api import App
 from xmix.cli import main as xmix_main
 from xmix.hooks import ModelShape
 from xmix.interop import InteropError, from_saelens_object, load_sae
 from xmix.sae import SAE
-
-from harness import Harness, Req
 
 sae_lens = pytest.importorskip("sae_lens", reason="peer test needs sae-lens (scripts/setup.sh)")
 
@@ -51,7 +50,9 @@ def assert_matches_peer(sae: SAE, x: torch.Tensor, peer_acts: torch.Tensor, top_
     for t in range(len(x)):
         assert top[t]["ids"] == expect[t][0], f"row {t}"
         np.testing.assert_allclose(top[t]["acts"], expect[t][1], rtol=1e-4, atol=1e-5)
-        np.testing.assert_allclose(feat[t]["acts"], peer_acts[t, feats].numpy(), rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(
+            feat[t]["acts"], peer_acts[t, feats].numpy(), rtol=1e-4, atol=1e-5
+        )
 
 
 def rows(d: int, seed=0) -> torch.Tensor:
@@ -65,7 +66,10 @@ def _randomise(sae, seed: int) -> None:
             if name == "threshold":
                 p.copy_(torch.rand(p.shape, generator=g) * 0.4)
             else:
-                p.copy_(torch.randn(p.shape, generator=g) * (0.3 if p.dim() == 1 else 1 / math.sqrt(p.shape[0])))
+                p.copy_(
+                    torch.randn(p.shape, generator=g)
+                    * (0.3 if p.dim() == 1 else 1 / math.sqrt(p.shape[0]))
+                )
 
 
 def lens_classes(arch: str):
@@ -76,12 +80,32 @@ def lens_classes(arch: str):
 
 
 SAELENS_CASES = [
-    ("standard", dict(apply_b_dec_to_input=True), "blocks.1.hook_resid_post", "layers.1.residual.post"),
-    ("jumprelu", dict(apply_b_dec_to_input=False, normalize_activations="layer_norm"),
-     "blocks.0.hook_mlp_out", "layers.0.mlp.post"),
-    ("topk", dict(k=10, normalize_activations="constant_norm_rescale", rescale_acts_by_decoder_norm=True),
-     "blocks.2.hook_resid_pre", "layers.2.residual.pre"),
-    ("topk", dict(k=5, apply_b_dec_to_input=True), "blocks.3.hook_attn_out", "layers.3.attention.post"),
+    (
+        "standard",
+        dict(apply_b_dec_to_input=True),
+        "blocks.1.hook_resid_post",
+        "layers.1.residual.post",
+    ),
+    (
+        "jumprelu",
+        dict(apply_b_dec_to_input=False, normalize_activations="layer_norm"),
+        "blocks.0.hook_mlp_out",
+        "layers.0.mlp.post",
+    ),
+    (
+        "topk",
+        dict(
+            k=10, normalize_activations="constant_norm_rescale", rescale_acts_by_decoder_norm=True
+        ),
+        "blocks.2.hook_resid_pre",
+        "layers.2.residual.pre",
+    ),
+    (
+        "topk",
+        dict(k=5, apply_b_dec_to_input=True),
+        "blocks.3.hook_attn_out",
+        "layers.3.attention.post",
+    ),
 ]
 
 
@@ -90,7 +114,9 @@ def test_saelens_folder_matches_saelens_encode(tmp_path, arch, kw, tl_hook, site
     from sae_lens.saes.sae import SAEMetadata
 
     cfg_cls, sae_cls = lens_classes(arch)
-    cfg = cfg_cls(d_in=48, d_sae=200, metadata=SAEMetadata(hook_name=tl_hook, model_name="tiny"), **kw)
+    cfg = cfg_cls(
+        d_in=48, d_sae=200, metadata=SAEMetadata(hook_name=tl_hook, model_name="tiny"), **kw
+    )
     lens = sae_cls(cfg)
     _randomise(lens, 7)
     lens.save_model(tmp_path / "sae")
@@ -110,7 +136,9 @@ def test_saelens_folder_matches_saelens_encode(tmp_path, arch, kw, tl_hook, site
 
 
 def test_sparsify_folder_matches_sparse_coder(tmp_path):
-    sparsify = pytest.importorskip("sparsify", reason="peer test needs eai-sparsify (scripts/setup.sh)")
+    sparsify = pytest.importorskip(
+        "sparsify", reason="peer test needs eai-sparsify (scripts/setup.sh)"
+    )
     sc = sparsify.SparseCoder(40, sparsify.SparseCoderConfig(num_latents=160, k=12))
     _randomise(sc, 3)
     sc.save_to_disk(tmp_path / "layers.2")
@@ -151,20 +179,28 @@ def _lens_from_loader(monkeypatch, loader, repo_id, folder, files: dict[str, Pat
 def test_gemma_scope_npz_matches_saelens_gemma_loader(tmp_path, monkeypatch):
     from sae_lens.loading.pretrained_sae_loaders import gemma_2_sae_huggingface_loader
 
-    d, F = 2304, 64                      # gemma-2-2b's width: the loader takes it from the repo name
+    d, F = 2304, 64  # gemma-2-2b's width: the loader takes it from the repo name
     g = torch.Generator().manual_seed(5)
-    params = {"W_enc": torch.randn(d, F, generator=g) / 48, "W_dec": torch.randn(F, d, generator=g),
-              "b_enc": torch.randn(F, generator=g) * 0.1, "b_dec": torch.randn(d, generator=g),
-              "threshold": torch.rand(F, generator=g) * 0.3}
+    params = {
+        "W_enc": torch.randn(d, F, generator=g) / 48,
+        "W_dec": torch.randn(F, d, generator=g),
+        "b_enc": torch.randn(F, generator=g) * 0.1,
+        "b_dec": torch.randn(d, generator=g),
+        "threshold": torch.rand(F, generator=g) * 0.3,
+    }
     folder = tmp_path / "gemma-scope-2b-pt-res" / "layer_1" / "width_16k" / "average_l0_10"
     folder.mkdir(parents=True)
     np.savez(folder / "params.npz", **{k: v.numpy() for k, v in params.items()})
     sae = load_sae(folder / "params.npz")
     assert sae.hook == "layers.1.residual.post" and sae.architecture == "jumprelu"
-    lens = _lens_from_loader(monkeypatch, gemma_2_sae_huggingface_loader, "google/gemma-scope-2b-pt-res",
-                             "layer_1/width_16k/average_l0_10",
-                             {"layer_1/width_16k/average_l0_10/params.npz": folder / "params.npz"},
-                             {"d_sae": F})
+    lens = _lens_from_loader(
+        monkeypatch,
+        gemma_2_sae_huggingface_loader,
+        "google/gemma-scope-2b-pt-res",
+        "layer_1/width_16k/average_l0_10",
+        {"layer_1/width_16k/average_l0_10/params.npz": folder / "params.npz"},
+        {"d_sae": F},
+    )
     x = rows(d, 2) / 10
     with torch.no_grad():
         assert_matches_peer(sae, x, lens.encode(x))
@@ -187,23 +223,45 @@ def test_llama_scope_matches_saelens_llama_loader(tmp_path, monkeypatch):
     g = torch.Generator().manual_seed(6)
     folder = tmp_path / "Llama3_1-8B-Base-L2R-8x"
     (folder / "checkpoints").mkdir(parents=True)
-    hp = {"d_model": d, "d_sae": F, "hook_point_in": "blocks.2.hook_resid_post",
-          "hook_point_out": "blocks.2.hook_resid_post", "act_fn": "jumprelu", "jump_relu_threshold": 0.05,
-          "norm_activation": "dataset-wise", "dataset_average_activation_norm": {"in": avg_norm, "out": avg_norm},
-          "apply_decoder_bias_to_pre_encoder": False}
+    hp = {
+        "d_model": d,
+        "d_sae": F,
+        "hook_point_in": "blocks.2.hook_resid_post",
+        "hook_point_out": "blocks.2.hook_resid_post",
+        "act_fn": "jumprelu",
+        "jump_relu_threshold": 0.05,
+        "norm_activation": "dataset-wise",
+        "dataset_average_activation_norm": {"in": avg_norm, "out": avg_norm},
+        "apply_decoder_bias_to_pre_encoder": False,
+    }
     (folder / "hyperparams.json").write_text(json.dumps(hp))
-    save_file({"encoder.weight": torch.randn(F, d, generator=g) / 8, "encoder.bias": torch.randn(F, generator=g) * 0.1,
-               "decoder.weight": torch.randn(d, F, generator=g), "decoder.bias": torch.randn(d, generator=g)},
-              str(folder / "checkpoints" / "final.safetensors"))
+    save_file(
+        {
+            "encoder.weight": torch.randn(F, d, generator=g) / 8,
+            "encoder.bias": torch.randn(F, generator=g) * 0.1,
+            "decoder.weight": torch.randn(d, F, generator=g),
+            "decoder.bias": torch.randn(d, generator=g),
+        },
+        str(folder / "checkpoints" / "final.safetensors"),
+    )
     sae = load_sae(folder)
     assert sae.hook == "layers.2.residual.post"
     s = math.sqrt(d) / avg_norm
     assert sae.metadata["imported"]["folded_scaling_factor"] == pytest.approx(s)
-    lens = _lens_from_loader(monkeypatch, llama_scope_sae_huggingface_loader, "fnlp/x", folder.name,
-                             {f"{folder.name}/hyperparams.json": folder / "hyperparams.json",
-                              f"{folder.name}/checkpoints/final.safetensors": folder / "checkpoints" / "final.safetensors"},
-                             {"dtype": "float32"})
-    lens.fold_activation_norm_scaling_factor(s)        # what from_pretrained does with the yaml's factor
+    lens = _lens_from_loader(
+        monkeypatch,
+        llama_scope_sae_huggingface_loader,
+        "fnlp/x",
+        folder.name,
+        {
+            f"{folder.name}/hyperparams.json": folder / "hyperparams.json",
+            f"{folder.name}/checkpoints/final.safetensors": folder
+            / "checkpoints"
+            / "final.safetensors",
+        },
+        {"dtype": "float32"},
+    )
+    lens.fold_activation_norm_scaling_factor(s)  # what from_pretrained does with the yaml's factor
     x = rows(d, 3)
     with torch.no_grad():
         assert_matches_peer(sae, x, lens.encode(x))
@@ -213,7 +271,9 @@ def test_llama_scope_matches_saelens_llama_loader(tmp_path, monkeypatch):
 def test_pickles_are_refused_with_a_conversion_hint(tmp_path):
     p = tmp_path / "ae.pt"
     p.write_bytes(b"\x80\x04not really")
-    with pytest.raises(InteropError, match=r"(?s)pickles.*torch.load\('ae.pt', weights_only=True\)"):
+    with pytest.raises(
+        InteropError, match=r"(?s)pickles.*torch.load\('ae.pt', weights_only=True\)"
+    ):
         load_sae(p)
     (tmp_path / "folder").mkdir()
     (tmp_path / "folder" / "sae.pt").write_bytes(b"x")
@@ -230,11 +290,14 @@ def test_npz_with_objects_is_refused(tmp_path):
         load_sae(folder / "params.npz")
 
 
-@pytest.mark.parametrize("hook,msg", [
-    ("blocks.3.attn.hook_z", "per-head attention outputs"),
-    ("blocks.3.mlp.hook_post", "no xmix equivalent"),
-    ("hook_embed", "no xmix equivalent"),
-])
+@pytest.mark.parametrize(
+    "hook,msg",
+    [
+        ("blocks.3.attn.hook_z", "per-head attention outputs"),
+        ("blocks.3.mlp.hook_post", "no xmix equivalent"),
+        ("hook_embed", "no xmix equivalent"),
+    ],
+)
 def test_hooks_without_an_xmix_site_are_refused(tmp_path, hook, msg):
     from sae_lens.saes.sae import SAEMetadata
 
@@ -246,19 +309,27 @@ def test_hooks_without_an_xmix_site_are_refused(tmp_path, hook, msg):
     if "hook_z" in hook:  # per-head inputs cannot be read at any site, whatever the user says
         with pytest.raises(InteropError, match=msg):
             load_sae(tmp_path / "s", hook="layers.0.residual.post")
-    else:                 # an explicit site is taken as given
-        assert load_sae(tmp_path / "s", hook="layers.0.residual.post").hook == "layers.0.residual.post"
+    else:  # an explicit site is taken as given
+        assert (
+            load_sae(tmp_path / "s", hook="layers.0.residual.post").hook == "layers.0.residual.post"
+        )
 
 
 def test_import_to_an_app_and_serve_shape(tmp_path):
     from sae_lens.saes.sae import SAEMetadata
 
     cfg_cls, sae_cls = lens_classes("standard")
-    sae_cls(cfg_cls(d_in=16, d_sae=32, metadata=SAEMetadata(hook_name="blocks.1.hook_resid_post"))) \
-        .save_model(tmp_path / "s")
+    sae_cls(
+        cfg_cls(d_in=16, d_sae=32, metadata=SAEMetadata(hook_name="blocks.1.hook_resid_post"))
+    ).save_model(tmp_path / "s")
     out = tmp_path / "feat.xmix"
     assert xmix_main(["import", "sae", str(tmp_path / "s"), "-o", str(out), "--top-k", "4"]) == 0
     app = App.load(out)
     op = app.ops[0]
-    assert (op.kernel, op.site, op.layer_spec, op.options) == ("sae", "residual.post", [1], {"top_k": 4})
+    assert (op.kernel, op.site, op.layer_spec, op.options) == (
+        "sae",
+        "residual.post",
+        [1],
+        {"top_k": 4},
+    )
     assert app.metadata["imported"]["format"] == "saelens"

@@ -12,18 +12,20 @@ import math
 import pytest
 import torch
 
+from harness import Harness, Req
 from xmix import reference as R
 from xmix.api import App
 from xmix.hooks import ModelShape
-
-from harness import Harness, Req
 
 D = 64
 SHAPE = ModelShape(n_layers=3, hidden_size=D, vocab_size=100, n_experts=8, moe_layers=(0, 1, 2))
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 BACKENDS = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
-TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1e-2, atol=1e-2),
-       torch.float16: dict(rtol=1e-2, atol=1e-2)}
+TOL = {
+    torch.float32: dict(rtol=1e-5, atol=1e-5),
+    torch.bfloat16: dict(rtol=1e-2, atol=1e-2),
+    torch.float16: dict(rtol=1e-2, atol=1e-2),
+}
 APPROX = {dt: dict(rel=t["rtol"], abs=t["atol"]) for dt, t in TOL.items()}
 
 # Rows: a = 0..4 (positions 0..4, prompt), b = 5 (position 9, generated, sampled), c = 6..8.
@@ -55,8 +57,10 @@ def check_write(h_before, h_after, expected, mask, dtype):
     assert mask.any() and not mask.all(), "the case must select a strict subset"
     m = mask.to(h_after.device)
     # untouched rows: bit-identical
-    assert torch.equal(h_after[~m].cpu().view(torch.int16 if dtype != torch.float32 else torch.int32),
-                       h_before[~m].cpu().view(torch.int16 if dtype != torch.float32 else torch.int32))
+    assert torch.equal(
+        h_after[~m].cpu().view(torch.int16 if dtype != torch.float32 else torch.int32),
+        h_before[~m].cpu().view(torch.int16 if dtype != torch.float32 else torch.int32),
+    )
     torch.testing.assert_close(h_after[m].float().cpu(), expected[m.cpu()].float(), **TOL[dtype])
     assert not torch.equal(h_after[m].cpu(), h_before[m].cpu()), "selected rows must change"
 
@@ -67,7 +71,9 @@ def test_add(backend, dtype):
     v = torch.randn(D, generator=torch.Generator().manual_seed(1))
     app = App("k")
     app.token_set("trig", ids=[7])
-    app.write("add", vector=v, scale=1.5).layers([1]).submodule("residual.pre").cond("token_in(trig)")
+    app.write("add", vector=v, scale=1.5).layers([1]).submodule("residual.pre").cond(
+        "token_in(trig)"
+    )
     h, r = make(backend, dtype)
     h0 = h.clone()
     run(app, backend, "residual.pre", 1, h, r)
@@ -98,8 +104,9 @@ def test_ablate(backend, dtype):
 def test_clamp(backend, dtype):
     d = torch.randn(D, generator=torch.Generator().manual_seed(3))
     app = App("k")
-    app.write("clamp", direction=d, min=-0.5, max=0.25).layers([0]).submodule("mlp.post") \
-       .cond("not last_token")
+    app.write("clamp", direction=d, min=-0.5, max=0.25).layers([0]).submodule("mlp.post").cond(
+        "not last_token"
+    )
     h, _ = make(backend, dtype, residual=False)
     h0 = h.clone()
     run(app, backend, "mlp.post", 0, h, None)
@@ -114,8 +121,9 @@ def test_affine(backend, dtype):
     A = torch.randn(D, D, generator=g) / math.sqrt(D)
     mus, mut = torch.randn(D, generator=g), torch.randn(D, generator=g)
     app = App("k")
-    app.write("affine", matrix=A, mu_s=mus, mu_t=mut).layers([2]).submodule("residual.post") \
-       .cond("last_token")
+    app.write("affine", matrix=A, mu_s=mus, mu_t=mut).layers([2]).submodule("residual.post").cond(
+        "last_token"
+    )
     h, r = make(backend, dtype)
     h0 = h.clone()
     run(app, backend, "residual.post", 2, h, r)
@@ -128,8 +136,9 @@ def test_affine(backend, dtype):
 def test_router(backend, dtype):
     mask_e = torch.tensor([1, 0, -1, 0, 0, -1, 0, 0], dtype=torch.float32)
     app = App("k")
-    app.write("router", mask=mask_e, delta=0.05).layers("all").submodule("router.logits") \
-       .cond("generated or token_in(t)")
+    app.write("router", mask=mask_e, delta=0.05).layers("all").submodule("router.logits").cond(
+        "generated or token_in(t)"
+    )
     app.token_set("t", ids=[7])
     h, _ = make(backend, dtype, residual=False, width=8)
     h0 = h.clone()
@@ -157,8 +166,9 @@ def test_probe(backend, dtype):
     g = torch.Generator().manual_seed(5)
     w = torch.randn(D, generator=g) / 4
     app = App("k")
-    app.read("probe", weight=w, bias=-0.25).layers([1]).submodule("residual.pre").named("p") \
-       .cond("not token_in(s)")
+    app.read("probe", weight=w, bias=-0.25).layers([1]).submodule("residual.pre").named("p").cond(
+        "not token_in(s)"
+    )
     app.token_set("s", ids=[7])
     h, r = make(backend, dtype)
     h0 = h.clone()
@@ -196,8 +206,9 @@ def test_distance(backend, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_capture(backend, dtype):
     app = App("k")
-    app.read("capture", dims=(4, 12)).layers([2]).submodule("residual.post").named("cap") \
-       .cond("last_token")
+    app.read("capture", dims=(4, 12)).layers([2]).submodule("residual.post").named("cap").cond(
+        "last_token"
+    )
     h, r = make(backend, dtype)
     hs = run(app, backend, "residual.post", 2, h, r)
     vals = _read_values(hs, "cap")

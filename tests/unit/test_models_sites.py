@@ -13,7 +13,13 @@ import pytest
 import torch
 
 from xmix.api import App
-from xmix.architectures import FAMILIES, UnsupportedArchitecture, family_of, require_family, supported_architectures
+from xmix.architectures import (
+    FAMILIES,
+    UnsupportedArchitecture,
+    family_of,
+    require_family,
+    supported_architectures,
+)
 from xmix.integrations.hf import attach
 from xmix.lowering import DeployError
 from xmix.models.tiny import KINDS, tiny_model_path
@@ -62,21 +68,36 @@ def test_sites_mean_the_same_in_every_family(kind):
     app.read("capture").submodule("final.post").named("final")
     with attach(model, [app], tokenizer=tok) as att:
         logits, res = att.forward(ids, apps=["cap"])
-    torch.testing.assert_close(logits, plain.logits[0, -1], rtol=1e-5, atol=1e-5)  # reads change nothing
+    torch.testing.assert_close(
+        logits, plain.logits[0, -1], rtol=1e-5, atol=1e-5
+    )  # reads change nothing
 
     n = len(ids)
-    vals = {site: torch.stack([torch.tensor(res["cap"][f"{site.replace('.', '_')}.{l}"]["values"])
-                               for l in range(L)])
-            for site in SITES}                                   # [L, n, d]
+    vals = {
+        site: torch.stack(
+            [torch.tensor(res["cap"][f"{site.replace('.', '_')}.{l}"]["values"]) for l in range(L)]
+        )
+        for site in SITES
+    }  # [L, n, d]
     assert vals["residual.pre"].shape == (L, n, model.config.hidden_size)
     final = torch.tensor(res["cap"]["final"]["values"])
     tol = dict(rtol=1e-4, atol=1e-4)
     for l in range(L):
-        torch.testing.assert_close(vals["residual.pre"][l], hs[l], **tol, msg=f"{kind} residual.pre[{l}]")
-        torch.testing.assert_close(vals["residual.mid"][l], vals["residual.pre"][l] + vals["attention.post"][l],
-                                   **tol, msg=f"{kind} layer {l}: mid != pre + attention.post")
-        torch.testing.assert_close(vals["residual.post"][l], vals["residual.mid"][l] + vals["mlp.post"][l],
-                                   **tol, msg=f"{kind} layer {l}: post != mid + mlp.post")
+        torch.testing.assert_close(
+            vals["residual.pre"][l], hs[l], **tol, msg=f"{kind} residual.pre[{l}]"
+        )
+        torch.testing.assert_close(
+            vals["residual.mid"][l],
+            vals["residual.pre"][l] + vals["attention.post"][l],
+            **tol,
+            msg=f"{kind} layer {l}: mid != pre + attention.post",
+        )
+        torch.testing.assert_close(
+            vals["residual.post"][l],
+            vals["residual.mid"][l] + vals["mlp.post"][l],
+            **tol,
+            msg=f"{kind} layer {l}: post != mid + mlp.post",
+        )
         if l + 1 < L:
             torch.testing.assert_close(vals["residual.post"][l], hs[l + 1], **tol)
     torch.testing.assert_close(final, hs[L], **tol, msg=f"{kind} final.post")

@@ -107,15 +107,16 @@ def _patterns():
 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    with FakeTensorMode():      # as vLLM's enable_fake_mode: patterns are traced on fake tensors
+    with FakeTensorMode():  # as vLLM's enable_fake_mode: patterns are traced on fake tensors
         # distinct tensors per argument: a tensor passed twice would trace as one input
         x, r, w = torch.empty(5, D), torch.empty(5, D), torch.empty(D)
         for p in (rms, gemma_rms):
             pm.register_replacement(p, lambda i, w_: two(i, i), [x, w], pm.fwd_only, passes)
         for p in (add_rms, gemma_add_rms):
             pm.register_replacement(p, lambda r_, i, w_: two(i, r_), [r, x, w], pm.fwd_only, passes)
-            pm.register_replacement(_first_output(p), lambda r_, i, w_: fused(i),
-                                    [r, x, w], pm.fwd_only, passes)
+            pm.register_replacement(
+                _first_output(p), lambda r_, i, w_: fused(i), [r, x, w], pm.fwd_only, passes
+            )
     _PATTERNS.append(passes)
     return passes
 
@@ -153,12 +154,16 @@ def _model(kind: str, n_layers: int = 2) -> nn.Module:
     else:
         from vllm.model_executor.models.gemma2 import Gemma2DecoderLayer as Layer
 
-        names = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                 "post_feedforward_layernorm")
+        names = (
+            "input_layernorm",
+            "post_attention_layernorm",
+            "pre_feedforward_layernorm",
+            "post_feedforward_layernorm",
+        )
         Norm = GemmaRMSNorm
     layers = []
     for _ in range(n_layers):
-        layer = Layer.__new__(Layer)       # the class's forward, without its heavy __init__
+        layer = Layer.__new__(Layer)  # the class's forward, without its heavy __init__
         nn.Module.__init__(layer)
         for n in names:
             setattr(layer, n, Norm(D, EPS))
@@ -179,7 +184,7 @@ def _forward(model, x, positions):
 
     h = tensor_model_parallel_all_reduce(x)
     if model.kind == "gemma2":
-        h = h * (D ** 0.5)
+        h = h * (D**0.5)
     r = None
     for layer in model.model.layers:
         h, r = layer(positions, h, r)
@@ -193,7 +198,8 @@ def _matches(model) -> int:
 
     with FakeTensorMode(allow_non_fake_inputs=True):
         gm = make_fx(lambda x, p: _forward(model, x, p), tracing_mode="real")(
-            torch.randn(5, D), torch.arange(5))
+            torch.randn(5, D), torch.arange(5)
+        )
     inplace = torch.ops.vllm_ir.fused_add_rms_norm.maybe_inplace
     for node in gm.graph.nodes:
         if node.target is inplace:

@@ -11,12 +11,11 @@ import pytest
 import torch
 
 import xmix
+from harness import SMALL
 from xmix import ops
 from xmix.control import ControlBlock
 from xmix.hooks import ModelShape
 from xmix.lowering import lower
-
-from harness import SMALL
 
 D = 32
 SHAPE = ModelShape(n_layers=1, hidden_size=D, vocab_size=64)
@@ -33,8 +32,12 @@ def writing_control(request):
     slot, left_out = cb.admit_pinned("r0", ["push"], {"push": [1, []]}, 3)
     assert left_out == []
     other = cb.admit_pinned("r1", [], {}, 3)[0]
-    cb.begin_step(np.array([slot, other], dtype=np.int32), np.array([3, 3]), np.array([0, 0]),
-                  np.array([3, 3]))
+    cb.begin_step(
+        np.array([slot, other], dtype=np.int32),
+        np.array([3, 3]),
+        np.array([0, 0]),
+        np.array([3, 3]),
+    )
     cb.prologue(torch.zeros(6, dtype=torch.int32, device=dev))
     ops.set_control(cb)
     yield dev, v
@@ -55,6 +58,13 @@ def test_opcheck_site(writing_control, with_residual):
     dev, _ = writing_control
     h = torch.randn(6, D, device=dev)
     r = torch.randn(6, D, device=dev) if with_residual else None
-    torch.library.opcheck(torch.ops.xmix.site.default, (h, r, 0),
-                          test_utils=("test_schema", "test_faketensor",
-                                      "test_aot_dispatch_static", "test_aot_dispatch_dynamic"))
+    torch.library.opcheck(
+        torch.ops.xmix.site.default,
+        (h, r, 0),
+        test_utils=(
+            "test_schema",
+            "test_faketensor",
+            "test_aot_dispatch_static",
+            "test_aot_dispatch_dynamic",
+        ),
+    )

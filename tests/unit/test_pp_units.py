@@ -39,7 +39,7 @@ def test_crossings_and_refusal():
     fwd = _app(1, 4, "p >= 0.5")
     assert [(k, sr, so) for k, sr, so, _ in pp.crossings(fwd, st)] == [("p", 0, 1)]
     pp.check_deploy(fwd, st)
-    pp.check_deploy(_app(3, 4, "prompt_mean(p) > 0.5"), st)   # same stage
+    pp.check_deploy(_app(3, 4, "prompt_mean(p) > 0.5"), st)  # same stage
     with pytest.raises(DeployError, match=r"'a'.*stage 0.*read 'p'.*later stage 1"):
         pp.check_deploy(_app(4, 1, "prompt_last(p) > 0.5"), st)
 
@@ -51,5 +51,5 @@ def test_forwarded_channels_per_stage():
 
     apps = {"a": Inst(_app(0, 5, "p >= 0.5"), {"p": 7})}
     assert pp.forwarded_channels(apps, pp.Stages.of(L, 0, 3)).tolist() == [7]
-    assert pp.forwarded_channels(apps, pp.Stages.of(L, 1, 3)).tolist() == [7]   # passed on
+    assert pp.forwarded_channels(apps, pp.Stages.of(L, 1, 3)).tolist() == [7]  # passed on
     assert pp.forwarded_channels(apps, pp.Stages.of(L, 2, 3)).tolist() == []

@@ -34,8 +34,13 @@ def local_ray():
     # The test process must not pass XMIX_DISABLE to the actor (Ray copies the driver's env).
     env = {k: v for k, v in os.environ.items() if k == "XMIX_DISABLE"}
     assert not env, "XMIX_DISABLE is set: the plugin would not load in Ray workers"
-    ray.init(num_cpus=1, include_dashboard=False, object_store_memory=_OBJECT_STORE,
-             log_to_driver=False, configure_logging=False)
+    ray.init(
+        num_cpus=1,
+        include_dashboard=False,
+        object_store_memory=_OBJECT_STORE,
+        log_to_driver=False,
+        configure_logging=False,
+    )
     try:
         yield ray
     finally:
@@ -64,8 +69,14 @@ def _worker_side() -> dict:
         checked.append(f"{p.target}.{p.method}")
         if not fence.applied(cls, p.method, "worker"):
             missing.append(f"{p.target}.{p.method}")
-    return {"pid": os.getpid(), "before": before, "done": plugin._done,
-            "checked": checked, "missing": missing, "problems": fence.problems()}
+    return {
+        "pid": os.getpid(),
+        "before": before,
+        "done": plugin._done,
+        "checked": checked,
+        "missing": missing,
+        "problems": fence.problems(),
+    }
 
 
 def test_worker_patches_load_in_a_ray_worker_process(local_ray):
@@ -82,9 +93,12 @@ def test_worker_patches_load_in_a_ray_worker_process(local_ray):
     # Every worker patch the fence declares for this vLLM (runner step, load_model on the
     # GPU and CPU runners, the worker's RPC methods) is in place in the Ray process.
     # (22 with vLLM 0.32; XMIX_DISABLE=1 in the actor's runtime_env leaves all of them missing.)
-    for must in ("cpu_model_runner:CPUModelRunner.load_model",
-                 "gpu_model_runner:GPUModelRunner.execute_model",
-                 "worker_base:WorkerBase.xmix_deploy", "worker_base:WorkerBase.xmix_describe"):
+    for must in (
+        "cpu_model_runner:CPUModelRunner.load_model",
+        "gpu_model_runner:GPUModelRunner.execute_model",
+        "worker_base:WorkerBase.xmix_deploy",
+        "worker_base:WorkerBase.xmix_describe",
+    ):
         assert any(c.endswith(must) for c in out["checked"]), (must, out["checked"])
     assert out["missing"] == [], out["missing"]
 

@@ -15,9 +15,20 @@ import pytest
 import torch
 
 import xmix
-from xmix.results_codec import (DEFAULT_OPTIONS, TRUNCATED_KEY, ReadResult, ReadShape, ResultOptions,
-                                encode_results, merge_results, pack_results, parse_options,
-                                position_bytes, to_dtype, unpack_results)
+from xmix.results_codec import (
+    DEFAULT_OPTIONS,
+    TRUNCATED_KEY,
+    ReadResult,
+    ReadShape,
+    ResultOptions,
+    encode_results,
+    merge_results,
+    pack_results,
+    parse_options,
+    position_bytes,
+    to_dtype,
+    unpack_results,
+)
 
 DT = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -36,8 +47,10 @@ def _results(dtype):
     vec = _values(6, 5)
     sc = _values(6, 1)[:, 0]
     k = 4
-    ids = np.array([[7, 3, -1, -1], [2, -1, -1, -1], [9, 8, 1, 0], [-1] * 4, [5, 6, -1, -1], [4, -1, -1, -1]],
-                   dtype=np.int32)
+    ids = np.array(
+        [[7, 3, -1, -1], [2, -1, -1, -1], [9, 8, 1, 0], [-1] * 4, [5, 6, -1, -1], [4, -1, -1, -1]],
+        dtype=np.int32,
+    )
     acts = np.where(ids >= 0, np.abs(_values(6, k, 1)), 0).astype(np.float32)
     feats = np.abs(_values(6, 3, 2))
     pos = np.array([0, 1, 2, 5, 6, 9], dtype=np.int32)
@@ -46,7 +59,9 @@ def _results(dtype):
             "h": ReadResult.of("vector", pos, to_dtype(vec, dtype), dtype=dtype),
             "p": ReadResult.of("scalar", pos, to_dtype(sc, dtype), dtype=dtype),
             "top": ReadResult.of("topk", pos, to_dtype(acts, dtype), ids, dtype=dtype),
-            "f": ReadResult.of("features", pos, to_dtype(feats, dtype), dtype=dtype, features=(11, 4, 30)),
+            "f": ReadResult.of(
+                "features", pos, to_dtype(feats, dtype), dtype=dtype, features=(11, 4, 30)
+            ),
         },
     }, dict(vec=vec, sc=sc, ids=ids, acts=acts, feats=feats, pos=pos)
 
@@ -72,7 +87,9 @@ def test_every_encoding_gives_back_the_same_numbers(dtype):
     payloads = {
         "json": encode_results(res, ResultOptions(dtype=dtype)),
         "base64": encode_results(res, ResultOptions(encoding="base64", dtype=dtype)),
-        "zstd": encode_results(res, ResultOptions(encoding="base64", compression="zstd", dtype=dtype)),
+        "zstd": encode_results(
+            res, ResultOptions(encoding="base64", compression="zstd", dtype=dtype)
+        ),
     }
     # strict JSON on the wire: nothing a JSON parser would refuse
     for p in payloads.values():
@@ -106,8 +123,15 @@ def test_every_encoding_gives_back_the_same_numbers(dtype):
     j = payloads["json"]["app"]["top"]["values"]
     assert [v["ids"] for v in j] == [[7, 3], [2], [9, 8, 1, 0], [], [5, 6], [4]]
     # non-finite values: null in JSON and counted; kept (and counted) in base64
-    n_bad = int((~np.isfinite(to_dtype(src["vec"], dtype).astype(np.float32)
-                               if dtype != "bfloat16" else _rounded(src["vec"], dtype).float().numpy())).sum())
+    n_bad = int(
+        (
+            ~np.isfinite(
+                to_dtype(src["vec"], dtype).astype(np.float32)
+                if dtype != "bfloat16"
+                else _rounded(src["vec"], dtype).float().numpy()
+            )
+        ).sum()
+    )
     assert payloads["json"]["app"]["h"]["nonfinite"] == n_bad
     assert payloads["base64"]["app"]["h"]["nonfinite"] == n_bad
     assert sum(x is None for row in payloads["json"]["app"]["h"]["values"] for x in row) == n_bad
@@ -123,7 +147,9 @@ def test_base64_is_raw_little_endian_values_with_dtype_and_shape():
     want = _rounded(src["vec"], "bfloat16").view(torch.int16).numpy().astype("<i2").tobytes()
     assert raw == want
     assert base64.b64decode(e["positions"]["data"]) == src["pos"].astype("<i4").tobytes()
-    z = encode_results(res, ResultOptions(encoding="base64", compression="zstd", dtype="bfloat16"))["app"]["h"]
+    z = encode_results(res, ResultOptions(encoding="base64", compression="zstd", dtype="bfloat16"))[
+        "app"
+    ]["h"]
     import zstandard
 
     assert zstandard.ZstdDecompressor().decompress(base64.b64decode(z["values"]["data"])) == want
@@ -134,10 +160,13 @@ def test_default_shape_is_unchanged():
     capture, {ids, acts} objects for SAE reads; also what a ReadResult reads as."""
     r = ReadResult.of("vector", [3, 4], np.array([[1.5, 2.0], [0.25, -1.0]], np.float32))
     assert r == {"positions": [3, 4], "values": [[1.5, 2.0], [0.25, -1.0]]}
-    assert encode_results({"a": {"h": r}}) == {"a": {"h": {"positions": [3, 4], "values": [[1.5, 2.0], [0.25, -1.0]]}}}
+    assert encode_results({"a": {"h": r}}) == {
+        "a": {"h": {"positions": [3, 4], "values": [[1.5, 2.0], [0.25, -1.0]]}}
+    }
     s = ReadResult.of("scalar", [0, 1], np.array([0.5, math.nan], np.float32))
-    assert encode_results({"a": {"p": s}}) == {"a": {"p": {"positions": [0, 1], "values": [0.5, None],
-                                                         "nonfinite": 1}}}
+    assert encode_results({"a": {"p": s}}) == {
+        "a": {"p": {"positions": [0, 1], "values": [0.5, None], "nonfinite": 1}}
+    }
     t = ReadResult.of("topk", [2], np.array([[3.0, 1.0, 0.0]], np.float32), np.array([[4, 9, -1]]))
     assert t["values"] == [{"ids": [4, 9], "acts": [3.0, 1.0]}]
     f = ReadResult.of("features", [2], np.array([[0.0, 2.5]], np.float32), features=(8, 1))
@@ -172,9 +201,19 @@ def test_stream_chunks_decode_to_the_whole():
     for enc in ("json", "base64"):
         chunks = []
         for lo, hi in ((0, 2), (2, 3), (3, 6)):
-            part = {"app": {k: ReadResult.of(r.kind, r.positions[lo:hi], r.values[lo:hi],
-                                             None if r.kind != "topk" else r.ids[lo:hi], r.dtype, r.features)
-                            for k, r in res["app"].items()}}
+            part = {
+                "app": {
+                    k: ReadResult.of(
+                        r.kind,
+                        r.positions[lo:hi],
+                        r.values[lo:hi],
+                        None if r.kind != "topk" else r.ids[lo:hi],
+                        r.dtype,
+                        r.features,
+                    )
+                    for k, r in res["app"].items()
+                }
+            }
             chunks.append(encode_results(part, ResultOptions(encoding=enc)))
         got = xmix.decode_results(chunks)
         for k in ("h", "p", "f"):
@@ -190,7 +229,7 @@ WINDOWS = [
     ("generated", 5, [5, 6, 7, 8, 9]),
     ("last_token", 5, [4, 5, 6, 7, 8, 9]),
     ([2, 4], 5, [2, 3]),
-    ([[-1, None]], 5, [4]),               # the last prompt token
+    ([[-1, None]], 5, [4]),  # the last prompt token
     ([[-2, None]], 5, [3, 4]),
     ([[None, -3]], 5, [0, 1]),
     ([[7, None], "prompt"], 5, [0, 1, 2, 3, 4, 7, 8, 9]),
@@ -209,20 +248,23 @@ def test_windows_select_exactly_the_positions_named(spec, prompt_len, want):
     assert ResultOptions.from_control(opts.to_control()) == opts
 
 
-@pytest.mark.parametrize("raw,msg", [
-    ({"encoding": "msgpack"}, '"encoding" must be one of'),
-    ({"compression": "zstd"}, 'needs "encoding": "base64"'),
-    ({"encoding": "base64", "compression": "gzip"}, '"compression" must be "zstd"'),
-    ({"dtype": "float64"}, '"dtype" must be one of'),
-    ({"positions": "all"}, "unknown window 'all'"),
-    ({"positions": [5, 2]}, "is empty"),
-    ({"positions": [[1, 2, 3]]}, "each item must be"),
-    ({"positions": []}, '"positions" must be'),
-    ({"positions": [2, -1]}, "mixes an absolute start"),
-    ({"max_result_bytes": 0}, "positive integer"),
-    ({"max_result_bytes": True}, "positive integer"),
-    ({"max_result_bytes": 1 << 40}, "the server allows at most"),
-])
+@pytest.mark.parametrize(
+    "raw,msg",
+    [
+        ({"encoding": "msgpack"}, '"encoding" must be one of'),
+        ({"compression": "zstd"}, 'needs "encoding": "base64"'),
+        ({"encoding": "base64", "compression": "gzip"}, '"compression" must be "zstd"'),
+        ({"dtype": "float64"}, '"dtype" must be one of'),
+        ({"positions": "all"}, "unknown window 'all'"),
+        ({"positions": [5, 2]}, "is empty"),
+        ({"positions": [[1, 2, 3]]}, "each item must be"),
+        ({"positions": []}, '"positions" must be'),
+        ({"positions": [2, -1]}, "mixes an absolute start"),
+        ({"max_result_bytes": 0}, "positive integer"),
+        ({"max_result_bytes": True}, "positive integer"),
+        ({"max_result_bytes": 1 << 40}, "the server allows at most"),
+    ],
+)
 def test_bad_options_are_refused_with_a_message(raw, msg):
     with pytest.raises(ValueError, match=msg.replace("(", r"\(").replace("[", r"\[")):
         parse_options(raw)
@@ -230,15 +272,27 @@ def test_bad_options_are_refused_with_a_message(raw, msg):
 
 def test_byte_accounting_bounds_the_encoded_size():
     res, _ = _results("float32")
-    shapes = {"h": ReadShape("vector", 5), "p": ReadShape("scalar", 1), "top": ReadShape("topk", 4),
-              "f": ReadShape("features", 3)}
-    for opts in (DEFAULT_OPTIONS, ResultOptions(encoding="base64"), ResultOptions(encoding="base64", dtype="bfloat16")):
+    shapes = {
+        "h": ReadShape("vector", 5),
+        "p": ReadShape("scalar", 1),
+        "top": ReadShape("topk", 4),
+        "f": ReadShape("features", 3),
+    }
+    for opts in (
+        DEFAULT_OPTIONS,
+        ResultOptions(encoding="base64"),
+        ResultOptions(encoding="base64", dtype="bfloat16"),
+    ):
         enc = encode_results(res, opts)["app"]
         for k, shape in shapes.items():
             r = res["app"][k]
             if opts.encoding == "json" and r.kind in ("vector", "scalar"):
                 # the worst case of a number: full precision everywhere
-                r = ReadResult.of(r.kind, r.positions, np.full(r.values.shape, -1.2345678901234567e-30, np.float32))
+                r = ReadResult.of(
+                    r.kind,
+                    r.positions,
+                    np.full(r.values.shape, -1.2345678901234567e-30, np.float32),
+                )
                 enc_k = encode_results({"app": {k: r}}, opts)["app"][k]
             else:
                 enc_k = enc[k]
@@ -268,12 +322,17 @@ def test_gate_counters_read_the_packed_results_the_engine_core_sends():
 
     shape = ModelShape(n_layers=2, hidden_size=8, vocab_size=50, model_name="m")
     app = xmix.App("a")
-    app.read("probe", weight=torch.ones(8), bias=0.0).layers([0]).submodule("residual.post").named("p")
-    app.write("add", vector=torch.ones(8), scale=1.0).layers([1]).submodule("residual.post") \
-        .cond(gate="p >= 0.5")
-    reg = SimpleNamespace(apps={"a": SimpleNamespace(mode="request", lowered=lower(app, shape, None),
-                                                     defaults={})},
-                          lock=threading.RLock(), shape=shape)
+    app.read("probe", weight=torch.ones(8), bias=0.0).layers([0]).submodule("residual.post").named(
+        "p"
+    )
+    app.write("add", vector=torch.ones(8), scale=1.0).layers([1]).submodule("residual.post").cond(
+        gate="p >= 0.5"
+    )
+    reg = SimpleNamespace(
+        apps={"a": SimpleNamespace(mode="request", lowered=lower(app, shape, None), defaults={})},
+        lock=threading.RLock(),
+        shape=shape,
+    )
     m = metrics._make(CollectorRegistry())
     u = Usage(reg, m)
     u.admitted("r", {"apps": ["a"]})
@@ -288,15 +347,30 @@ def test_gate_counters_read_the_packed_results_the_engine_core_sends():
 def test_flat_result_options_become_the_json_forms_keys():
     from xmix.integrations.vllm.request_controls import control_from_args
 
-    got = control_from_args({"xmix_apps": "cap", "xmix_encoding": "base64", "xmix_compression": "zstd",
-                             "xmix_dtype": "float16", "xmix_positions": "prompt, -8:, 0:4",
-                             "xmix_max_result_bytes": 4096})
-    assert got == {"apps": ["cap"], "params": {}, "encoding": "base64", "compression": "zstd",
-                   "dtype": "float16", "positions": ["prompt", [-8, None], [0, 4]],
-                   "max_result_bytes": 4096}
+    got = control_from_args(
+        {
+            "xmix_apps": "cap",
+            "xmix_encoding": "base64",
+            "xmix_compression": "zstd",
+            "xmix_dtype": "float16",
+            "xmix_positions": "prompt, -8:, 0:4",
+            "xmix_max_result_bytes": 4096,
+        }
+    )
+    assert got == {
+        "apps": ["cap"],
+        "params": {},
+        "encoding": "base64",
+        "compression": "zstd",
+        "dtype": "float16",
+        "positions": ["prompt", [-8, None], [0, 4]],
+        "max_result_bytes": 4096,
+    }
     assert parse_options(got).window.mask(np.arange(12), 10).tolist() == [True] * 10 + [False] * 2
-    assert control_from_args({"xmix_positions": ["last_token", "generated"]})["positions"] == \
-        ["last_token", "generated"]
+    assert control_from_args({"xmix_positions": ["last_token", "generated"]})["positions"] == [
+        "last_token",
+        "generated",
+    ]
     with pytest.raises(ValueError, match="'xmix_positions'.*not a START:STOP range"):
         control_from_args({"xmix_positions": "1:x"})
     with pytest.raises(ValueError, match="unknown flat control 'xmix_encodings'"):

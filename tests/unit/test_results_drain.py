@@ -15,15 +15,14 @@ import pytest
 import torch
 
 import xmix
+from fake_device import FakeDevice
+from harness import SMALL, Harness, Req
 from xmix import _C
 from xmix import reference as R
 from xmix.control import ControlBlock
 from xmix.hooks import ModelShape, site_id
 from xmix.lowering import lower
 from xmix.results_codec import TRUNCATED_KEY, ReadShape, parse_options, position_bytes
-
-from fake_device import FakeDevice
-from harness import SMALL, Harness, Req
 
 D = 16
 SHAPE = ModelShape(n_layers=2, hidden_size=D, vocab_size=64)
@@ -73,7 +72,9 @@ def test_a_nan_read_is_reported_through_the_staged_read_back():
     cb.admit("a", ["k"], {}, 4)
     h, r = stream(4, seed=3)
     h[2, 0] = math.nan
-    cb.begin_step(np.array([cb.slots["a"]], np.int32), np.array([4]), np.array([0]), np.array([4]), 4)
+    cb.begin_step(
+        np.array([cb.slots["a"]], np.int32), np.array([4]), np.array([0]), np.array([4]), 4
+    )
     site = site_id("residual.pre", 0, SHAPE.n_layers)
     F32 = _C.constants()["DT_F32"]
     dev.launch(lambda: _C.run_site_cpu(cb.ptr, site, h.data_ptr(), r.data_ptr(), 4, D, D, D, F32))
@@ -82,7 +83,9 @@ def test_a_nan_read_is_reported_through_the_staged_read_back():
     got = p.result()["a"]["k"]["p"]
     assert got["positions"] == [0, 1, 2, 3]
     want = R.probe(R.stream(h, r), w, 0.1)
-    assert math.isnan(got["values"][2]) and got["values"][3] == pytest.approx(float(want[3]), rel=1e-5)
+    assert math.isnan(got["values"][2]) and got["values"][3] == pytest.approx(
+        float(want[3]), rel=1e-5
+    )
 
 
 def capture_app(width=D):
@@ -91,13 +94,16 @@ def capture_app(width=D):
     return app
 
 
-@pytest.mark.parametrize("spec,want_a,want_b", [
-    ("prompt", [0, 1, 2, 3], []),
-    ([[-1, None]], [3], []),                 # the last prompt token
-    ("last_token", [3], [6]),
-    ("generated", [], [6]),
-    ([[1, 3], [6, 7]], [1, 2], [6]),
-])
+@pytest.mark.parametrize(
+    "spec,want_a,want_b",
+    [
+        ("prompt", [0, 1, 2, 3], []),
+        ([[-1, None]], [3], []),  # the last prompt token
+        ("last_token", [3], [6]),
+        ("generated", [], [6]),
+        ([[1, 3], [6, 7]], [1, 2], [6]),
+    ],
+)
 def test_windows_report_exactly_the_positions_asked_for(spec, want_a, want_b):
     """Two requests with a capture read on every token: "a" prefills 4 prompt tokens, "b" (a
     3-token prompt) decodes position 6; each reports only its window's positions."""
@@ -207,8 +213,10 @@ def test_a_site_that_did_not_run_leaves_no_earlier_results(monkeypatch):
     class Broken:
         def __getattr__(self, name):
             if name == "run_site_cpu":
+
                 def fail(*a):
                     raise MemoryError("no room for scratch rows")
+
                 return fail
             return getattr(ops._C, name)
 

@@ -14,17 +14,16 @@ from types import SimpleNamespace as NS
 
 import numpy as np
 import torch
+from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 
 import xmix
-from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
+from fake_device import FakeDevice
+from harness import SMALL
 from xmix import _C
 from xmix.control import ControlBlock
 from xmix.hooks import ModelShape, site_id
 from xmix.integrations.vllm.worker import RESULTS_ATTR, WorkerXmix, patch_model_runner_v2
 from xmix.lowering import lower
-
-from fake_device import FakeDevice
-from harness import SMALL
 
 D = 8
 F32 = _C.constants()["DT_F32"]
@@ -40,7 +39,7 @@ class FakeRunnerV2:
     def __init__(self):
         self.calls = []
         self.forward = None  # what the forward queues (tests with a fake device)
-        self.outputs = []    # what sample_tokens returns, in turn; NS(req_ids) when empty
+        self.outputs = []  # what sample_tokens returns, in turn; NS(req_ids) when empty
 
     def finish_requests(self, scheduler_output):
         self.calls.append("finish")
@@ -51,9 +50,17 @@ class FakeRunnerV2:
     def prepare_inputs(self, scheduler_output, batch_req_state, batch_desc, num_active_loras):
         return batch_req_state  # the test passes the InputBatch it wants returned
 
-    def execute_model(self, scheduler_output, intermediate_tensors=None, dummy_run=False,
-                      skip_attn_for_dummy_run=False, is_profile=False, context_len=None,
-                      valid_dummy_state_slots=None, randomize_inputs=False):
+    def execute_model(
+        self,
+        scheduler_output,
+        intermediate_tensors=None,
+        dummy_run=False,
+        skip_attn_for_dummy_run=False,
+        is_profile=False,
+        context_len=None,
+        valid_dummy_state_slots=None,
+        randomize_inputs=False,
+    ):
         if self.forward is not None and not dummy_run:
             self.forward()
         return None
@@ -84,27 +91,43 @@ def _worker(apps, queue=None) -> WorkerXmix:
 
 
 def _new_req(rid, prompt_len, apps):
-    return NS(req_id=rid, prompt_len=prompt_len, prompt_token_ids=None, prompt_embeds=None,
-              sampling_params=NS(extra_args={"xmix": {"apps": apps, "params": {}}} if apps else None))
+    return NS(
+        req_id=rid,
+        prompt_len=prompt_len,
+        prompt_token_ids=None,
+        prompt_embeds=None,
+        sampling_params=NS(extra_args={"xmix": {"apps": apps, "params": {}}} if apps else None),
+    )
 
 
 def test_v2_adapter_maps_and_results():
     patch_model_runner_v2(FakeRunnerV2)
     app = xmix.App("k")
-    app.write("add", vector=torch.ones(D), scale=2.0).layers([0]).submodule("residual.pre").cond("prompt")
-    app.read("probe", weight=torch.zeros(D), bias=0.0).layers([1]).submodule("residual.pre").named("p") \
-       .cond("last_token")
+    app.write("add", vector=torch.ones(D), scale=2.0).layers([0]).submodule("residual.pre").cond(
+        "prompt"
+    )
+    app.read("probe", weight=torch.zeros(D), bias=0.0).layers([1]).submodule("residual.pre").named(
+        "p"
+    ).cond("last_token")
     runner = FakeRunnerV2()
     runner._xmix = _worker([app])
-    sched = NS(finished_req_ids=set(), preempted_req_ids=None,
-               scheduled_new_reqs=[_new_req("a", 3, ["k"]), _new_req("b", 2, None)])
+    sched = NS(
+        finished_req_ids=set(),
+        preempted_req_ids=None,
+        scheduled_new_reqs=[_new_req("a", 3, ["k"]), _new_req("b", 2, None)],
+    )
     runner.finish_requests(sched)
     runner.add_requests(sched)
     assert runner.calls == ["finish", "add"]
     # step: a = prompt positions 0..2 (whole prompt), b = positions 0..1; padded to 8 rows
-    ib = NS(num_reqs=2, req_ids=["a", "b"], num_scheduled_tokens=np.array([3, 2], np.int32),
-            num_computed_tokens_np=np.array([0, 0], np.int32),
-            input_ids=torch.tensor([1, 2, 3, 4, 5, 0, 0, 0], dtype=torch.int32), num_tokens_after_padding=8)
+    ib = NS(
+        num_reqs=2,
+        req_ids=["a", "b"],
+        num_scheduled_tokens=np.array([3, 2], np.int32),
+        num_computed_tokens_np=np.array([0, 0], np.int32),
+        input_ids=torch.tensor([1, 2, 3, 4, 5, 0, 0, 0], dtype=torch.int32),
+        num_tokens_after_padding=8,
+    )
     assert runner.prepare_inputs(sched, ib, None, 0) is ib
     cb = runner._xmix.cb
     assert cb.host["tok_pos"][:5].tolist() == [0, 1, 2, 0, 1]
@@ -124,14 +147,21 @@ def test_v2_adapter_maps_and_results():
     sched2 = NS(finished_req_ids=set(), preempted_req_ids={"a"}, scheduled_new_reqs=[])
     runner.finish_requests(sched2)
     assert "a" not in cb.slots
-    sched3 = NS(finished_req_ids={"b"}, preempted_req_ids=None, scheduled_new_reqs=[_new_req("a", 3, ["k"])])
+    sched3 = NS(
+        finished_req_ids={"b"}, preempted_req_ids=None, scheduled_new_reqs=[_new_req("a", 3, ["k"])]
+    )
     runner.finish_requests(sched3)
     runner.add_requests(sched3)
     assert "a" in cb.slots and "b" not in cb.slots
     assert runner._xmix.stats["restarts"] == 1
-    ib2 = NS(num_reqs=1, req_ids=["a"], num_scheduled_tokens=np.array([3], np.int32),
-             num_computed_tokens_np=np.array([0], np.int32),
-             input_ids=torch.tensor([1, 2, 3, 0], dtype=torch.int32), num_tokens_after_padding=4)
+    ib2 = NS(
+        num_reqs=1,
+        req_ids=["a"],
+        num_scheduled_tokens=np.array([3], np.int32),
+        num_computed_tokens_np=np.array([0], np.int32),
+        input_ids=torch.tensor([1, 2, 3, 0], dtype=torch.int32),
+        num_tokens_after_padding=4,
+    )
     runner.prepare_inputs(sched3, ib2, None, 0)
     torch.ops.xmix.site(torch.zeros(4, D), None, site_id("residual.pre", 1, SHAPE.n_layers))
     runner.execute_model(sched3)
@@ -168,17 +198,33 @@ def test_v2_async_output_gets_reads_without_a_host_wait_in_the_step():
     dev.run()
     dev.host_waits = 0
     cb = x.cb
-    sched = NS(finished_req_ids=set(), preempted_req_ids=None,
-               scheduled_new_reqs=[_new_req("a", 2, ["k"]), _new_req("b", 1, None)])
+    sched = NS(
+        finished_req_ids=set(),
+        preempted_req_ids=None,
+        scheduled_new_reqs=[_new_req("a", 2, ["k"]), _new_req("b", 1, None)],
+    )
     steps = [  # (InputBatch, hidden states of the step)
-        NS(num_reqs=2, req_ids=["a", "b"], num_scheduled_tokens=np.array([2, 1], np.int32),
-           num_computed_tokens_np=np.array([0, 0], np.int32), input_ids=torch.zeros(4, dtype=torch.int32),
-           num_tokens_after_padding=4),
-        NS(num_reqs=2, req_ids=["b", "a"], num_scheduled_tokens=np.array([1, 1], np.int32),
-           num_computed_tokens_np=np.array([1, 2], np.int32), input_ids=torch.zeros(2, dtype=torch.int32),
-           num_tokens_after_padding=2),
+        NS(
+            num_reqs=2,
+            req_ids=["a", "b"],
+            num_scheduled_tokens=np.array([2, 1], np.int32),
+            num_computed_tokens_np=np.array([0, 0], np.int32),
+            input_ids=torch.zeros(4, dtype=torch.int32),
+            num_tokens_after_padding=4,
+        ),
+        NS(
+            num_reqs=2,
+            req_ids=["b", "a"],
+            num_scheduled_tokens=np.array([1, 1], np.int32),
+            num_computed_tokens_np=np.array([1, 2], np.int32),
+            input_ids=torch.zeros(2, dtype=torch.int32),
+            num_tokens_after_padding=2,
+        ),
     ]
-    hs = [torch.tensor([[1.0], [2.0], [3.0], [4.0]]).repeat(1, D), torch.tensor([[5.0], [6.0]]).repeat(1, D)]
+    hs = [
+        torch.tensor([[1.0], [2.0], [3.0], [4.0]]).repeat(1, D),
+        torch.tensor([[5.0], [6.0]]).repeat(1, D),
+    ]
     site = site_id("residual.pre", 1, SHAPE.n_layers)
     outs = []
     for k, (ib, h) in enumerate(zip(steps, hs)):
@@ -187,7 +233,8 @@ def test_v2_async_output_gets_reads_without_a_host_wait_in_the_step():
             runner.add_requests(sched)
         runner.prepare_inputs(sched, ib, None, 0)
         runner.forward = lambda h=h: dev.launch(
-            lambda: _C.run_site_cpu(cb.ptr, site, h.data_ptr(), 0, h.shape[0], D, D, 0, F32))
+            lambda: _C.run_site_cpu(cb.ptr, site, h.data_ptr(), 0, h.shape[0], D, D, 0, F32)
+        )
         runner.execute_model(sched)
         runner.outputs.append(AsyncOutputV2(ib.req_ids))
         out = runner.sample_tokens()
@@ -197,8 +244,10 @@ def test_v2_async_output_gets_reads_without_a_host_wait_in_the_step():
     sig = torch.sigmoid
     mro = outs[0].get_output()
     assert dev.host_waits == 1  # get_output waited, as vLLM's own copy event does
-    assert getattr(mro, RESULTS_ATTR) == {"a": {"k": {"p": {"positions": [0, 1],
-                                                            "values": sig(torch.tensor([1.0, 2.0])).tolist()}}}}
+    assert getattr(mro, RESULTS_ATTR) == {
+        "a": {"k": {"p": {"positions": [0, 1], "values": sig(torch.tensor([1.0, 2.0])).tolist()}}}
+    }
     mro = outs[1].get_output()
-    assert getattr(mro, RESULTS_ATTR) == {"a": {"k": {"p": {"positions": [2],
-                                                            "values": [sig(torch.tensor(6.0)).item()]}}}}
+    assert getattr(mro, RESULTS_ATTR) == {
+        "a": {"k": {"p": {"positions": [2], "values": [sig(torch.tensor(6.0)).item()]}}}
+    }

@@ -11,20 +11,22 @@ from __future__ import annotations
 import pytest
 import torch
 
+from harness import Harness, Req
 from xmix import reference as R
 from xmix.api import App, AppError
 from xmix.hooks import ModelShape
 from xmix.lowering import DeployError, lower
 from xmix.sae import SAE, SAEError
 
-from harness import Harness, Req
-
 D, F = 64, 300
 SHAPE = ModelShape(n_layers=3, hidden_size=D, vocab_size=100)
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 BACKENDS = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
-TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2),
-       torch.float16: dict(rtol=1e-2, atol=1e-2)}
+TOL = {
+    torch.float32: dict(rtol=1e-5, atol=1e-5),
+    torch.bfloat16: dict(rtol=2e-2, atol=2e-2),
+    torch.float16: dict(rtol=1e-2, atol=1e-2),
+}
 
 STEP = {"a": Req(5, 0, 5, ("k",)), "b": Req(1, 9, 6, ("k",)), "c": Req(3, 0, 3, ())}
 N = 9
@@ -36,12 +38,19 @@ ROW_POS = {0: ("a", 0), 1: ("a", 1), 2: ("a", 2), 3: ("a", 3), 4: ("a", 4), 5: (
 
 def make_sae(arch="relu", norm="none", b_dec_in=True, seed=0, k=12, width=F) -> SAE:
     g = torch.Generator().manual_seed(seed)
-    W_enc = torch.randn(D, width, generator=g) / D ** 0.5
+    W_enc = torch.randn(D, width, generator=g) / D**0.5
     thr = torch.rand(width, generator=g) * 0.5 if arch == "jumprelu" else None
-    return SAE(W_enc, torch.randn(width, generator=g) * 0.2, torch.randn(width, D, generator=g),
-               torch.randn(D, generator=g) * 0.3, architecture=arch, threshold=thr,
-               k=k if arch == "topk" else None, apply_b_dec_to_input=b_dec_in,
-               normalize_activations=norm)
+    return SAE(
+        W_enc,
+        torch.randn(width, generator=g) * 0.2,
+        torch.randn(width, D, generator=g),
+        torch.randn(D, generator=g) * 0.3,
+        architecture=arch,
+        threshold=thr,
+        k=k if arch == "topk" else None,
+        apply_b_dec_to_input=b_dec_in,
+        normalize_activations=norm,
+    )
 
 
 def make_rows(device, dtype, seed=1):
@@ -73,9 +82,14 @@ def assert_top_matches(got: dict, exp: tuple[list[int], list[float]], dtype) -> 
     torch.testing.assert_close(torch.tensor(got["acts"]), torch.tensor(acts), **TOL[dtype])
 
 
-CASES = [("relu", "none", True), ("jumprelu", "none", False), ("topk", "none", True),
-         ("relu", "constant_norm_rescale", False), ("jumprelu", "layer_norm", True),
-         ("topk", "layer_norm", False)]
+CASES = [
+    ("relu", "none", True),
+    ("jumprelu", "none", False),
+    ("topk", "none", True),
+    ("relu", "constant_norm_rescale", False),
+    ("jumprelu", "layer_norm", True),
+    ("topk", "layer_norm", False),
+]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -85,8 +99,9 @@ def test_top_k_read(backend, dtype, arch, norm, b_dec_in):
     sae = make_sae(arch, norm, b_dec_in)
     app = App("k")
     app.token_set("s", ids=[7])
-    app.read("sae", sae=sae, top_k=8).layers([1]).submodule("residual.pre").named("s18") \
-       .cond("not token_in(s)")
+    app.read("sae", sae=sae, top_k=8).layers([1]).submodule("residual.pre").named("s18").cond(
+        "not token_in(s)"
+    )
     h, r = make_rows(backend, dtype)
     h0 = h.clone()
     hs = run(app, backend, "residual.pre", 1, h, r)
@@ -118,7 +133,9 @@ def test_top_k_reports_only_active_features(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("arch,norm", [("relu", "none"), ("jumprelu", "layer_norm"), ("topk", "none")])
+@pytest.mark.parametrize(
+    "arch,norm", [("relu", "none"), ("jumprelu", "layer_norm"), ("topk", "none")]
+)
 def test_features_read_and_gate(backend, dtype, arch, norm):
     """features=[...] reports those activations; a later op gates on one of them."""
     sae = make_sae(arch, norm)
@@ -129,8 +146,9 @@ def test_features_read_and_gate(backend, dtype, arch, norm):
     app.read("sae", sae=sae, features=feats).layers([2]).submodule("residual.post").named("sf")
     v = torch.zeros(D)
     v[0] = 1.0
-    app.write("add", vector=v, scale=1.0).layers([2]).submodule("residual.post") \
-       .cond(gate=f"sf.f{feats[0]} > {thr}")
+    app.write("add", vector=v, scale=1.0).layers([2]).submodule("residual.post").cond(
+        gate=f"sf.f{feats[0]} > {thr}"
+    )
     h, r = make_rows(backend, dtype)
     h0 = h.clone()
     hs = run(app, backend, "residual.post", 2, h, r)
@@ -154,9 +172,13 @@ def test_topk_membership_at_the_boundary(backend):
     pre = R.sae_pre(R.stream(h, r), sae)[0]
     order = torch.sort(pre, descending=True, stable=True).indices
     inside, outside = int(order[11]), int(order[12])
-    assert pre[inside] > 0 and pre[outside] > 0, "both candidates must have a positive pre-activation"
+    assert pre[inside] > 0 and pre[outside] > 0, (
+        "both candidates must have a positive pre-activation"
+    )
     app = App("k")
-    app.read("sae", sae=sae, features=[inside, outside]).layers([0]).submodule("residual.pre").named("b")
+    app.read("sae", sae=sae, features=[inside, outside]).layers([0]).submodule(
+        "residual.pre"
+    ).named("b")
     hs = run(app, backend, "residual.pre", 0, h.to(backend), r.to(backend))
     got = by_row(hs.drain(), "b")[0]["acts"]
     assert got[0] == pytest.approx(float(pre[inside]), rel=1e-5) and got[1] == 0.0
@@ -164,8 +186,9 @@ def test_topk_membership_at_the_boundary(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("arch,norm", [("relu", "none"), ("jumprelu", "constant_norm_rescale"),
-                                       ("topk", "layer_norm")])
+@pytest.mark.parametrize(
+    "arch,norm", [("relu", "none"), ("jumprelu", "constant_norm_rescale"), ("topk", "layer_norm")]
+)
 def test_sae_clamp(backend, dtype, arch, norm):
     sae = make_sae(arch, norm)
     x = R.stream(*[t.cpu() for t in make_rows("cpu", dtype)])
@@ -173,8 +196,9 @@ def test_sae_clamp(backend, dtype, arch, norm):
     # one feature active on some rows, one never active: both are set to the value
     feats = [int(active.sum(0).argmax()), int(active.sum(0).argmin())]
     app = App("k")
-    app.write("sae_clamp", sae=sae, feature=feats, value=1.5).layers([1]).submodule("residual.mid") \
-       .cond("prompt or token_in(s)")
+    app.write("sae_clamp", sae=sae, feature=feats, value=1.5).layers([1]).submodule(
+        "residual.mid"
+    ).cond("prompt or token_in(s)")
     app.token_set("s", ids=[7])
     h, r = make_rows(backend, dtype)
     h0 = h.clone()
@@ -202,7 +226,7 @@ def test_sae_clamp_keeps_the_error_term(backend):
     hs.step(STEP, IDS)
     hs.run("residual.pre", 0, h, None)
     diff = (h - h0).cpu()[:6]
-    torch.testing.assert_close(diff, -acts[:6, f:f + 1] * sae.W_dec[f], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(diff, -acts[:6, f : f + 1] * sae.W_dec[f], rtol=1e-5, atol=1e-5)
     # clamp to the activation the row has: nothing moves beyond rounding
     h1 = h0.clone()
     hs.step(STEP, IDS)
@@ -216,8 +240,9 @@ def test_sae_clamp_keeps_the_error_term(backend):
 def test_sae_steer_is_add_of_decoder_rows(backend):
     sae = make_sae("jumprelu")
     app = App("k")
-    app.write("sae_steer", sae=sae, feature=[4, 9], scale=2.5).layers([0]).submodule("residual.post") \
-       .cond("generated")
+    app.write("sae_steer", sae=sae, feature=[4, 9], scale=2.5).layers([0]).submodule(
+        "residual.post"
+    ).cond("generated")
     h, r = make_rows(backend, torch.float32)
     h0 = h.clone()
     run(app, backend, "residual.post", 0, h, r)
@@ -238,8 +263,9 @@ def test_latch_on_sae_feature(backend):
     app = App("k")
     app.param("theta", mean - 0.01)
     app.read("sae", sae=sae, features=[f]).layers([0]).submodule("residual.post").named("q")
-    app.write("add", vector=torch.ones(D), scale=1.0).layers([1]).submodule("residual.pre") \
-       .cond(gate=f"prompt_mean(q.f{f}) >= theta")
+    app.write("add", vector=torch.ones(D), scale=1.0).layers([1]).submodule("residual.pre").cond(
+        gate=f"prompt_mean(q.f{f}) >= theta"
+    )
     for theta, expect in ((mean - 0.01, True), (mean + 0.01, False)):
         hs = Harness(SHAPE, [app], backend)
         hs.cb.set_params("k", {"theta": theta})
@@ -270,12 +296,17 @@ def test_app_stores_a_shared_sae_once(tmp_path):
     sae = make_sae("topk")
     sae.hook = "layers.2.mlp.post"
     app = App("shared")
-    app.read("sae", sae=sae, top_k=4).named("s")              # placed at the SAE's hook
+    app.read("sae", sae=sae, top_k=4).named("s")  # placed at the SAE's hook
     app.write("sae_clamp", sae=sae, feature=[1, 2], value=3.0).named("c")
     app.write("sae_steer", sae=sae, feature=7, scale=-1.0).layers([0]).submodule("residual.pre")
     assert app.ops[0].site == "mlp.post" and app.ops[0].layer_spec == [2]
     names = sorted(app.tensors())
-    assert [n for n in names if n.startswith("sae")] == ["sae0.W_dec", "sae0.W_enc", "sae0.b_dec", "sae0.b_enc"]
+    assert [n for n in names if n.startswith("sae")] == [
+        "sae0.W_dec",
+        "sae0.W_enc",
+        "sae0.b_dec",
+        "sae0.b_enc",
+    ]
     back = App.load(app.save(tmp_path / "a.xmix"))
     assert back.ops[0].sae is back.ops[1].sae is back.ops[2].sae
     assert back.spec() == app.spec()
@@ -286,16 +317,19 @@ def test_app_stores_a_shared_sae_once(tmp_path):
     App.from_bytes(app.to_bytes(), allow_custom=False)
 
 
-@pytest.mark.parametrize("build,msg", [
-    (lambda a, s: a.read("sae", sae=s), "exactly one of top_k"),
-    (lambda a, s: a.read("sae", sae=s, top_k=0), "top_k must be"),
-    (lambda a, s: a.read("sae", sae=s, top_k=4, features=[1]), "exactly one of top_k"),
-    (lambda a, s: a.read("sae", sae=s, features=[1, 1]), "names a feature twice"),
-    (lambda a, s: a.read("sae", sae=s, features=[F]), "out of range"),
-    (lambda a, s: a.read("sae", sae=s, features=list(range(65))), "at most 64"),
-    (lambda a, s: a.write("sae_clamp", sae=s, value=1.0), "needs feature"),
-    (lambda a, s: a.read("sae", sae=torch.zeros(3), top_k=2), "needs sae=<xmix.SAE>"),
-])
+@pytest.mark.parametrize(
+    "build,msg",
+    [
+        (lambda a, s: a.read("sae", sae=s), "exactly one of top_k"),
+        (lambda a, s: a.read("sae", sae=s, top_k=0), "top_k must be"),
+        (lambda a, s: a.read("sae", sae=s, top_k=4, features=[1]), "exactly one of top_k"),
+        (lambda a, s: a.read("sae", sae=s, features=[1, 1]), "names a feature twice"),
+        (lambda a, s: a.read("sae", sae=s, features=[F]), "out of range"),
+        (lambda a, s: a.read("sae", sae=s, features=list(range(65))), "at most 64"),
+        (lambda a, s: a.write("sae_clamp", sae=s, value=1.0), "needs feature"),
+        (lambda a, s: a.read("sae", sae=torch.zeros(3), top_k=2), "needs sae=<xmix.SAE>"),
+    ],
+)
 def test_sae_op_errors(build, msg):
     with pytest.raises(AppError, match=msg):
         build(App("e"), make_sae())
@@ -311,7 +345,9 @@ def test_sae_deploy_errors():
     with pytest.raises(DeployError, match="width 64, the model's hidden size is 32"):
         lower(app, ModelShape(n_layers=3, hidden_size=32, vocab_size=100))
     app = App("e")
-    app.read("sae", sae=make_sae(), features=[1, 2]).layers([0]).submodule("residual.post").named("s")
+    app.read("sae", sae=make_sae(), features=[1, 2]).layers([0]).submodule("residual.post").named(
+        "s"
+    )
     app.write("add", vector=torch.ones(D)).layers([1]).submodule("residual.pre").cond(gate="s > 1")
     with pytest.raises(DeployError, match="reads 2 SAE features; name one: s.f1, s.f2"):
         lower(app, SHAPE)
@@ -319,19 +355,26 @@ def test_sae_deploy_errors():
         App("e").write("sae_steer", sae=make_sae(norm="layer_norm"), feature=1)
 
 
-@pytest.mark.parametrize("kw,msg", [
-    (dict(architecture="gated"), "not supported"),
-    (dict(architecture="jumprelu"), "needs a per-feature 'threshold'"),
-    (dict(architecture="topk", k=0), "needs k with"),
-    (dict(normalize_activations="expected_average_only_in"), "fold a constant scaling factor"),
-    (dict(b_dec=torch.zeros(D + 1)), "'b_dec' has shape"),
-    (dict(b_enc=torch.full((F,), float("nan"))), "NaN or Inf"),
-    (dict(hook="blocks.3.hook_resid_post"), "not an xmix site"),
-])
+@pytest.mark.parametrize(
+    "kw,msg",
+    [
+        (dict(architecture="gated"), "not supported"),
+        (dict(architecture="jumprelu"), "needs a per-feature 'threshold'"),
+        (dict(architecture="topk", k=0), "needs k with"),
+        (dict(normalize_activations="expected_average_only_in"), "fold a constant scaling factor"),
+        (dict(b_dec=torch.zeros(D + 1)), "'b_dec' has shape"),
+        (dict(b_enc=torch.full((F,), float("nan"))), "NaN or Inf"),
+        (dict(hook="blocks.3.hook_resid_post"), "not an xmix site"),
+    ],
+)
 def test_sae_construction_errors(kw, msg):
     g = torch.Generator().manual_seed(0)
-    args = dict(W_enc=torch.randn(D, F, generator=g), b_enc=torch.zeros(F), W_dec=torch.randn(F, D, generator=g),
-                b_dec=torch.zeros(D))
+    args = dict(
+        W_enc=torch.randn(D, F, generator=g),
+        b_enc=torch.zeros(F),
+        W_dec=torch.randn(F, D, generator=g),
+        b_dec=torch.zeros(D),
+    )
     args.update(kw)
     with pytest.raises(SAEError, match=msg):
         SAE(args.pop("W_enc"), args.pop("b_enc"), args.pop("W_dec"), args.pop("b_dec"), **args)

@@ -13,17 +13,17 @@ import torch
 from transformers import LlamaConfig
 
 import xmix
+from harness import SMALL
 from xmix.control import ControlBlock
 from xmix.hooks import ModelShape
 from xmix.integrations.vllm import worker as W
 from xmix.integrations.vllm.frontend import Controller, EngineGone
 from xmix.lowering import DeployError
 
-from harness import SMALL
-
 D = 64
-HF = LlamaConfig(hidden_size=D, num_hidden_layers=2, vocab_size=32, num_attention_heads=1,
-                 intermediate_size=128)
+HF = LlamaConfig(
+    hidden_size=D, num_hidden_layers=2, vocab_size=32, num_attention_heads=1, intermediate_size=128
+)
 
 
 class Engine:
@@ -55,6 +55,7 @@ def fan_out(engines):
         if err is not None:
             raise err
         return out
+
     return rpc
 
 
@@ -94,7 +95,9 @@ def test_deploy_refused_by_one_engine_is_rolled_back_on_all(fleet):
         assert held(e) == {} and not e.cb._staged
     engines[1].refuse = set()
     info = s1.deploy(app("a"))
-    assert [held(e) for e in engines] == [{"a": (info["version"], "request", {"#0.scale": 1.0})}] * 2
+    assert [held(e) for e in engines] == [
+        {"a": (info["version"], "request", {"#0.scale": 1.0})}
+    ] * 2
 
 
 def test_changes_through_one_server_are_seen_by_the_other(fleet):
@@ -120,8 +123,16 @@ def test_changes_through_one_server_are_seen_by_the_other(fleet):
     adm = s2.registry.admit({"apps": ["a"]}, 3, 4)
     s1.undeploy("a")
     x = engines[0].worker.model_runner._xmix
-    x.admit_new([NS(req_id="r", prompt_token_ids=[1, 2, 3], prompt_embeds=None,
-                    sampling_params=NS(extra_args={"xmix": adm.control}))])
+    x.admit_new(
+        [
+            NS(
+                req_id="r",
+                prompt_token_ids=[1, 2, 3],
+                prompt_embeds=None,
+                sampling_params=NS(extra_args={"xmix": adm.control}),
+            )
+        ]
+    )
     assert x.pending["r"][W.DROPPED_KEY] == ["a"] and x.stats["stale_apps"] == 1
     # the ledger keeps no bytes of apps that are gone
     led = x.ledger

@@ -17,17 +17,21 @@ from types import SimpleNamespace as NS
 import numpy as np
 import pytest
 import torch
+from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 
 import xmix
-from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
+from fake_device import FakeDevice
+from harness import SMALL
 from xmix import _C
 from xmix.control import Capacity, ControlBlock
 from xmix.hooks import ModelShape, site_id
-from xmix.integrations.vllm.worker import RESULTS_ATTR, WorkerXmix, _attach_results, patch_model_runner
+from xmix.integrations.vllm.worker import (
+    RESULTS_ATTR,
+    WorkerXmix,
+    _attach_results,
+    patch_model_runner,
+)
 from xmix.lowering import lower
-
-from fake_device import FakeDevice
-from harness import SMALL
 
 D = 8
 SHAPE = ModelShape(n_layers=2, hidden_size=D, vocab_size=32)
@@ -64,7 +68,11 @@ def queue_forward(x: WorkerXmix, dev: FakeDevice, h: torch.Tensor) -> None:
     """The forward as a replayed graph runs it: both sites, in stream order."""
     cb = x.cb
     for site in (SITE_W, SITE_R):
-        dev.launch(lambda site=site: _C.run_site_cpu(cb.ptr, site, h.data_ptr(), 0, h.shape[0], D, D, 0, F32))
+        dev.launch(
+            lambda site=site: _C.run_site_cpu(
+                cb.ptr, site, h.data_ptr(), 0, h.shape[0], D, D, 0, F32
+            )
+        )
 
 
 class AsyncOut:
@@ -96,7 +104,9 @@ def expected(step: int) -> tuple[torch.Tensor, dict]:
     a_rows = [0, 1, 2] if step == 0 else [1]
     h[a_rows] += 2.0
     pos = [0, 1, 2] if step == 0 else [3]
-    return h, {"A": {"r": {"p": {"positions": pos, "values": torch.sigmoid(h[a_rows, 0]).tolist()}}}}
+    return h, {
+        "A": {"r": {"p": {"positions": pos, "values": torch.sigmoid(h[a_rows, 0]).tolist()}}}
+    }
 
 
 def run_steps(x: WorkerXmix, dev: FakeDevice, catch_up: str, steps=STEPS):
@@ -114,8 +124,14 @@ def run_steps(x: WorkerXmix, dev: FakeDevice, catch_up: str, steps=STEPS):
     for k, st in enumerate(steps):
         h = h_in(k, st["padded"])
         ids = torch.zeros(st["padded"], dtype=torch.int32)
-        x.begin(st["req_ids"], np.array(st["n_tok"]), np.array(st["start"]), np.array(st["plen"]),
-                ids, st["padded"])
+        x.begin(
+            st["req_ids"],
+            np.array(st["n_tok"]),
+            np.array(st["start"]),
+            np.array(st["plen"]),
+            ids,
+            st["padded"],
+        )
         if catch_up == "eager" or (catch_up == "next_begin" and k > 0):
             dev.run()
         queue_forward(x, dev, h)
@@ -148,9 +164,13 @@ def test_steps_in_flight_see_their_own_maps_on_every_rank(catch_up):
         runs.append((hs, outs, waits_in_steps))
     seen = [[hs[k][:, 0].tolist() for k in range(len(STEPS))] for hs, _, _ in runs]
     want = [expected(k)[0][:, 0].tolist() for k in range(len(STEPS))]
-    assert seen == [want, want], f"component 0 of each step's rows, per rank: {seen}; expected {want}"
+    assert seen == [want, want], (
+        f"component 0 of each step's rows, per rank: {seen}; expected {want}"
+    )
     for k in range(len(STEPS)):
-        assert torch.equal(runs[0][0][k], expected(k)[0]) and torch.equal(runs[1][0][k], expected(k)[0])
+        assert torch.equal(runs[0][0][k], expected(k)[0]) and torch.equal(
+            runs[1][0][k], expected(k)[0]
+        )
         assert results_of(runs[0][1][k]) == expected(k)[1], f"rank 0, step {k + 1}"
     waits = [w for _, _, w in runs]
     assert waits == [0, 0], f"host waits for the device in the step path, per rank: {waits}"
@@ -176,8 +196,14 @@ def _admit_and_step(x, dev, rids, plen=4):
         if rid not in cb.slots:
             cb.admit(rid, ["w"], {}, plen)
     n = len(rids)
-    x.begin(rids, np.ones(n, np.int64), np.full(n, plen, np.int64), np.full(n, plen, np.int64),
-            torch.zeros(n, dtype=torch.int32), n)
+    x.begin(
+        rids,
+        np.ones(n, np.int64),
+        np.full(n, plen, np.int64),
+        np.full(n, plen, np.int64),
+        torch.zeros(n, dtype=torch.int32),
+        n,
+    )
     x.after_forward()
 
 
@@ -192,16 +218,24 @@ def test_step_copies_only_maps_and_changed_slot_rows():
     """Issue 20.5: slot_params ((max_num_seqs + 8) x max_params floats, 17 MB at vLLM's
     H100/H200 defaults) is not copied every step: only rows written at admission or by
     set_params, and only the parameter columns deployed apps use."""
-    cap = Capacity(max_tokens=64, max_slots=1032, max_apps=8, max_params=4096, max_channels=16,
-                   max_ops=64, max_cond=128, capture_floats=64)
+    cap = Capacity(
+        max_tokens=64,
+        max_slots=1032,
+        max_apps=8,
+        max_params=4096,
+        max_channels=16,
+        max_ops=64,
+        max_cond=128,
+        capture_floats=64,
+    )
     x, dev = make_rank(False, cap)
     cols = max(a.param_base + len(a.param_cols) for a in x.cb.apps.values())
     dev.take_bytes()
-    _admit_and_step(x, dev, ["a", "b", "c"])        # three admissions
+    _admit_and_step(x, dev, ["a", "b", "c"])  # three admissions
     assert dev.take_bytes()[0] == step_bytes(3, 3, changed_rows=3, param_cols=cols)
-    _admit_and_step(x, dev, ["a", "b", "c"])        # steady decode
+    _admit_and_step(x, dev, ["a", "b", "c"])  # steady decode
     assert dev.take_bytes()[0] == step_bytes(3, 3)
-    x.cb.set_params("w", {"scale": 5.0})           # a control change: rows of running requests
+    x.cb.set_params("w", {"scale": 5.0})  # a control change: rows of running requests
     dev.run()
     dev.take_bytes()
     _admit_and_step(x, dev, ["a", "b", "c"])
@@ -210,8 +244,10 @@ def test_step_copies_only_maps_and_changed_slot_rows():
     P = cap.max_params
     for rid in ("a", "b", "c"):
         s = x.cb.slots[rid]
-        assert torch.equal(x.cb.dev["slot_params"][s * P:(s + 1) * P],
-                           torch.from_numpy(x.cb.host["slot_params"][s * P:(s + 1) * P]))
+        assert torch.equal(
+            x.cb.dev["slot_params"][s * P : (s + 1) * P],
+            torch.from_numpy(x.cb.host["slot_params"][s * P : (s + 1) * P]),
+        )
         assert x.cb.dev["slot_apps"][s].item() == x.cb.host["slot_apps"][s]
 
 
@@ -226,7 +262,14 @@ def test_params_changed_between_steps_in_flight_reach_only_later_steps():
         if scale is not None:
             cb.set_params("w", {"scale": scale})
         h = torch.zeros(1, D)
-        x.begin(["A"], np.array([1]), np.array([3 + k]), np.array([3]), torch.zeros(1, dtype=torch.int32), 1)
+        x.begin(
+            ["A"],
+            np.array([1]),
+            np.array([3 + k]),
+            np.array([3]),
+            torch.zeros(1, dtype=torch.int32),
+            1,
+        )
         queue_forward(x, dev, h)
         x.after_forward()
         hs.append(h)
@@ -237,15 +280,30 @@ def test_params_changed_between_steps_in_flight_reach_only_later_steps():
 def test_changed_rows_beyond_a_staging_set_fall_back_to_one_full_copy():
     """More changed parameter floats than a staging set holds (a burst of admissions with
     wide rows): one blocking full copy of slot_params, and every row is right."""
-    cap = Capacity(max_tokens=64, max_slots=8, max_apps=8, max_params=64, max_channels=16,
-                   max_ops=64, max_cond=128, capture_floats=64, staging_param_floats=2)
+    cap = Capacity(
+        max_tokens=64,
+        max_slots=8,
+        max_apps=8,
+        max_params=64,
+        max_channels=16,
+        max_ops=64,
+        max_cond=128,
+        capture_floats=64,
+        staging_param_floats=2,
+    )
     x, dev = make_rank(False, cap)
     cb = x.cb
     for i in range(3):
         cb.admit(f"q{i}", ["w"], {"w": {"scale": float(i + 1)}}, 4)
     hs = torch.zeros(3, D)
-    x.begin([f"q{i}" for i in range(3)], np.ones(3, np.int64), np.full(3, 4), np.full(3, 4),
-            torch.zeros(3, dtype=torch.int32), 3)
+    x.begin(
+        [f"q{i}" for i in range(3)],
+        np.ones(3, np.int64),
+        np.full(3, 4),
+        np.full(3, 4),
+        torch.zeros(3, dtype=torch.int32),
+        3,
+    )
     queue_forward(x, dev, hs)
     x.after_forward()
     assert cb.stats["full_param_copies"] == 1
@@ -276,7 +334,9 @@ class FakeRunnerV1:
         self._model_forward(self.ids, None)
         return None
 
-    def _model_forward(self, input_ids=None, positions=None, intermediate_tensors=None, inputs_embeds=None, **kw):
+    def _model_forward(
+        self, input_ids=None, positions=None, intermediate_tensors=None, inputs_embeds=None, **kw
+    ):
         queue_forward(self._xmix, self.dev, self.h)
 
     def sample_tokens(self, grammar_output=None):
@@ -293,16 +353,28 @@ def test_v1_async_output_gets_reads_without_a_host_wait_in_the_step():
     runner._xmix, runner.dev = x, dev
 
     def new(rid, plen, apps):
-        return NS(req_id=rid, prompt_len=plen, prompt_token_ids=None, prompt_embeds=None,
-                  sampling_params=NS(extra_args={"xmix": {"apps": apps}}))
+        return NS(
+            req_id=rid,
+            prompt_len=plen,
+            prompt_token_ids=None,
+            prompt_embeds=None,
+            sampling_params=NS(extra_args={"xmix": {"apps": apps}}),
+        )
 
     outs, hs = [], []
     for k, st in enumerate(STEPS):
-        sched = NS(finished_req_ids=set(), preempted_req_ids=None,
-                   scheduled_new_reqs=[new("A", 3, ["w", "r"]), new("B", 2, [])] if k == 0 else [],
-                   num_scheduled_tokens=dict(zip(st["req_ids"], st["n_tok"])))
-        runner.input_batch = NS(num_reqs=2, req_ids=st["req_ids"], num_computed_tokens_cpu=np.array(st["start"]),
-                                num_prompt_tokens=np.array(st["plen"]))
+        sched = NS(
+            finished_req_ids=set(),
+            preempted_req_ids=None,
+            scheduled_new_reqs=[new("A", 3, ["w", "r"]), new("B", 2, [])] if k == 0 else [],
+            num_scheduled_tokens=dict(zip(st["req_ids"], st["n_tok"])),
+        )
+        runner.input_batch = NS(
+            num_reqs=2,
+            req_ids=st["req_ids"],
+            num_computed_tokens_cpu=np.array(st["start"]),
+            num_prompt_tokens=np.array(st["plen"]),
+        )
         runner.h, runner.ids = h_in(k), torch.zeros(st["padded"], dtype=torch.int32)
         runner.execute_model(sched)
         outs.append(runner.sample_tokens(None))
@@ -324,8 +396,13 @@ def test_reads_through_the_capture_buffer_arrive_per_step():
 
     g = torch.Generator().manual_seed(0)
     F_ = 20
-    sae = SAE(torch.randn(D, F_, generator=g), torch.randn(F_, generator=g) * 0.2,
-              torch.randn(F_, D, generator=g), torch.zeros(D), architecture="relu")
+    sae = SAE(
+        torch.randn(D, F_, generator=g),
+        torch.randn(F_, generator=g) * 0.2,
+        torch.randn(F_, D, generator=g),
+        torch.zeros(D),
+        architecture="relu",
+    )
     app = xmix.App("c")
     app.read("capture", dims=(2, 6)).layers([1]).submodule("residual.pre").named("cap")
     app.read("sae", sae=sae, top_k=3).layers([1]).submodule("residual.pre").named("top")
@@ -341,9 +418,17 @@ def test_reads_through_the_capture_buffer_arrive_per_step():
     hs, outs = [], []
     for st in STEPS:
         h = torch.randn(st["padded"], D, generator=g)
-        x.begin(st["req_ids"], np.array(st["n_tok"]), np.array(st["start"]), np.array(st["plen"]),
-                torch.zeros(st["padded"], dtype=torch.int32), st["padded"])
-        dev.launch(lambda h=h: _C.run_site_cpu(cb.ptr, SITE_R, h.data_ptr(), 0, h.shape[0], D, D, 0, F32))
+        x.begin(
+            st["req_ids"],
+            np.array(st["n_tok"]),
+            np.array(st["start"]),
+            np.array(st["plen"]),
+            torch.zeros(st["padded"], dtype=torch.int32),
+            st["padded"],
+        )
+        dev.launch(
+            lambda h=h: _C.run_site_cpu(cb.ptr, SITE_R, h.data_ptr(), 0, h.shape[0], D, D, 0, F32)
+        )
         x.after_forward()
         outs.append(_attach_results(NS(_xmix=x), AsyncOut()))
         hs.append(h)
@@ -355,10 +440,16 @@ def test_reads_through_the_capture_buffer_arrive_per_step():
         r = got["A"]["c"]
         acts = R.sae_encode(h, sae)
         top = R.sae_top(acts, 3)
-        assert r["cap"]["positions"] == pos and r["top"]["positions"] == pos and r["f"]["positions"] == pos
+        assert (
+            r["cap"]["positions"] == pos
+            and r["top"]["positions"] == pos
+            and r["f"]["positions"] == pos
+        )
         torch.testing.assert_close(torch.tensor(r["cap"]["values"]), h[rows, 2:6])
         for j, row in enumerate(rows):
             assert r["top"]["values"][j]["ids"] == top[row][0]
-            torch.testing.assert_close(torch.tensor(r["top"]["values"][j]["acts"]), torch.tensor(top[row][1]))
+            torch.testing.assert_close(
+                torch.tensor(r["top"]["values"][j]["acts"]), torch.tensor(top[row][1])
+            )
             assert r["f"]["values"][j]["ids"] == [0, 5]
             torch.testing.assert_close(torch.tensor(r["f"]["values"][j]["acts"]), acts[row, [0, 5]])

@@ -17,12 +17,25 @@ from xmix.results_codec import DEFAULT_OPTIONS, ReadResult
 
 
 def _chunk(choices: list[dict]) -> str:
-    body = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "tiny", "choices": choices}
+    body = {
+        "id": "cmpl-1",
+        "object": "text_completion",
+        "created": 1,
+        "model": "tiny",
+        "choices": choices,
+    }
     return "data: " + json.dumps(body, separators=(",", ":")) + "\n\n"
 
 
 def _c(i: int, text: str, finish=None, **kw) -> dict:
-    return {"index": i, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": None, **kw}
+    return {
+        "index": i,
+        "text": text,
+        "logprobs": None,
+        "finish_reason": finish,
+        "stop_reason": None,
+        **kw,
+    }
 
 
 def _read(pos: int, v: float) -> dict:

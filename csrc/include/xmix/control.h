@@ -6,9 +6,9 @@
 // Layout rules: plain old data only, 8-byte aligned, pointers stored as uint64 so the host
 // (Python packs this struct from field offsets exported by _C) and the device agree.
 #pragma once
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
-#include <cmath>
 
 #if defined(__CUDACC__)
 #define XMIX_HD __host__ __device__ __forceinline__
@@ -44,13 +44,13 @@ enum OpKind : int32_t {
                     //   the largest activation to the channel; or (SAE_FEATURES) the
                     //   activations of n listed features to n consecutive channels
   // writes: change the stream (hidden + residual) by changing hidden only
-  OP_ADD = 16,      // x += s * v
-  OP_ABLATE = 17,   // x -= (x . r) r          (r unit norm, normalised at deploy)
-  OP_AFFINE = 18,   // x <- A (x - mu_s) + mu_t
-  OP_CLAMP = 19,    // p = x . u; x += (clamp(p, lo, hi) - p) u   (u unit norm)
-  OP_ROUTER = 20,   // router logits: log-softmax, forced on = max + delta, off = min - delta
+  OP_ADD = 16,  // x += s * v
+  OP_ABLATE = 17,  // x -= (x . r) r          (r unit norm, normalised at deploy)
+  OP_AFFINE = 18,  // x <- A (x - mu_s) + mu_t
+  OP_CLAMP = 19,  // p = x . u; x += (clamp(p, lo, hi) - p) u   (u unit norm)
+  OP_ROUTER = 20,  // router logits: log-softmax, forced on = max + delta, off = min - delta
   OP_SAE_CLAMP = 21,  // x += sum_f (c - a_f(x)) * s(x) * W_dec[f] over n listed features
-  OP_CUSTOM = 32,   // user kernel with the CustomArgs ABI (custom.h)
+  OP_CUSTOM = 32,  // user kernel with the CustomArgs ABI (custom.h)
 };
 
 XMIX_HD bool op_is_read(int32_t kind) { return kind >= OP_PROBE && kind <= OP_SAE_READ; }
@@ -61,16 +61,16 @@ XMIX_HD bool op_is_read(int32_t kind) { return kind >= OP_PROBE && kind <= OP_SA
 // m = F, flags = architecture | normalisation << 4 | SAE_B_DEC_IN | SAE_FEATURES.
 // Semantics: xmix.reference.sae_encode (SAELens's conventions).
 enum SaeFlag : int32_t {
-  SAE_ARCH_MASK = 0xf,       // SAE_RELU, SAE_JUMPRELU, SAE_TOPK
-  SAE_NORM_SHIFT = 4,        // SAE_NORM_* << 4
-  SAE_B_DEC_IN = 1 << 8,     // subtract b_dec from the (normalised) input before encoding
-  SAE_FEATURES = 1 << 9,     // OP_SAE_READ: listed features instead of top-K
+  SAE_ARCH_MASK = 0xf,  // SAE_RELU, SAE_JUMPRELU, SAE_TOPK
+  SAE_NORM_SHIFT = 4,  // SAE_NORM_* << 4
+  SAE_B_DEC_IN = 1 << 8,  // subtract b_dec from the (normalised) input before encoding
+  SAE_FEATURES = 1 << 9,  // OP_SAE_READ: listed features instead of top-K
 };
 enum SaeArch : int32_t { SAE_RELU = 0, SAE_JUMPRELU = 1, SAE_TOPK = 2 };
 enum SaeNorm : int32_t { SAE_NORM_NONE = 0, SAE_NORM_RESCALE = 1, SAE_NORM_LAYER = 2 };
-constexpr int32_t kSaeMaxTopK = 128;       // top-K of a read
-constexpr int32_t kSaeMaxFeatures = 64;    // listed features of a read or clamp
-constexpr float kSaeLnEps = 1e-5f;         // SAELens's layer_norm epsilon
+constexpr int32_t kSaeMaxTopK = 128;  // top-K of a read
+constexpr int32_t kSaeMaxFeatures = 64;  // listed features of a read or clamp
+constexpr float kSaeLnEps = 1e-5f;  // SAELens's layer_norm epsilon
 
 // Feature activation from its pre-activation; TopK membership is decided by the caller.
 XMIX_HD float sae_act(float pre, int32_t arch, float threshold) {
@@ -86,21 +86,21 @@ XMIX_HD bool sae_before(float va, int32_t ia, float vb, int32_t ib) {
 // Per-token flags. The host writes the low byte every step; the prologue ORs in token-set
 // and span bits computed from the input ids on the device.
 enum TokenFlag : uint32_t {
-  TF_VALID = 1u << 0,      // a real token (padding rows have no flags at all)
-  TF_PROMPT = 1u << 1,     // position < prompt length
+  TF_VALID = 1u << 0,  // a real token (padding rows have no flags at all)
+  TF_PROMPT = 1u << 1,  // position < prompt length
   TF_GENERATED = 1u << 2,  // a sampled token fed back in
-  TF_LAST = 1u << 3,       // this token's logits are sampled this step ("last_token")
+  TF_LAST = 1u << 3,  // this token's logits are sampled this step ("last_token")
 };
-constexpr int32_t kTokenSetBit0 = 8;   // bits 8..23: token sets
+constexpr int32_t kTokenSetBit0 = 8;  // bits 8..23: token sets
 constexpr int32_t kMaxTokenSets = 16;
-constexpr int32_t kSpanBit0 = 24;      // bits 24..31: spans
+constexpr int32_t kSpanBit0 = 24;  // bits 24..31: spans
 constexpr int32_t kMaxSpans = 8;
 
 // Condition programs: postfix code over a bool stack, 4 int32 words per instruction.
 enum CondOp : int32_t {
   C_TRUE = 0,
-  C_FLAG = 1,   // a = flag bit index                          push (flags >> a) & 1
-  C_GATE = 2,   // a = result channel, b = cmp, c = param      push results[t][a] cmp p[c]
+  C_FLAG = 1,  // a = flag bit index                          push (flags >> a) & 1
+  C_GATE = 2,  // a = result channel, b = cmp, c = param      push results[t][a] cmp p[c]
   C_LATCH = 3,  // a = result channel, b = cmp | reduce << 8 | kLatchFromGenerated?, c = param
                 //   push reduce(prompt values of a) cmp p[c] once decided, false before:
                 //   decided at the last prompt token, or with kLatchFromGenerated at the
@@ -127,30 +127,31 @@ enum AppMode : int32_t { MODE_OFF = 0, MODE_REQUEST = 1, MODE_ALL = 2 };
 // One op at one site. Artifacts are fp32 device arrays owned by the host-side app record.
 struct OpDesc {
   int32_t kind;
-  int32_t app;          // app index: bit in slot_apps, entry in app_mode
-  int32_t cond_begin;   // first instruction in cond_code, -1 = always
+  int32_t app;  // app index: bit in slot_apps, entry in app_mode
+  int32_t cond_begin;  // first instruction in cond_code, -1 = always
   int32_t cond_len;
-  int32_t param_base;   // first of this op's scalars in each slot's param row
-  int32_t channel;      // result channel for reads, -1 for writes
-  int32_t state_base;   // offset into vec_state per slot (cosine), -1 if none
-  int32_t n;            // per kind: see the accessors below
-  int32_t m;            // per kind: see the accessors below
-  int32_t flags;        // OP_SAE_*: SaeFlag bits; 0 for every other kind
-  uint64_t a0;          // weight / vector / direction / A / mask / centroids
-  uint64_t a1;          // mu_s
-  uint64_t a2;          // mu_t
-  uint64_t fn;          // OP_CUSTOM: CPU function pointer (host) or kernel handle (CUDA)
-  uint64_t capture_offset;  // OP_CAPTURE, OP_SAE_READ: float offset of this op's block in capture buffer
-  uint64_t a3;          // OP_SAE_*: listed feature ids (float[n])
+  int32_t param_base;  // first of this op's scalars in each slot's param row
+  int32_t channel;  // result channel for reads, -1 for writes
+  int32_t state_base;  // offset into vec_state per slot (cosine), -1 if none
+  int32_t n;  // per kind: see the accessors below
+  int32_t m;  // per kind: see the accessors below
+  int32_t flags;  // OP_SAE_*: SaeFlag bits; 0 for every other kind
+  uint64_t a0;  // weight / vector / direction / A / mask / centroids
+  uint64_t a1;  // mu_s
+  uint64_t a2;  // mu_t
+  uint64_t fn;  // OP_CUSTOM: CPU function pointer (host) or kernel handle (CUDA)
+  uint64_t
+      capture_offset;  // OP_CAPTURE, OP_SAE_READ: float offset of this op's block in capture buffer
+  uint64_t a3;  // OP_SAE_*: listed feature ids (float[n])
 };
 static_assert(sizeof(OpDesc) % 8 == 0, "OpDesc must stay 8-byte aligned");
 
 // OpDesc stays flat (the host packs it from offsets); n, m and flags mean different things per
 // op kind, so kernels read them through these names.
-XMIX_HD int32_t capture_width(const OpDesc& op) { return op.n; }      // OP_CAPTURE: floats per token
+XMIX_HD int32_t capture_width(const OpDesc& op) { return op.n; }  // OP_CAPTURE: floats per token
 XMIX_HD int32_t capture_first_dim(const OpDesc& op) { return op.m; }  // OP_CAPTURE: first dim taken
 XMIX_HD int32_t custom_artifact_numel(const OpDesc& op) { return op.m; }  // OP_CUSTOM
-XMIX_HD int32_t sae_n_features(const OpDesc& op) { return op.m; }     // OP_SAE_*: F
+XMIX_HD int32_t sae_n_features(const OpDesc& op) { return op.m; }  // OP_SAE_*: F
 // OP_SAE_READ: top-K, or the listed features; OP_SAE_CLAMP: the listed features.
 XMIX_HD int32_t sae_count(const OpDesc& op) { return op.n; }
 XMIX_HD bool sae_listed(const OpDesc& op) {
@@ -170,71 +171,84 @@ XMIX_HD int32_t read_channels(const OpDesc& op) {
 enum ParamIndex : int32_t {
   P_PROBE_BIAS = 0,
   P_ADD_SCALE = 0,
-  P_CLAMP_LO = 0, P_CLAMP_HI = 1,
+  P_CLAMP_LO = 0,
+  P_CLAMP_HI = 1,
   P_ROUTER_DELTA = 0,
   P_SAE_CLAMP_VALUE = 0,  // cosine, affine, capture, distance, ablate, SAE reads: none
 };
 
 struct ControlBlock {
   // capacities (fixed for the engine's life)
-  int32_t max_tokens;     // T: rows of the per-token arrays
-  int32_t max_slots;      // S: concurrently running requests
-  int32_t max_apps;       // <= 64 (slot_apps is a bitmask)
-  int32_t n_params;       // P: floats per slot param row
-  int32_t n_channels;     // R: scalar result channels
+  int32_t max_tokens;  // T: rows of the per-token arrays
+  int32_t max_slots;  // S: concurrently running requests
+  int32_t max_apps;  // <= 64 (slot_apps is a bitmask)
+  int32_t n_params;  // P: floats per slot param row
+  int32_t n_channels;  // R: scalar result channels
   int32_t n_sites;
   int32_t vec_state_width;  // floats per slot of vector state (cosine running sums)
-  int32_t vocab_words;      // uint32 words per token-set bitmap
+  int32_t vocab_words;  // uint32 words per token-set bitmap
   // per step (host written before the forward)
-  int32_t n_tokens;       // real tokens this step (rows >= n_tokens are padding)
-  int32_t n_rows;         // scheduled requests this step
-  uint64_t tok_slot;      // int32[T]   slot of each token, -1 = padding
-  uint64_t tok_pos;       // int32[T]   position in its request
-  uint64_t tok_flags;     // uint32[T]  TokenFlag | set bits | span bits
-  uint64_t tok_row;       // int32[T]   scheduled-request row of each token, -1 = padding
-  uint64_t row_slot;      // int32[S]   per scheduled request: slot,
-  uint64_t row_tok_start; // int32[S]   first token row,
-  uint64_t row_n_tok;     // int32[S]   number of tokens,
-  uint64_t row_reset;     // int32[S]   1 when the request starts at position 0 this step
+  int32_t n_tokens;  // real tokens this step (rows >= n_tokens are padding)
+  int32_t n_rows;  // scheduled requests this step
+  uint64_t tok_slot;  // int32[T]   slot of each token, -1 = padding
+  uint64_t tok_pos;  // int32[T]   position in its request
+  uint64_t tok_flags;  // uint32[T]  TokenFlag | set bits | span bits
+  uint64_t tok_row;  // int32[T]   scheduled-request row of each token, -1 = padding
+  uint64_t row_slot;  // int32[S]   per scheduled request: slot,
+  uint64_t row_tok_start;  // int32[S]   first token row,
+  uint64_t row_n_tok;  // int32[S]   number of tokens,
+  uint64_t row_reset;  // int32[S]   1 when the request starts at position 0 this step
   uint64_t row_n_prompt;  // int32[S]   prompt tokens of this request among its tokens here
-  uint64_t row_done;      // int32[S]   1 when this step processes the last prompt token
+  uint64_t row_done;  // int32[S]   1 when this step processes the last prompt token
   // per slot (host written at admission and on control changes)
-  uint64_t slot_apps;     // uint64[S]  bit a = request uses app a
-  uint64_t slot_params;   // float[S*P]
-  uint64_t slot_span;     // uint32[S]  span state bits
-  uint64_t read_state;    // float[S*R*kReadStateWidth]
-  uint64_t vec_state;     // float[S*vec_state_width]
-  uint64_t counters;      // int32[S*R]  per step arrival counters (CUDA last-block pattern)
-  uint64_t app_nonfinite; // int32[max_apps] elements a write of the app was refused (see
-                          //   store_finite); read by the host on control-plane calls only
+  uint64_t slot_apps;  // uint64[S]  bit a = request uses app a
+  uint64_t slot_params;  // float[S*P]
+  uint64_t slot_span;  // uint32[S]  span state bits
+  uint64_t read_state;  // float[S*R*kReadStateWidth]
+  uint64_t vec_state;  // float[S*vec_state_width]
+  uint64_t counters;  // int32[S*R]  per step arrival counters (CUDA last-block pattern)
+  uint64_t app_nonfinite;  // int32[max_apps] elements a write of the app was refused (see
+                           //   store_finite); read by the host on control-plane calls only
   // apps, programs, sets
-  uint64_t app_mode;      // int32[max_apps]
-  uint64_t site_first;    // int32[n_sites]
-  uint64_t site_count;    // int32[n_sites]
-  uint64_t ops;           // OpDesc[]
-  uint64_t cond_code;     // int32[4 * n]
-  uint64_t tokset_bits;   // uint32[kMaxTokenSets * vocab_words]
-  uint64_t span_def;      // int32[kMaxSpans * 2]: open set, close set (-1 = unused)
+  uint64_t app_mode;  // int32[max_apps]
+  uint64_t site_first;  // int32[n_sites]
+  uint64_t site_count;  // int32[n_sites]
+  uint64_t ops;  // OpDesc[]
+  uint64_t cond_code;  // int32[4 * n]
+  uint64_t tokset_bits;  // uint32[kMaxTokenSets * vocab_words]
+  uint64_t span_def;  // int32[kMaxSpans * 2]: open set, close set (-1 = unused)
   int32_t n_spans;
   int32_t n_token_sets;
   // outputs
-  uint64_t results;       // float[T*R]
-  uint64_t capture;       // float[capture_size]
+  uint64_t results;  // float[T*R]
+  uint64_t capture;  // float[capture_size]
   int64_t capture_size;
   uint64_t result_valid;  // uint8[T*R]  1 where results[t][c] is a read's output this step
 };
 static_assert(sizeof(ControlBlock) % 8 == 0, "ControlBlock must stay 8-byte aligned");
 
 template <typename T>
-XMIX_HD T* ptr(uint64_t p) { return reinterpret_cast<T*>(static_cast<uintptr_t>(p)); }
+XMIX_HD T* ptr(uint64_t p) {
+  return reinterpret_cast<T*>(static_cast<uintptr_t>(p));
+}
 
 // ---------------------------------------------------------------- scalar conversions
 // Round-to-nearest-even, the same as torch's .to(bfloat16 / float16).
 XMIX_HD float bits_to_float(uint32_t u) {
-  union { uint32_t u; float f; } c; c.u = u; return c.f;
+  union {
+    uint32_t u;
+    float f;
+  } c;
+  c.u = u;
+  return c.f;
 }
 XMIX_HD uint32_t float_to_bits(float f) {
-  union { uint32_t u; float f; } c; c.f = f; return c.u;
+  union {
+    uint32_t u;
+    float f;
+  } c;
+  c.f = f;
+  return c.u;
 }
 XMIX_HD float bf16_to_float(uint16_t b) { return bits_to_float(static_cast<uint32_t>(b) << 16); }
 XMIX_HD uint16_t float_to_bf16(float f) {
@@ -251,7 +265,10 @@ XMIX_HD float f16_to_float(uint16_t h) {
       u = sign;
     } else {  // subnormal: renormalise
       int e = -1;
-      do { ++e; man <<= 1; } while ((man & 0x400u) == 0);
+      do {
+        ++e;
+        man <<= 1;
+      } while ((man & 0x400u) == 0);
       u = sign | static_cast<uint32_t>(127 - 15 - e) << 23 | (man & 0x3ffu) << 13;
     }
   } else if (exp == 31) {
@@ -266,7 +283,7 @@ XMIX_HD uint16_t float_to_f16(float f) {
   uint32_t sign = (u >> 16) & 0x8000u;
   uint32_t a = u & 0x7fffffffu;
   if (a > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);  // NaN
-  if (a >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u); // overflow -> inf
+  if (a >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // overflow -> inf
   if (a < 0x38800000u) {  // result is subnormal or zero
     if (a < 0x33000000u) return static_cast<uint16_t>(sign);  // rounds to zero
     uint32_t e = a >> 23;
@@ -288,7 +305,10 @@ XMIX_HD float load(const void* base, int64_t i, int32_t dtype) {
   return dtype == DT_BF16 ? bf16_to_float(b) : f16_to_float(b);
 }
 XMIX_HD void store(void* base, int64_t i, int32_t dtype, float v) {
-  if (dtype == DT_F32) { static_cast<float*>(base)[i] = v; return; }
+  if (dtype == DT_F32) {
+    static_cast<float*>(base)[i] = v;
+    return;
+  }
   static_cast<uint16_t*>(base)[i] = dtype == DT_BF16 ? float_to_bf16(v) : float_to_f16(v);
 }
 XMIX_HD int32_t dtype_size(int32_t dtype) { return dtype == DT_F32 ? 4 : 2; }
@@ -352,20 +372,30 @@ XMIX_HD bool eval_cond(const ControlBlock& cb, const OpDesc& op, int32_t t, int3
       }
       case C_LATCH: {
         bool v = false;
-        const bool decided = (b & kLatchFromGenerated) ? (flags & TF_GENERATED) != 0
-                                                       : latch_decided(flags);
+        const bool decided =
+            (b & kLatchFromGenerated) ? (flags & TF_GENERATED) != 0 : latch_decided(flags);
         if (decided) {
           const float* s = ptr<const float>(cb.read_state) +
-              (static_cast<int64_t>(slot) * cb.n_channels + a) * kReadStateWidth;
+                           (static_cast<int64_t>(slot) * cb.n_channels + a) * kReadStateWidth;
           const int32_t reduce = (b >> 8) & 0xff;
-          if (reduce == RED_LAST) v = compare(s[2], b & 0xff, params[c]);
-          else if (s[1] > 0.f) v = compare(s[0] / s[1], b & 0xff, params[c]);
+          if (reduce == RED_LAST)
+            v = compare(s[2], b & 0xff, params[c]);
+          else if (s[1] > 0.f)
+            v = compare(s[0] / s[1], b & 0xff, params[c]);
         }
         st[sp++] = v;
         break;
       }
-      case C_AND: { bool y = st[--sp]; st[sp - 1] = st[sp - 1] && y; break; }
-      case C_OR: { bool y = st[--sp]; st[sp - 1] = st[sp - 1] || y; break; }
+      case C_AND: {
+        bool y = st[--sp];
+        st[sp - 1] = st[sp - 1] && y;
+        break;
+      }
+      case C_OR: {
+        bool y = st[--sp];
+        st[sp - 1] = st[sp - 1] || y;
+        break;
+      }
       case C_NOT: st[sp - 1] = !st[sp - 1]; break;
       default: return false;
     }
@@ -407,7 +437,8 @@ XMIX_HD void prologue_reset_row(const ControlBlock& cb, int32_t row, int32_t lan
   if (row >= cb.n_rows || !ptr<const int32_t>(cb.row_reset)[row]) return;
   const int32_t slot = ptr<const int32_t>(cb.row_slot)[row];
   if (lane == 0) ptr<uint32_t>(cb.slot_span)[slot] = 0;
-  float* rs = ptr<float>(cb.read_state) + static_cast<int64_t>(slot) * cb.n_channels * kReadStateWidth;
+  float* rs =
+      ptr<float>(cb.read_state) + static_cast<int64_t>(slot) * cb.n_channels * kReadStateWidth;
   for (int32_t c = lane; c < cb.n_channels; c += lanes) {
     rs[c * kReadStateWidth + 0] = 0.f;
     rs[c * kReadStateWidth + 1] = 0.f;
@@ -431,8 +462,8 @@ XMIX_HD void prologue_row_tokens(const ControlBlock& cb, int32_t row, const void
   const int64_t vocab = static_cast<int64_t>(cb.vocab_words) * 32;
   uint32_t state = ptr<uint32_t>(cb.slot_span)[slot];
   for (int32_t t = start; t < start + n; ++t) {
-    const int64_t id = ids_size == 8 ? static_cast<const int64_t*>(ids)[t]
-                                     : static_cast<const int32_t*>(ids)[t];
+    const int64_t id =
+        ids_size == 8 ? static_cast<const int64_t*>(ids)[t] : static_cast<const int32_t*>(ids)[t];
     uint32_t f = flags[t];
     if (id >= 0 && id < vocab) {
       for (int32_t s = 0; s < cb.n_token_sets; ++s)

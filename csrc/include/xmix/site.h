@@ -41,8 +41,8 @@ std::vector<SiteFailure> run_site_cpu(const ControlBlock& cb, int32_t site, void
                                       int32_t dtype);
 
 // One op on the CPU (what a spliced op node does on the GPU).
-void run_op_cpu(const ControlBlock& cb, const OpDesc& op, void* h, const void* r,
-                int32_t n_rows, int32_t d, int64_t stride_h, int64_t stride_r, int32_t dtype);
+void run_op_cpu(const ControlBlock& cb, const OpDesc& op, void* h, const void* r, int32_t n_rows,
+                int32_t d, int64_t stride_h, int64_t stride_r, int32_t dtype);
 
 // Per step, before the forward: per-slot resets, token-set bits and span bits from the ids.
 // ids_dtype: 4 = int32, 8 = int64.
@@ -57,9 +57,8 @@ uint64_t load_custom_cpu(const std::string& library, const std::string& symbol, 
 
 #if defined(XMIX_WITH_CUDA)
 // CUDA launchers. cb is a device pointer. Return cudaError_t as int (0 = success).
-int launch_site_anchor(const ControlBlock* cb, int32_t site, void* h, const void* r,
-                       int32_t n_rows, int32_t d, int64_t stride_h, int64_t stride_r,
-                       int32_t dtype, void* stream);
+int launch_site_anchor(const ControlBlock* cb, int32_t site, void* h, const void* r, int32_t n_rows,
+                       int32_t d, int64_t stride_h, int64_t stride_r, int32_t dtype, void* stream);
 int launch_op(const ControlBlock* cb, int32_t site, int32_t op_index, void* h, const void* r,
               int32_t n_rows, int32_t d, int64_t stride_h, int64_t stride_r, int32_t dtype,
               void* stream);
@@ -70,8 +69,8 @@ int launch_gate(const ControlBlock* cb, int32_t site, int32_t op_index, int32_t 
                 uint64_t cond_handle, void* stream);
 // A user CUDA kernel: select kernel, the user's kernel (one block per row), finish kernel.
 int launch_custom(const ControlBlock* cb, int32_t site, int32_t op_index, uint64_t kernel,
-                  const xmix_custom_args* host_args, uint8_t* select_scratch,
-                  float* out_scratch, void* stream);
+                  const xmix_custom_args* host_args, uint8_t* select_scratch, float* out_scratch,
+                  void* stream);
 // Loads a fatbin/cubin image and returns the kernel handle in *kernel (cudaKernel_t).
 int load_custom_cuda(const void* image, const char* name, uint64_t* kernel);
 const void* anchor_kernel_symbol();

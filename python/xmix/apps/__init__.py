@@ -39,5 +39,15 @@ APPS = {
     "steer_moe": steer_moe,
 }
 
-__all__ = ["APPS", "SCHEMAS", "cast", "kl_then_steer", "refusal", "sake", "seal", "steer_moe",
-           "truth_probe", "validate_artifacts"]
+__all__ = [
+    "APPS",
+    "SCHEMAS",
+    "cast",
+    "kl_then_steer",
+    "refusal",
+    "sake",
+    "seal",
+    "steer_moe",
+    "truth_probe",
+    "validate_artifacts",
+]

@@ -20,17 +20,26 @@ class PaperModel:
     hidden_size: int
     n_experts: int = 0
     top_k: int = 0
-    family: str = ""          # xmix.architectures family name
+    family: str = ""  # xmix.architectures family name
 
 
 # The three models of the paper's evaluation (section 5).
 PAPER_MODELS: dict[str, PaperModel] = {
     m.key: m
     for m in (
-        PaperModel("llama-3.1-8b-instruct", "meta-llama/Llama-3.1-8B-Instruct", 32, 4096, family="llama"),
+        PaperModel(
+            "llama-3.1-8b-instruct", "meta-llama/Llama-3.1-8B-Instruct", 32, 4096, family="llama"
+        ),
         PaperModel("qwen3-8b", "Qwen/Qwen3-8B", 36, 4096, family="qwen3"),
-        PaperModel("mixtral-8x7b-instruct", "mistralai/Mixtral-8x7B-Instruct-v0.1", 32, 4096, 8, 2,
-                   family="mixtral"),
+        PaperModel(
+            "mixtral-8x7b-instruct",
+            "mistralai/Mixtral-8x7B-Instruct-v0.1",
+            32,
+            4096,
+            8,
+            2,
+            family="mixtral",
+        ),
     )
 }
 # Models of the other supported families whose layers an app's own source gives (the
@@ -42,11 +51,27 @@ PAPER_MODELS: dict[str, PaperModel] = {
 SOURCE_MODELS: dict[str, PaperModel] = {
     m.key: m
     for m in (
-        PaperModel("mistral-7b-instruct-v0.2", "mistralai/Mistral-7B-Instruct-v0.2", 32, 4096, family="mistral"),
-        PaperModel("deepseek-r1-distill-qwen-7b", "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B", 28, 3584,
-                   family="qwen2"),
-        PaperModel("deepseek-r1-distill-qwen-1.5b", "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", 28, 1536,
-                   family="qwen2"),
+        PaperModel(
+            "mistral-7b-instruct-v0.2",
+            "mistralai/Mistral-7B-Instruct-v0.2",
+            32,
+            4096,
+            family="mistral",
+        ),
+        PaperModel(
+            "deepseek-r1-distill-qwen-7b",
+            "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B",
+            28,
+            3584,
+            family="qwen2",
+        ),
+        PaperModel(
+            "deepseek-r1-distill-qwen-1.5b",
+            "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B",
+            28,
+            1536,
+            family="qwen2",
+        ),
         PaperModel("qwen3-30b-a3b", "Qwen/Qwen3-30B-A3B", 48, 2048, 128, 8, family="qwen3_moe"),
         PaperModel("gpt-oss-20b", "openai/gpt-oss-20b", 24, 2880, 32, 4, family="gpt_oss"),
     )
@@ -76,16 +101,22 @@ def model_defaults(table: dict[str, dict[str, Any]], model: str | None) -> dict[
     return dict(table.get(m.key, {})) if m else {}
 
 
-def with_defaults(app: str, table: dict[str, dict[str, Any]], model: str | None, hint: str = "",
-                  **given: Any) -> list[Any]:
+def with_defaults(
+    app: str, table: dict[str, dict[str, Any]], model: str | None, hint: str = "", **given: Any
+) -> list[Any]:
     """The given arguments in order, each None filled from the paper model's defaults; an
     error naming every argument still missing (``hint`` says what it means)."""
     dflt = model_defaults(table, model)
     out = {k: dflt.get(k) if v is None else v for k, v in given.items()}
     missing = [k for k, v in out.items() if v is None]
     if missing:
-        raise fail(app, "give " + " and ".join(f"{k}=" for k in missing) + (f" ({hint})" if hint else "")
-                   + f"; defaults exist only for {sorted(table)}")
+        raise fail(
+            app,
+            "give "
+            + " and ".join(f"{k}=" for k in missing)
+            + (f" ({hint})" if hint else "")
+            + f"; defaults exist only for {sorted(table)}",
+        )
     return list(out.values())
 
 
@@ -104,14 +135,18 @@ def vector(app: str, what: str, value: Any, rank: tuple[int, ...] = (1,)) -> tor
     if t.dtype == torch.bool or t.is_complex():
         raise fail(app, f"{what} has dtype {t.dtype}; expected a real tensor")
     if t.dim() not in rank:
-        raise fail(app, f"{what} has shape {list(t.shape)}; expected rank {' or '.join(map(str, rank))}")
+        raise fail(
+            app, f"{what} has shape {list(t.shape)}; expected rank {' or '.join(map(str, rank))}"
+        )
     t = t.detach().to("cpu", torch.float32).contiguous()
     if not bool(torch.isfinite(t).all()):
         raise fail(app, f"{what} contains NaN or Inf")
     return t
 
 
-def number(app: str, what: str, value: Any, *, lo: float | None = None, strict_lo: bool = False) -> float:
+def number(
+    app: str, what: str, value: Any, *, lo: float | None = None, strict_lo: bool = False
+) -> float:
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -143,23 +178,37 @@ def layer_list(app: str, what: str, value: Any) -> list[int]:
     return out
 
 
-def check(app: str, artifacts: dict[str, Any], dims: dict[str, int] | None = None,
-          model: str | None = None) -> dict[str, int]:
+def check(
+    app: str,
+    artifacts: dict[str, Any],
+    dims: dict[str, int] | None = None,
+    model: str | None = None,
+) -> dict[str, int]:
     """Validate against the app's schema; with a paper model, also its hidden size."""
     dims = dict(dims or {})
     m = paper_model(model)
     if m and dims.get("d", m.hidden_size) != m.hidden_size:
-        raise fail(app, f"the artifacts have hidden size {dims['d']} but {m.hf_id} has "
-                        f"{m.hidden_size}")
+        raise fail(
+            app, f"the artifacts have hidden size {dims['d']} but {m.hf_id} has {m.hidden_size}"
+        )
     try:
         return validate_artifacts(app, artifacts, dims)
     except ArtifactError as e:
         raise fail(app, str(e)) from None
 
 
-def new_app(app: str, name: str | None, *, model: str | None, hidden_size: int | None, sites: list[str],
-            layers: Any, params: dict[str, Any], derivation: str,
-            extra: dict[str, Any] | None) -> App:
+def new_app(
+    app: str,
+    name: str | None,
+    *,
+    model: str | None,
+    hidden_size: int | None,
+    sites: list[str],
+    layers: Any,
+    params: dict[str, Any],
+    derivation: str,
+    extra: dict[str, Any] | None,
+) -> App:
     """An App with the metadata every factory records (JSON-serialisable values only)."""
     schema = SCHEMAS[app]
     m = paper_model(model)
@@ -168,7 +217,9 @@ def new_app(app: str, name: str | None, *, model: str | None, hidden_size: int |
         "title": schema.title,
         "source": dict(schema.source),
         "model": m.hf_id if m else (str(model) if model else ""),
-        "hidden_size": int(hidden_size) if hidden_size is not None else (m.hidden_size if m else None),
+        "hidden_size": int(hidden_size)
+        if hidden_size is not None
+        else (m.hidden_size if m else None),
         "n_layers": m.n_layers if m else None,
         "sites": list(sites),
         "layers": layers,

@@ -51,20 +51,33 @@ DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
-def cast(condition_vector: Any, behavior_vectors: Any, *, condition_layer: int | None = None,
-         behavior_layers: Any = None, threshold: float, comparator: str = ">=", alpha: float = 1.0,
-         model: str | None = None, name: str | None = None,
-         metadata: dict[str, Any] | None = None) -> App:
+def cast(
+    condition_vector: Any,
+    behavior_vectors: Any,
+    *,
+    condition_layer: int | None = None,
+    behavior_layers: Any = None,
+    threshold: float,
+    comparator: str = ">=",
+    alpha: float = 1.0,
+    model: str | None = None,
+    name: str | None = None,
+    metadata: dict[str, Any] | None = None,
+) -> App:
     """CAST app. ``condition_vector``: v [d]; ``behavior_vectors``: u, [d] shared or
     [len(behavior_layers), d] / [n_layers, d] per layer; ``threshold``: θ."""
     condition_layer, behavior_layers = c.with_defaults(
-        APP, DEFAULTS, model, condition_layer=condition_layer, behavior_layers=behavior_layers)
+        APP, DEFAULTS, model, condition_layer=condition_layer, behavior_layers=behavior_layers
+    )
     cl = c.layer(APP, "condition_layer", condition_layer)
     bl = c.layer_list(APP, "behavior_layers", behavior_layers)
     cmp = CAST_WORDS.get(comparator, comparator)
     if cmp not in COMPARATORS:
-        raise c.fail(APP, f"comparator must be one of {COMPARATORS} (or CAST's 'smaller' = '>', "
-                          f"'larger' = '<'), got {comparator!r}")
+        raise c.fail(
+            APP,
+            f"comparator must be one of {COMPARATORS} (or CAST's 'smaller' = '>', "
+            f"'larger' = '<'), got {comparator!r}",
+        )
     v = c.vector(APP, "condition_vector", condition_vector)
     u = c.vector(APP, "behavior_vectors", behavior_vectors, rank=(1, 2))
     theta = c.number(APP, "threshold", threshold)
@@ -75,15 +88,22 @@ def cast(condition_vector: Any, behavior_vectors: Any, *, condition_layer: int |
     if pm:
         dims["n_layers"] = pm.n_layers
     c.check(APP, {"condition_vector": v, "behavior_vectors": u, "threshold": theta}, dims, model)
-    app = c.new_app(APP, name, model=model, hidden_size=d, sites=["residual.pre"],
-                    layers={"condition": cl, "behavior": bl},
-                    params={"theta": theta, "comparator": cmp, "alpha": alpha},
-                    derivation="v, u_l = first PC of paired examples (CAST's pca_pairwise, sign: "
-                               "positives project higher); theta by grid search of F1 over "
-                               "cos(h_mean, tanh(P h_mean)) on positive/negative prompts",
-                    extra=metadata)
+    app = c.new_app(
+        APP,
+        name,
+        model=model,
+        hidden_size=d,
+        sites=["residual.pre"],
+        layers={"condition": cl, "behavior": bl},
+        params={"theta": theta, "comparator": cmp, "alpha": alpha},
+        derivation="v, u_l = first PC of paired examples (CAST's pca_pairwise, sign: "
+        "positives project higher); theta by grid search of F1 over "
+        "cos(h_mean, tanh(P h_mean)) on positive/negative prompts",
+        extra=metadata,
+    )
     app.param("theta", theta)
     app.read("cosine", vector=v).layers([cl]).at("residual.pre").named("cast_sim").cond("prompt")
-    app.write("add", vector=u, scale=alpha).layers(bl).at("residual.pre") \
-       .cond(f"prompt_last(cast_sim) {cmp} theta")
+    app.write("add", vector=u, scale=alpha).layers(bl).at("residual.pre").cond(
+        f"prompt_last(cast_sim) {cmp} theta"
+    )
     return app

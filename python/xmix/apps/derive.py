@@ -24,8 +24,9 @@ functions that make one vector per layer accept both and keep the extra dimensio
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -47,7 +48,9 @@ def _f64(x: Any, what: str, min_dim: int = 1) -> torch.Tensor:
         raise ArtifactError(f"{what}: dtype {t.dtype} is not real")
     t = t.detach().to("cpu", torch.float64)
     if t.dim() < min_dim:
-        raise ArtifactError(f"{what}: expected at least {min_dim} dimension(s), got shape {tuple(t.shape)}")
+        raise ArtifactError(
+            f"{what}: expected at least {min_dim} dimension(s), got shape {tuple(t.shape)}"
+        )
     if not torch.isfinite(t).all():
         raise ArtifactError(f"{what}: contains NaN or Inf")
     return t
@@ -56,13 +59,17 @@ def _f64(x: Any, what: str, min_dim: int = 1) -> torch.Tensor:
 def _pair(pos: Any, neg: Any, what: str, paired: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     p, n = _f64(pos, f"{what}: positive set", 2), _f64(neg, f"{what}: negative set", 2)
     if p.shape[1:] != n.shape[1:]:
-        raise ArtifactError(f"{what}: positive examples have shape {tuple(p.shape[1:])} but negative "
-                            f"ones {tuple(n.shape[1:])}; they must come from the same site(s)")
+        raise ArtifactError(
+            f"{what}: positive examples have shape {tuple(p.shape[1:])} but negative "
+            f"ones {tuple(n.shape[1:])}; they must come from the same site(s)"
+        )
     if p.shape[0] == 0 or n.shape[0] == 0:
         raise ArtifactError(f"{what}: both sets need at least one example")
     if paired and p.shape[0] != n.shape[0]:
-        raise ArtifactError(f"{what}: the method pairs example i of the positive set with example i "
-                            f"of the negative set, but there are {p.shape[0]} and {n.shape[0]}")
+        raise ArtifactError(
+            f"{what}: the method pairs example i of the positive set with example i "
+            f"of the negative set, but there are {p.shape[0]} and {n.shape[0]}"
+        )
     return p, n
 
 
@@ -95,9 +102,16 @@ def seal_vector(execution: Any, reflection: Any, transition: Any | None = None) 
     return mean_difference(e, rt)
 
 
-def select_refusal_direction(candidates: Any, bypass_scores: Any, induce_scores: Any, kl_scores: Any,
-                             *, kl_threshold: float | None = 0.1, induce_threshold: float | None = 0.0,
-                             prune_layer_fraction: float | None = 0.2) -> tuple[int, int, torch.Tensor]:
+def select_refusal_direction(
+    candidates: Any,
+    bypass_scores: Any,
+    induce_scores: Any,
+    kl_scores: Any,
+    *,
+    kl_threshold: float | None = 0.1,
+    induce_threshold: float | None = 0.0,
+    prune_layer_fraction: float | None = 0.2,
+) -> tuple[int, int, torch.Tensor]:
     """Arditi et al.'s choice among candidate directions ``[P, L, d]`` (position, layer).
 
     Scores are ``[P, L]``, measured with the model (by the caller): ``bypass`` = refusal
@@ -112,10 +126,16 @@ def select_refusal_direction(candidates: Any, bypass_scores: Any, induce_scores:
     cand = _f64(candidates, "select_refusal_direction: candidates", 3)
     P, L = cand.shape[:2]
     scores = []
-    for nm, s in (("bypass_scores", bypass_scores), ("induce_scores", induce_scores), ("kl_scores", kl_scores)):
+    for nm, s in (
+        ("bypass_scores", bypass_scores),
+        ("induce_scores", induce_scores),
+        ("kl_scores", kl_scores),
+    ):
         t = torch.as_tensor(s).detach().to("cpu", torch.float64)
         if tuple(t.shape) != (P, L):
-            raise ArtifactError(f"select_refusal_direction: {nm} has shape {tuple(t.shape)}; expected [{P}, {L}]")
+            raise ArtifactError(
+                f"select_refusal_direction: {nm} has shape {tuple(t.shape)}; expected [{P}, {L}]"
+            )
         scores.append(t)
     bypass, induce, kl = scores
     best: tuple[float, int, int] | None = None
@@ -133,8 +153,10 @@ def select_refusal_direction(candidates: Any, bypass_scores: Any, induce_scores:
             if best is None or b < best[0]:
                 best = (b, p, layer)
     if best is None:
-        raise ArtifactError("select_refusal_direction: every candidate was filtered out; relax "
-                            "kl_threshold / induce_threshold / prune_layer_fraction")
+        raise ArtifactError(
+            "select_refusal_direction: every candidate was filtered out; relax "
+            "kl_threshold / induce_threshold / prune_layer_fraction"
+        )
     _, p, layer = best
     return p, layer, cand[p, layer].float()
 
@@ -169,7 +191,9 @@ def pca_direction(pos: Any, neg: Any, *, method: str = "pairwise") -> torch.Tens
         raise ArtifactError(f"pca_direction: method must be one of {PCA_METHODS}, got {method!r}")
     p, n = _pair(pos, neg, "pca_direction", paired=True)
     if p.dim() == 3:
-        return torch.stack([pca_direction(p[:, l], n[:, l], method=method) for l in range(p.shape[1])])
+        return torch.stack(
+            [pca_direction(p[:, l], n[:, l], method=method) for l in range(p.shape[1])]
+        )
     if p.dim() != 2:
         raise ArtifactError(f"pca_direction: expected [N, d] or [N, L, d], got {tuple(p.shape)}")
     if method == "pairwise":
@@ -202,14 +226,19 @@ def cast_similarity(means: Any, vector: Any) -> torch.Tensor:
     single = m.dim() == 1
     m = m.reshape(-1, m.shape[-1])
     if v.shape != (m.shape[1],):
-        raise ArtifactError(f"cast_similarity: vector has shape {tuple(v.shape)}; expected [{m.shape[1]}]")
+        raise ArtifactError(
+            f"cast_similarity: vector has shape {tuple(v.shape)}; expected [{m.shape[1]}]"
+        )
     vv = float(v @ v)
     if not vv > 0:
         raise ArtifactError("cast_similarity: vector has zero norm")
     u = torch.tanh((m @ v / vv)[:, None] * v[None, :])
     den = m.norm(dim=1) * u.norm(dim=1)
-    out = torch.where(den > 0, (m * u).sum(1) / torch.where(den > 0, den, torch.ones_like(den)),
-                      torch.zeros_like(den))
+    out = torch.where(
+        den > 0,
+        (m * u).sum(1) / torch.where(den > 0, den, torch.ones_like(den)),
+        torch.zeros_like(den),
+    )
     return out[0] if single else out
 
 
@@ -218,9 +247,11 @@ class ThresholdFit:
     """A condition threshold: fire when ``score <comparator> threshold``."""
 
     threshold: float
-    comparator: str        # xmix comparator: ">" or "<"
+    comparator: str  # xmix comparator: ">" or "<"
     f1: float
-    cast_direction: str    # the same choice in CAST's words: "smaller" (score > θ) or "larger" (score < θ)
+    cast_direction: (
+        str  # the same choice in CAST's words: "smaller" (score > θ) or "larger" (score < θ)
+    )
 
 
 def _f1(pred: torch.Tensor, truth: torch.Tensor) -> float:
@@ -230,8 +261,9 @@ def _f1(pred: torch.Tensor, truth: torch.Tensor) -> float:
     return 0.0 if tp == 0 else 2 * tp / (2 * tp + fp + fn)
 
 
-def cast_threshold(pos_scores: Any, neg_scores: Any, *, lo: float = 0.0, hi: float = 1.0,
-                   step: float = 0.01) -> ThresholdFit:
+def cast_threshold(
+    pos_scores: Any, neg_scores: Any, *, lo: float = 0.0, hi: float = 1.0, step: float = 0.01
+) -> ThresholdFit:
     """CAST's ``find_best_condition_point`` for one layer: grid search of the threshold.
 
     Prompts in ``pos_scores`` should trigger the behaviour, those in ``neg_scores`` should
@@ -246,7 +278,9 @@ def cast_threshold(pos_scores: Any, neg_scores: Any, *, lo: float = 0.0, hi: flo
     if not step > 0 or not hi > lo:
         raise ArtifactError(f"cast_threshold: need lo < hi and step > 0, got {lo}, {hi}, {step}")
     scores = torch.cat([ps, ns])
-    truth = torch.cat([torch.ones_like(ps, dtype=torch.bool), torch.zeros_like(ns, dtype=torch.bool)])
+    truth = torch.cat(
+        [torch.ones_like(ps, dtype=torch.bool), torch.zeros_like(ns, dtype=torch.bool)]
+    )
     best: ThresholdFit | None = None
     n_steps = int(math.ceil((hi - lo) / step - 1e-9))
     for i in range(n_steps):
@@ -258,14 +292,17 @@ def cast_threshold(pos_scores: Any, neg_scores: Any, *, lo: float = 0.0, hi: flo
             if f1 > (best.f1 if best else 0.0):
                 best = ThresholdFit(th, cmp, f1, direction)
     if best is None:
-        raise ArtifactError("cast_threshold: no threshold in the grid separates the sets (F1 = 0 "
-                            "everywhere); widen [lo, hi)")
+        raise ArtifactError(
+            "cast_threshold: no threshold in the grid separates the sets (F1 = 0 "
+            "everywhere); widen [lo, hi)"
+        )
     return best
 
 
 # ============================================================================ #4, #6 probes
-def fit_logistic(x: Any, y: Any, *, C: float = 1.0, max_iter: int = 500,
-                 tol: float = 1e-10) -> tuple[torch.Tensor, float]:
+def fit_logistic(
+    x: Any, y: Any, *, C: float = 1.0, max_iter: int = 500, tol: float = 1e-10
+) -> tuple[torch.Tensor, float]:
     """L2-regularised logistic regression, the objective of scikit-learn's default
     ``LogisticRegression`` (what Orgad et al. use):
 
@@ -278,7 +315,9 @@ def fit_logistic(x: Any, y: Any, *, C: float = 1.0, max_iter: int = 500,
     X = _f64(x, "fit_logistic: x", 2)
     Y = _f64(y, "fit_logistic: y").reshape(-1)
     if X.dim() != 2 or Y.shape[0] != X.shape[0]:
-        raise ArtifactError(f"fit_logistic: x must be [N, d] and y [N]; got {tuple(X.shape)} and {tuple(Y.shape)}")
+        raise ArtifactError(
+            f"fit_logistic: x must be [N, d] and y [N]; got {tuple(X.shape)} and {tuple(Y.shape)}"
+        )
     if not bool(((Y == 0) | (Y == 1)).all()):
         raise ArtifactError("fit_logistic: labels must be 0 or 1")
     if int(Y.sum()) in (0, Y.shape[0]):
@@ -290,8 +329,15 @@ def fit_logistic(x: Any, y: Any, *, C: float = 1.0, max_iter: int = 500,
     # loss independent of N, which makes L-BFGS' tolerances meaningful.
     lam = 1.0 / (C * n)
     theta = torch.zeros(d + 1, dtype=torch.float64, requires_grad=True)
-    opt = torch.optim.LBFGS([theta], lr=1.0, max_iter=max_iter, tolerance_grad=tol,
-                            tolerance_change=1e-15, history_size=20, line_search_fn="strong_wolfe")
+    opt = torch.optim.LBFGS(
+        [theta],
+        lr=1.0,
+        max_iter=max_iter,
+        tolerance_grad=tol,
+        tolerance_change=1e-15,
+        history_size=20,
+        line_search_fn="strong_wolfe",
+    )
 
     def closure():
         opt.zero_grad()
@@ -316,12 +362,15 @@ def probe_from_sets(pos: Any, neg: Any, **kwargs) -> tuple[torch.Tensor, float]:
     if p.dim() != 2:
         raise ArtifactError(f"probe_from_sets: expected [N, d] examples, got {tuple(p.shape)}")
     x = torch.cat([p, n])
-    y = torch.cat([torch.ones(p.shape[0], dtype=torch.float64), torch.zeros(n.shape[0], dtype=torch.float64)])
+    y = torch.cat(
+        [torch.ones(p.shape[0], dtype=torch.float64), torch.zeros(n.shape[0], dtype=torch.float64)]
+    )
     return fit_logistic(x, y, **kwargs)
 
 
-def kts_directions(pos: Any, neg: Any, *, method: str = "mean",
-                   scale: str = "norm") -> tuple[torch.Tensor, torch.Tensor]:
+def kts_directions(
+    pos: Any, neg: Any, *, method: str = "mean", scale: str = "norm"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-layer steering directions for KL-then-steer: ``[N, L, d] -> (u [L, d], s [L])``.
 
     ``method="mean"``: u_l = normalised mean(pos) - mean(neg). ``method="pca"``: u_l is the
@@ -332,8 +381,10 @@ def kts_directions(pos: Any, neg: Any, *, method: str = "mean",
     normalised directions, KTS's default). The steering added is ``coeff · s_l · u_l``.
     """
     if method not in ("mean", "pca") or scale not in ("norm", "unit"):
-        raise ArtifactError(f"kts_directions: method must be 'mean' or 'pca' and scale 'norm' or "
-                            f"'unit'; got {method!r}, {scale!r}")
+        raise ArtifactError(
+            f"kts_directions: method must be 'mean' or 'pca' and scale 'norm' or "
+            f"'unit'; got {method!r}, {scale!r}"
+        )
     p, n = _pair(pos, neg, "kts_directions", paired=(method == "pca"))
     if p.dim() != 3:
         raise ArtifactError(f"kts_directions: expected [N, L, d] examples, got {tuple(p.shape)}")
@@ -359,8 +410,9 @@ def _sqrtm_psd(S: torch.Tensor) -> torch.Tensor:
     return (V * e.clamp(min=0).sqrt()) @ V.T
 
 
-def gaussian_transport(source: Any, target: Any, *, reg: float = 1e-2,
-                       shrinkage: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def gaussian_transport(
+    source: Any, target: Any, *, reg: float = 1e-2, shrinkage: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The optimal-transport (Monge) map between Gaussians fitted to two activation sets.
 
     For N(mu_s, S_s) -> N(mu_t, S_t) the W2-optimal map is T(x) = A (x - mu_s) + mu_t with
@@ -376,11 +428,14 @@ def gaussian_transport(source: Any, target: Any, *, reg: float = 1e-2,
     Xs = _f64(source, "gaussian_transport: source", 2)
     Xt = _f64(target, "gaussian_transport: target", 2)
     if Xs.dim() != 2 or Xt.dim() != 2 or Xs.shape[1] != Xt.shape[1]:
-        raise ArtifactError(f"gaussian_transport: expected [N, d] and [M, d], got {tuple(Xs.shape)} "
-                            f"and {tuple(Xt.shape)}")
+        raise ArtifactError(
+            f"gaussian_transport: expected [N, d] and [M, d], got {tuple(Xs.shape)} "
+            f"and {tuple(Xt.shape)}"
+        )
     if not 0.0 <= shrinkage <= 1.0 or not reg >= 0.0:
-        raise ArtifactError(f"gaussian_transport: need 0 <= shrinkage <= 1 and reg >= 0, got "
-                            f"{shrinkage}, {reg}")
+        raise ArtifactError(
+            f"gaussian_transport: need 0 <= shrinkage <= 1 and reg >= 0, got {shrinkage}, {reg}"
+        )
     d = Xs.shape[1]
     eye = torch.eye(d, dtype=torch.float64)
 
@@ -395,8 +450,10 @@ def gaussian_transport(source: Any, target: Any, *, reg: float = 1e-2,
     Ss, St = cov(Xs), cov(Xt)
     e, V = _sym_eig(Ss)
     if not float(e.min()) > 1e-12 * max(1.0, float(e.max())):
-        raise ArtifactError("gaussian_transport: the source covariance is singular (fewer examples "
-                            "than dimensions?); raise reg or shrinkage")
+        raise ArtifactError(
+            "gaussian_transport: the source covariance is singular (fewer examples "
+            "than dimensions?); raise reg or shrinkage"
+        )
     Ss_half = (V * e.sqrt()) @ V.T
     Ss_ihalf = (V / e.sqrt()) @ V.T
     A = Ss_ihalf @ _sqrtm_psd(Ss_half @ St @ Ss_half) @ Ss_ihalf
@@ -415,7 +472,9 @@ def min_distance(x: Any, centroids: Any) -> torch.Tensor:
     return torch.cdist(X, M).min(dim=1).values
 
 
-def distance_threshold(in_scope: Any, out_of_scope: Any | None = None, *, quantile: float = 0.95) -> float:
+def distance_threshold(
+    in_scope: Any, out_of_scope: Any | None = None, *, quantile: float = 0.95
+) -> float:
     """SAKE's activation threshold t (edit when min distance <= t) from distances.
 
     ``in_scope``: distances of prompts the edit must cover (paraphrases, implications) to the
@@ -442,13 +501,17 @@ def expert_counts(selected: Any, n_experts: int) -> torch.Tensor:
     """Routing counts ``[L, E]`` from the experts each token selected: ``[T, L, k]`` ints."""
     s = torch.as_tensor(selected)
     if s.dtype.is_floating_point or s.dtype == torch.bool or s.dim() != 3:
-        raise ArtifactError(f"expert_counts: expected integer ids [T, L, k], got {s.dtype} {tuple(s.shape)}")
+        raise ArtifactError(
+            f"expert_counts: expected integer ids [T, L, k], got {s.dtype} {tuple(s.shape)}"
+        )
     if s.numel() and (int(s.min()) < 0 or int(s.max()) >= n_experts):
         raise ArtifactError(f"expert_counts: expert ids must be in [0, {n_experts})")
     return F.one_hot(s.long(), n_experts).sum(dim=(0, 2))
 
 
-def routing_difference(pos_counts: Any, pos_tokens: Any, neg_counts: Any, neg_tokens: Any) -> torch.Tensor:
+def routing_difference(
+    pos_counts: Any, pos_tokens: Any, neg_counts: Any, neg_tokens: Any
+) -> torch.Tensor:
     """SteerMoE's risk difference Δ[l, e] = A⁺[l, e] / N⁺ - A⁻[l, e] / N⁻ (activation rates).
 
     ``*_counts``: ``[L, E]`` tokens routed to expert e at layer l; ``*_tokens``: the number
@@ -458,8 +521,10 @@ def routing_difference(pos_counts: Any, pos_tokens: Any, neg_counts: Any, neg_to
     pc = _f64(pos_counts, "routing_difference: pos_counts", 2)
     nc = _f64(neg_counts, "routing_difference: neg_counts", 2)
     if pc.shape != nc.shape or pc.dim() != 2:
-        raise ArtifactError(f"routing_difference: counts must both be [L, E], got {tuple(pc.shape)} "
-                            f"and {tuple(nc.shape)}")
+        raise ArtifactError(
+            f"routing_difference: counts must both be [L, E], got {tuple(pc.shape)} "
+            f"and {tuple(nc.shape)}"
+        )
     rates = []
     for c, n, nm in ((pc, pos_tokens, "pos_tokens"), (nc, neg_tokens, "neg_tokens")):
         nt = _f64(n, f"routing_difference: {nm}", 0)
@@ -473,8 +538,14 @@ def routing_difference(pos_counts: Any, pos_tokens: Any, neg_counts: Any, neg_to
     return rates[0] - rates[1]
 
 
-def steer_moe_mask(delta: Any, *, n_activate: int, n_deactivate: int, top_k: int | None = None,
-                   per_layer: bool = False) -> torch.Tensor:
+def steer_moe_mask(
+    delta: Any,
+    *,
+    n_activate: int,
+    n_deactivate: int,
+    top_k: int | None = None,
+    per_layer: bool = False,
+) -> torch.Tensor:
     """SteerMoE's expert mask ``[L, E]`` in {-1, 0, 1} from the risk difference Δ.
 
     Promote (+1) the ``n_activate`` (layer, expert) pairs with the largest Δ > 0 and demote
@@ -534,7 +605,7 @@ class Artifact:
     name: str
     shapes: tuple[tuple[str, ...], ...]
     doc: str
-    check: str | None = None     # nonzero | unit_rows | ternary | symmetric | nonnegative
+    check: str | None = None  # nonzero | unit_rows | ternary | symmetric | nonnegative
     optional: bool = False
     dtype: str = "float32"
 
@@ -553,84 +624,171 @@ SCHEMAS: dict[str, AppSchema] = {
     s.app: s
     for s in (
         AppSchema(
-            "refusal", "Refusal direction",
-            {"paper": "Arditi et al. 2024, Refusal in Language Models Is Mediated by a Single Direction",
-             "arxiv": "2406.11717", "repo": "https://github.com/andyrdt/refusal_direction"},
-            (Artifact("direction", (("d",),), "difference-in-means refusal direction r (unnormalised; "
-                      "the ablate kernel normalises it, add uses it as is)", check="nonzero"),),
+            "refusal",
+            "Refusal direction",
+            {
+                "paper": "Arditi et al. 2024, Refusal in Language Models Is Mediated by a Single Direction",
+                "arxiv": "2406.11717",
+                "repo": "https://github.com/andyrdt/refusal_direction",
+            },
+            (
+                Artifact(
+                    "direction",
+                    (("d",),),
+                    "difference-in-means refusal direction r (unnormalised; "
+                    "the ablate kernel normalises it, add uses it as is)",
+                    check="nonzero",
+                ),
+            ),
             collect="residual.pre at every layer, at the post-instruction template positions (the "
-                    "last tokens of the chat-formatted prompt), harmful vs harmless instructions",
+            "last tokens of the chat-formatted prompt), harmful vs harmless instructions",
             derive="mean_difference(harmful, harmless) -> candidates [P, L, d]; "
-                   "select_refusal_direction(candidates, bypass, induce, kl)"),
+            "select_refusal_direction(candidates, bypass, induce, kl)",
+        ),
         AppSchema(
-            "seal", "SEAL reasoning calibration",
-            {"paper": "Chen et al. 2025, SEAL: Steerable Reasoning Calibration of Large Language Models for Free",
-             "arxiv": "2504.07986", "repo": "https://github.com/VITA-Group/SEAL"},
-            (Artifact("vector", (("d",),), "S = mean(H_execution) - mean(H_reflection ∪ H_transition)",
-                      check="nonzero"),),
-            collect="residual.pre of the steering layer at the \"\\n\\n\" tokens of generated reasoning "
-                    "traces, grouped by the kind of thought that follows",
-            derive="seal_vector(execution, reflection, transition)"),
+            "seal",
+            "SEAL reasoning calibration",
+            {
+                "paper": "Chen et al. 2025, SEAL: Steerable Reasoning Calibration of Large Language Models for Free",
+                "arxiv": "2504.07986",
+                "repo": "https://github.com/VITA-Group/SEAL",
+            },
+            (
+                Artifact(
+                    "vector",
+                    (("d",),),
+                    "S = mean(H_execution) - mean(H_reflection ∪ H_transition)",
+                    check="nonzero",
+                ),
+            ),
+            collect='residual.pre of the steering layer at the "\\n\\n" tokens of generated reasoning '
+            "traces, grouped by the kind of thought that follows",
+            derive="seal_vector(execution, reflection, transition)",
+        ),
         AppSchema(
-            "cast", "Conditional activation steering (CAST)",
-            {"paper": "Lee et al. 2025, Programming Refusal with Conditional Activation Steering",
-             "arxiv": "2409.05907", "repo": "https://github.com/IBM/activation-steering"},
-            (Artifact("condition_vector", (("d",),), "condition direction v (first PC)", check="nonzero"),
-             Artifact("behavior_vectors", (("d",), ("L_sel", "d"), ("n_layers", "d")),
-                      "behaviour directions u_l, one per behaviour layer (or shared)"),
-             Artifact("threshold", ((),), "θ compared with cos(h̄, tanh(P h̄))")),
+            "cast",
+            "Conditional activation steering (CAST)",
+            {
+                "paper": "Lee et al. 2025, Programming Refusal with Conditional Activation Steering",
+                "arxiv": "2409.05907",
+                "repo": "https://github.com/IBM/activation-steering",
+            },
+            (
+                Artifact(
+                    "condition_vector",
+                    (("d",),),
+                    "condition direction v (first PC)",
+                    check="nonzero",
+                ),
+                Artifact(
+                    "behavior_vectors",
+                    (("d",), ("L_sel", "d"), ("n_layers", "d")),
+                    "behaviour directions u_l, one per behaviour layer (or shared)",
+                ),
+                Artifact("threshold", ((),), "θ compared with cos(h̄, tanh(P h̄))"),
+            ),
             collect="condition: mean over all prompt tokens of residual.pre at the condition layer, "
-                    "paired prompts with / without the condition; behaviour: residual.pre at the "
-                    "behaviour layers at the last tokens of paired prompt+response examples",
+            "paired prompts with / without the condition; behaviour: residual.pre at the "
+            "behaviour layers at the last tokens of paired prompt+response examples",
             derive="pca_direction(pos, neg, method='pairwise'); cast_similarity(means, v); "
-                   "cast_threshold(pos_scores, neg_scores)"),
+            "cast_threshold(pos_scores, neg_scores)",
+        ),
         AppSchema(
-            "truth_probe", "Truthfulness probe",
-            {"paper": "Orgad et al. 2025, LLMs Know More Than They Show: On the Intrinsic "
-                      "Representation of LLM Hallucinations",
-             "arxiv": "2410.02707", "repo": "https://github.com/technion-cs-nlp/LLMsKnow"},
-            (Artifact("weight", (("d",),), "probe weight w"),
-             Artifact("bias", ((),), "probe bias b")),
+            "truth_probe",
+            "Truthfulness probe",
+            {
+                "paper": "Orgad et al. 2025, LLMs Know More Than They Show: On the Intrinsic "
+                "Representation of LLM Hallucinations",
+                "arxiv": "2410.02707",
+                "repo": "https://github.com/technion-cs-nlp/LLMsKnow",
+            },
+            (
+                Artifact("weight", (("d",),), "probe weight w"),
+                Artifact("bias", ((),), "probe bias b"),
+            ),
             collect="mlp.post at the probe layer at the (last) token of the exact answer, answers "
-                    "labelled correct (1) / incorrect (0)",
-            derive="fit_logistic(x, y) or probe_from_sets(true, false)"),
+            "labelled correct (1) / incorrect (0)",
+            derive="fit_logistic(x, y) or probe_from_sets(true, false)",
+        ),
         AppSchema(
-            "sake", "SAKE knowledge editing",
-            {"paper": "Scialanga et al. 2025, SAKE: Steering Activations for Knowledge Editing",
-             "arxiv": "2503.01751", "repo": "https://github.com/axa-rev-research/knowledge-editing"},
-            (Artifact("A", (("d", "d"),), "symmetric PSD transport matrix", check="symmetric"),
-             Artifact("mu_s", (("d",),), "source mean"),
-             Artifact("mu_t", (("d",),), "target mean"),
-             Artifact("threshold", ((),), "edit when min_k ||h - c_k|| <= threshold", check="nonnegative"),
-             Artifact("centroids", (("k", "d"),), "in-scope centroids c_k (default mu_s)", optional=True)),
+            "sake",
+            "SAKE knowledge editing",
+            {
+                "paper": "Scialanga et al. 2025, SAKE: Steering Activations for Knowledge Editing",
+                "arxiv": "2503.01751",
+                "repo": "https://github.com/axa-rev-research/knowledge-editing",
+            },
+            (
+                Artifact("A", (("d", "d"),), "symmetric PSD transport matrix", check="symmetric"),
+                Artifact("mu_s", (("d",),), "source mean"),
+                Artifact("mu_t", (("d",),), "target mean"),
+                Artifact(
+                    "threshold",
+                    ((),),
+                    "edit when min_k ||h - c_k|| <= threshold",
+                    check="nonnegative",
+                ),
+                Artifact(
+                    "centroids",
+                    (("k", "d"),),
+                    "in-scope centroids c_k (default mu_s)",
+                    optional=True,
+                ),
+            ),
             collect="final.post at the last prompt token: source prompts (paraphrases and "
-                    "implications of the fact) and target prompts (the same, made to produce the "
-                    "new object)",
+            "implications of the fact) and target prompts (the same, made to produce the "
+            "new object)",
             derive="gaussian_transport(source, target); min_distance(x, centroids); "
-                   "distance_threshold(in_scope, out_of_scope)"),
+            "distance_threshold(in_scope, out_of_scope)",
+        ),
         AppSchema(
-            "kl_then_steer", "KL-then-steer (KTS)",
-            {"paper": "Stickland et al. 2024, Steering Without Side Effects: Improving "
-                      "Post-Deployment Control of Language Models",
-             "arxiv": "2406.15518", "repo": "https://github.com/AsaCooperStickland/kl-then-steer"},
-            (Artifact("directions", (("L_sel", "d"),), "unit steering directions û_l", check="unit_rows"),
-             Artifact("scales", (("L_sel",),), "per-layer magnitudes s_l"),
-             Artifact("probe_weight", (("d",),), "prompt probe weight"),
-             Artifact("probe_bias", ((),), "prompt probe bias"),
-             Artifact("threshold", ((),), "steer when the prompt-level probe score >= threshold")),
+            "kl_then_steer",
+            "KL-then-steer (KTS)",
+            {
+                "paper": "Stickland et al. 2024, Steering Without Side Effects: Improving "
+                "Post-Deployment Control of Language Models",
+                "arxiv": "2406.15518",
+                "repo": "https://github.com/AsaCooperStickland/kl-then-steer",
+            },
+            (
+                Artifact(
+                    "directions",
+                    (("L_sel", "d"),),
+                    "unit steering directions û_l",
+                    check="unit_rows",
+                ),
+                Artifact("scales", (("L_sel",),), "per-layer magnitudes s_l"),
+                Artifact("probe_weight", (("d",),), "prompt probe weight"),
+                Artifact("probe_bias", ((),), "prompt probe bias"),
+                Artifact(
+                    "threshold", ((),), "steer when the prompt-level probe score >= threshold"
+                ),
+            ),
             collect="residual.post at the steering layers (last token of contrastive pairs) for "
-                    "the directions; residual.post at the probe layer over prompt tokens "
-                    "(mean, or last token) of problematic vs benign prompts for the probe",
-            derive="kts_directions(pos, neg); probe_from_sets(problematic, benign)"),
+            "the directions; residual.post at the probe layer over prompt tokens "
+            "(mean, or last token) of problematic vs benign prompts for the probe",
+            derive="kts_directions(pos, neg); probe_from_sets(problematic, benign)",
+        ),
         AppSchema(
-            "steer_moe", "SteerMoE expert (de)activation",
-            {"paper": "Fayyaz et al. 2026, Steering MoE LLMs via Expert (De)Activation",
-             "arxiv": "2509.09660", "repo": "https://github.com/adobe-research/SteerMoE"},
-            (Artifact("mask", (("n_moe", "E"), ("n_layers", "E"), ("E",)),
-                      "+1 force on, -1 force off, 0 leave", check="ternary"),),
+            "steer_moe",
+            "SteerMoE expert (de)activation",
+            {
+                "paper": "Fayyaz et al. 2026, Steering MoE LLMs via Expert (De)Activation",
+                "arxiv": "2509.09660",
+                "repo": "https://github.com/adobe-research/SteerMoE",
+            },
+            (
+                Artifact(
+                    "mask",
+                    (("n_moe", "E"), ("n_layers", "E"), ("E",)),
+                    "+1 force on, -1 force off, 0 leave",
+                    check="ternary",
+                ),
+            ),
             collect="router.logits top-k selections at every MoE layer, every token of paired "
-                    "prompts showing / not showing the behaviour",
-            derive="expert_counts(selected, E) -> routing_difference(...) -> steer_moe_mask(delta, ...)"),
+            "prompts showing / not showing the behaviour",
+            derive="expert_counts(selected, E) -> routing_difference(...) -> steer_moe_mask(delta, ...)",
+        ),
     )
 }
 
@@ -649,17 +807,22 @@ def _check(app: str, a: Artifact, t: torch.Tensor) -> None:
         off = (norms - 1).abs()
         if bool((off > 1e-3).any()):
             i = int(off.argmax())
-            raise ArtifactError(f"{where}: row {i} has norm {float(norms[i]):.6g}; rows must be unit "
-                                f"vectors (put magnitudes in the scales)")
+            raise ArtifactError(
+                f"{where}: row {i} has norm {float(norms[i]):.6g}; rows must be unit "
+                f"vectors (put magnitudes in the scales)"
+            )
     if a.check == "symmetric":
         asym = float((t - t.T).abs().max())
         if asym > 1e-4 * max(1.0, float(t.abs().max())):
-            raise ArtifactError(f"{where} is not symmetric (max |A - Aᵀ| = {asym:.3g}); the Gaussian "
-                                f"transport map is symmetric PSD")
+            raise ArtifactError(
+                f"{where} is not symmetric (max |A - Aᵀ| = {asym:.3g}); the Gaussian "
+                f"transport map is symmetric PSD"
+            )
 
 
-def validate_artifacts(app: str, artifacts: Mapping[str, Any],
-                       dims: Mapping[str, int] | None = None) -> dict[str, int]:
+def validate_artifacts(
+    app: str, artifacts: Mapping[str, Any], dims: Mapping[str, int] | None = None
+) -> dict[str, int]:
     """Check ``artifacts`` (name -> tensor or number) against ``SCHEMAS[app]``.
 
     ``dims`` fixes dimension names (e.g. ``{"d": 4096, "L_sel": 9}``); the others bind to the
@@ -684,7 +847,9 @@ def validate_artifacts(app: str, artifacts: Mapping[str, Any],
         try:
             t = torch.as_tensor(value)
         except Exception:
-            raise ArtifactError(f"{where} is not a tensor or number ({type(value).__name__})") from None
+            raise ArtifactError(
+                f"{where} is not a tensor or number ({type(value).__name__})"
+            ) from None
         if t.dtype == torch.bool or t.is_complex():
             raise ArtifactError(f"{where} has dtype {t.dtype}; expected {a.dtype}")
         t = t.detach().to("cpu", torch.float64)
@@ -700,8 +865,12 @@ def validate_artifacts(app: str, artifacts: Mapping[str, Any],
                 match = trial
                 break
         if match is None:
+
             def show(alt, bound=bound):
-                return "[" + ", ".join(f"{nm}={bound[nm]}" if nm in bound else nm for nm in alt) + "]"
+                return (
+                    "[" + ", ".join(f"{nm}={bound[nm]}" if nm in bound else nm for nm in alt) + "]"
+                )
+
             want = " or ".join(show(alt) for alt in a.shapes)
             raise ArtifactError(f"{where} has shape {list(shape)}; expected {want}")
         bound = match

@@ -25,8 +25,9 @@ import itertools
 import json
 import os
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -66,11 +67,13 @@ def read_traces(path: str | Path) -> list[str]:
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
-            raise DeriveError(f"{path}:{i}: not JSON ({e.msg}); a traces file has one JSON string "
-                              f"or {{\"text\": ...}} per line") from None
+            raise DeriveError(
+                f"{path}:{i}: not JSON ({e.msg}); a traces file has one JSON string "
+                f'or {{"text": ...}} per line'
+            ) from None
         text = obj.get("text") if isinstance(obj, dict) else obj
         if not isinstance(text, str) or not text:
-            raise DeriveError(f"{path}:{i}: expected a string or an object with a \"text\" string")
+            raise DeriveError(f'{path}:{i}: expected a string or an object with a "text" string')
         out.append(text)
     if not out:
         raise DeriveError(f"traces file {str(path)!r} is empty")
@@ -87,7 +90,9 @@ def resolve_model(model: str) -> str:
     return model
 
 
-def encode(tokenizer, prompts: Sequence[str | Sequence[int]], chat: bool = False) -> list[list[int]]:
+def encode(
+    tokenizer, prompts: Sequence[str | Sequence[int]], chat: bool = False
+) -> list[list[int]]:
     """Token ids as the server builds them: the tokenizer's special tokens (BOS) included; with
     ``chat`` each prompt is a user turn of the model's chat template, generation prompt added
     (so the last tokens are the template's post-instruction tokens, as in Arditi et al.)."""
@@ -96,8 +101,9 @@ def encode(tokenizer, prompts: Sequence[str | Sequence[int]], chat: bool = False
         if not isinstance(p, str):
             out.append([int(t) for t in p])
         elif chat:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                                 add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
+            )
             out.append(list(tokenizer.encode(text, add_special_tokens=False)))
         else:
             out.append(list(tokenizer.encode(p)))
@@ -126,11 +132,15 @@ def _normalise_sites(llm, layers, site, sites) -> list[tuple[str, int | None]]:
             known = ", ".join(list(LAYER_SITES) + ["final.post"])
             raise DeriveError(f"unknown site {s!r}; sites are {known}")
         if s == "router.logits":
-            raise DeriveError("router.logits cannot be captured (the capture kernel does not run on "
-                              "router logits); capture residual.mid and apply the router instead "
-                              "(see derive_steer_moe)")
+            raise DeriveError(
+                "router.logits cannot be captured (the capture kernel does not run on "
+                "router logits); capture residual.mid and apply the router instead "
+                "(see derive_steer_moe)"
+            )
         if s != "final.post" and not (isinstance(l, int) and 0 <= l < shape.n_layers):
-            raise DeriveError(f"layer {l!r} is out of range (the model has {shape.n_layers} layers)")
+            raise DeriveError(
+                f"layer {l!r} is out of range (the model has {shape.n_layers} layers)"
+            )
         out.append((s, None if s == "final.post" else int(l)))
     if not out:
         raise DeriveError("no sites to collect")
@@ -169,18 +179,29 @@ def _deploy_groups(llm, pieces, cond):
                 continue
             site, layer, lo, hi = group[0]
             if hi - lo <= 1:
-                raise DeriveError(f"the engine's capture buffer cannot hold even one float per token "
-                                  f"({e}); lower max_num_batched_tokens") from None
+                raise DeriveError(
+                    f"the engine's capture buffer cannot hold even one float per token "
+                    f"({e}); lower max_num_batched_tokens"
+                ) from None
             mid = (lo + hi) // 2
             todo[:0] = [[(site, layer, lo, mid)], [(site, layer, mid, hi)]]
             continue
         yield app, keys, group
 
 
-def collect_activations(llm, prompts: Sequence[str | Sequence[int]], layers: Any = None,
-                        site: str = "residual.pre", position: str | Callable = "last", *,
-                        sites: Sequence[tuple[str, int | None]] | None = None, chat: bool = False,
-                        batch_size: int = 16, progress: bool = True, desc: str | None = None):
+def collect_activations(
+    llm,
+    prompts: Sequence[str | Sequence[int]],
+    layers: Any = None,
+    site: str = "residual.pre",
+    position: str | Callable = "last",
+    *,
+    sites: Sequence[tuple[str, int | None]] | None = None,
+    chat: bool = False,
+    batch_size: int = 16,
+    progress: bool = True,
+    desc: str | None = None,
+):
     """Activations of ``prompts`` at hook sites, read with xmix capture reads on ``llm``.
 
     ``sites``: ``[(site, layer), ...]`` (layer None for final.post), or ``layers`` (ints,
@@ -215,14 +236,16 @@ def collect_activations(llm, prompts: Sequence[str | Sequence[int]], layers: Any
     reduce_now = position in ("last", "mean")
     acc: list[torch.Tensor] = [
         torch.zeros(len(site_list), d) if reduce_now else torch.zeros(len(p), len(site_list), d)
-        for p in ids]
+        for p in ids
+    ]
 
     bar = None
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(ids), desc=desc or "collecting activations", unit="prompt",
-                   file=sys.stderr)
+        bar = tqdm(
+            total=len(ids), desc=desc or "collecting activations", unit="prompt", file=sys.stderr
+        )
     passes = 0
     try:
         for app, keys, group in _deploy_groups(llm, pieces, cond):
@@ -231,11 +254,17 @@ def collect_activations(llm, prompts: Sequence[str | Sequence[int]], layers: Any
                 bar.total += len(ids)
                 bar.refresh()
             try:
-                sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True,
-                                    extra_args={"xmix": {"apps": [app.name]}})
+                sp = SamplingParams(
+                    temperature=0.0,
+                    max_tokens=1,
+                    ignore_eos=True,
+                    extra_args={"xmix": {"apps": [app.name]}},
+                )
                 for start in range(0, len(ids), batch_size):
-                    chunk = ids[start:start + batch_size]
-                    outs = llm.generate([{"prompt_token_ids": p} for p in chunk], sp, use_tqdm=False)
+                    chunk = ids[start : start + batch_size]
+                    outs = llm.generate(
+                        [{"prompt_token_ids": p} for p in chunk], sp, use_tqdm=False
+                    )
                     for j, out in enumerate(outs):
                         i = start + j
                         res = xmix.results(out).get(app.name, {})
@@ -245,9 +274,13 @@ def collect_activations(llm, prompts: Sequence[str | Sequence[int]], layers: Any
                             r = res.get(key)
                             if r is None or list(r["positions"]) != want:
                                 got = None if r is None else r["positions"]
-                                raise DeriveError(f"prompt {i}: the capture at {s} layer {l} read "
-                                                  f"positions {got}, expected {want}")
-                            vals = torch.tensor(r["values"], dtype=torch.float32).reshape(len(want), hi - lo)
+                                raise DeriveError(
+                                    f"prompt {i}: the capture at {s} layer {l} read "
+                                    f"positions {got}, expected {want}"
+                                )
+                            vals = torch.tensor(r["values"], dtype=torch.float32).reshape(
+                                len(want), hi - lo
+                            )
                             col = index[(s, l)]
                             if position == "mean":
                                 acc[i][col, lo:hi] = vals.double().mean(0).float()
@@ -320,8 +353,15 @@ def _meta(args, shape, method: str, files: dict, counts: dict, **more) -> dict:
 
 
 def _collect(args, llm, prompts, desc, **kw):
-    return collect_activations(llm, prompts, chat=args.chat, batch_size=args.batch_size,
-                               progress=not args.quiet, desc=desc, **kw)
+    return collect_activations(
+        llm,
+        prompts,
+        chat=args.chat,
+        batch_size=args.batch_size,
+        progress=not args.quiet,
+        desc=desc,
+        **kw,
+    )
 
 
 # ---------------------------------------------------------------------------- the apps
@@ -333,17 +373,34 @@ def derive_refusal(args, llm) -> App:
 
     shape = _shape(llm)
     default = _paper_default(DEFAULTS, args.model, "layer")
-    layer = _one_layer(args, default if default is not None else _relative_layer(shape.n_layers, 0.375))
+    layer = _one_layer(
+        args, default if default is not None else _relative_layer(shape.n_layers, 0.375)
+    )
     pos, neg = read_prompts(args.positive), read_prompts(args.negative)
     hp = _collect(args, llm, pos, "refusal: harmful", layers=[layer], position=args.position)
     hn = _collect(args, llm, neg, "refusal: harmless", layers=[layer], position=args.position)
     r = D.mean_difference(hp[:, 0], hn[:, 0])
-    meta = _meta(args, shape, "difference of means (Arditi et al. 2024)", _files(args),
-                 {"positive": len(pos), "negative": len(neg)}, site="residual.pre",
-                 direction_layer=layer, position=args.position, direction_norm=float(r.norm()))
+    meta = _meta(
+        args,
+        shape,
+        "difference of means (Arditi et al. 2024)",
+        _files(args),
+        {"positive": len(pos), "negative": len(neg)},
+        site="residual.pre",
+        direction_layer=layer,
+        position=args.position,
+        direction_norm=float(r.norm()),
+    )
     if args.variant == "add":
-        return refusal(r, variant="add", layer=layer, coeff=args.coeff, model=args.model,
-                       name=args.name, metadata=meta)
+        return refusal(
+            r,
+            variant="add",
+            layer=layer,
+            coeff=args.coeff,
+            model=args.model,
+            name=args.name,
+            metadata=meta,
+        )
     return refusal(r, model=args.model, name=args.name, metadata=meta)
 
 
@@ -362,24 +419,33 @@ def derive_cast(args, llm) -> App:
         c = _paper_default(DEFAULTS, args.model, "condition_layer")
         c_layers = [c] if c is not None else None
     if b_layers is None or c_layers is None:
-        raise DeriveError("cast needs --condition-layer C [C ...] and --behavior-layers B [B ...] "
-                          "(defaults exist only for the paper's models)")
+        raise DeriveError(
+            "cast needs --condition-layer C [C ...] and --behavior-layers B [B ...] "
+            "(defaults exist only for the paper's models)"
+        )
     early = [c for c in c_layers if c >= min(b_layers)]
     if early:
-        raise DeriveError(f"condition layer(s) {early} are not before the first behaviour layer "
-                          f"{min(b_layers)}: the condition is a latch decided on the prompt and may "
-                          f"only steer later sites")
+        raise DeriveError(
+            f"condition layer(s) {early} are not before the first behaviour layer "
+            f"{min(b_layers)}: the condition is a latch decided on the prompt and may "
+            f"only steer later sites"
+        )
     if not (args.behavior_positive and args.behavior_negative):
-        raise DeriveError("cast needs --behavior-positive and --behavior-negative: paired examples "
-                          "with and without the behaviour to steer toward (e.g. refusing vs "
-                          "complying prompts or prompt+response texts)")
+        raise DeriveError(
+            "cast needs --behavior-positive and --behavior-negative: paired examples "
+            "with and without the behaviour to steer toward (e.g. refusing vs "
+            "complying prompts or prompt+response texts)"
+        )
     pos, neg = read_prompts(args.positive), read_prompts(args.negative)
     bpos, bneg = read_prompts(args.behavior_positive), read_prompts(args.behavior_negative)
-    for what, a, b in (("--positive/--negative", pos, neg),
-                       ("--behavior-positive/--behavior-negative", bpos, bneg)):
+    for what, a, b in (
+        ("--positive/--negative", pos, neg),
+        ("--behavior-positive/--behavior-negative", bpos, bneg),
+    ):
         if len(a) != len(b):
-            raise DeriveError(f"CAST pairs line i of the two files {what}; they have {len(a)} and "
-                              f"{len(b)} lines")
+            raise DeriveError(
+                f"CAST pairs line i of the two files {what}; they have {len(a)} and {len(b)} lines"
+            )
     # The cosine read averages residual.pre over every prompt token, so the condition
     # vector and θ are computed from exactly that mean.
     mp = _collect(args, llm, pos, "cast: condition +", layers=c_layers, position="mean")
@@ -388,28 +454,54 @@ def derive_cast(args, llm) -> App:
     best = None
     for i, cl in enumerate(c_layers):
         v = D.pca_direction(mp[:, i], mn[:, i], method=args.method)
-        fit = D.cast_threshold(D.cast_similarity(mp[:, i], v), D.cast_similarity(mn[:, i], v),
-                               lo=args.threshold_lo, hi=args.threshold_hi, step=args.threshold_step)
-        per_layer.append({"layer": cl, "threshold": fit.threshold, "comparator": fit.comparator,
-                          "f1": fit.f1})
+        fit = D.cast_threshold(
+            D.cast_similarity(mp[:, i], v),
+            D.cast_similarity(mn[:, i], v),
+            lo=args.threshold_lo,
+            hi=args.threshold_hi,
+            step=args.threshold_step,
+        )
+        per_layer.append(
+            {"layer": cl, "threshold": fit.threshold, "comparator": fit.comparator, "f1": fit.f1}
+        )
         if best is None or fit.f1 > best[2].f1:
             best = (cl, v, fit)
     cl, v, fit = best
     up = _collect(args, llm, bpos, "cast: behaviour +", layers=b_layers, position="last")
     un = _collect(args, llm, bneg, "cast: behaviour -", layers=b_layers, position="last")
     u = D.pca_direction(up, un, method=args.method)  # [L_sel, d], one PC per layer
-    meta = _meta(args, shape, f"CAST: pca_{args.method} condition and behaviour vectors, F1 grid "
-                              f"search of the threshold (Lee et al. 2025)",
-                 _files(args, behavior_positive=args.behavior_positive,
-                        behavior_negative=args.behavior_negative),
-                 {"positive": len(pos), "negative": len(neg), "behavior_positive": len(bpos),
-                  "behavior_negative": len(bneg)},
-                 site="residual.pre", condition_search=per_layer, f1=fit.f1,
-                 cast_comparator=fit.cast_direction,
-                 threshold_grid=[args.threshold_lo, args.threshold_hi, args.threshold_step])
-    return cast(v, u, condition_layer=cl, behavior_layers=b_layers, threshold=fit.threshold,
-                comparator=fit.comparator, alpha=args.alpha, model=args.model, name=args.name,
-                metadata=meta)
+    meta = _meta(
+        args,
+        shape,
+        f"CAST: pca_{args.method} condition and behaviour vectors, F1 grid "
+        f"search of the threshold (Lee et al. 2025)",
+        _files(
+            args, behavior_positive=args.behavior_positive, behavior_negative=args.behavior_negative
+        ),
+        {
+            "positive": len(pos),
+            "negative": len(neg),
+            "behavior_positive": len(bpos),
+            "behavior_negative": len(bneg),
+        },
+        site="residual.pre",
+        condition_search=per_layer,
+        f1=fit.f1,
+        cast_comparator=fit.cast_direction,
+        threshold_grid=[args.threshold_lo, args.threshold_hi, args.threshold_step],
+    )
+    return cast(
+        v,
+        u,
+        condition_layer=cl,
+        behavior_layers=b_layers,
+        threshold=fit.threshold,
+        comparator=fit.comparator,
+        alpha=args.alpha,
+        model=args.model,
+        name=args.name,
+        metadata=meta,
+    )
 
 
 def derive_truth_probe(args, llm) -> App:
@@ -421,18 +513,38 @@ def derive_truth_probe(args, llm) -> App:
 
     shape = _shape(llm)
     default = _paper_default(DEFAULTS, args.model, "layer")
-    layer = _one_layer(args, default if default is not None else _relative_layer(shape.n_layers, 0.47))
+    layer = _one_layer(
+        args, default if default is not None else _relative_layer(shape.n_layers, 0.47)
+    )
     pos, neg = read_prompts(args.positive), read_prompts(args.negative)
-    xp = _collect(args, llm, pos, "truth_probe: true", layers=[layer], site="mlp.post",
-                  position=args.position)[:, 0]
-    xn = _collect(args, llm, neg, "truth_probe: false", layers=[layer], site="mlp.post",
-                  position=args.position)[:, 0]
+    xp = _collect(
+        args, llm, pos, "truth_probe: true", layers=[layer], site="mlp.post", position=args.position
+    )[:, 0]
+    xn = _collect(
+        args,
+        llm,
+        neg,
+        "truth_probe: false",
+        layers=[layer],
+        site="mlp.post",
+        position=args.position,
+    )[:, 0]
     w, b = D.probe_from_sets(xp, xn, C=args.C)
     acc = float(torch.cat([(xp @ w + b) > 0, (xn @ w + b) <= 0]).float().mean())
-    meta = _meta(args, shape, f"logistic regression, L2, C={args.C} (Orgad et al. 2025)", _files(args),
-                 {"positive": len(pos), "negative": len(neg)}, site="mlp.post", probe_layer=layer,
-                 position=args.position, train_accuracy=acc)
-    return truth_probe(w, b, layer, tokens=args.tokens, model=args.model, name=args.name, metadata=meta)
+    meta = _meta(
+        args,
+        shape,
+        f"logistic regression, L2, C={args.C} (Orgad et al. 2025)",
+        _files(args),
+        {"positive": len(pos), "negative": len(neg)},
+        site="mlp.post",
+        probe_layer=layer,
+        position=args.position,
+        train_accuracy=acc,
+    )
+    return truth_probe(
+        w, b, layer, tokens=args.tokens, model=args.model, name=args.name, metadata=meta
+    )
 
 
 def derive_kl_then_steer(args, llm) -> App:
@@ -445,33 +557,76 @@ def derive_kl_then_steer(args, llm) -> App:
     shape = _shape(llm)
     layers = args.layer or _paper_default(DEFAULTS, args.model, "layers")
     if layers is None:
-        raise DeriveError("kl_then_steer needs --layer L [L ...] (the steered layers); defaults exist "
-                          "only for the paper's models")
+        raise DeriveError(
+            "kl_then_steer needs --layer L [L ...] (the steered layers); defaults exist "
+            "only for the paper's models"
+        )
     probe_layer = args.probe_layer if args.probe_layer is not None else min(layers) - 1
     if probe_layer < 0:
-        raise DeriveError(f"the first steered layer is {min(layers)}: there is no earlier layer for "
-                          f"the probe; steer from layer 1 on or give --probe-layer")
+        raise DeriveError(
+            f"the first steered layer is {min(layers)}: there is no earlier layer for "
+            f"the probe; steer from layer 1 on or give --probe-layer"
+        )
     pos, neg = read_prompts(args.positive), read_prompts(args.negative)
-    sp = _collect(args, llm, pos, "kts: steer +", layers=layers, site="residual.post", position="last")
-    sn = _collect(args, llm, neg, "kts: steer -", layers=layers, site="residual.post", position="last")
+    sp = _collect(
+        args, llm, pos, "kts: steer +", layers=layers, site="residual.post", position="last"
+    )
+    sn = _collect(
+        args, llm, neg, "kts: steer -", layers=layers, site="residual.post", position="last"
+    )
     u, s = D.kts_directions(sp, sn, method=args.method, scale=args.scale)
     ppos = read_prompts(args.probe_positive) if args.probe_positive else pos
     pneg = read_prompts(args.probe_negative) if args.probe_negative else neg
     reduce_pos = "mean" if args.reduce == "prompt_mean" else "last"
-    xp = _collect(args, llm, ppos, "kts: probe +", layers=[probe_layer], site="residual.post",
-                  position=reduce_pos)[:, 0]
-    xn = _collect(args, llm, pneg, "kts: probe -", layers=[probe_layer], site="residual.post",
-                  position=reduce_pos)[:, 0]
+    xp = _collect(
+        args,
+        llm,
+        ppos,
+        "kts: probe +",
+        layers=[probe_layer],
+        site="residual.post",
+        position=reduce_pos,
+    )[:, 0]
+    xn = _collect(
+        args,
+        llm,
+        pneg,
+        "kts: probe -",
+        layers=[probe_layer],
+        site="residual.post",
+        position=reduce_pos,
+    )[:, 0]
     w, b = D.probe_from_sets(xp, xn, C=args.C)
-    meta = _meta(args, shape, f"KTS directions ({args.method}, scale {args.scale}) and logistic "
-                              f"prompt probe (Stickland et al. 2024)",
-                 _files(args, probe_positive=args.probe_positive, probe_negative=args.probe_negative),
-                 {"positive": len(pos), "negative": len(neg), "probe_positive": len(ppos),
-                  "probe_negative": len(pneg)},
-                 site="residual.post", steer_layers=list(layers), probe_layer=probe_layer)
-    return kl_then_steer(u, s, w, b, probe_layer=probe_layer, layers=layers, coeff=args.coeff,
-                         threshold=args.threshold, reduce=args.reduce, model=args.model,
-                         name=args.name, metadata=meta)
+    meta = _meta(
+        args,
+        shape,
+        f"KTS directions ({args.method}, scale {args.scale}) and logistic "
+        f"prompt probe (Stickland et al. 2024)",
+        _files(args, probe_positive=args.probe_positive, probe_negative=args.probe_negative),
+        {
+            "positive": len(pos),
+            "negative": len(neg),
+            "probe_positive": len(ppos),
+            "probe_negative": len(pneg),
+        },
+        site="residual.post",
+        steer_layers=list(layers),
+        probe_layer=probe_layer,
+    )
+    return kl_then_steer(
+        u,
+        s,
+        w,
+        b,
+        probe_layer=probe_layer,
+        layers=layers,
+        coeff=args.coeff,
+        threshold=args.threshold,
+        reduce=args.reduce,
+        model=args.model,
+        name=args.name,
+        metadata=meta,
+    )
 
 
 def derive_sake(args, llm) -> App:
@@ -489,16 +644,24 @@ def derive_sake(args, llm) -> App:
     unrelated = None
     if args.unrelated:
         unrelated = read_prompts(args.unrelated)
-        xu = _collect(args, llm, unrelated, "sake: unrelated", site="final.post", position="last")[:, 0]
+        xu = _collect(args, llm, unrelated, "sake: unrelated", site="final.post", position="last")[
+            :, 0
+        ]
         t = D.distance_threshold(din, D.min_distance(xu, mu_s[None]))
     else:
         t = D.distance_threshold(din, quantile=args.quantile)
     counts = {"positive": len(src), "negative": len(tgt)}
     if unrelated is not None:
         counts["unrelated"] = len(unrelated)
-    meta = _meta(args, shape, f"Gaussian OT map (reg={args.reg}, shrinkage={args.shrinkage}), "
-                              f"distance threshold (Scialanga et al. 2025)",
-                 _files(args, unrelated=args.unrelated), counts, site="final.post")
+    meta = _meta(
+        args,
+        shape,
+        f"Gaussian OT map (reg={args.reg}, shrinkage={args.shrinkage}), "
+        f"distance threshold (Scialanga et al. 2025)",
+        _files(args, unrelated=args.unrelated),
+        counts,
+        site="final.post",
+    )
     return sake(A, mu_s, mu_t, t, model=args.model, name=args.name, metadata=meta)
 
 
@@ -512,8 +675,11 @@ def _router_weights(model_path: str, moe_layers) -> tuple[dict, dict]:
 
         folder = Path(snapshot_download(model_path, allow_patterns=["*.safetensors", "*.json"]))
     want_norm = {f"model.layers.{l}.post_attention_layernorm.weight": l for l in moe_layers}
-    want_gate = {f"model.layers.{l}.{m}.gate.weight": l for l in moe_layers
-                 for m in ("mlp", "block_sparse_moe")}
+    want_gate = {
+        f"model.layers.{l}.{m}.gate.weight": l
+        for l in moe_layers
+        for m in ("mlp", "block_sparse_moe")
+    }
     norms, gates = {}, {}
     for f in sorted(folder.glob("*.safetensors")):
         with safe_open(str(f), "pt") as st:
@@ -524,8 +690,10 @@ def _router_weights(model_path: str, moe_layers) -> tuple[dict, dict]:
                     gates[want_gate[k]] = st.get_tensor(k).double()
     missing = sorted((set(moe_layers) - set(norms)) | (set(moe_layers) - set(gates)))
     if missing:
-        raise DeriveError(f"the checkpoint in {folder} lacks the router or post-attention norm weights "
-                          f"of MoE layer(s) {missing}")
+        raise DeriveError(
+            f"the checkpoint in {folder} lacks the router or post-attention norm weights "
+            f"of MoE layer(s) {missing}"
+        )
     return norms, gates
 
 
@@ -547,18 +715,22 @@ def derive_steer_moe(args, llm) -> App:
     if shape.architecture not in _SOFTMAX_TOPK_ROUTERS:
         # DeepSeek-V2's group-limited choice and GPT-OSS's biased router pick other experts
         # than the softmax top-k recomputed below; counts from it would be silently wrong.
-        raise DeriveError(f"xmix derive steer_moe recomputes routing as softmax top-k "
-                          f"({', '.join(_SOFTMAX_TOPK_ROUTERS)}); {shape.architecture} routes "
-                          f"otherwise (docs/models.md, router.logits per family)")
+        raise DeriveError(
+            f"xmix derive steer_moe recomputes routing as softmax top-k "
+            f"({', '.join(_SOFTMAX_TOPK_ROUTERS)}); {shape.architecture} routes "
+            f"otherwise (docs/models.md, router.logits per family)"
+        )
     cfg = llm.llm_engine.model_config.hf_config
     text = getattr(cfg, "text_config", None) or cfg
-    top_k = int(getattr(text, "num_experts_per_tok"))
+    top_k = int(text.num_experts_per_tok)
     eps = float(getattr(text, "rms_norm_eps", 1e-5))
     layers = list(shape.moe_layers)
     norms, gates = _router_weights(args.model_path, layers)
 
     def counts(prompts, desc):
-        acts = _collect(args, llm, prompts, desc, layers=layers, site="residual.mid", position="all")
+        acts = _collect(
+            args, llm, prompts, desc, layers=layers, site="residual.mid", position="all"
+        )
         sel, n_tok = [], 0
         for a in acts:  # [T, L, d]
             x = a.double()
@@ -575,25 +747,55 @@ def derive_steer_moe(args, llm) -> App:
     cp, tp = counts(pos, "steer_moe: +")
     cn, tn = counts(neg, "steer_moe: -")
     delta = D.routing_difference(cp, tp, cn, tn)
-    mask = D.steer_moe_mask(delta, n_activate=args.n_activate, n_deactivate=args.n_deactivate,
-                            top_k=top_k, per_layer=args.per_layer)
+    mask = D.steer_moe_mask(
+        delta,
+        n_activate=args.n_activate,
+        n_deactivate=args.n_deactivate,
+        top_k=top_k,
+        per_layer=args.per_layer,
+    )
     if not bool((mask != 0).any()):
-        raise DeriveError("no expert's activation rate differs between the two sets; nothing to steer")
-    meta = _meta(args, shape, "risk difference of expert activation rates (Fayyaz et al. 2026), "
-                              "routing recomputed from residual.mid with the checkpoint's router",
-                 _files(args), {"positive": len(pos), "negative": len(neg), "positive_tokens": tp,
-                                "negative_tokens": tn},
-                 site="router.logits", moe_layers=layers, top_k=top_k,
-                 max_abs_risk_difference=float(delta.abs().max()))
+        raise DeriveError(
+            "no expert's activation rate differs between the two sets; nothing to steer"
+        )
+    meta = _meta(
+        args,
+        shape,
+        "risk difference of expert activation rates (Fayyaz et al. 2026), "
+        "routing recomputed from residual.mid with the checkpoint's router",
+        _files(args),
+        {"positive": len(pos), "negative": len(neg), "positive_tokens": tp, "negative_tokens": tn},
+        site="router.logits",
+        moe_layers=layers,
+        top_k=top_k,
+        max_abs_risk_difference=float(delta.abs().max()),
+    )
     return steer_moe(mask, delta=args.delta, model=args.model, name=args.name, metadata=meta)
 
 
 # SEAL's keyword classification of thoughts (its repository, via EasySteer's replication):
 # transition first, then reflection, else execution.
-SEAL_TRANSITION = ("alternatively", "think differently", "another way", "another approach",
-                   "another method", "another solution", "another strategy", "another technique")
-SEAL_REFLECTION = ("wait", "verify", "make sure", "hold on", "think again", "'s correct",
-                   "'s incorrect", "let me check", "seems right")
+SEAL_TRANSITION = (
+    "alternatively",
+    "think differently",
+    "another way",
+    "another approach",
+    "another method",
+    "another solution",
+    "another strategy",
+    "another technique",
+)
+SEAL_REFLECTION = (
+    "wait",
+    "verify",
+    "make sure",
+    "hold on",
+    "think again",
+    "'s correct",
+    "'s incorrect",
+    "let me check",
+    "seems right",
+)
 
 
 def classify_thought(text: str) -> str:
@@ -612,7 +814,7 @@ def seal_separators(tokenizer, ids: list[int], separator: str = "\n\n") -> list[
     out = []
     for j, i in enumerate(seps):
         end = seps[j + 1] if j + 1 < len(seps) else len(ids)
-        thought = tokenizer.decode(ids[i + 1:end], skip_special_tokens=True).strip()
+        thought = tokenizer.decode(ids[i + 1 : end], skip_special_tokens=True).strip()
         if thought:
             out.append((i, classify_thought(thought)))
     return out
@@ -625,26 +827,38 @@ def derive_seal(args, llm) -> App:
     from xmix.apps.seal import DEFAULTS
 
     if not args.traces:
-        raise DeriveError("seal needs --traces FILE: reasoning traces (JSON lines), whose thoughts are "
-                          "separated by \"\\n\\n\"")
+        raise DeriveError(
+            "seal needs --traces FILE: reasoning traces (JSON lines), whose thoughts are "
+            'separated by "\\n\\n"'
+        )
     shape = _shape(llm)
     default = _paper_default(DEFAULTS, args.model, "layer")
-    layer = _one_layer(args, default if default is not None else _relative_layer(shape.n_layers, 0.71))
+    layer = _one_layer(
+        args, default if default is not None else _relative_layer(shape.n_layers, 0.71)
+    )
     traces = read_traces(args.traces)
     tok = llm.get_tokenizer()
     ids = encode(tok, traces)
     kinds = {i: dict(seal_separators(tok, p)) for i, p in enumerate(ids)}
     by_ids = {tuple(p): i for i, p in enumerate(ids)}
-    acts = _collect(args, llm, ids, "seal: traces", layers=[layer],
-                    position=lambda p: sorted(kinds[by_ids[tuple(p)]]))
+    acts = _collect(
+        args,
+        llm,
+        ids,
+        "seal: traces",
+        layers=[layer],
+        position=lambda p: sorted(kinds[by_ids[tuple(p)]]),
+    )
     groups: dict[str, list[torch.Tensor]] = {"execution": [], "reflection": [], "transition": []}
     for i, a in enumerate(acts):
         for row, pos in zip(a[:, 0], sorted(kinds[i])):
             groups[kinds[i][pos]].append(row)
     if not groups["execution"] or not (groups["reflection"] or groups["transition"]):
         n = {k: len(v) for k, v in groups.items()}
-        raise DeriveError(f"SEAL needs execution thoughts and reflection or transition thoughts; "
-                          f"the traces gave {n}")
+        raise DeriveError(
+            f"SEAL needs execution thoughts and reflection or transition thoughts; "
+            f"the traces gave {n}"
+        )
     e = torch.stack(groups["execution"])
     r = torch.stack(groups["reflection"]) if groups["reflection"] else None
     t = torch.stack(groups["transition"]) if groups["transition"] else None
@@ -653,9 +867,16 @@ def derive_seal(args, llm) -> App:
     s = D.seal_vector(e, r, t)
     counts = {k: len(v) for k, v in groups.items()}
     counts["traces"] = len(traces)
-    meta = _meta(args, shape, "S = mean(execution) - mean(reflection ∪ transition) at '\\n\\n' "
-                              "tokens, thoughts classified by SEAL's keywords (Chen et al. 2025)",
-                 {"traces": str(args.traces)}, counts, site="residual.pre", steer_layer=layer)
+    meta = _meta(
+        args,
+        shape,
+        "S = mean(execution) - mean(reflection ∪ transition) at '\\n\\n' "
+        "tokens, thoughts classified by SEAL's keywords (Chen et al. 2025)",
+        {"traces": str(args.traces)},
+        counts,
+        site="residual.pre",
+        steer_layer=layer,
+    )
     return seal(s, layer, coeff=args.coeff, model=args.model, name=args.name, metadata=meta)
 
 
@@ -675,44 +896,77 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="xmix derive",
         description="Compute an app's artifacts from contrastive prompt sets (one prompt per line), "
-                    "collecting activations with xmix capture reads on a vLLM engine, and write the "
-                    "app file. Docs: docs/apps.md.")
+        "collecting activations with xmix capture reads on a vLLM engine, and write the "
+        "app file. Docs: docs/apps.md.",
+    )
     p.add_argument("app", choices=DERIVABLE)
-    p.add_argument("--model", required=True, help="model folder, Hugging Face id, or tiny-llama / "
-                                                  "tiny-qwen3 / tiny-mixtral")
-    p.add_argument("--positive", help="prompts with the property (harmful, condition, true, "
-                                      "source, ...); one per line")
+    p.add_argument(
+        "--model",
+        required=True,
+        help="model folder, Hugging Face id, or tiny-llama / tiny-qwen3 / tiny-mixtral",
+    )
+    p.add_argument(
+        "--positive",
+        help="prompts with the property (harmful, condition, true, source, ...); one per line",
+    )
     p.add_argument("--negative", help="prompts without it (harmless, other, false, target, ...)")
-    p.add_argument("--layer", type=int, nargs="+", help="layer(s): refusal/truth_probe/seal one; "
-                                                        "kl_then_steer the steered layers")
+    p.add_argument(
+        "--layer",
+        type=int,
+        nargs="+",
+        help="layer(s): refusal/truth_probe/seal one; kl_then_steer the steered layers",
+    )
     p.add_argument("--out", help="app file to write (default: <app>.xmix)")
     p.add_argument("--name", help="app name (default: the app key)")
-    p.add_argument("--position", choices=("last", "mean"), default="last",
-                   help="refusal / truth_probe: the last prompt token or the prompt mean")
-    p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template "
-                                                       "(generation prompt added)")
+    p.add_argument(
+        "--position",
+        choices=("last", "mean"),
+        default="last",
+        help="refusal / truth_probe: the last prompt token or the prompt mean",
+    )
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="wrap each prompt in the model's chat template (generation prompt added)",
+    )
     p.add_argument("--batch-size", type=int, default=16, help="prompts per engine call")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     g = p.add_argument_group("refusal")
     g.add_argument("--variant", choices=("ablate", "add"), default="ablate")
-    g.add_argument("--coeff", type=float, default=1.0, help="refusal add / seal / kl_then_steer coefficient")
+    g.add_argument(
+        "--coeff", type=float, default=1.0, help="refusal add / seal / kl_then_steer coefficient"
+    )
     g = p.add_argument_group("cast")
-    g.add_argument("--condition-layer", type=int, nargs="+", help="candidate condition layers; the "
-                                                                  "best F1 wins")
+    g.add_argument(
+        "--condition-layer",
+        type=int,
+        nargs="+",
+        help="candidate condition layers; the best F1 wins",
+    )
     g.add_argument("--behavior-layers", type=int, nargs="+")
-    g.add_argument("--behavior-positive",
-                   help="examples showing the behaviour (paired with --behavior-negative)")
+    g.add_argument(
+        "--behavior-positive",
+        help="examples showing the behaviour (paired with --behavior-negative)",
+    )
     g.add_argument("--behavior-negative")
-    g.add_argument("--method", default=None, help="cast: pairwise|diff|center (default pairwise); "
-                                                  "kl_then_steer: mean|pca (default mean)")
+    g.add_argument(
+        "--method",
+        default=None,
+        help="cast: pairwise|diff|center (default pairwise); "
+        "kl_then_steer: mean|pca (default mean)",
+    )
     g.add_argument("--alpha", type=float, default=1.0)
     g.add_argument("--threshold-lo", type=float, default=0.0)
     g.add_argument("--threshold-hi", type=float, default=1.0)
     g.add_argument("--threshold-step", type=float, default=0.01)
     g = p.add_argument_group("truth_probe / kl_then_steer probes")
     g.add_argument("--C", type=float, default=1.0, help="inverse L2 strength (scikit-learn's C)")
-    g.add_argument("--tokens", choices=("generated", "all", "last_token"), default="generated",
-                   help="truth_probe: which tokens the served probe scores")
+    g.add_argument(
+        "--tokens",
+        choices=("generated", "all", "last_token"),
+        default="generated",
+        help="truth_probe: which tokens the served probe scores",
+    )
     g = p.add_argument_group("kl_then_steer")
     g.add_argument("--probe-layer", type=int)
     g.add_argument("--probe-positive")
@@ -731,7 +985,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--per-layer", action="store_true")
     g.add_argument("--delta", type=float, default=0.01)
     g = p.add_argument_group("seal")
-    g.add_argument("--traces", help="reasoning traces, JSON lines (a string or {\"text\": ...} each)")
+    g.add_argument("--traces", help='reasoning traces, JSON lines (a string or {"text": ...} each)')
     g = p.add_argument_group("engine")
     g.add_argument("--dtype", default="auto")
     g.add_argument("--max-model-len", type=int, default=2048)
@@ -739,8 +993,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tensor-parallel-size", type=int, default=1)
     g.add_argument("--gpu-memory-utilization", type=float, default=None)
     g.add_argument("--enforce-eager", action="store_true")
-    g.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
-                   help="any other vllm.LLM argument (VALUE parsed as JSON when it can be)")
+    g.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any other vllm.LLM argument (VALUE parsed as JSON when it can be)",
+    )
     return p
 
 
@@ -760,8 +1019,12 @@ def _check_args(args, parser) -> None:
 
 
 def engine_kwargs(args) -> dict:
-    kw: dict[str, Any] = {"dtype": args.dtype, "max_model_len": args.max_model_len, "seed": args.seed,
-                          "tensor_parallel_size": args.tensor_parallel_size}
+    kw: dict[str, Any] = {
+        "dtype": args.dtype,
+        "max_model_len": args.max_model_len,
+        "seed": args.seed,
+        "tensor_parallel_size": args.tensor_parallel_size,
+    }
     if args.gpu_memory_utilization is not None:
         kw["gpu_memory_utilization"] = args.gpu_memory_utilization
     if args.enforce_eager:
@@ -787,11 +1050,16 @@ def run(args, llm=None) -> tuple[App, Path]:
         llm = xmix.LLM(model=args.model_path, **engine_kwargs(args))
     else:
         served = str(llm.llm_engine.model_config.model)
-        same = (os.path.realpath(served) == os.path.realpath(args.model_path)
-                if os.path.exists(served) and os.path.exists(args.model_path) else served == args.model_path)
+        same = (
+            os.path.realpath(served) == os.path.realpath(args.model_path)
+            if os.path.exists(served) and os.path.exists(args.model_path)
+            else served == args.model_path
+        )
         if not same:
             # The artifacts would fit the served model, but the metadata would name another.
-            raise DeriveError(f"--model {args.model} is {args.model_path}, but the engine serves {served}")
+            raise DeriveError(
+                f"--model {args.model} is {args.model_path}, but the engine serves {served}"
+            )
     try:
         app = DERIVERS[args.app](args, llm)
     finally:

@@ -41,14 +41,26 @@ DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
-def kl_then_steer(directions: Any, scales: Any, probe_weight: Any, probe_bias: float, *,
-                  probe_layer: int | None = None, layers: Any = None, coeff: float = 1.0,
-                  threshold: float = 0.5, reduce: str = "prompt_mean", model: str | None = None,
-                  name: str | None = None, metadata: dict[str, Any] | None = None) -> App:
+def kl_then_steer(
+    directions: Any,
+    scales: Any,
+    probe_weight: Any,
+    probe_bias: float,
+    *,
+    probe_layer: int | None = None,
+    layers: Any = None,
+    coeff: float = 1.0,
+    threshold: float = 0.5,
+    reduce: str = "prompt_mean",
+    model: str | None = None,
+    name: str | None = None,
+    metadata: dict[str, Any] | None = None,
+) -> App:
     """KTS steering gated by a prompt probe. ``directions``: unit û_l [len(layers), d];
     ``scales``: s_l [len(layers)]; ``probe_weight`` [d], ``probe_bias``: the gate σ(w·h + b)."""
-    layers, probe_layer = c.with_defaults(APP, DEFAULTS, model, layers=layers,
-                                          probe_layer=probe_layer)
+    layers, probe_layer = c.with_defaults(
+        APP, DEFAULTS, model, layers=layers, probe_layer=probe_layer
+    )
     ls = c.layer_list(APP, "layers", layers)
     pl = c.layer(APP, "probe_layer", probe_layer)
     if reduce not in REDUCES:
@@ -60,17 +72,29 @@ def kl_then_steer(directions: Any, scales: Any, probe_weight: Any, probe_bias: f
     th = c.number(APP, "threshold", threshold)
     coeff = c.number(APP, "coeff", coeff)
     d = int(w.shape[0])
-    c.check(APP, {"directions": u, "scales": s, "probe_weight": w, "probe_bias": b, "threshold": th},
-            {"d": d, "L_sel": len(ls)}, model)
-    app = c.new_app(APP, name, model=model, hidden_size=d, sites=["residual.post"],
-                    layers={"probe": pl, "steer": ls},
-                    params={"coeff": coeff, "threshold": th, "reduce": reduce},
-                    derivation="u_l, s_l from contrastive pairs at residual.post (kts_directions); "
-                               "probe = logistic regression on prompt activations at the probe layer",
-                    extra=metadata)
+    c.check(
+        APP,
+        {"directions": u, "scales": s, "probe_weight": w, "probe_bias": b, "threshold": th},
+        {"d": d, "L_sel": len(ls)},
+        model,
+    )
+    app = c.new_app(
+        APP,
+        name,
+        model=model,
+        hidden_size=d,
+        sites=["residual.post"],
+        layers={"probe": pl, "steer": ls},
+        params={"coeff": coeff, "threshold": th, "reduce": reduce},
+        derivation="u_l, s_l from contrastive pairs at residual.post (kts_directions); "
+        "probe = logistic regression on prompt activations at the probe layer",
+        extra=metadata,
+    )
     app.param("threshold", th)
-    app.read("probe", weight=w, bias=b).layers([pl]).at("residual.post").named("kts_probe") \
-       .cond("prompt")
-    app.write("add", vector=s[:, None] * u, scale=coeff).layers(ls).at("residual.post") \
-       .cond(f"{reduce}(kts_probe) >= threshold")
+    app.read("probe", weight=w, bias=b).layers([pl]).at("residual.post").named("kts_probe").cond(
+        "prompt"
+    )
+    app.write("add", vector=s[:, None] * u, scale=coeff).layers(ls).at("residual.post").cond(
+        f"{reduce}(kts_probe) >= threshold"
+    )
     return app

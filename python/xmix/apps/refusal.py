@@ -33,9 +33,16 @@ DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
-def refusal(direction: Any, *, variant: str = "ablate", layer: int | None = None, coeff: float = 1.0,
-            model: str | None = None, name: str | None = None,
-            metadata: dict[str, Any] | None = None) -> App:
+def refusal(
+    direction: Any,
+    *,
+    variant: str = "ablate",
+    layer: int | None = None,
+    coeff: float = 1.0,
+    model: str | None = None,
+    name: str | None = None,
+    metadata: dict[str, Any] | None = None,
+) -> App:
     """Refusal-direction app. ``direction``: [d] (unnormalised difference of means)."""
     if variant not in ("ablate", "add"):
         raise c.fail(APP, f"variant must be 'ablate' or 'add', got {variant!r}")
@@ -44,15 +51,27 @@ def refusal(direction: Any, *, variant: str = "ablate", layer: int | None = None
     d = int(r.shape[0])
     if variant == "ablate":
         if layer is not None:
-            raise c.fail(APP, "variant 'ablate' projects r out at every layer; 'layer' only applies "
-                              "to variant 'add'")
+            raise c.fail(
+                APP,
+                "variant 'ablate' projects r out at every layer; 'layer' only applies "
+                "to variant 'add'",
+            )
         if coeff != 1.0:
-            raise c.fail(APP, "variant 'ablate' has no coefficient; 'coeff' only applies to variant 'add'")
-        app = c.new_app(APP, name, model=model, hidden_size=d, sites=list(ABLATE_SITES), layers="all",
-                        params={"variant": "ablate"},
-                        derivation="r = mean(harmful) - mean(harmless) at residual.pre of the selected "
-                                   "layer and post-instruction position; ablated (normalised) at all layers",
-                        extra=metadata)
+            raise c.fail(
+                APP, "variant 'ablate' has no coefficient; 'coeff' only applies to variant 'add'"
+            )
+        app = c.new_app(
+            APP,
+            name,
+            model=model,
+            hidden_size=d,
+            sites=list(ABLATE_SITES),
+            layers="all",
+            params={"variant": "ablate"},
+            derivation="r = mean(harmful) - mean(harmless) at residual.pre of the selected "
+            "layer and post-instruction position; ablated (normalised) at all layers",
+            extra=metadata,
+        )
         for site in ABLATE_SITES:
             # One tensor per op: safetensors refuses to save tensors that share memory.
             app.write("ablate", direction=r.clone()).layers("all").at(site)
@@ -60,14 +79,24 @@ def refusal(direction: Any, *, variant: str = "ablate", layer: int | None = None
     if layer is None:
         layer = c.model_defaults(DEFAULTS, model).get("layer")
         if layer is None:
-            raise c.fail(APP, "variant 'add' needs layer= (the layer the direction was taken from); "
-                              f"defaults exist only for the paper's models {sorted(DEFAULTS)}")
+            raise c.fail(
+                APP,
+                "variant 'add' needs layer= (the layer the direction was taken from); "
+                f"defaults exist only for the paper's models {sorted(DEFAULTS)}",
+            )
     layer = c.layer(APP, "layer", layer)
     coeff = c.number(APP, "coeff", coeff)
-    app = c.new_app(APP, name, model=model, hidden_size=d, sites=["residual.pre"], layers=[layer],
-                    params={"variant": "add", "coeff": coeff},
-                    derivation="r = mean(harmful) - mean(harmless) at residual.pre of this layer; "
-                               "added unnormalised, x += coeff * r",
-                    extra=metadata)
+    app = c.new_app(
+        APP,
+        name,
+        model=model,
+        hidden_size=d,
+        sites=["residual.pre"],
+        layers=[layer],
+        params={"variant": "add", "coeff": coeff},
+        derivation="r = mean(harmful) - mean(harmless) at residual.pre of this layer; "
+        "added unnormalised, x += coeff * r",
+        extra=metadata,
+    )
     app.write("add", vector=r, scale=coeff).layers([layer]).at("residual.pre")
     return app

@@ -38,27 +38,50 @@ from xmix.apps import _common as c
 APP = "sake"
 
 
-def sake(A: Any, mu_s: Any, mu_t: Any, threshold: float, *, centroids: Any = None,
-         model: str | None = None, name: str | None = None,
-         metadata: dict[str, Any] | None = None) -> App:
+def sake(
+    A: Any,
+    mu_s: Any,
+    mu_t: Any,
+    threshold: float,
+    *,
+    centroids: Any = None,
+    model: str | None = None,
+    name: str | None = None,
+    metadata: dict[str, Any] | None = None,
+) -> App:
     """SAKE edit. ``A``: [d, d] symmetric; ``mu_s``, ``mu_t``: [d]; ``threshold``: t >= 0;
     ``centroids``: [k, d] in-scope centres (default ``mu_s[None]``)."""
     a = c.vector(APP, "A", A, rank=(2,))
     ms = c.vector(APP, "mu_s", mu_s)
     mt = c.vector(APP, "mu_t", mu_t)
     t = c.number(APP, "threshold", threshold, lo=0.0)
-    cen = ms[None, :].clone() if centroids is None else c.vector(APP, "centroids", centroids, rank=(1, 2))
+    cen = (
+        ms[None, :].clone()
+        if centroids is None
+        else c.vector(APP, "centroids", centroids, rank=(1, 2))
+    )
     if cen.dim() == 1:
         cen = cen[None, :]
     d = int(ms.shape[0])
-    c.check(APP, {"A": a, "mu_s": ms, "mu_t": mt, "threshold": t, "centroids": cen}, {"d": d}, model)
-    app = c.new_app(APP, name, model=model, hidden_size=d, sites=["final.post"], layers=None,
-                    params={"t": t, "n_centroids": int(cen.shape[0])},
-                    derivation="Gaussian OT map between final.post last-token activations of source "
-                               "and target prompts (covariances shrunk + reg*I); t from the in-scope "
-                               "distance distribution",
-                    extra=metadata)
+    c.check(
+        APP, {"A": a, "mu_s": ms, "mu_t": mt, "threshold": t, "centroids": cen}, {"d": d}, model
+    )
+    app = c.new_app(
+        APP,
+        name,
+        model=model,
+        hidden_size=d,
+        sites=["final.post"],
+        layers=None,
+        params={"t": t, "n_centroids": int(cen.shape[0])},
+        derivation="Gaussian OT map between final.post last-token activations of source "
+        "and target prompts (covariances shrunk + reg*I); t from the in-scope "
+        "distance distribution",
+        extra=metadata,
+    )
     app.param("t", t)
     app.read("distance", centroids=cen).at("final.post").named("dist").cond("last_token")
-    app.write("affine", matrix=a, mu_s=ms, mu_t=mt).at("final.post").cond("last_token and dist <= t")
+    app.write("affine", matrix=a, mu_s=ms, mu_t=mt).at("final.post").cond(
+        "last_token and dist <= t"
+    )
     return app

@@ -41,28 +41,49 @@ DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
-def seal(vector: Any, layer: int | None = None, *, coeff: float = 1.0, only_generated: bool = False,
-         separator: str = "\n\n", think_open: str = "<think>", think_close: str = "</think>",
-         model: str | None = None, name: str | None = None,
-         metadata: dict[str, Any] | None = None) -> App:
+def seal(
+    vector: Any,
+    layer: int | None = None,
+    *,
+    coeff: float = 1.0,
+    only_generated: bool = False,
+    separator: str = "\n\n",
+    think_open: str = "<think>",
+    think_close: str = "</think>",
+    model: str | None = None,
+    name: str | None = None,
+    metadata: dict[str, Any] | None = None,
+) -> App:
     """SEAL app. ``vector``: S [d]; ``layer``: where to add it (default from the paper's models)."""
     s = c.vector(APP, "vector", vector)
     c.check(APP, {"vector": s}, {"d": int(s.shape[0])}, model)
-    (layer,) = c.with_defaults(APP, DEFAULTS, model, "SEAL steers one layer: 20 on 28-layer models",
-                               layer=layer)
+    (layer,) = c.with_defaults(
+        APP, DEFAULTS, model, "SEAL steers one layer: 20 on 28-layer models", layer=layer
+    )
     layer = c.layer(APP, "layer", layer)
     coeff = c.number(APP, "coeff", coeff)
-    for what, v in (("separator", separator), ("think_open", think_open), ("think_close", think_close)):
+    for what, v in (
+        ("separator", separator),
+        ("think_open", think_open),
+        ("think_close", think_close),
+    ):
         if not isinstance(v, str) or not v:
             raise c.fail(APP, f"{what} must be a non-empty string, got {v!r}")
     cond = "token_in(nl2) and in_span(think_open, think_close)"
     if only_generated:
         cond += " and generated"
-    app = c.new_app(APP, name, model=model, hidden_size=int(s.shape[0]), sites=["residual.pre"],
-                    layers=[layer], params={"coeff": coeff, "condition": cond},
-                    derivation="S = mean(H_execution) - mean(H_reflection ∪ H_transition) over the "
-                               "hidden states of thought-separating '\\n\\n' tokens at residual.pre",
-                    extra=metadata)
+    app = c.new_app(
+        APP,
+        name,
+        model=model,
+        hidden_size=int(s.shape[0]),
+        sites=["residual.pre"],
+        layers=[layer],
+        params={"coeff": coeff, "condition": cond},
+        derivation="S = mean(H_execution) - mean(H_reflection ∪ H_transition) over the "
+        "hidden states of thought-separating '\\n\\n' tokens at residual.pre",
+        extra=metadata,
+    )
     app.token_set("nl2", contains=[separator])
     app.token_set("think_open", strings=[think_open])
     app.token_set("think_close", strings=[think_close])

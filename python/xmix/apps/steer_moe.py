@@ -24,8 +24,14 @@ from xmix.apps import _common as c
 APP = "steer_moe"
 
 
-def steer_moe(mask: Any, *, delta: float = 0.01, model: str | None = None, name: str | None = None,
-              metadata: dict[str, Any] | None = None) -> App:
+def steer_moe(
+    mask: Any,
+    *,
+    delta: float = 0.01,
+    model: str | None = None,
+    name: str | None = None,
+    metadata: dict[str, Any] | None = None,
+) -> App:
     """SteerMoE app. ``mask``: [n_moe_layers or n_layers, E] (or [E] for every layer) in {-1, 0, 1}."""
     m = c.vector(APP, "mask", mask, rank=(1, 2))
     delta = c.number(APP, "delta", delta, lo=0.0)
@@ -36,11 +42,22 @@ def steer_moe(mask: Any, *, delta: float = 0.01, model: str | None = None, name:
             raise c.fail(APP, f"{pm.hf_id} is not a mixture-of-experts model")
         dims = {"E": pm.n_experts, "n_moe": pm.n_layers, "n_layers": pm.n_layers}
     c.check(APP, {"mask": m}, dims)
-    app = c.new_app(APP, name, model=model, hidden_size=None, sites=["router.logits"], layers="all",
-                    params={"delta": delta, "n_experts": int(m.shape[-1]), "n_on": int((m > 0).sum()),
-                            "n_off": int((m < 0).sum())},
-                    derivation="risk difference of expert activation rates on paired prompts; top "
-                               "positive experts forced on, top negative forced off",
-                    extra=metadata)
+    app = c.new_app(
+        APP,
+        name,
+        model=model,
+        hidden_size=None,
+        sites=["router.logits"],
+        layers="all",
+        params={
+            "delta": delta,
+            "n_experts": int(m.shape[-1]),
+            "n_on": int((m > 0).sum()),
+            "n_off": int((m < 0).sum()),
+        },
+        derivation="risk difference of expert activation rates on paired prompts; top "
+        "positive experts forced on, top negative forced off",
+        extra=metadata,
+    )
     app.write("router", mask=m, delta=delta).layers("all").at("router.logits")
     return app

@@ -35,22 +35,38 @@ DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
-def truth_probe(weight: Any, bias: float, layer: int | None = None, *, tokens: str = "generated",
-                model: str | None = None, name: str | None = None,
-                metadata: dict[str, Any] | None = None) -> App:
+def truth_probe(
+    weight: Any,
+    bias: float,
+    layer: int | None = None,
+    *,
+    tokens: str = "generated",
+    model: str | None = None,
+    name: str | None = None,
+    metadata: dict[str, Any] | None = None,
+) -> App:
     """Truthfulness probe. ``weight``: w [d]; ``bias``: b; read at mlp.post of ``layer``."""
     if tokens not in TOKENS:
         raise c.fail(APP, f"tokens must be one of {sorted(TOKENS)}, got {tokens!r}")
     w = c.vector(APP, "weight", weight)
     b = c.number(APP, "bias", bias)
     c.check(APP, {"weight": w, "bias": b}, {"d": int(w.shape[0])}, model)
-    (layer,) = c.with_defaults(APP, DEFAULTS, model, "the layer the probe was trained on", layer=layer)
+    (layer,) = c.with_defaults(
+        APP, DEFAULTS, model, "the layer the probe was trained on", layer=layer
+    )
     layer = c.layer(APP, "layer", layer)
-    app = c.new_app(APP, name, model=model, hidden_size=int(w.shape[0]), sites=["mlp.post"],
-                    layers=[layer], params={"tokens": tokens},
-                    derivation="logistic regression (L2, C=1) on mlp.post activations at the last "
-                               "exact-answer token, label 1 = correct answer",
-                    extra=metadata)
+    app = c.new_app(
+        APP,
+        name,
+        model=model,
+        hidden_size=int(w.shape[0]),
+        sites=["mlp.post"],
+        layers=[layer],
+        params={"tokens": tokens},
+        derivation="logistic regression (L2, C=1) on mlp.post activations at the last "
+        "exact-answer token, label 1 = correct answer",
+        extra=metadata,
+    )
     op = app.read("probe", weight=w, bias=b).layers([layer]).at("mlp.post").named("truth")
     if TOKENS[tokens] is not None:
         op.cond(TOKENS[tokens])

@@ -56,8 +56,14 @@ def read_scalar(v: Any, channel: int | None = None) -> float | None:
 
 
 class _Eval:
-    def __init__(self, lowered: LoweredApp, ids: list[int], prompt_len: int,
-                 results: dict, params: dict[str, float]):
+    def __init__(
+        self,
+        lowered: LoweredApp,
+        ids: list[int],
+        prompt_len: int,
+        results: dict,
+        params: dict[str, float],
+    ):
         self.lw = lowered
         self.ids = ids
         self.P = prompt_len
@@ -86,8 +92,10 @@ class _Eval:
             key, channel = getattr(self.lw, "aliases", {}).get(read, (read, None))
             entry = self.results.get(key)
             if isinstance(entry, dict) and isinstance(entry.get("positions"), list):
-                self.reads[read] = {p: read_scalar(v, channel)
-                                    for p, v in zip(entry["positions"], entry.get("values") or [])}
+                self.reads[read] = {
+                    p: read_scalar(v, channel)
+                    for p, v in zip(entry["positions"], entry.get("values") or [])
+                }
             else:
                 self.reads[read] = None
         return self.reads[read]
@@ -103,8 +111,11 @@ class _Eval:
     def span(self, open_: str, close: str) -> list[bool]:
         k = (open_, close)
         if k not in self.spans:
-            flags, _ = R.span_flags(self.ids[: self.n], set(self.lw.token_sets.get(open_, [])),
-                                    set(self.lw.token_sets.get(close, [])))
+            flags, _ = R.span_flags(
+                self.ids[: self.n],
+                set(self.lw.token_sets.get(open_, [])),
+                set(self.lw.token_sets.get(close, [])),
+            )
             self.spans[k] = flags
         return self.spans[k]
 
@@ -122,8 +133,12 @@ class _Eval:
 
     def holds(self, op: LoweredOp, node, t: int) -> bool | None:
         if isinstance(node, C.Flag):
-            return {"all": True, "prompt": t < self.P, "generated": t >= self.P,
-                    "last_token": t >= self.P - 1}[node.name]
+            return {
+                "all": True,
+                "prompt": t < self.P,
+                "generated": t >= self.P,
+                "last_token": t >= self.P - 1,
+            }[node.name]
         if isinstance(node, C.TokenIn):
             return self.ids[t] in set(self.lw.token_sets.get(node.set, []))
         if isinstance(node, C.InSpan):
@@ -156,21 +171,35 @@ class _Eval:
         raise TypeError(f"unknown condition node {node!r}")
 
 
-def decisions(lowered: LoweredApp, ids: list[int], prompt_len: int, results: dict,
-              params: dict[str, float] | None = None) -> list[dict]:
+def decisions(
+    lowered: LoweredApp,
+    ids: list[int],
+    prompt_len: int,
+    results: dict,
+    params: dict[str, float] | None = None,
+) -> list[dict]:
     """Per op of ``lowered`` that has a condition: its label, kernel, site, condition text and
     ``fired``, one entry per computed position (0 .. len(ids) - 2): True, False, or None where
     the results do not determine it. ``results`` is this app's part of the request's results
     ({read: {positions, values}}); ``params`` the request's parameter values for this app."""
     if not 0 < prompt_len <= len(ids):
-        raise ValueError(f"prompt_len must be in 1..{len(ids)} (the request's tokens), got {prompt_len}")
+        raise ValueError(
+            f"prompt_len must be in 1..{len(ids)} (the request's tokens), got {prompt_len}"
+        )
     ev = _Eval(lowered, list(ids), prompt_len, results or {}, dict(params or {}))
     out = []
     for op in lowered.ops:
         if op.cond is None:
             continue
-        out.append({"op": op.label, "name": op.name or f"#{op.op_index}", "kernel": op.kernel, "primitive": op.primitive,
-                    "site": site_name(op.site_id, lowered.shape.n_layers),
-                    "cond": C.to_text(op.cond),
-                    "fired": [ev.holds(op, op.cond, t) for t in range(ev.n)]})
+        out.append(
+            {
+                "op": op.label,
+                "name": op.name or f"#{op.op_index}",
+                "kernel": op.kernel,
+                "primitive": op.primitive,
+                "site": site_name(op.site_id, lowered.shape.n_layers),
+                "cond": C.to_text(op.cond),
+                "fired": [ev.holds(op, op.cond, t) for t in range(ev.n)],
+            }
+        )
     return out

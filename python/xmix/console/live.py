@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 
 def _samples(metric) -> Iterable[tuple[str, dict, float]]:
@@ -48,7 +49,9 @@ def snapshot(metrics: dict, model: str, apps: list[dict]) -> dict[str, Any]:
     for key, field in (("gate_tokens", "tokens"), ("gate_fired", "fired")):
         for name, labels, value in _samples(metrics[key]):
             if name.endswith("_total") and labels.get("model_name") == model:
-                g = gates.setdefault(labels["app"], {}).setdefault(labels["gate"], {"tokens": 0, "fired": 0})
+                g = gates.setdefault(labels["app"], {}).setdefault(
+                    labels["gate"], {"tokens": 0, "fired": 0}
+                )
                 g[field] += value
 
     def added(mean: float | None, base: float | None) -> float | None:
@@ -59,15 +62,29 @@ def snapshot(metrics: dict, model: str, apps: list[dict]) -> dict[str, Any]:
         name = a["name"]
         t1, t2 = ttft.get((("app", name),)), tpot.get((("app", name),))
         m1, m2 = _mean(t1), _mean(t2)
-        rows.append({
-            "name": name, "mode": a["mode"],
-            "requests_admitted": admitted.get(name, 0),
-            "requests_finished": t1[1] if t1 else 0,
-            "ttft_mean_s": m1, "tpot_mean_s": m2,
-            "ttft_added_s": added(m1, base_ttft), "tpot_added_s": added(m2, base_tpot),
-            "gates": [{"gate": g, "tokens": v["tokens"], "fired": v["fired"],
-                       "rate": v["fired"] / v["tokens"] if v["tokens"] else None}
-                      for g, v in sorted(gates.get(name, {}).items())],
-        })
-    return {"model": model, "apps": rows,
-            "no_app": {"requests_finished": base_n, "ttft_mean_s": base_ttft, "tpot_mean_s": base_tpot}}
+        rows.append(
+            {
+                "name": name,
+                "mode": a["mode"],
+                "requests_admitted": admitted.get(name, 0),
+                "requests_finished": t1[1] if t1 else 0,
+                "ttft_mean_s": m1,
+                "tpot_mean_s": m2,
+                "ttft_added_s": added(m1, base_ttft),
+                "tpot_added_s": added(m2, base_tpot),
+                "gates": [
+                    {
+                        "gate": g,
+                        "tokens": v["tokens"],
+                        "fired": v["fired"],
+                        "rate": v["fired"] / v["tokens"] if v["tokens"] else None,
+                    }
+                    for g, v in sorted(gates.get(name, {}).items())
+                ],
+            }
+        )
+    return {
+        "model": model,
+        "apps": rows,
+        "no_app": {"requests_finished": base_n, "ttft_mean_s": base_ttft, "tpot_mean_s": base_tpot},
+    }

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Awaitable, Callable
 from importlib import resources
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, RedirectResponse, Response
@@ -32,14 +33,16 @@ from xmix.hooks import LAYER_SITES, MODEL_SITES
 from . import decisions as D
 from . import live
 
-STATIC = {"index.html": "text/html; charset=utf-8",
-          "console.js": "text/javascript; charset=utf-8",
-          "console.css": "text/css; charset=utf-8"}
+STATIC = {
+    "index.html": "text/html; charset=utf-8",
+    "console.js": "text/javascript; charset=utf-8",
+    "console.css": "text/css; charset=utf-8",
+}
 # The page runs only its own script and style and talks only to this server.
 SECURITY_HEADERS = {
     "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; "
-                               "connect-src 'self'; img-src 'self'; base-uri 'none'; "
-                               "form-action 'none'; frame-ancestors 'none'",
+    "connect-src 'self'; img-src 'self'; base-uri 'none'; "
+    "form-action 'none'; frame-ancestors 'none'",
     "X-Content-Type-Options": "nosniff",
     "Referrer-Policy": "no-referrer",
     "Cache-Control": "no-cache",
@@ -55,8 +58,9 @@ def static_file(name: str) -> bytes:
 
 
 def _error(status: int, msg: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": msg, "type": "xmix_error", "code": status}},
-                        status_code=status)
+    return JSONResponse(
+        {"error": {"message": msg, "type": "xmix_error", "code": status}}, status_code=status
+    )
 
 
 async def _json_body(request: Request) -> tuple[Any, JSONResponse | None]:
@@ -94,8 +98,9 @@ def console_router(guard: Guard) -> APIRouter:
 
     @router.get("/xmix/ui/", include_in_schema=False)
     async def ui_index():
-        return Response(static_file("index.html"), media_type=STATIC["index.html"],
-                        headers=SECURITY_HEADERS)
+        return Response(
+            static_file("index.html"), media_type=STATIC["index.html"], headers=SECURITY_HEADERS
+        )
 
     @router.get("/xmix/ui/{name}", include_in_schema=False)
     async def ui_file(name: str):
@@ -109,9 +114,14 @@ def console_router(guard: Guard) -> APIRouter:
         if err:
             return err
         shape = st.ctl.registry.shape
-        return {"model": shape.model_name, "n_layers": shape.n_layers,
-                "layer_sites": list(LAYER_SITES), "model_sites": list(MODEL_SITES),
-                "moe_layers": list(shape.moe_layers), "xmix_version": __version__}
+        return {
+            "model": shape.model_name,
+            "n_layers": shape.n_layers,
+            "layer_sites": list(LAYER_SITES),
+            "model_sites": list(MODEL_SITES),
+            "moe_layers": list(shape.moe_layers),
+            "xmix_version": __version__,
+        }
 
     @router.post("/xmix/v1/console/tokens")
     async def tokens(request: Request):
@@ -141,8 +151,11 @@ def console_router(guard: Guard) -> APIRouter:
         if err:
             return err
         reg = st.ctl.registry
-        if not isinstance(body, dict) or not {"app", "ids", "prompt_len"} <= set(body) \
-                or set(body) - {"app", "ids", "prompt_len", "results", "params"}:
+        if (
+            not isinstance(body, dict)
+            or not {"app", "ids", "prompt_len"} <= set(body)
+            or set(body) - {"app", "ids", "prompt_len", "results", "params"}
+        ):
             return _error(400, 'body must be {"app", "ids", "prompt_len", "results", "params"}')
         ids = _ids(body["ids"], reg.shape.vocab_size)
         if isinstance(ids, str):
@@ -153,8 +166,13 @@ def console_router(guard: Guard) -> APIRouter:
         results, params = body.get("results") or {}, body.get("params") or {}
         if not isinstance(results, dict) or not isinstance(params, dict):
             return _error(400, '"results" and "params" must be objects')
-        if not all(isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
-                   and math.isfinite(v) for k, v in params.items()):
+        if not all(
+            isinstance(k, str)
+            and isinstance(v, (int, float))
+            and not isinstance(v, bool)
+            and math.isfinite(v)
+            for k, v in params.items()
+        ):
             return _error(400, '"params" must map names to finite numbers')
         with reg.lock:
             d = reg.apps.get(body["app"]) if isinstance(body["app"], str) else None

@@ -18,13 +18,38 @@
 
 from xmix.control.block import ControlBlock
 from xmix.control.drain import PendingReads
-from xmix.control.layout import (CMP_CODES, CTRL_LAYOUT, FLAG_BITS, MODES, OP_LAYOUT, OP_SIZE,
-                                 Capacity, K)
+from xmix.control.layout import (
+    CMP_CODES,
+    CTRL_LAYOUT,
+    FLAG_BITS,
+    MODES,
+    OP_LAYOUT,
+    OP_SIZE,
+    Capacity,
+    K,
+)
 from xmix.control.link import InstalledApp, LinkedOp
 from xmix.control.params import ParamCol, param_columns, resolve_params
 from xmix.control.slots import SlotState
 from xmix.lowering import DeployError, RequestError
 
-__all__ = ["CMP_CODES", "CTRL_LAYOUT", "Capacity", "ControlBlock", "DeployError", "FLAG_BITS",
-           "InstalledApp", "K", "LinkedOp", "MODES", "OP_LAYOUT", "OP_SIZE", "ParamCol",
-           "PendingReads", "RequestError", "SlotState", "param_columns", "resolve_params"]
+__all__ = [
+    "CMP_CODES",
+    "CTRL_LAYOUT",
+    "Capacity",
+    "ControlBlock",
+    "DeployError",
+    "FLAG_BITS",
+    "InstalledApp",
+    "K",
+    "LinkedOp",
+    "MODES",
+    "OP_LAYOUT",
+    "OP_SIZE",
+    "ParamCol",
+    "PendingReads",
+    "RequestError",
+    "SlotState",
+    "param_columns",
+    "resolve_params",
+]

@@ -28,7 +28,7 @@ class Claims:
 
     def release(self) -> None:
         for used, start, n in self._runs:
-            used[start:start + n] = False
+            used[start : start + n] = False
         self._runs.clear()
 
 
@@ -52,14 +52,16 @@ class Arena:
             free = np.flatnonzero(cs[n:] - cs[:-n] == 0)
             if len(free):
                 start = int(free[0])
-                used[start:start + n] = True
+                used[start : start + n] = True
                 claims.add(used, start, n)
                 return start
-        raise DeployError(f"app {app!r}: not enough room for {what} ({n} needed); raise the "
-                          f"xmix capacity or undeploy other apps")
+        raise DeployError(
+            f"app {app!r}: not enough room for {what} ({n} needed); raise the "
+            f"xmix capacity or undeploy other apps"
+        )
 
     def free(self, table: str, start: int, n: int) -> None:
-        self.used[table][start:start + n] = False
+        self.used[table][start : start + n] = False
 
     def extent(self, table: str) -> int:
         """One past the last entry in use (0 when none): the count the kernels loop over."""

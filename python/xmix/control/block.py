@@ -22,8 +22,16 @@ from xmix import _C
 from xmix.control.arena import Arena, Claims
 from xmix.control.custom import load_custom
 from xmix.control.drain import PendingReads, PlannedRead, ReadBack, Results, collect, read_plan
-from xmix.control.layout import (CTRL_DTYPE, CTRL_LAYOUT, CTRL_SIZE, MODES, ROW_BUFFERS, Capacity,
-                                 K, buffer_spec)
+from xmix.control.layout import (
+    CTRL_DTYPE,
+    CTRL_LAYOUT,
+    CTRL_SIZE,
+    MODES,
+    ROW_BUFFERS,
+    Capacity,
+    K,
+    buffer_spec,
+)
 from xmix.control.link import InstalledApp, SiteOp, Tables, build_tables, link_app, unlink_app
 from xmix.control.params import resolve_params
 from xmix.control.slots import SlotState, SlotTable
@@ -37,8 +45,17 @@ Arr = np.ndarray[Any, Any]
 
 
 class GraphHook(Protocol):
-    def note_anchor(self, site: int, h: torch.Tensor, r: torch.Tensor | None, n: int, d: int,
-                    sh: int, sr: int, dt: int) -> None: ...
+    def note_anchor(
+        self,
+        site: int,
+        h: torch.Tensor,
+        r: torch.Tensor | None,
+        n: int,
+        d: int,
+        sh: int,
+        sr: int,
+        dt: int,
+    ) -> None: ...
 
 
 @dataclass
@@ -48,12 +65,17 @@ class _Staged:
     inst: InstalledApp
     tables: Tables
     claims: Claims
-    generation: int               # the ops_generation it was built against
+    generation: int  # the ops_generation it was built against
 
 
 class ControlBlock:
-    def __init__(self, shape: ModelShape, device: torch.device | str = "cpu",
-                 capacity: Capacity | None = None, queue: DeviceQueue | None = None):
+    def __init__(
+        self,
+        shape: ModelShape,
+        device: torch.device | str = "cpu",
+        capacity: Capacity | None = None,
+        queue: DeviceQueue | None = None,
+    ):
         self.shape = shape
         self.device = torch.device(device)
         self.cap = cap = capacity or Capacity()
@@ -67,13 +89,16 @@ class ControlBlock:
         # Staged: host mirrors apart from the device buffers, everything sent through a device
         # queue (always on a GPU; on a CPU only with a queue given, which tests use to stand
         # in for a GPU stream).
-        self.xfer: DeviceQueue | None = queue if queue is not None else (
-            CudaQueue(self.device) if self.on_gpu else None)
+        self.xfer: DeviceQueue | None = (
+            queue if queue is not None else (CudaQueue(self.device) if self.on_gpu else None)
+        )
         self.staged = self.xfer is not None
         self.dev: dict[str, torch.Tensor] = {}
         self.host: dict[str, Arr] = {}
         self._host_t: dict[str, torch.Tensor] = {}
-        for name, (n, dt) in buffer_spec(cap, self.n_sites, self.vec_width, self.vocab_words).items():
+        for name, (n, dt) in buffer_spec(
+            cap, self.n_sites, self.vec_width, self.vocab_words
+        ).items():
             t = torch.zeros(n, dtype=dt, device=self.device)
             self.dev[name] = t
             if self.xfer is not None:
@@ -88,24 +113,44 @@ class ControlBlock:
         self.host["read_state"].reshape(-1, K["READ_STATE_WIDTH"])[:, 2] = np.nan
         self.host["results"][:] = np.nan  # and result_valid 0: nothing reported yet
         self.block = torch.zeros(CTRL_SIZE, dtype=torch.uint8, device=self.device)
-        self._block_host = (self.xfer.pinned(CTRL_SIZE, torch.uint8) if self.xfer is not None
-                            else torch.zeros(CTRL_SIZE, dtype=torch.uint8))
+        self._block_host = (
+            self.xfer.pinned(CTRL_SIZE, torch.uint8)
+            if self.xfer is not None
+            else torch.zeros(CTRL_SIZE, dtype=torch.uint8)
+        )
         self._header = self._block_host.numpy().view(CTRL_DTYPE)
         off = CTRL_LAYOUT["n_tokens"]
         assert CTRL_LAYOUT["n_rows"] == off + 4 and off % 4 == 0
-        self._step_counts = self._block_host.numpy()[off:off + 8].view(np.int32)  # n_tokens, n_rows
+        self._step_counts = self._block_host.numpy()[off : off + 8].view(
+            np.int32
+        )  # n_tokens, n_rows
         self.apps: dict[str, InstalledApp] = {}
         self.stats = {"full_param_copies": 0}
         self._stage: StepStaging | None = None
         self._readback: ReadBack | None = None
         if self.xfer is not None:
-            self._stage = StepStaging(self.xfer, cap, self.device, self.block, self.dev, self.host,
-                                      self._host_t, self.stats)
+            self._stage = StepStaging(
+                self.xfer,
+                cap,
+                self.device,
+                self.block,
+                self.dev,
+                self.host,
+                self._host_t,
+                self.stats,
+            )
             self._readback = ReadBack(self.xfer, cap, self.device)
         self._seq = 0
-        self.arena = Arena({"params": cap.max_params, "channels": cap.max_channels,
-                            "token_sets": K["MAX_TOKEN_SETS"], "spans": K["MAX_SPANS"],
-                            "state": self.vec_width, "capture": max(cap.capture_floats, 1)})
+        self.arena = Arena(
+            {
+                "params": cap.max_params,
+                "channels": cap.max_channels,
+                "token_sets": K["MAX_TOKEN_SETS"],
+                "spans": K["MAX_SPANS"],
+                "state": self.vec_width,
+                "capture": max(cap.capture_floats, 1),
+            }
+        )
         self._slots = SlotTable(cap.max_slots)
         self.site_app_mask = np.zeros(self.n_sites, dtype=np.uint64)
         self._no_site = np.zeros(self.n_sites, dtype=bool)
@@ -114,12 +159,24 @@ class ControlBlock:
         self._step_reads = False
         self._n_app_slots = 0
         self._all_mask = self._on_mask = self._read_mask = self._span_mask = 0
-        self.step_rows: tuple[Arr, int] | None = None   # (slots of the step's rows, rows)
+        self.step_rows: tuple[Arr, int] | None = None  # (slots of the step's rows, rows)
         self.step_tokens = 0
         self.step_active = 0
-        self._map_ptrs = {k: self.host[k].ctypes.data for k in (
-            "tok_slot", "tok_pos", "tok_flags", "tok_row", "row_slot", "row_tok_start",
-            "row_n_tok", "row_reset", "row_n_prompt", "row_done")}
+        self._map_ptrs = {
+            k: self.host[k].ctypes.data
+            for k in (
+                "tok_slot",
+                "tok_pos",
+                "tok_flags",
+                "tok_row",
+                "row_slot",
+                "row_tok_start",
+                "row_n_tok",
+                "row_reset",
+                "row_n_prompt",
+                "row_done",
+            )
+        }
         self.n_ops = 0
         self.n_cond = 0
         # Bumped each time a new op list goes live (a commit or an undeploy): kept CUDA
@@ -160,8 +217,11 @@ class ControlBlock:
         blocking full copies of the slot rows; all zero in steady state."""
         if self._stage is None or self._readback is None:
             return {}
-        return {"staging_waits": self._stage.ring.waits, "readback_waits": self._readback.ring.waits,
-                "full_param_copies": self.stats["full_param_copies"]}
+        return {
+            "staging_waits": self._stage.ring.waits,
+            "readback_waits": self._readback.ring.waits,
+            "full_param_copies": self.stats["full_param_copies"],
+        }
 
     # ------------------------------------------------------------------ host -> device
     def _mark_row(self, slot: int) -> None:
@@ -174,11 +234,16 @@ class ControlBlock:
 
     def _write_header(self, **fields: int) -> None:
         values: dict[str, int] = {
-            "max_tokens": self.cap.max_tokens, "max_slots": self.cap.max_slots,
-            "max_apps": self.cap.max_apps, "n_params": self.cap.max_params,
-            "n_channels": self.cap.max_channels, "n_sites": self.n_sites,
-            "vec_state_width": self.vec_width, "vocab_words": self.vocab_words,
-            "n_spans": self.arena.extent("spans"), "n_token_sets": self.arena.extent("token_sets"),
+            "max_tokens": self.cap.max_tokens,
+            "max_slots": self.cap.max_slots,
+            "max_apps": self.cap.max_apps,
+            "n_params": self.cap.max_params,
+            "n_channels": self.cap.max_channels,
+            "n_sites": self.n_sites,
+            "vec_state_width": self.vec_width,
+            "vocab_words": self.vocab_words,
+            "n_spans": self.arena.extent("spans"),
+            "n_token_sets": self.arena.extent("token_sets"),
             "capture_size": self.cap.capture_floats,
         }
         for name, t in self.dev.items():
@@ -248,18 +313,30 @@ class ControlBlock:
             name = lowered.name
             self.abort_install(name)
             if name in self.apps:
-                raise DeployError(f"app {name!r} is already deployed; undeploy it first "
-                                  f"or deploy under another name")
+                raise DeployError(
+                    f"app {name!r} is already deployed; undeploy it first "
+                    f"or deploy under another name"
+                )
             if mode not in MODES:
                 raise DeployError(f"app {name!r}: mode must be one of {list(MODES)}, got {mode!r}")
-            taken = {a.index for a in self.apps.values()} | {s.inst.index for s in self._staged.values()}
+            taken = {a.index for a in self.apps.values()} | {
+                s.inst.index for s in self._staged.values()
+            }
             free_idx = [i for i in range(self.cap.max_apps) if i not in taken]
             if not free_idx:
                 raise DeployError(f"app {name!r}: {self.cap.max_apps} apps are deployed already")
             claims = Claims()
             try:
-                inst = link_app(lowered, free_idx[0], self._seq, mode, self.arena, claims,
-                                self.device, self.cap.max_tokens)
+                inst = link_app(
+                    lowered,
+                    free_idx[0],
+                    self._seq,
+                    mode,
+                    self.arena,
+                    claims,
+                    self.device,
+                    self.cap.max_tokens,
+                )
                 inst.version = version
                 for k, fn in load_custom(lowered, self.on_gpu).items():
                     inst.linked[k].fn = fn
@@ -325,7 +402,9 @@ class ControlBlock:
         the new value from the next step."""
         self.patch(name, params=params)
 
-    def patch(self, name: str, mode: str | None = None, params: dict[str, Any] | None = None) -> None:
+    def patch(
+        self, name: str, mode: str | None = None, params: dict[str, Any] | None = None
+    ) -> None:
         """Mode and/or default parameters of a deployed app, as one change: both are
         checked before either is applied."""
         with self.lock:
@@ -334,7 +413,11 @@ class ControlBlock:
             if mode is not None and mode not in MODES:
                 raise DeployError(f"mode must be one of {list(MODES)}, got {mode!r}")
             inst = self.apps[name]
-            cols = resolve_params(inst.param_cols, params, who=f"app {name!r}") if params is not None else {}
+            cols = (
+                resolve_params(inst.param_cols, params, who=f"app {name!r}")
+                if params is not None
+                else {}
+            )
             if cols:
                 for col, v in cols.items():
                     inst.param_cols[col].default = v
@@ -359,8 +442,11 @@ class ControlBlock:
         left as they were (built-in kernels) or set to 0 (user kernels). On a GPU this reads
         the device (control-plane calls only, never per step)."""
         with self.lock:
-            counts = self.dev["app_nonfinite"].cpu().numpy() if self.staged or self.on_gpu \
+            counts = (
+                self.dev["app_nonfinite"].cpu().numpy()
+                if self.staged or self.on_gpu
                 else self.host["app_nonfinite"]
+            )
             return {inst.name: int(counts[inst.index]) for inst in self.apps.values()}
 
     def site_failed(self, site: int, failures: list[tuple[int | None, str | bytes]]) -> None:
@@ -369,12 +455,13 @@ class ControlBlock:
         recorded for the worker to finish with an error; every other request is untouched."""
         with self.lock:
             by_index = {inst.index: inst for inst in self.apps.values()}
-            slots = self.step_rows[0][:self.step_rows[1]].tolist() if self.step_rows else []
+            slots = self.step_rows[0][: self.step_rows[1]].tolist() if self.step_rows else []
             for index, raw in failures:
                 msg = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
                 if index is None:
-                    hit = [by_index[i] for i in by_index
-                           if (int(self.site_app_mask[site]) >> i) & 1]
+                    hit = [
+                        by_index[i] for i in by_index if (int(self.site_app_mask[site]) >> i) & 1
+                    ]
                     self._clear_reads(hit)
                 else:
                     hit = [by_index[index]] if index in by_index else []
@@ -385,8 +472,10 @@ class ControlBlock:
                         if st is None or st.req_id in self.failed:
                             continue
                         if st.uses(inst):
-                            self.failed[st.req_id] = (f"app {inst.name!r} failed in its site program "
-                                                      f"at site {site}: {msg[:500]}")
+                            self.failed[st.req_id] = (
+                                f"app {inst.name!r} failed in its site program "
+                                f"at site {site}: {msg[:500]}"
+                            )
 
     def _clear_reads(self, insts: list[InstalledApp]) -> None:
         """These apps report nothing this step: a site program that did not run leaves an
@@ -421,8 +510,12 @@ class ControlBlock:
 
     def _write_slot_params(self, slot: int, inst: InstalledApp) -> None:
         self._mark_row(slot)
-        row = self.host["slot_params"][slot * self.cap.max_params:(slot + 1) * self.cap.max_params]
-        overrides = self.slot_req[slot].overrides.get(inst.name, {}) if slot in self.slot_req else {}
+        row = self.host["slot_params"][
+            slot * self.cap.max_params : (slot + 1) * self.cap.max_params
+        ]
+        overrides = (
+            self.slot_req[slot].overrides.get(inst.name, {}) if slot in self.slot_req else {}
+        )
         for i, c in enumerate(inst.param_cols):
             row[inst.param_base + i] = overrides.get(i, c.default)
 
@@ -432,15 +525,17 @@ class ControlBlock:
             self._swap(dict(self.apps), self._build_tables(self.apps))
 
     def _build_tables(self, apps: dict[str, InstalledApp]) -> Tables:
-        return build_tables(apps, self.n_sites, self.cap.max_ops, self.cap.max_cond, self.vocab_words)
+        return build_tables(
+            apps, self.n_sites, self.cap.max_ops, self.cap.max_cond, self.vocab_words
+        )
 
     def _swap(self, apps: dict[str, InstalledApp], t: Tables) -> None:
         """Make a new op list live. The only place the tables are written; every check
         happened before. Staged (GPU), ``_sync`` waits for its copies: the host mirrors are
         never rewritten while a queued copy may still read them."""
         h = self.host
-        h["ops"][:len(t.ops)] = t.ops
-        h["cond_code"][:t.n_cond * 4] = t.cond
+        h["ops"][: len(t.ops)] = t.ops
+        h["cond_code"][: t.n_cond * 4] = t.cond
         h["site_first"][:] = t.site_first
         h["site_count"][:] = t.site_count
         h["tokset_bits"].view(np.uint32)[:] = t.tokset_bits
@@ -455,28 +550,62 @@ class ControlBlock:
         self._site_custom = t.site_custom
         self.n_ops, self.n_cond = t.n_ops, t.n_cond
         self._write_header(n_token_sets=t.n_sets, n_spans=t.n_spans)
-        self._sync("ops", "cond_code", "site_first", "site_count", "tokset_bits", "span_def", "app_mode")
+        self._sync(
+            "ops", "cond_code", "site_first", "site_count", "tokset_bits", "span_def", "app_mode"
+        )
         self._sync_block()
         self._refresh_masks()
         self.ops_generation += 1
 
-    def launch_custom_ops(self, site: int, h: torch.Tensor, r: torch.Tensor | None, n: int, d: int,
-                          sh: int, sr: int, dt: int, stream: int) -> None:
+    def launch_custom_ops(
+        self,
+        site: int,
+        h: torch.Tensor,
+        r: torch.Tensor | None,
+        n: int,
+        d: int,
+        sh: int,
+        sr: int,
+        dt: int,
+        stream: int,
+    ) -> None:
         """GPU: user kernels of a site, after its built-in ops (the anchor skips them)."""
         for k, so in self._site_custom.get(site, ()):
             lo = so.linked
             art = lo.artifacts.get("a0")
-            _C.launch_custom(self.ptr, site, k, lo.fn, h.data_ptr(),
-                             r.data_ptr() if r is not None else 0, sh, sr, n, d, dt,
-                             self.cap.max_params, self.dev["tok_slot"].data_ptr(),
-                             self.dev["tok_pos"].data_ptr(), self.dev["slot_params"].data_ptr(),
-                             lo.param_col, art.data_ptr() if art is not None else 0,
-                             int(art.numel()) if art is not None else 0,
-                             self._custom_select.data_ptr(), self._custom_out.data_ptr(), stream)
+            _C.launch_custom(
+                self.ptr,
+                site,
+                k,
+                lo.fn,
+                h.data_ptr(),
+                r.data_ptr() if r is not None else 0,
+                sh,
+                sr,
+                n,
+                d,
+                dt,
+                self.cap.max_params,
+                self.dev["tok_slot"].data_ptr(),
+                self.dev["tok_pos"].data_ptr(),
+                self.dev["slot_params"].data_ptr(),
+                lo.param_col,
+                art.data_ptr() if art is not None else 0,
+                int(art.numel()) if art is not None else 0,
+                self._custom_select.data_ptr(),
+                self._custom_out.data_ptr(),
+                stream,
+            )
 
     # ------------------------------------------------------------------ requests
-    def admit(self, req_id: str, apps: list[str], params: dict[str, dict[str, Any]] | None = None,
-              prompt_len: int = 0, results: ResultOptions | None = None) -> int:
+    def admit(
+        self,
+        req_id: str,
+        apps: list[str],
+        params: dict[str, dict[str, Any]] | None = None,
+        prompt_len: int = 0,
+        results: ResultOptions | None = None,
+    ) -> int:
         """Give a request a slot by app names and named parameters, checked here (raises
         RequestError). The engine admits through ``admit_pinned``, which cannot fail on
         what a request carries."""
@@ -489,15 +618,28 @@ class ControlBlock:
                     raise RequestError(f"unknown app {a!r}; deployed: {sorted(self.apps)}")
             for a, p in (params or {}).items():
                 if a not in self.apps:
-                    raise RequestError(f"params for unknown app {a!r}; deployed: {sorted(self.apps)}")
+                    raise RequestError(
+                        f"params for unknown app {a!r}; deployed: {sorted(self.apps)}"
+                    )
                 overrides[a] = resolve_params(self.apps[a].param_cols, p, who=f"app {a!r}")
-            st = SlotState(req_id=req_id, apps=set(apps), overrides=overrides, prompt_len=prompt_len,
-                           options=results or DEFAULT_OPTIONS)
+            st = SlotState(
+                req_id=req_id,
+                apps=set(apps),
+                overrides=overrides,
+                prompt_len=prompt_len,
+                options=results or DEFAULT_OPTIONS,
+            )
             return self._occupy(st)
 
-    def admit_pinned(self, req_id: str, apps: list[str], pins: dict[str, Any],
-                     prompt_len: int = 0, forced: list[str] | None = None,
-                     results: ResultOptions | None = None) -> tuple[int, list[str]]:
+    def admit_pinned(
+        self,
+        req_id: str,
+        apps: list[str],
+        pins: dict[str, Any],
+        prompt_len: int = 0,
+        forced: list[str] | None = None,
+        results: ResultOptions | None = None,
+    ) -> tuple[int, list[str]]:
         """Give a request a slot from the control the frontend checked and resolved: each
         app pinned to the deployment version it was checked against (``pins``: {app:
         [version, [[column, value], ...]]}), parameters as column values. An app that is
@@ -510,8 +652,12 @@ class ControlBlock:
 
             def pinned(a: str) -> InstalledApp | None:
                 inst, pin = self.apps.get(a), pins.get(a)
-                ok = (inst is not None and isinstance(pin, (list, tuple)) and len(pin) == 2
-                      and pin[0] == inst.version)
+                ok = (
+                    inst is not None
+                    and isinstance(pin, (list, tuple))
+                    and len(pin) == 2
+                    and pin[0] == inst.version
+                )
                 return inst if ok else None
 
             dropped = [a for a in apps if pinned(a) is None]
@@ -523,13 +669,22 @@ class ControlBlock:
                         dropped.append(a)
                     continue
                 n = len(inst.param_cols)
-                overrides[a] = {int(c): float(v) for c, v in pin[1]
-                                if isinstance(c, int) and 0 <= c < n and isinstance(v, float)
-                                and math.isfinite(v)}
-            st = SlotState(req_id=req_id, apps={a for a in apps if a not in dropped},
-                           overrides=overrides, prompt_len=prompt_len,
-                           forced=frozenset(forced) if forced is not None else None,
-                           options=results or DEFAULT_OPTIONS)
+                overrides[a] = {
+                    int(c): float(v)
+                    for c, v in pin[1]
+                    if isinstance(c, int)
+                    and 0 <= c < n
+                    and isinstance(v, float)
+                    and math.isfinite(v)
+                }
+            st = SlotState(
+                req_id=req_id,
+                apps={a for a in apps if a not in dropped},
+                overrides=overrides,
+                prompt_len=prompt_len,
+                forced=frozenset(forced) if forced is not None else None,
+                options=results or DEFAULT_OPTIONS,
+            )
             return self._occupy(st), dropped
 
     def _occupy(self, st: SlotState) -> int:
@@ -569,10 +724,10 @@ class ControlBlock:
         R, W = self.cap.max_channels, K["READ_STATE_WIDTH"]
 
         def reset() -> None:
-            rs = self.dev["read_state"][slot * R * W:(slot + 1) * R * W].view(R, W)
+            rs = self.dev["read_state"][slot * R * W : (slot + 1) * R * W].view(R, W)
             rs[:, :2] = 0.0
             rs[:, 2] = float("nan")
-            self.dev["vec_state"][slot * self.vec_width:(slot + 1) * self.vec_width] = 0.0
+            self.dev["vec_state"][slot * self.vec_width : (slot + 1) * self.vec_width] = 0.0
             self.dev["slot_span"][slot] = 0
 
         # in stream order: steps still in flight may use the slot's previous occupant
@@ -594,8 +749,14 @@ class ControlBlock:
         return [a for a in self.apps.values() if st.uses(a)]
 
     # ------------------------------------------------------------------ per step
-    def begin_step(self, row_slots: Arr, row_n_tok: Arr, row_start_pos: Arr,
-                   row_prompt_len: Arr, n_rows_padded: int | None = None) -> bool:
+    def begin_step(
+        self,
+        row_slots: Arr,
+        row_n_tok: Arr,
+        row_start_pos: Arr,
+        row_prompt_len: Arr,
+        n_rows_padded: int | None = None,
+    ) -> bool:
         """Fill the per-token and per-row maps for one forward pass; False (and nothing
         written) when no app can run this step.
 
@@ -619,22 +780,42 @@ class ControlBlock:
         start = np.ascontiguousarray(row_start_pos, dtype=np.int64)
         plen = np.ascontiguousarray(row_prompt_len, dtype=np.int64)
         n_tok = int(n_tok_a.sum())
-        if n_tok > self.cap.max_tokens or n_req > self.cap.max_slots or (n_rows_padded or 0) > self.cap.max_tokens:
-            raise RuntimeError(f"xmix: step of {max(n_tok, n_rows_padded or 0)} rows / {n_req} requests "
-                               f"exceeds capacity ({self.cap.max_tokens} / {self.cap.max_slots})")
+        if (
+            n_tok > self.cap.max_tokens
+            or n_req > self.cap.max_slots
+            or (n_rows_padded or 0) > self.cap.max_tokens
+        ):
+            raise RuntimeError(
+                f"xmix: step of {max(n_tok, n_rows_padded or 0)} rows / {n_req} requests "
+                f"exceeds capacity ({self.cap.max_tokens} / {self.cap.max_slots})"
+            )
         padded = max(n_tok, n_rows_padded or 0)
         if self._stage is not None:
             st = self._stage.step_set = self._stage.ring.next()
-            _C.fill_step_maps(n_req, slots.ctypes.data, n_tok_a.ctypes.data, start.ctypes.data,
-                              plen.ctypes.data, padded, st.ptrs)
+            _C.fill_step_maps(
+                n_req,
+                slots.ctypes.data,
+                n_tok_a.ctypes.data,
+                start.ctypes.data,
+                plen.ctypes.data,
+                padded,
+                st.ptrs,
+            )
             st.np["header"][:] = (n_tok, n_req)
             after = None
             if self._readback is not None:
                 after, self._readback.event = self._readback.event, None
             self._stage.stage_step(st, padded, n_req, self._param_width(), after)
         else:
-            _C.fill_step_maps(n_req, slots.ctypes.data, n_tok_a.ctypes.data, start.ctypes.data,
-                              plen.ctypes.data, padded, self._map_ptrs)
+            _C.fill_step_maps(
+                n_req,
+                slots.ctypes.data,
+                n_tok_a.ctypes.data,
+                start.ctypes.data,
+                plen.ctypes.data,
+                padded,
+                self._map_ptrs,
+            )
             self._set_step_header(n_tok, n_req)
             self._sync_block()
         self.site_active = (self.site_app_mask & np.uint64(active)) != 0
@@ -647,8 +828,10 @@ class ControlBlock:
 
     def could_run(self) -> bool:
         """Whether any app could run in a step (cheap; before the step's maps are built)."""
-        return bool(((self._all_mask | (self._on_mask if self._n_app_slots else 0)) & self._on_mask)
-                    or self._span_mask)
+        return bool(
+            ((self._all_mask | (self._on_mask if self._n_app_slots else 0)) & self._on_mask)
+            or self._span_mask
+        )
 
     def _refresh_masks(self) -> None:
         """Bitmasks of apps by mode and kind, kept current on every control change so the
@@ -683,8 +866,13 @@ class ControlBlock:
             return
         ids = input_ids.reshape(-1)
         if self.on_gpu:
-            _C.launch_prologue(self.ptr, ids.data_ptr(), ids.element_size(), self.cap.max_slots,
-                               torch.cuda.current_stream(ids.device).cuda_stream)
+            _C.launch_prologue(
+                self.ptr,
+                ids.data_ptr(),
+                ids.element_size(),
+                self.cap.max_slots,
+                torch.cuda.current_stream(ids.device).cuda_stream,
+            )
         elif self.xfer is not None:
             ptr = self.ptr
             self.xfer.launch(lambda: _C.run_prologue_cpu(ptr, ids.data_ptr(), ids.element_size()))
@@ -717,10 +905,17 @@ class ControlBlock:
 
         def captured(cap: tuple[Any, ...], idx: Arr) -> Arr:
             base, w = cap
-            return capture[base:base + T * w].reshape(-1, w)[idx]
+            return capture[base : base + T * w].reshape(-1, w)[idx]
 
-        return collect(res, valid, self.host["tok_pos"][:n_tok], self.host["tok_row"][:n_tok],
-                       lambda row: self.slot_req.get(int(slots[row])), self._read_plan(), captured)
+        return collect(
+            res,
+            valid,
+            self.host["tok_pos"][:n_tok],
+            self.host["tok_row"][:n_tok],
+            lambda row: self.slot_req.get(int(slots[row])),
+            self._read_plan(),
+            captured,
+        )
 
     def drain_async(self) -> PendingReads | None:
         """Staged: queue this step's results (and captured rows) to pinned host memory on a
@@ -733,12 +928,26 @@ class ControlBlock:
         slots, n_req = self.step_rows
         states = [self.slot_req.get(int(x)) for x in slots[:n_req]]
         return self._readback.queue(
-            self.dev, self._read_plan(), self.step_tokens, st, slots[:n_req], states,
-            lambda app, pos: self._rows_to_copy(app, pos, st.np["row_tok_start"], st.np["row_n_tok"],
-                                                slots[:n_req], states))
+            self.dev,
+            self._read_plan(),
+            self.step_tokens,
+            st,
+            slots[:n_req],
+            states,
+            lambda app, pos: self._rows_to_copy(
+                app, pos, st.np["row_tok_start"], st.np["row_n_tok"], slots[:n_req], states
+            ),
+        )
 
-    def _rows_to_copy(self, app: str, pos: Arr, starts: Arr, counts: Arr, slots: Arr,
-                      states: list[SlotState | None]) -> Arr | None:
+    def _rows_to_copy(
+        self,
+        app: str,
+        pos: Arr,
+        starts: Arr,
+        counts: Arr,
+        slots: Arr,
+        states: list[SlotState | None],
+    ) -> Arr | None:
         """The tokens of this step whose capture rows a read of ``app`` can report (in the
         window of a request that uses the app), or None when that is every token."""
         inst = self.apps[app]
@@ -751,7 +960,7 @@ class ControlBlock:
                 continue
             t0, n = int(starts[j]), int(counts[j])
             win = sst.options.window
-            mask[t0:t0 + n] = True if win is None else win.mask(pos[t0:t0 + n], sst.prompt_len)
+            mask[t0 : t0 + n] = True if win is None else win.mask(pos[t0 : t0 + n], sst.prompt_len)
         return None if mask.all() else np.flatnonzero(mask)
 
     # ------------------------------------------------------------------ introspection
@@ -759,10 +968,17 @@ class ControlBlock:
         out = []
         for inst in sorted(self.apps.values(), key=lambda a: a.seq):
             lw = inst.lowered
-            out.append({
-                "name": inst.name, "mode": inst.mode, "sites": lw.sites, "version": inst.version,
-                "reads": sorted(lw.reads), "params": inst.defaults(),
-                "writes": lw.writes, "stateful": lw.stateful,
-                "metadata": lw.app.metadata,
-            })
+            out.append(
+                {
+                    "name": inst.name,
+                    "mode": inst.mode,
+                    "sites": lw.sites,
+                    "version": inst.version,
+                    "reads": sorted(lw.reads),
+                    "params": inst.defaults(),
+                    "writes": lw.writes,
+                    "stateful": lw.stateful,
+                    "metadata": lw.app.metadata,
+                }
+            )
         return out

@@ -27,8 +27,10 @@ def load_custom(lw: LoweredApp, on_gpu: bool) -> dict[int, int]:
             fns[k] = load_custom_cuda(lw.name, o, ck)
         else:
             if not ck.cpu_library or not ck.cpu_symbol:
-                raise DeployError(f"app {lw.name!r}, op {o.label}: a custom kernel on a CPU engine "
-                                  f"needs cpu_library and cpu_symbol")
+                raise DeployError(
+                    f"app {lw.name!r}, op {o.label}: a custom kernel on a CPU engine "
+                    f"needs cpu_library and cpu_symbol"
+                )
             try:
                 fns[k] = int(_C.load_custom_cpu(str(ck.cpu_library), ck.cpu_symbol))
             except RuntimeError as e:
@@ -45,7 +47,9 @@ def load_custom_cuda(app: str, o: LoweredOp, ck: Any) -> int:
     elif ck.cuda_source:
         nvcc = shutil.which("nvcc")
         if nvcc is None:
-            raise DeployError(f"app {app!r}, op {o.label}: cuda_source needs nvcc on PATH to compile")
+            raise DeployError(
+                f"app {app!r}, op {o.label}: cuda_source needs nvcc on PATH to compile"
+            )
         major, minor = torch.cuda.get_device_capability()
         from xmix import custom_include_dir
 
@@ -54,15 +58,25 @@ def load_custom_cuda(app: str, o: LoweredOp, ck: Any) -> int:
             src = Path(d) / "kernel.cu"
             src.write_text(ck.cuda_source)
             out = Path(d) / "kernel.fatbin"
-            cmd = [nvcc, "-fatbin", f"-arch=sm_{major}{minor}", "-I", str(inc), "-o", str(out), str(src)]
+            cmd = [
+                nvcc,
+                "-fatbin",
+                f"-arch=sm_{major}{minor}",
+                "-I",
+                str(inc),
+                "-o",
+                str(out),
+                str(src),
+            ]
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode != 0:
                 raise DeployError(f"app {app!r}, op {o.label}: nvcc failed:\n{r.stderr[-2000:]}")
             image = out.read_bytes()
     else:
-        raise DeployError(f"app {app!r}, op {o.label}: a custom kernel on a GPU needs cuda_source or cuda_fatbin")
+        raise DeployError(
+            f"app {app!r}, op {o.label}: a custom kernel on a GPU needs cuda_source or cuda_fatbin"
+        )
     try:
         return int(_C.load_custom_cuda(image, ck.cuda_symbol))
     except (RuntimeError, AttributeError) as e:
         raise DeployError(f"app {app!r}, op {o.label}: {e}") from None
-

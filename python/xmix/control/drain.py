@@ -11,7 +11,8 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from typing import TYPE_CHECKING, Any, Callable, Iterable, NamedTuple
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
@@ -66,8 +67,15 @@ def read_plan(apps: Iterable[InstalledApp], step_active: int) -> list[PlannedRea
     return plan
 
 
-def collect(res: Arr, valid: Arr, pos: Arr, rows: Arr, state_of_row: Callable[[int], SlotState | None],
-            plan: list[PlannedRead], captured: Callable[[tuple[Any, ...], Arr], Arr]) -> Results:
+def collect(
+    res: Arr,
+    valid: Arr,
+    pos: Arr,
+    rows: Arr,
+    state_of_row: Callable[[int], SlotState | None],
+    plan: list[PlannedRead],
+    captured: Callable[[tuple[Any, ...], Arr], Arr],
+) -> Results:
     """Per request, the hits of each planned read as arrays: ``res`` and ``valid`` the
     step's result channels and their flags, ``captured(cap, idx)`` the capture-buffer rows
     of the tokens idx (only those are copied). Each request's window and byte budget
@@ -87,7 +95,7 @@ def collect(res: Arr, valid: Arr, pos: Arr, rows: Arr, state_of_row: Callable[[i
             st = state_of_row(int(r[bounds[j]]))
             if st is None:
                 continue
-            sel = idx[bounds[j]:bounds[j + 1]]
+            sel = idx[bounds[j] : bounds[j + 1]]
             p = pos[sel]
             # A preempted request recomputes positions it already reported (with the
             # same values): report each position once.
@@ -107,38 +115,54 @@ def collect(res: Arr, valid: Arr, pos: Arr, rows: Arr, state_of_row: Callable[[i
         if not picks:
             continue
         every = np.concatenate([sel for _, sel in picks])
-        values, ids = gather(op, shape, res, ch, every, captured(cap, every) if cap is not None else None)
+        values, ids = gather(
+            op, shape, res, ch, every, captured(cap, every) if cap is not None else None
+        )
         at = 0
         for st, sel in picks:
             k = len(sel)
-            rr = ReadResult.of(shape.kind, pos[sel], to_dtype(values[at:at + k], st.options.dtype),
-                               None if ids is None else ids[at:at + k], st.options.dtype, op.features)
+            rr = ReadResult.of(
+                shape.kind,
+                pos[sel],
+                to_dtype(values[at : at + k], st.options.dtype),
+                None if ids is None else ids[at : at + k],
+                st.options.dtype,
+                op.features,
+            )
             at += k
             out.setdefault(st.req_id, {}).setdefault(app, {})[key] = rr
     return out
 
 
-def copied_only(picks: list[tuple[SlotState, Arr]], rowmap: Arr, app: str,
-                key: str) -> list[tuple[SlotState, Arr]]:
+def copied_only(
+    picks: list[tuple[SlotState, Arr]], rowmap: Arr, app: str, key: str
+) -> list[tuple[SlotState, Arr]]:
     out = []
     for st, sel in picks:
         ok = rowmap[sel] >= 0
         if not ok.all():  # a read ran where no request's window asked for it: a bug, said aloud
-            logger.error("xmix: %d rows of read %s.%s for request %s were not copied to the host; "
-                         "they are left out", int((~ok).sum()), app, key, st.req_id)
+            logger.error(
+                "xmix: %d rows of read %s.%s for request %s were not copied to the host; "
+                "they are left out",
+                int((~ok).sum()),
+                app,
+                key,
+                st.req_id,
+            )
             sel = sel[ok]
         if len(sel):
             out.append((st, sel))
     return out
 
 
-def gather(op: LoweredOp, shape: Any, res: Arr, ch: int, idx: Arr,
-           rows: Arr | None) -> tuple[Arr, Arr | None]:
+def gather(
+    op: LoweredOp, shape: Any, res: Arr, ch: int, idx: Arr, rows: Arr | None
+) -> tuple[Arr, Arr | None]:
     """(values, ids) of the tokens idx: a scalar read's channel, a capture read's rows, an SAE
     read's listed features (consecutive channels) or its top-K rows (ids, activations;
     unused places hold id -1)."""
     if shape.kind == "features":
-        return res[idx, ch:ch + op.n_channels], None
+        return res[idx, ch : ch + op.n_channels], None
     if shape.kind == "topk":
         assert rows is not None
         k = op.top_k
@@ -153,10 +177,19 @@ class PendingReads:
     """One step's reads on their way to the host (staged engines). Also what keeps its pinned
     read-back set busy: query() is whether it was resolved, synchronize() resolves it."""
 
-    def __init__(self, rb: ReadBack, event: Any, pinned: PinnedSet, n_tok: int, pos: Arr,
-                 rows: Arr, states: list[SlotState | None], plan: list[PlannedRead]):
+    def __init__(
+        self,
+        rb: ReadBack,
+        event: Any,
+        pinned: PinnedSet,
+        n_tok: int,
+        pos: Arr,
+        rows: Arr,
+        states: list[SlotState | None],
+        plan: list[PlannedRead],
+    ):
         self.rb, self.event, self.n_tok = rb, event, n_tok
-        self.set: PinnedSet | None = pinned   # None once resolved (the set is free again)
+        self.set: PinnedSet | None = pinned  # None once resolved (the set is free again)
         self.pos, self.rows, self.states, self.plan = pos, rows, states, plan
         self.out: Results | None = None
 
@@ -176,20 +209,33 @@ class ReadBack:
     def __init__(self, xfer: DeviceQueue, cap: Capacity, device: torch.device):
         T, R = cap.max_tokens, cap.max_channels
         self.xfer, self.cap, self.device = xfer, cap, device
-        self.ring = PinnedRing(xfer, cap.staging_depth,
-                               {"results": (T * R, torch.float32), "valid": (T * R, torch.uint8),
-                                "capture": (cap.capture_floats, torch.float32),
-                                "gather_idx": (GATHER_ROWS * T, torch.int64)},
-                               eager=False)
+        self.ring = PinnedRing(
+            xfer,
+            cap.staging_depth,
+            {
+                "results": (T * R, torch.float32),
+                "valid": (T * R, torch.uint8),
+                "capture": (cap.capture_floats, torch.float32),
+                "gather_idx": (GATHER_ROWS * T, torch.int64),
+            },
+            eager=False,
+        )
         self.gather_dev: dict[str, torch.Tensor] = {}  # made when a window first narrows a copy
         # The last step's copy: the next forward rewrites the results buffer only after it.
         self.event: Any = None
         self.pending: deque[PendingReads] = deque()
         self.lock = threading.Lock()
 
-    def queue(self, dev: dict[str, torch.Tensor], plan: list[PlannedRead], n_tok: int,
-              st: PinnedSet, slots: Arr, states: list[SlotState | None],
-              wanted_rows: Callable[[str, Arr], Arr | None]) -> PendingReads:
+    def queue(
+        self,
+        dev: dict[str, torch.Tensor],
+        plan: list[PlannedRead],
+        n_tok: int,
+        st: PinnedSet,
+        slots: Arr,
+        states: list[SlotState | None],
+        wanted_rows: Callable[[str, Arr], Arr | None],
+    ) -> PendingReads:
         """Queue this step's results and capture rows; ``wanted_rows(app, pos)`` is the
         tokens whose capture rows a read of the app can report (None: every one).
 
@@ -199,25 +245,32 @@ class ReadBack:
         R = self.cap.max_channels
         s = self.ring.next()
         pos, rows = st.np["tok_pos"][:n_tok].copy(), st.np["tok_row"][:n_tok].copy()
-        pairs = [(s.buf("results")[: n_tok * R], dev["results"][: n_tok * R]),
-                 (s.buf("valid")[: n_tok * R], dev["result_valid"][: n_tok * R])]
+        pairs = [
+            (s.buf("results")[: n_tok * R], dev["results"][: n_tok * R]),
+            (s.buf("valid")[: n_tok * R], dev["result_valid"][: n_tok * R]),
+        ]
         placed: list[PlannedRead] = []
         off, used = 0, 0
         for pr in plan:
             cap: tuple[Any, ...] | None = pr.capture
             if cap is not None:
                 base, w = cap
-                src = dev["capture"][base:base + n_tok * w]
+                src = dev["capture"][base : base + n_tok * w]
                 take = wanted_rows(pr.app, pos)
                 if take is None or used + len(take) > GATHER_ROWS * self.cap.max_tokens:
-                    pairs.append((s.buf("capture")[off:off + n_tok * w], src))
+                    pairs.append((s.buf("capture")[off : off + n_tok * w], src))
                     cap = (off, w, None)
                     off += n_tok * w
                 else:
                     k = len(take)
                     if k:
                         self._queue_gather(s, src.view(n_tok, w), take, used, off, w)
-                        pairs.append((s.buf("capture")[off:off + k * w], self.gather_dev["rows"][off:off + k * w]))
+                        pairs.append(
+                            (
+                                s.buf("capture")[off : off + k * w],
+                                self.gather_dev["rows"][off : off + k * w],
+                            )
+                        )
                     rowmap = np.full(n_tok, -1, dtype=np.int64)
                     rowmap[take] = np.arange(k)
                     cap = (off, w, rowmap)
@@ -230,20 +283,26 @@ class ReadBack:
         self.pending.append(p)
         return p
 
-    def _queue_gather(self, s: PinnedSet, src: torch.Tensor, take: Arr, used: int, off: int,
-                      w: int) -> None:
+    def _queue_gather(
+        self, s: PinnedSet, src: torch.Tensor, take: Arr, used: int, off: int, w: int
+    ) -> None:
         """Rows ``take`` of ``src`` into the device gather buffer at ``off``, in stream order
         (the indices go through the read-back set, which nothing rewrites before it resolves)."""
         if not self.gather_dev:
             self.gather_dev = {
-                "rows": torch.empty(max(self.cap.capture_floats, 1), dtype=torch.float32, device=self.device),
-                "idx": torch.empty(GATHER_ROWS * self.cap.max_tokens, dtype=torch.int64, device=self.device)}
+                "rows": torch.empty(
+                    max(self.cap.capture_floats, 1), dtype=torch.float32, device=self.device
+                ),
+                "idx": torch.empty(
+                    GATHER_ROWS * self.cap.max_tokens, dtype=torch.int64, device=self.device
+                ),
+            }
         k = len(take)
         s.buf("gather_idx")
-        s.np["gather_idx"][used:used + k] = take
-        idx = self.gather_dev["idx"][used:used + k]
-        dst = self.gather_dev["rows"][off:off + k * w].view(k, w)
-        self.xfer.copy(idx, s.t["gather_idx"][used:used + k])
+        s.np["gather_idx"][used : used + k] = take
+        idx = self.gather_dev["idx"][used : used + k]
+        dst = self.gather_dev["rows"][off : off + k * w].view(k, w)
+        self.xfer.copy(idx, s.t["gather_idx"][used : used + k])
         self.xfer.launch(lambda: torch.index_select(src, 0, idx, out=dst))
 
     def resolve(self, p: PendingReads) -> Results:
@@ -264,13 +323,14 @@ class ReadBack:
                     buf = hs.np["capture"]
                     rows_out: Arr
                     if rowmap is None:
-                        rows_out = buf[off:off + n * w].reshape(n, w)[idx]
+                        rows_out = buf[off : off + n * w].reshape(n, w)[idx]
                     else:
                         k = int(rowmap.max()) + 1
-                        rows_out = buf[off:off + k * w].reshape(k, w)[rowmap[idx]]
+                        rows_out = buf[off : off + k * w].reshape(k, w)[rowmap[idx]]
                     return rows_out
 
-                head.out = collect(res, valid, head.pos, head.rows, head.states.__getitem__,
-                                   head.plan, captured)
+                head.out = collect(
+                    res, valid, head.pos, head.rows, head.states.__getitem__, head.plan, captured
+                )
                 head.set = None
             return p.out

@@ -34,11 +34,11 @@ class LinkedOp:
     """Where one lowered op's data lives in the control block."""
 
     op: LoweredOp
-    param_col: int                  # its first parameter's column in a slot's row (absolute)
-    state_base: int = -1            # per-slot vector state (cosine), -1: none
-    capture_offset: int = -1        # capture buffer, in floats (capture and top-K SAE reads)
+    param_col: int  # its first parameter's column in a slot's row (absolute)
+    state_base: int = -1  # per-slot vector state (cosine), -1: none
+    capture_offset: int = -1  # capture buffer, in floats (capture and top-K SAE reads)
     artifacts: dict[str, torch.Tensor] = field(default_factory=dict)  # OpDesc a0..a3: device fp32
-    fn: int = 0                     # user kernel: CPU function pointer or CUDA kernel handle
+    fn: int = 0  # user kernel: CPU function pointer or CUDA kernel handle
 
     def artifact_ptr(self, slot: str) -> int:
         t = self.artifacts.get(slot)
@@ -48,19 +48,19 @@ class LinkedOp:
 @dataclass
 class InstalledApp:
     lowered: LoweredApp
-    index: int                    # bit in slot_apps
-    seq: int                      # deployment order
+    index: int  # bit in slot_apps
+    seq: int  # deployment order
     mode: str
     param_base: int
     param_cols: list[ParamCol]
-    channels: dict[str, int]      # read key -> channel
-    token_sets: dict[str, int]    # set name -> global set index
+    channels: dict[str, int]  # read key -> channel
+    token_sets: dict[str, int]  # set name -> global set index
     spans: dict[tuple[str, str], int]
-    linked: list[LinkedOp]        # by position in lowered.ops
-    consts: dict[float, int]      # a condition's constant -> its column (relative)
-    read_ops: dict[str, int]      # read key -> position in lowered.ops
+    linked: list[LinkedOp]  # by position in lowered.ops
+    consts: dict[float, int]  # a condition's constant -> its column (relative)
+    read_ops: dict[str, int]  # read key -> position in lowered.ops
     artifacts: list[torch.Tensor] = field(default_factory=list)  # host sources of the copies
-    version: int = 0              # the frontend's deployment version: requests are pinned to it
+    version: int = 0  # the frontend's deployment version: requests are pinned to it
 
     @property
     def name(self) -> str:
@@ -88,11 +88,11 @@ class SiteOp(NamedTuple):
 class Tables:
     """A complete op list for a set of apps, built aside from the live control block."""
 
-    ops: Bytes                    # n_ops * OP_SIZE bytes
-    cond: I32                     # n_cond * 4 int32
+    ops: Bytes  # n_ops * OP_SIZE bytes
+    cond: I32  # n_cond * 4 int32
     site_first: I32
     site_count: I32
-    tokset_bits: U32              # the whole table
+    tokset_bits: U32  # the whole table
     span_def: I32
     site_app_mask: U64
     site_ops: list[list[SiteOp]]
@@ -103,8 +103,16 @@ class Tables:
     n_spans: int
 
 
-def link_app(lw: LoweredApp, index: int, seq: int, mode: str, arena: Arena, claims: Claims,
-             device: torch.device, max_tokens: int) -> InstalledApp:
+def link_app(
+    lw: LoweredApp,
+    index: int,
+    seq: int,
+    mode: str,
+    arena: Arena,
+    claims: Claims,
+    device: torch.device,
+    max_tokens: int,
+) -> InstalledApp:
     """Room for ``lw`` in the shared tables (into ``claims``) and device copies of its
     artifacts; raises DeployError when something does not fit."""
     name = lw.name
@@ -116,16 +124,26 @@ def link_app(lw: LoweredApp, index: int, seq: int, mode: str, arena: Arena, clai
         channels[key] = arena.take("channels", o.n_channels, "result channels", name, claims)
     for alias, (key, i) in lw.aliases.items():  # one feature of an SAE features read
         channels[alias] = channels[key] + i
-    sets = {s: arena.take("token_sets", 1, "token sets (16 in all)", name, claims) for s in lw.token_sets}
+    sets = {
+        s: arena.take("token_sets", 1, "token sets (16 in all)", name, claims)
+        for s in lw.token_sets
+    }
     spans = {sp: arena.take("spans", 1, "spans (8 in all)", name, claims) for sp in lw.spans}
     linked = [LinkedOp(o, base + off) for o, off in zip(lw.ops, op_param_offsets(lw))]
     for lo in linked:
         o = lo.op
         if o.state_width:
-            lo.state_base = arena.take("state", o.state_width, "per-request vector state", name, claims)
+            lo.state_base = arena.take(
+                "state", o.state_width, "per-request vector state", name, claims
+            )
         if o.capture_width:
-            lo.capture_offset = arena.take("capture", o.capture_width * max_tokens,
-                                           "capture buffer (XMIX_CAPTURE_MB)", name, claims)
+            lo.capture_offset = arena.take(
+                "capture",
+                o.capture_width * max_tokens,
+                "capture buffer (XMIX_CAPTURE_MB)",
+                name,
+                claims,
+            )
     # One device copy per distinct artifact: ops sharing a tensor (an app whose ops name one
     # file key, a vector used on every layer) share its copy.
     sources: list[torch.Tensor] = []
@@ -139,9 +157,21 @@ def link_app(lw: LoweredApp, index: int, seq: int, mode: str, arena: Arena, clai
             lo.artifacts[k] = copies[ident]
     position = {id(o): k for k, o in enumerate(lw.ops)}  # identity, only while linking
     read_ops = {key: position[id(o)] for key, o in lw.reads.items()}
-    return InstalledApp(lowered=lw, index=index, seq=seq, mode=mode, param_base=base,
-                        param_cols=cols, channels=channels, token_sets=sets, spans=spans,
-                        linked=linked, consts=consts, read_ops=read_ops, artifacts=sources)
+    return InstalledApp(
+        lowered=lw,
+        index=index,
+        seq=seq,
+        mode=mode,
+        param_base=base,
+        param_cols=cols,
+        channels=channels,
+        token_sets=sets,
+        spans=spans,
+        linked=linked,
+        consts=consts,
+        read_ops=read_ops,
+        artifacts=sources,
+    )
 
 
 def unlink_app(inst: InstalledApp, arena: Arena, max_tokens: int) -> None:
@@ -161,8 +191,9 @@ def unlink_app(inst: InstalledApp, arena: Arena, max_tokens: int) -> None:
             arena.free("capture", lo.capture_offset, lo.op.capture_width * max_tokens)
 
 
-def build_tables(apps: dict[str, InstalledApp], n_sites: int, max_ops: int, max_cond: int,
-                 vocab_words: int) -> Tables:
+def build_tables(
+    apps: dict[str, InstalledApp], n_sites: int, max_ops: int, max_cond: int, vocab_words: int
+) -> Tables:
     """Site tables, op descriptors, condition code, token sets and spans for ``apps``, in
     arrays of their own; raises DeployError when they do not fit."""
     per_site: list[list[SiteOp]] = [[] for _ in range(n_sites)]
@@ -171,8 +202,9 @@ def build_tables(apps: dict[str, InstalledApp], n_sites: int, max_ops: int, max_
             per_site[lo.op.site_id].append(SiteOp(inst, lo))
     total = sum(len(lst) for lst in per_site)
     if total > max_ops:
-        raise DeployError(f"{total} ops would be deployed; the control block holds "
-                          f"{max_ops} (max_ops)")
+        raise DeployError(
+            f"{total} ops would be deployed; the control block holds {max_ops} (max_ops)"
+        )
     recs = np.zeros(total, dtype=OP_DTYPE)
     codes: list[list[int]] = []
     n_ops = n_cond = 0
@@ -187,8 +219,10 @@ def build_tables(apps: dict[str, InstalledApp], n_sites: int, max_ops: int, max_
             o = so.op
             k = C.n_instructions(o.cond) if o.cond is not None else 0
             if n_cond + k > max_cond:
-                raise DeployError(f"{n_cond + k}+ condition instructions would be deployed; the "
-                                  f"control block holds {max_cond} (max_cond)")
+                raise DeployError(
+                    f"{n_cond + k}+ condition instructions would be deployed; the "
+                    f"control block holds {max_cond} (max_cond)"
+                )
             code = emit_cond(so.inst, o) if k else []
             codes.append(code)
             recs[n_ops] = op_record(so.inst, so.linked, n_cond if code else -1, k)
@@ -204,7 +238,7 @@ def build_tables(apps: dict[str, InstalledApp], n_sites: int, max_ops: int, max_
     for inst in apps.values():
         for sname, g in inst.token_sets.items():
             ids = np.asarray(inst.lowered.token_sets[sname], dtype=np.int64)
-            row = bits[g * vocab_words:(g + 1) * vocab_words]
+            row = bits[g * vocab_words : (g + 1) * vocab_words]
             np.bitwise_or.at(row, ids >> 5, (np.uint32(1) << (ids & 31).astype(np.uint32)))
             n_sets = max(n_sets, g + 1)
         for (a, b), g in inst.spans.items():
@@ -213,20 +247,43 @@ def build_tables(apps: dict[str, InstalledApp], n_sites: int, max_ops: int, max_
             n_spans = max(n_spans, g + 1)
     ops_bytes: Bytes = recs.view(np.uint8).reshape(-1)
     assert len(ops_bytes) == total * OP_SIZE
-    return Tables(ops_bytes, cond, first, count, bits, span_def, site_app_mask, per_site,
-                  site_custom, n_ops, n_cond, n_sets, n_spans)
+    return Tables(
+        ops_bytes,
+        cond,
+        first,
+        count,
+        bits,
+        span_def,
+        site_app_mask,
+        per_site,
+        site_custom,
+        n_ops,
+        n_cond,
+        n_sets,
+        n_spans,
+    )
 
 
 def op_record(inst: InstalledApp, lo: LinkedOp, cond_begin: int, cond_len: int) -> tuple[int, ...]:
     """One OpDesc, as a record of OP_DTYPE (fields in control.h's order)."""
     o = lo.op
     vals = {
-        "kind": K[KERNELS[o.kernel].code], "app": inst.index, "cond_begin": cond_begin,
-        "cond_len": cond_len, "param_base": lo.param_col,
+        "kind": K[KERNELS[o.kernel].code],
+        "app": inst.index,
+        "cond_begin": cond_begin,
+        "cond_len": cond_len,
+        "param_base": lo.param_col,
         "channel": inst.channels.get(o.result_key, -1) if o.result_key else -1,
-        "state_base": lo.state_base, "n": o.n, "m": o.m, "flags": o.flags,
-        "a0": lo.artifact_ptr("a0"), "a1": lo.artifact_ptr("a1"), "a2": lo.artifact_ptr("a2"),
-        "fn": lo.fn, "capture_offset": max(lo.capture_offset, 0), "a3": lo.artifact_ptr("a3"),
+        "state_base": lo.state_base,
+        "n": o.n,
+        "m": o.m,
+        "flags": o.flags,
+        "a0": lo.artifact_ptr("a0"),
+        "a1": lo.artifact_ptr("a1"),
+        "a2": lo.artifact_ptr("a2"),
+        "fn": lo.fn,
+        "capture_offset": max(lo.capture_offset, 0),
+        "a3": lo.artifact_ptr("a3"),
     }
     return tuple(vals[n] for n, _ in OP_FIELDS)
 
@@ -258,8 +315,14 @@ def emit_cond(inst: InstalledApp, op: LoweredOp) -> list[int]:
         elif isinstance(n, C.Latch):
             red = K["RED_MEAN"] if n.reduce == "prompt_mean" else K["RED_LAST"]
             late = K["LATCH_FROM_GENERATED"] if latch_from_generated(inst.lowered, op, n) else 0
-            code.extend([K["C_LATCH"], inst.channels[n.read],
-                         CMP_CODES[n.cmp] | (red << 8) | late, param_col(n.value)])
+            code.extend(
+                [
+                    K["C_LATCH"],
+                    inst.channels[n.read],
+                    CMP_CODES[n.cmp] | (red << 8) | late,
+                    param_col(n.value),
+                ]
+            )
         elif isinstance(n, C.Not):
             emit(n.a)
             code.extend([K["C_NOT"], 0, 0, 0])

@@ -16,9 +16,9 @@ from xmix.lowering import LoweredApp, RequestError, param_bounds
 @dataclass
 class ParamCol:
     name: str
-    op: str | None          # None: app-level parameter
+    op: str | None  # None: app-level parameter
     default: float
-    public: bool = True     # False: a constant of a condition
+    public: bool = True  # False: a constant of a condition
     lo: float = -FLT_MAX
     hi: float = FLT_MAX
 
@@ -37,11 +37,17 @@ def param_columns(lw: LoweredApp) -> list[ParamCol]:
             spec = KERNELS[o.kernel].params.get(p)
             lo, hi = (spec.lo, spec.hi) if spec else (-FLT_MAX, FLT_MAX)
             b_lo, b_hi = bounds.get(p, (lo, hi))
-            cols.append(ParamCol(p, o.name or f"#{o.op_index}", v, True, max(lo, b_lo), min(hi, b_hi)))
+            cols.append(
+                ParamCol(p, o.name or f"#{o.op_index}", v, True, max(lo, b_lo), min(hi, b_hi))
+            )
     seen: set[float] = set()
     for o in lw.ops:
         for node in C.walk(o.cond) if o.cond is not None else ():
-            if isinstance(node, (C.Gate, C.Latch)) and isinstance(node.value, float) and node.value not in seen:
+            if (
+                isinstance(node, (C.Gate, C.Latch))
+                and isinstance(node.value, float)
+                and node.value not in seen
+            ):
                 seen.add(node.value)
                 cols.append(ParamCol(f"__const{len(seen)}", None, node.value, False))
     return cols
@@ -69,12 +75,17 @@ def resolve_params(cols: list[ParamCol], params: Any, who: str) -> dict[int, flo
         if not isinstance(key, str):
             raise RequestError(f"{who}: parameter names must be strings, got {key!r}")
         try:
-            finite = not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(float(v))
+            finite = (
+                not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(float(v))
+            )
         except OverflowError:  # an int beyond any float
             finite = False
         if not finite:
-            shown = ("an integer too large for a float" if isinstance(v, int) and not isinstance(v, bool)
-                     else short_repr(v))
+            shown = (
+                "an integer too large for a float"
+                if isinstance(v, int) and not isinstance(v, bool)
+                else short_repr(v)
+            )
             raise RequestError(f"{who}: parameter {key!r} must be a finite number, got {shown}")
         if "." in key:
             op, p = key.rsplit(".", 1)
@@ -89,7 +100,9 @@ def resolve_params(cols: list[ParamCol], params: Any, who: str) -> dict[int, flo
         for i in hits:
             c = cols[i]
             if not (c.lo <= float(v) <= c.hi):
-                raise RequestError(f"{who}: parameter {key!r}={v} out of range [{c.lo:g}, {c.hi:g}]")
+                raise RequestError(
+                    f"{who}: parameter {key!r}={v} out of range [{c.lo:g}, {c.hi:g}]"
+                )
             out[i] = float(v)
     return out
 

@@ -9,8 +9,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from xmix.lowering import RequestError
-from xmix.results_codec import (DEFAULT_OPTIONS, TRUNCATED_KEY, ResultOptions, max_result_bytes,
-                                position_bytes)
+from xmix.results_codec import (
+    DEFAULT_OPTIONS,
+    TRUNCATED_KEY,
+    ResultOptions,
+    max_result_bytes,
+    position_bytes,
+)
 
 if TYPE_CHECKING:
     from xmix.control.link import InstalledApp
@@ -24,28 +29,41 @@ class SlotState:
     apps: set[str]
     overrides: dict[str, dict[int, float]]
     prompt_len: int = 0
-    reported: dict[tuple[str, str], int] = field(default_factory=dict)  # (app, read) -> last position
+    reported: dict[tuple[str, str], int] = field(
+        default_factory=dict
+    )  # (app, read) -> last position
     # Apps in mode "all" that may apply to this request (a server's per-key policy); None:
     # every one. An app in mode "all" not listed is opted out: its bit in slot_apps is set.
     forced: frozenset[str] | None = None
-    options: ResultOptions = DEFAULT_OPTIONS       # encoding, window, byte budget
-    spent: int = 0                                 # result bytes accounted so far
+    options: ResultOptions = DEFAULT_OPTIONS  # encoding, window, byte budget
+    spent: int = 0  # result bytes accounted so far
     truncated: bool = False
 
     def bit(self, inst: InstalledApp) -> bool:
         """This request's bit of an app in slot_apps: for mode "all" it opts the request
         out (control.h: app_active), otherwise it says the request uses the app."""
         if inst.mode == "all":  # named apps always apply
-            return self.forced is not None and inst.name not in self.forced and inst.name not in self.apps
+            return (
+                self.forced is not None
+                and inst.name not in self.forced
+                and inst.name not in self.apps
+            )
         return inst.name in self.apps
 
     def uses(self, inst: InstalledApp) -> bool:
         """Whether the app runs for this request (its mode and this request's bit)."""
-        return (inst.mode == "all" and not self.bit(inst)) or \
-            (inst.mode == "request" and inst.name in self.apps)
+        return (inst.mode == "all" and not self.bit(inst)) or (
+            inst.mode == "request" and inst.name in self.apps
+        )
 
-    def admit(self, sel: Index, pos: np.ndarray[Any, Any], shape: Any, app: str,
-              out: dict[str, dict[str, Any]]) -> Index:
+    def admit(
+        self,
+        sel: Index,
+        pos: np.ndarray[Any, Any],
+        shape: Any,
+        app: str,
+        out: dict[str, dict[str, Any]],
+    ) -> Index:
         """The tokens of ``sel`` (positions ``pos``) this request reports: those in its window,
         up to its byte budget. Past the budget nothing more is reported, and the step's
         results carry the marker."""
@@ -61,11 +79,12 @@ class SlotState:
         per = position_bytes(shape, self.options)
         fit = (budget - self.spent) // per
         if len(sel) > fit:
-            sel = sel[:max(fit, 0)]
+            sel = sel[: max(fit, 0)]
             self.truncated = True
             out.setdefault(self.req_id, {})[TRUNCATED_KEY] = (
                 f"truncated at {budget} bytes: this sequence's read results reached its cap "
-                f"(max_result_bytes / XMIX_MAX_RESULT_BYTES); later results were dropped")
+                f"(max_result_bytes / XMIX_MAX_RESULT_BYTES); later results were dropped"
+            )
         self.spent += len(sel) * per
         return sel
 
@@ -74,14 +93,16 @@ class SlotTable:
     """Slots of running requests, free slots, and preempted requests' records."""
 
     def __init__(self, n_slots: int):
-        self.slots: dict[str, int] = {}            # req id -> slot
-        self.slot_req: dict[int, SlotState] = {}   # slot -> request
+        self.slots: dict[str, int] = {}  # req id -> slot
+        self.slot_req: dict[int, SlotState] = {}  # slot -> request
         self.free = list(range(n_slots - 1, -1, -1))
         self.suspended: dict[str, SlotState] = {}
 
     def occupy(self, st: SlotState) -> int:
         if not self.free:
-            raise RequestError("no free xmix request slot (more running requests than max_num_seqs)")
+            raise RequestError(
+                "no free xmix request slot (more running requests than max_num_seqs)"
+            )
         slot = self.free.pop()
         self.slots[st.req_id] = slot
         self.slot_req[slot] = st

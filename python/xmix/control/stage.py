@@ -10,7 +10,8 @@ parameter columns) and are scattered on the device in stream order.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -20,9 +21,17 @@ from xmix.staging import DeviceQueue, PinnedRing, PinnedSet
 
 
 class StepStaging:
-    def __init__(self, xfer: DeviceQueue, cap: Capacity, device: torch.device, block: torch.Tensor,
-                 dev: dict[str, torch.Tensor], host: dict[str, np.ndarray[Any, Any]],
-                 host_t: dict[str, torch.Tensor], stats: dict[str, int]):
+    def __init__(
+        self,
+        xfer: DeviceQueue,
+        cap: Capacity,
+        device: torch.device,
+        block: torch.Tensor,
+        dev: dict[str, torch.Tensor],
+        host: dict[str, np.ndarray[Any, Any]],
+        host_t: dict[str, torch.Tensor],
+        stats: dict[str, int],
+    ):
         T, S, P = cap.max_tokens, cap.max_slots, cap.max_params
         i32, i64, f32 = torch.int32, torch.int64, torch.float32
         self.xfer, self.cap, self.dev, self.host, self.host_t = xfer, cap, dev, host, host_t
@@ -30,15 +39,23 @@ class StepStaging:
         self.param_stage = max(1, min(S * P, cap.staging_param_floats))
         spec = {n: (T, i32) for n in TOK_MAPS}
         spec.update({n: (S, i32) for n in ROW_MAPS})
-        spec.update({"header": (2, i32), "dirty_idx": (S, i64), "dirty_apps": (S, i64),
-                     "dirty_params": (self.param_stage, f32)})
+        spec.update(
+            {
+                "header": (2, i32),
+                "dirty_idx": (S, i64),
+                "dirty_apps": (S, i64),
+                "dirty_params": (self.param_stage, f32),
+            }
+        )
         self.ring = PinnedRing(xfer, cap.staging_depth, spec)
-        self.rows_dev = {"idx": torch.zeros(S, dtype=i64, device=device),
-                         "apps": torch.zeros(S, dtype=i64, device=device),
-                         "params": torch.zeros(self.param_stage, dtype=f32, device=device)}
+        self.rows_dev = {
+            "idx": torch.zeros(S, dtype=i64, device=device),
+            "apps": torch.zeros(S, dtype=i64, device=device),
+            "params": torch.zeros(self.param_stage, dtype=f32, device=device),
+        }
         off = CTRL_LAYOUT["n_tokens"]
         assert CTRL_LAYOUT["n_rows"] == off + 4 and off % 4 == 0
-        self.step_header = block[off:off + 8].view(torch.int32)  # n_tokens, n_rows
+        self.step_header = block[off : off + 8].view(torch.int32)  # n_tokens, n_rows
         self.dirty: set[int] = set()
         self.step_set: PinnedSet | None = None
         self.begun = False
@@ -46,8 +63,9 @@ class StepStaging:
     def mark_row(self, slot: int) -> None:
         self.dirty.add(slot)
 
-    def stage_step(self, s: PinnedSet, padded: int, n_req: int, param_width: int,
-                   after: Any) -> None:
+    def stage_step(
+        self, s: PinnedSet, padded: int, n_req: int, param_width: int, after: Any
+    ) -> None:
         """Queue one step's copies from its staging set (after the event ``after``, the
         previous step's result copy, when given), then the event that frees the set."""
         x = self.xfer
@@ -88,15 +106,19 @@ class StepStaging:
         x.copy(d["idx"][:n], s.t["dirty_idx"][:n])
         x.copy(d["apps"][:n], s.t["dirty_apps"][:n])
         if W:
-            s.np["dirty_params"][:n * W].reshape(n, W)[:] = self.host["slot_params"].reshape(S, P)[idx, :W]
-            x.copy(d["params"][:n * W], s.t["dirty_params"][:n * W])
+            s.np["dirty_params"][: n * W].reshape(n, W)[:] = self.host["slot_params"].reshape(S, P)[
+                idx, :W
+            ]
+            x.copy(d["params"][: n * W], s.t["dirty_params"][: n * W])
         dev = self.dev
 
         def scatter() -> None:
             rows = d["idx"][:n]
             dev["slot_apps"].index_copy_(0, rows, d["apps"][:n])
             if W:
-                dev["slot_params"].view(S, P)[:, :W].index_copy_(0, rows, d["params"][:n * W].view(n, W))
+                dev["slot_params"].view(S, P)[:, :W].index_copy_(
+                    0, rows, d["params"][: n * W].view(n, W)
+                )
 
         x.launch(scatter)
 

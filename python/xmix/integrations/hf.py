@@ -52,8 +52,9 @@ import ctypes
 import math
 import struct
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -63,9 +64,16 @@ from xmix import reference as R
 from xmix.api import App
 from xmix.architectures import Tap, require_family, resolve
 from xmix.catalog import FLT_MAX, KERNELS
-from xmix.hooks import ModelShape, site_id
-from xmix.lowering import (APP_MODES, DeployError, LoweredApp, LoweredOp, RequestError,
-                           latch_from_generated, lower)
+from xmix.hooks import ModelShape
+from xmix.lowering import (
+    APP_MODES,
+    DeployError,
+    LoweredApp,
+    LoweredOp,
+    RequestError,
+    latch_from_generated,
+    lower,
+)
 
 NAN = float("nan")
 
@@ -96,13 +104,17 @@ def _deepseek_v2_tail(gate, router_logits):
     if gate.topk_method == "greedy":
         topk_weights, topk_indices = torch.topk(scores, k=gate.top_k, dim=-1, sorted=False)
     else:  # "group_limited_greedy" (_patch_router refuses any other method at attach)
-        group_scores = scores.view(-1, gate.num_group, gate.num_experts // gate.num_group).max(dim=-1).values
+        group_scores = (
+            scores.view(-1, gate.num_group, gate.num_experts // gate.num_group).max(dim=-1).values
+        )
         group_idx = torch.topk(group_scores, k=gate.topk_group, dim=-1, sorted=False)[1]
         group_mask = torch.zeros_like(group_scores)
         group_mask.scatter_(1, group_idx, 1)
-        score_mask = (group_mask.unsqueeze(-1)
-                      .expand(-1, gate.num_group, gate.num_experts // gate.num_group)
-                      .reshape(-1, gate.num_experts))
+        score_mask = (
+            group_mask.unsqueeze(-1)
+            .expand(-1, gate.num_group, gate.num_experts // gate.num_group)
+            .reshape(-1, gate.num_experts)
+        )
         scores = scores.masked_fill(~score_mask.bool(), 0.0)
         topk_weights, topk_indices = torch.topk(scores, k=gate.top_k, dim=-1, sorted=False)
     topk_weights = topk_weights * gate.routed_scaling_factor
@@ -111,7 +123,9 @@ def _deepseek_v2_tail(gate, router_logits):
 
 def _gpt_oss_tail(gate, router_logits):
     router_top_value, router_indices = torch.topk(router_logits, gate.top_k, dim=-1)
-    router_scores = torch.nn.functional.softmax(router_top_value, dim=1, dtype=router_top_value.dtype)
+    router_scores = torch.nn.functional.softmax(
+        router_top_value, dim=1, dtype=router_top_value.dtype
+    )
     return router_logits, router_scores, router_indices
 
 
@@ -148,28 +162,40 @@ class _CustomArgs(ctypes.Structure):
     """``xmix_custom_args`` of csrc/include/xmix/custom.h (the public ABI of user kernels)."""
 
     _fields_ = [
-        ("h", ctypes.c_void_p), ("r", ctypes.c_void_p),
-        ("stride_h", ctypes.c_int64), ("stride_r", ctypes.c_int64),
-        ("n_rows", ctypes.c_int32), ("d", ctypes.c_int32), ("dtype", ctypes.c_int32),
+        ("h", ctypes.c_void_p),
+        ("r", ctypes.c_void_p),
+        ("stride_h", ctypes.c_int64),
+        ("stride_r", ctypes.c_int64),
+        ("n_rows", ctypes.c_int32),
+        ("d", ctypes.c_int32),
+        ("dtype", ctypes.c_int32),
         ("n_params", ctypes.c_int32),
-        ("select", ctypes.c_void_p), ("tok_slot", ctypes.c_void_p), ("tok_pos", ctypes.c_void_p),
+        ("select", ctypes.c_void_p),
+        ("tok_slot", ctypes.c_void_p),
+        ("tok_pos", ctypes.c_void_p),
         ("slot_params", ctypes.c_void_p),
-        ("param_base", ctypes.c_int32), ("artifact_numel", ctypes.c_int32),
-        ("artifact", ctypes.c_void_p), ("out", ctypes.c_void_p),
+        ("param_base", ctypes.c_int32),
+        ("artifact_numel", ctypes.c_int32),
+        ("artifact", ctypes.c_void_p),
+        ("out", ctypes.c_void_p),
     ]
 
 
 def _load_custom(app: str, op: LoweredOp):
     ck = op.custom
     if not ck or not ck.cpu_library or not ck.cpu_symbol:
-        raise DeployError(f"app {app!r}, op {op.label}: the transformers path runs user kernels on "
-                          f"the CPU and needs cpu_library and cpu_symbol")
+        raise DeployError(
+            f"app {app!r}, op {op.label}: the transformers path runs user kernels on "
+            f"the CPU and needs cpu_library and cpu_symbol"
+        )
     try:
         lib = ctypes.CDLL(str(ck.cpu_library))
         fn = getattr(lib, ck.cpu_symbol)
     except (OSError, AttributeError) as e:
-        raise DeployError(f"app {app!r}, op {op.label}: cannot load {ck.cpu_symbol!r} from "
-                          f"{ck.cpu_library!r}: {e}") from None
+        raise DeployError(
+            f"app {app!r}, op {op.label}: cannot load {ck.cpu_symbol!r} from "
+            f"{ck.cpu_library!r}: {e}"
+        ) from None
     fn.argtypes = [ctypes.POINTER(_CustomArgs)]
     fn.restype = None
     return fn
@@ -180,7 +206,7 @@ def _load_custom(app: str, op: LoweredOp):
 class _Attached:
     lowered: LoweredApp
     mode: str
-    custom_fns: dict[int, Any] = field(default_factory=dict)   # id(LoweredOp) -> ctypes fn
+    custom_fns: dict[int, Any] = field(default_factory=dict)  # id(LoweredOp) -> ctypes fn
 
     @property
     def name(self) -> str:
@@ -197,7 +223,9 @@ def _param_range(op: LoweredOp, pname: str) -> tuple[float, float]:
     return (spec.lo, spec.hi) if spec else (-FLT_MAX, FLT_MAX)
 
 
-def _resolve_params(att: _Attached, given: Any) -> tuple[dict[str, float], dict[tuple[int, str], float]]:
+def _resolve_params(
+    att: _Attached, given: Any
+) -> tuple[dict[str, float], dict[tuple[int, str], float]]:
     """Request parameters of one app -> (app-level values, {(op_index, param): value}).
 
     A bare name is the app-level parameter of that name if there is one, else every op
@@ -241,15 +269,20 @@ class Request:
     Drive it with ``prefill()`` then ``decode(token)`` per generated token, or use
     ``Attachment.generate``."""
 
-    def __init__(self, attachment: "Attachment", prompt_ids: list[int], apps: list[str],
-                 params: dict[str, dict[str, float]]):
+    def __init__(
+        self,
+        attachment: Attachment,
+        prompt_ids: list[int],
+        apps: list[str],
+        params: dict[str, dict[str, float]],
+    ):
         self.attachment = attachment
         self.prompt = [int(t) for t in prompt_ids]
         if not self.prompt:
             raise RequestError("the prompt is empty")
         self.apps = list(apps)
-        self.n_done = 0                      # positions processed so far
-        self.cache = None                    # its own KV cache (made on the first pass)
+        self.n_done = 0  # positions processed so far
+        self.cache = None  # its own KV cache (made on the first pass)
         self.app_params: dict[str, dict[str, float]] = {}
         self.op_params: dict[str, dict[tuple[int, str], float]] = {}
         for att in attachment.attached:
@@ -259,10 +292,10 @@ class Request:
             av, ov = _resolve_params(attachment.by_name[name], p)
             self.app_params[name].update(av)
             self.op_params[name].update(ov)
-        self.spans: dict[tuple[str, str, str], bool] = {}          # (app, open, close) -> inside
+        self.spans: dict[tuple[str, str, str], bool] = {}  # (app, open, close) -> inside
         # (app, read key) -> [sum, count, value at the last prompt token] over prompt tokens
         self.read_stats: dict[tuple[str, str], list[float]] = {}
-        self.cast_sums: dict[tuple[str, str], list] = {}           # (app, key) -> [sum (fp64), count]
+        self.cast_sums: dict[tuple[str, str], list] = {}  # (app, key) -> [sum (fp64), count]
         self.results: dict[str, dict[str, dict[str, list]]] = {}
 
     @property
@@ -286,7 +319,7 @@ class Request:
         logits = None
         while self.n_done < self.prompt_len:
             end = self.prompt_len if chunk is None else min(self.prompt_len, self.n_done + chunk)
-            logits = self._forward(self.prompt[self.n_done:end])
+            logits = self._forward(self.prompt[self.n_done : end])
         return logits[-1]
 
     def decode(self, token: int) -> torch.Tensor:
@@ -342,8 +375,12 @@ class _Step:
             lw = att.lowered
             for open_, close in lw.spans:
                 k = (att.name, open_, close)
-                flags, state = R.span_flags(ids, set(lw.token_sets[open_]), set(lw.token_sets[close]),
-                                            req.spans.get(k, False))
+                flags, state = R.span_flags(
+                    ids,
+                    set(lw.token_sets[open_]),
+                    set(lw.token_sets[close]),
+                    req.spans.get(k, False),
+                )
                 self.span_flags[k] = flags
                 req.spans[k] = state
 
@@ -356,8 +393,12 @@ class _Step:
         if node is None:
             return True
         if isinstance(node, C.Flag):
-            return {"all": True, "prompt": self.prompt[t], "generated": self.generated[t],
-                    "last_token": self.last[t]}[node.name]
+            return {
+                "all": True,
+                "prompt": self.prompt[t],
+                "generated": self.generated[t],
+                "last_token": self.last[t],
+            }[node.name]
         if isinstance(node, C.TokenIn):
             return self.ids[t] in att.lowered.token_sets[node.set]
         if isinstance(node, C.InSpan):
@@ -394,8 +435,9 @@ class _Step:
     def run_op(self, att: _Attached, op: LoweredOp, rows: torch.Tensor) -> None:
         """Run one op on this request's rows ([n tokens, d], changed in place by writes)."""
         if rows.shape[0] != self.n:
-            raise RuntimeError(f"xmix: site {op.site} has {rows.shape[0]} rows for a pass of "
-                               f"{self.n} tokens")
+            raise RuntimeError(
+                f"xmix: site {op.site} has {rows.shape[0]} rows for a pass of {self.n} tokens"
+            )
         if not self.req.uses(att):
             return
         mask_list = [self.holds(att, op, op.cond, t) for t in range(self.n)]
@@ -419,16 +461,20 @@ class _Step:
         elif op.kernel == "router":
             new = R.router(rows, mask, arts["a0"], p("delta"))
         elif op.kernel == "sae_steer":
-            new = R.add(rows, None, mask, op.sae.W_dec[op.features].sum(0).to(rows.device), p("scale"))
+            new = R.add(
+                rows, None, mask, op.sae.W_dec[op.features].sum(0).to(rows.device), p("scale")
+            )
         elif op.kernel == "sae_clamp":
             new = R.sae_clamp(rows, None, mask, op.sae, op.features, p("value"))
         else:
-            raise DeployError(f"app {att.name!r}, op {op.label}: no oracle for kernel {op.kernel!r}")
+            raise DeployError(
+                f"app {att.name!r}, op {op.label}: no oracle for kernel {op.kernel!r}"
+            )
         rows.copy_(new.reshape(rows.shape))
 
     def _read(self, att, op, rows, mask, mask_list, arts, p) -> None:
         n = self.n
-        values = [NAN] * n          # the scalar a gate or latch sees
+        values = [NAN] * n  # the scalar a gate or latch sees
         reported: dict[int, Any] = {}
         if op.kernel == "probe":
             v = R.probe(rows, arts["a0"], p("bias"))
@@ -446,12 +492,13 @@ class _Step:
                     # The engine's result channel holds 1.0 for a captured token; a gate
                     # on a capture read therefore means "it was captured".
                     values[t] = 1.0
-                    reported[t] = rows[t, op.m:op.m + op.n].float().cpu().tolist()
+                    reported[t] = rows[t, op.m : op.m + op.n].float().cpu().tolist()
         elif op.kernel == "cosine":
             # CAST: mean of the stream over the prompt tokens where the condition holds;
             # one value, at the last prompt token, once at least one token was summed.
-            acc = self.req.cast_sums.setdefault((att.name, op.result_key),
-                                                [torch.zeros(rows.shape[-1], dtype=torch.float64), 0])
+            acc = self.req.cast_sums.setdefault(
+                (att.name, op.result_key), [torch.zeros(rows.shape[-1], dtype=torch.float64), 0]
+            )
             for t in range(n):
                 if mask_list[t] and self.prompt[t]:
                     acc[0] += rows[t].double().cpu()
@@ -464,8 +511,11 @@ class _Step:
             if op.features:
                 sub = acts[:, op.features].cpu()
                 for i, f in enumerate(op.features):  # each feature is a read of its own for gates
-                    self._note_values(att, f"{op.result_key}.f{f}",
-                                      [float(sub[t, i]) if mask_list[t] else NAN for t in range(n)])
+                    self._note_values(
+                        att,
+                        f"{op.result_key}.f{f}",
+                        [float(sub[t, i]) if mask_list[t] else NAN for t in range(n)],
+                    )
                 for t in range(n):
                     if mask_list[t]:
                         values[t] = float(sub[t, 0])
@@ -475,7 +525,7 @@ class _Step:
                 for t in range(n):
                     if mask_list[t]:
                         ids, a = top[t]
-                        values[t] = a[0] if a else 0.0   # the largest activation
+                        values[t] = a[0] if a else 0.0  # the largest activation
                         reported[t] = {"ids": ids, "acts": a}
         else:
             raise DeployError(f"app {att.name!r}, op {op.label}: no oracle for read {op.kernel!r}")
@@ -513,17 +563,30 @@ class _Step:
         slot = torch.zeros(n, dtype=torch.int32)
         pos = torch.tensor(self.pos, dtype=torch.int32)
         pnames = [k for k, _ in op.params]
-        prm = torch.tensor([self.req.param(att, op, k) for k in pnames] or [0.0], dtype=torch.float32)
+        prm = torch.tensor(
+            [self.req.param(att, op, k) for k in pnames] or [0.0], dtype=torch.float32
+        )
         art = op.artifacts.get("a0")
         art = art.float().contiguous() if art is not None else None
         out = torch.full((n,), NAN, dtype=torch.float32) if op.is_read else None
         args = _CustomArgs(
-            h=h.data_ptr(), r=None, stride_h=d, stride_r=0, n_rows=n, d=d,
-            dtype=_DTYPE_CODES[rows.dtype], n_params=len(pnames), select=select.data_ptr(),
-            tok_slot=slot.data_ptr(), tok_pos=pos.data_ptr(), slot_params=prm.data_ptr(),
-            param_base=0, artifact_numel=int(art.numel()) if art is not None else 0,
+            h=h.data_ptr(),
+            r=None,
+            stride_h=d,
+            stride_r=0,
+            n_rows=n,
+            d=d,
+            dtype=_DTYPE_CODES[rows.dtype],
+            n_params=len(pnames),
+            select=select.data_ptr(),
+            tok_slot=slot.data_ptr(),
+            tok_pos=pos.data_ptr(),
+            slot_params=prm.data_ptr(),
+            param_base=0,
+            artifact_numel=int(art.numel()) if art is not None else 0,
             artifact=art.data_ptr() if art is not None else None,
-            out=out.data_ptr() if out is not None else None)
+            out=out.data_ptr() if out is not None else None,
+        )
         att.custom_fns[id(op)](ctypes.byref(args))
         if op.is_read:
             values = [float(out[t]) if mask_list[t] else NAN for t in range(n)]
@@ -537,8 +600,9 @@ class _Step:
 class Attachment:
     """xmix apps attached to one transformers model; see ``attach``."""
 
-    def __init__(self, model, apps: Iterable[App], enabled: dict[str, str] | None = None,
-                 tokenizer=None):
+    def __init__(
+        self, model, apps: Iterable[App], enabled: dict[str, str] | None = None, tokenizer=None
+    ):
         self.model = model
         self.device = next(model.parameters()).device
         # The model's class decides its modules (a config built in code may declare none).
@@ -549,7 +613,9 @@ class Attachment:
         enabled = dict(enabled or {})
         for app in apps:
             if app.name in self.by_name:
-                raise DeployError(f"app {app.name!r} is attached twice; attach it under another name")
+                raise DeployError(
+                    f"app {app.name!r} is attached twice; attach it under another name"
+                )
             lw = lower(app, self.shape, tokenizer)
             att = _Attached(lw, "request")
             for op in lw.ops:
@@ -571,7 +637,7 @@ class Attachment:
         try:
             self._install()
         except Exception:
-            self.detach()       # nothing half-attached
+            self.detach()  # nothing half-attached
             raise
 
     # -- control ---------------------------------------------------------------------------
@@ -586,21 +652,29 @@ class Attachment:
         built_in: dict[int, list] = {}
         custom: dict[int, list] = {}
         for att in self.attached:
-            for op in att.lowered.ops:      # sorted by (site_id, op_index)
-                (custom if op.kernel == "custom" else built_in).setdefault(op.site_id, []).append((att, op))
+            for op in att.lowered.ops:  # sorted by (site_id, op_index)
+                (custom if op.kernel == "custom" else built_in).setdefault(op.site_id, []).append(
+                    (att, op)
+                )
         return {s: built_in.get(s, []) + custom.get(s, []) for s in set(built_in) | set(custom)}
 
     def _run_site(self, sid: int, tensor: torch.Tensor) -> None:
-        active = self._own if self._own is not None else (
-            self._session.current if self._session is not None else None)
+        active = (
+            self._own
+            if self._own is not None
+            else (self._session.current if self._session is not None else None)
+        )
         if active is None:
             # The model called outside a request or session: the apps do not run. Said once,
             # so that a forgotten session is not a silent no-op.
             if not self._warned:
                 self._warned = True
-                warnings.warn("xmix: this model has apps attached, but it ran outside "
-                              "attachment.session(...) / attachment.generate(...): the apps did not "
-                              "run (this warning is given once per attachment)", stacklevel=3)
+                warnings.warn(
+                    "xmix: this model has apps attached, but it ran outside "
+                    "attachment.session(...) / attachment.generate(...): the apps did not "
+                    "run (this warning is given once per attachment)",
+                    stacklevel=3,
+                )
             return
         with torch.no_grad():
             for step, rows in active:
@@ -616,8 +690,10 @@ class Attachment:
         norm = resolve(self.model, emap.final_norm)
         L = self.shape.n_layers
         if layers is None or norm is None or len(layers) != L:
-            raise TypeError(f"xmix.integrations.hf: {type(self.model).__name__} does not have the "
-                            f"{self.family.title} layout ({emap.layers} with {L} layers, {emap.final_norm})")
+            raise TypeError(
+                f"xmix.integrations.hf: {type(self.model).__name__} does not have the "
+                f"{self.family.title} layout ({emap.layers} with {L} layers, {emap.final_norm})"
+            )
         wanted = set(self._site_ops)
         for sid in sorted(wanted):
             name = site_id_name(sid, L)
@@ -630,13 +706,16 @@ class Attachment:
                 raise DeployError(f"{self.family.title} has no {site} site")
             mod = resolve(layers[layer_idx], tap.module)
             if mod is None:
-                raise TypeError(f"xmix.integrations.hf: decoder layer {layer_idx} has no "
-                                f"{tap.module!r} ({self.family.title} site table, {site})")
+                raise TypeError(
+                    f"xmix.integrations.hf: decoder layer {layer_idx} has no "
+                    f"{tap.module!r} ({self.family.title} site table, {site})"
+                )
             if tap.router:
                 self._patch_router(mod, sid, layer_idx, tap)
             elif tap.io == "in":
-                self._handles.append(mod.register_forward_pre_hook(self._pre_hook(sid, tap),
-                                                                   with_kwargs=True))
+                self._handles.append(
+                    mod.register_forward_pre_hook(self._pre_hook(sid, tap), with_kwargs=True)
+                )
             else:
                 self._handles.append(mod.register_forward_hook(self._out_hook(sid)))
 
@@ -646,6 +725,7 @@ class Attachment:
         def hook(module, args, kwargs):
             self._run_site(sid, args[pos] if len(args) > pos else kwargs[name])
             return None
+
         return hook
 
     def _out_hook(self, sid: int):
@@ -653,18 +733,23 @@ class Attachment:
             h = output[0] if isinstance(output, tuple) else output
             self._run_site(sid, h)
             return None
+
         return hook
 
     def _patch_router(self, gate: torch.nn.Module, sid: int, layer: int, tap: Tap) -> None:
         want, logits_of, tail = _ROUTERS[tap.router]
         if type(gate).__name__ != want:
-            raise TypeError(f"xmix.integrations.hf: router.logits at layer {layer} needs a {want} "
-                            f"at {tap.module}, found {type(gate).__name__}")
+            raise TypeError(
+                f"xmix.integrations.hf: router.logits at layer {layer} needs a {want} "
+                f"at {tap.module}, found {type(gate).__name__}"
+            )
         method = getattr(gate, "topk_method", None)
         if tap.router == "deepseek_v2" and method not in ("greedy", "group_limited_greedy"):
-            raise DeployError(f"xmix.integrations.hf: DeepSeek-V2 router at layer {layer} uses "
-                              f"topk_method {method!r}; the router.logits site follows 'greedy' and "
-                              f"'group_limited_greedy' (transformers 5.19's)")
+            raise DeployError(
+                f"xmix.integrations.hf: DeepSeek-V2 router at layer {layer} uses "
+                f"topk_method {method!r}; the router.logits site follows 'greedy' and "
+                f"'group_limited_greedy' (transformers 5.19's)"
+            )
         attachment = self
 
         def forward(hidden_states):
@@ -691,15 +776,16 @@ class Attachment:
             self._session.close()
         self._detached = True
 
-    def __enter__(self) -> "Attachment":
+    def __enter__(self) -> Attachment:
         return self
 
     def __exit__(self, *exc) -> None:
         self.detach()
 
     # -- requests --------------------------------------------------------------------------
-    def session(self, apps: list[str] | None = None,
-                params: dict[str, dict[str, float]] | None = None) -> "Session":
+    def session(
+        self, apps: list[str] | None = None, params: dict[str, dict[str, float]] | None = None
+    ) -> Session:
         """A context in which transformers' own ``model.generate(...)`` and ``model(...)``
         run the apps: each row of a batch is one request using ``apps`` with ``params``
         (see ``Session``). Outside it the model runs as if nothing were attached."""
@@ -709,7 +795,7 @@ class Attachment:
             raise RuntimeError("xmix: a session is already open on this attachment")
         self._check(apps or [], params or {})
         for name, p in (params or {}).items():
-            _resolve_params(self.by_name[name], p)      # bad parameters fail here, not mid-generate
+            _resolve_params(self.by_name[name], p)  # bad parameters fail here, not mid-generate
         return Session(self, list(apps or []), dict(params or {}))
 
     def _check(self, apps: list[str], params: dict) -> None:
@@ -718,10 +804,16 @@ class Attachment:
                 raise RequestError(f"unknown app {a!r}; attached: {sorted(self.by_name)}")
         for a in params:
             if a not in self.by_name:
-                raise RequestError(f"params for unknown app {a!r}; attached: {sorted(self.by_name)}")
+                raise RequestError(
+                    f"params for unknown app {a!r}; attached: {sorted(self.by_name)}"
+                )
 
-    def request(self, prompt_ids: list[int], apps: list[str] | None = None,
-                params: dict[str, dict[str, float]] | None = None) -> Request:
+    def request(
+        self,
+        prompt_ids: list[int],
+        apps: list[str] | None = None,
+        params: dict[str, dict[str, float]] | None = None,
+    ) -> Request:
         if self._detached:
             raise RuntimeError("xmix: this attachment has been detached; attach the apps again")
         apps = list(apps or [])
@@ -729,17 +821,27 @@ class Attachment:
         self._check(apps, params)
         return Request(self, prompt_ids, apps, params)
 
-    def forward(self, prompt_ids: list[int], apps: list[str] | None = None,
-                params: dict[str, dict[str, float]] | None = None,
-                chunk: int | None = None) -> tuple[torch.Tensor, dict]:
+    def forward(
+        self,
+        prompt_ids: list[int],
+        apps: list[str] | None = None,
+        params: dict[str, dict[str, float]] | None = None,
+        chunk: int | None = None,
+    ) -> tuple[torch.Tensor, dict]:
         """The prompt pass alone: returns (logits of the last prompt token, read results)."""
         req = self.request(prompt_ids, apps, params)
         logits = req.prefill(chunk)
         return logits, copy.deepcopy(req.results)
 
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, apps: list[str] | None = None,
-                 params: dict[str, dict[str, float]] | None = None, stop_at_eos: bool = False,
-                 chunk: int | None = None) -> tuple[list[int], dict]:
+    def generate(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        apps: list[str] | None = None,
+        params: dict[str, dict[str, float]] | None = None,
+        stop_at_eos: bool = False,
+        chunk: int | None = None,
+    ) -> tuple[list[int], dict]:
         """Greedy decoding of one request with a KV cache: the prompt (in passes of ``chunk``
         tokens, all at once by default), then one pass per generated token fed back. The
         last generated token is never fed back. Returns (generated ids, read results)."""
@@ -763,7 +865,7 @@ _MISSING = object()
 
 
 def site_id_name(sid: int, n_layers: int):
-    """"final.post", or (layer, site name) of a per-layer site id."""
+    """ "final.post", or (layer, site name) of a per-layer site id."""
     from xmix.hooks import site_of
 
     layer, name = site_of(sid, n_layers)
@@ -783,14 +885,16 @@ class _Rows:
 
     def _grid(self, tensor: torch.Tensor) -> torch.Tensor:
         if tensor.numel() != self.B * self.T * tensor.shape[-1]:
-            raise RuntimeError(f"xmix: a site tensor of shape {list(tensor.shape)} in a pass of "
-                               f"{self.B} x {self.T} tokens")
+            raise RuntimeError(
+                f"xmix: a site tensor of shape {list(tensor.shape)} in a pass of "
+                f"{self.B} x {self.T} tokens"
+            )
         return tensor.view(self.B, self.T, tensor.shape[-1])
 
     def take(self, tensor: torch.Tensor) -> torch.Tensor:
         g = self._grid(tensor)
         if self.span is not None:
-            return g[self.b, self.span[0]:self.span[1]]       # a view: writes land in place
+            return g[self.b, self.span[0] : self.span[1]]  # a view: writes land in place
         return g[self.b, self._idx.to(tensor.device)]
 
     def put(self, tensor: torch.Tensor, rows: torch.Tensor) -> None:
@@ -822,13 +926,15 @@ class Session:
         self.current: list[tuple[_Step, _Rows]] | None = None
         self._handles: list = []
 
-    def __enter__(self) -> "Session":
+    def __enter__(self) -> Session:
         att = self.attachment
         if att._session is not None:
             raise RuntimeError("xmix: a session is already open on this attachment")
         att._session = self
-        self._handles = [att.model.register_forward_pre_hook(self._before, with_kwargs=True),
-                         att.model.register_forward_hook(self._after, always_call=True)]
+        self._handles = [
+            att.model.register_forward_pre_hook(self._before, with_kwargs=True),
+            att.model.register_forward_hook(self._after, always_call=True),
+        ]
         return self
 
     def __exit__(self, *exc) -> None:
@@ -848,18 +954,28 @@ class Session:
 
     def _before(self, module, args, kwargs):
         if self.attachment._own is not None:
-            return None     # attachment.generate/forward inside the session drive their own passes
+            return None  # attachment.generate/forward inside the session drive their own passes
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is None:
-            raise RequestError("xmix: a session needs input_ids (inputs_embeds alone carry no tokens)")
+            raise RequestError(
+                "xmix: a session needs input_ids (inputs_embeds alone carry no tokens)"
+            )
         ids = ids.detach().to("cpu")
         if ids.dim() == 1:
             ids = ids[None]
         B, T = ids.shape
         mask = kwargs.get("attention_mask")
-        keep = torch.ones(B, T, dtype=torch.bool) if mask is None else mask.detach().to("cpu")[:, -T:].bool()
+        keep = (
+            torch.ones(B, T, dtype=torch.bool)
+            if mask is None
+            else mask.detach().to("cpu")[:, -T:].bool()
+        )
         cache = kwargs.get("past_key_values")
-        past = int(cache.get_seq_length()) if cache is not None and hasattr(cache, "get_seq_length") else 0
+        past = (
+            int(cache.get_seq_length())
+            if cache is not None and hasattr(cache, "get_seq_length")
+            else 0
+        )
         current = []
         if past == 0:
             self.requests = []
@@ -870,13 +986,17 @@ class Session:
                 current.append((_Step(req, req.prompt, start=0), _Rows(b, cols, B, T)))
         else:
             if len(self.requests) != B:
-                raise RequestError(f"xmix: a forward with a KV cache of {B} rows continues a batch of "
-                                   f"{len(self.requests)} requests (beam search and batch changes are "
-                                   f"not followed)")
+                raise RequestError(
+                    f"xmix: a forward with a KV cache of {B} rows continues a batch of "
+                    f"{len(self.requests)} requests (beam search and batch changes are "
+                    f"not followed)"
+                )
             for b, req in enumerate(self.requests):
                 cols = [t for t in range(T) if keep[b, t]]
                 if cols:
-                    current.append((_Step(req, ids[b, cols].tolist(), start=req.n_done), _Rows(b, cols, B, T)))
+                    current.append(
+                        (_Step(req, ids[b, cols].tolist(), start=req.n_done), _Rows(b, cols, B, T))
+                    )
         self.current = current
         return None
 
@@ -888,8 +1008,9 @@ class Session:
         return None
 
 
-def attach(model, apps: Iterable[App], enabled: dict[str, str] | None = None,
-           tokenizer=None) -> Attachment:
+def attach(
+    model, apps: Iterable[App], enabled: dict[str, str] | None = None, tokenizer=None
+) -> Attachment:
     """Lower ``apps`` for ``model`` (a transformers *ForCausalLM of a family in xmix.architectures)
     and hook them in. ``enabled``: app name -> "off" | "request" | "all" (default
     "request": an app runs for the requests that list it)."""

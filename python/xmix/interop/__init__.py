@@ -13,9 +13,22 @@ checkpoints with how to convert them. The command line is ``xmix import`` (docs/
 from xmix.interop._files import InteropError
 from xmix.interop.hooks import from_hf_module, from_transformer_lens
 from xmix.interop.saes import detect_format, from_saelens_object, load_sae
-from xmix.interop.vectors import (from_control_vector, from_steering_vector, load_vector_app,
-                                  vectors_app)
+from xmix.interop.vectors import (
+    from_control_vector,
+    from_steering_vector,
+    load_vector_app,
+    vectors_app,
+)
 
-__all__ = ["InteropError", "load_sae", "detect_format", "from_saelens_object", "load_vector_app",
-           "vectors_app", "from_control_vector", "from_steering_vector", "from_transformer_lens",
-           "from_hf_module"]
+__all__ = [
+    "InteropError",
+    "load_sae",
+    "detect_format",
+    "from_saelens_object",
+    "load_vector_app",
+    "vectors_app",
+    "from_control_vector",
+    "from_steering_vector",
+    "from_transformer_lens",
+    "from_hf_module",
+]

@@ -21,10 +21,11 @@ def refuse_pickle(path: Path) -> None:
             f"{path}: {path.suffix} files are Python pickles, which can run code when loaded; "
             f"xmix imports data only (safetensors, npz, GGUF, JSON). Convert it once where you "
             f"trust the file, e.g.\n"
-            f"  python -c \"import torch, safetensors.torch as s; "
+            f'  python -c "import torch, safetensors.torch as s; '
             f"d = torch.load('{path.name}', weights_only=True); "
             f"s.save_file({{k: v.contiguous() for k, v in d.items()}}, '{path.stem}.safetensors')\"\n"
-            f"then import the .safetensors file")
+            f"then import the .safetensors file"
+        )
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -65,9 +66,13 @@ def provenance(fmt: str, files: list[Path], **extra: Any) -> dict[str, Any]:
     original names (hook point, layers) the importer mapped."""
     from xmix import __version__
 
-    return {"imported": {
-        "format": fmt,
-        "files": [{"path": str(p), "bytes": p.stat().st_size, "sha256": sha256(p)} for p in files],
-        "xmix_version": __version__,
-        **{k: v for k, v in extra.items() if v is not None},
-    }}
+    return {
+        "imported": {
+            "format": fmt,
+            "files": [
+                {"path": str(p), "bytes": p.stat().st_size, "sha256": sha256(p)} for p in files
+            ],
+            "xmix_version": __version__,
+            **{k: v for k, v in extra.items() if v is not None},
+        }
+    }

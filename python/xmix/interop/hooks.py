@@ -19,15 +19,23 @@ import re
 
 from xmix.interop._files import InteropError
 
-_TL = re.compile(r"^blocks\.(\d+)\.(hook_resid_pre|hook_resid_mid|hook_resid_post|hook_attn_out|hook_mlp_out)$")
-_TL_SITE = {"hook_resid_pre": "residual.pre", "hook_resid_mid": "residual.mid",
-            "hook_resid_post": "residual.post", "hook_attn_out": "attention.post",
-            "hook_mlp_out": "mlp.post"}
+_TL = re.compile(
+    r"^blocks\.(\d+)\.(hook_resid_pre|hook_resid_mid|hook_resid_post|hook_attn_out|hook_mlp_out)$"
+)
+_TL_SITE = {
+    "hook_resid_pre": "residual.pre",
+    "hook_resid_mid": "residual.mid",
+    "hook_resid_post": "residual.post",
+    "hook_attn_out": "attention.post",
+    "hook_mlp_out": "mlp.post",
+}
 _HF = re.compile(r"^(?:[A-Za-z_]+\.)*layers\.(\d+)(?:\.(mlp|self_attn))?$")
 _HF_SITE = {None: "residual.post", "mlp": "mlp.post", "self_attn": "attention.post"}
 
-SITES_TEXT = ("xmix's sites: layers.<L>.residual.pre, .attention.post, .residual.mid, .mlp.post, "
-              ".residual.post and final.post")
+SITES_TEXT = (
+    "xmix's sites: layers.<L>.residual.pre, .attention.post, .residual.mid, .mlp.post, "
+    ".residual.post and final.post"
+)
 
 
 def from_transformer_lens(hook: str, source: str = "") -> str:
@@ -38,9 +46,11 @@ def from_transformer_lens(hook: str, source: str = "") -> str:
         return f"layers.{int(m.group(1))}.{_TL_SITE[m.group(2)]}"
     if hook == "ln_final.hook_normalized":
         return "final.post"
-    raise InteropError(f"{source}: hook point {hook!r} has no xmix equivalent ({SITES_TEXT}); "
-                       f"per-head attention (hook_z, hook_q/k/v), MLP neurons (mlp.hook_pre/post), "
-                       f"embeddings and norms inside a block are not hook sites")
+    raise InteropError(
+        f"{source}: hook point {hook!r} has no xmix equivalent ({SITES_TEXT}); "
+        f"per-head attention (hook_z, hook_q/k/v), MLP neurons (mlp.hook_pre/post), "
+        f"embeddings and norms inside a block are not hook sites"
+    )
 
 
 def from_hf_module(name: str, source: str = "") -> str:
@@ -50,9 +60,11 @@ def from_hf_module(name: str, source: str = "") -> str:
     m = _HF.match(name or "")
     if m:
         return f"layers.{int(m.group(1))}.{_HF_SITE[m.group(2)]}"
-    raise InteropError(f"{source}: hookpoint {name!r} has no xmix equivalent ({SITES_TEXT}); "
-                       f"sparsify names decoder layers as 'layers.N', 'layers.N.mlp', "
-                       f"'layers.N.self_attn'")
+    raise InteropError(
+        f"{source}: hookpoint {name!r} has no xmix equivalent ({SITES_TEXT}); "
+        f"sparsify names decoder layers as 'layers.N', 'layers.N.mlp', "
+        f"'layers.N.self_attn'"
+    )
 
 
 def resolve(hook: str, source: str = "") -> str:

@@ -33,8 +33,10 @@ def detect_format(path: Path) -> str:
             return "llama-scope"
         if path.suffix == ".safetensors" and (path.parent.parent / "hyperparams.json").is_file():
             return "llama-scope"
-        raise InteropError(f"{path}: cannot tell the SAE format of this file; give its folder "
-                           f"or --format ({', '.join(FORMATS)})")
+        raise InteropError(
+            f"{path}: cannot tell the SAE format of this file; give its folder "
+            f"or --format ({', '.join(FORMATS)})"
+        )
     if not path.is_dir():
         raise InteropError(f"{path}: no such file or folder")
     if (path / "cfg.json").is_file() and (path / "sae_weights.safetensors").is_file():
@@ -45,22 +47,34 @@ def detect_format(path: Path) -> str:
         return "llama-scope"
     if (path / "params.npz").is_file():
         return "gemma-scope"
-    pickles = sorted(p.name for p in path.iterdir() if p.suffix.lower() in (".pt", ".pth", ".bin", ".pkl"))
+    pickles = sorted(
+        p.name for p in path.iterdir() if p.suffix.lower() in (".pt", ".pth", ".bin", ".pkl")
+    )
     if pickles:
         refuse_pickle(path / pickles[0])
-    raise InteropError(f"{path}: not a known SAE folder (SAELens: cfg.json + sae_weights.safetensors; "
-                       f"sparsify: cfg.json + sae.safetensors; Llama Scope: hyperparams.json + "
-                       f"checkpoints/final.safetensors; Gemma Scope: params.npz)")
+    raise InteropError(
+        f"{path}: not a known SAE folder (SAELens: cfg.json + sae_weights.safetensors; "
+        f"sparsify: cfg.json + sae.safetensors; Llama Scope: hyperparams.json + "
+        f"checkpoints/final.safetensors; Gemma Scope: params.npz)"
+    )
 
 
-def load_sae(path: str | Path, format: str = "auto", hook: str | None = None,
-             scaling_factor: float | None = None) -> SAE:
+def load_sae(
+    path: str | Path,
+    format: str = "auto",
+    hook: str | None = None,
+    scaling_factor: float | None = None,
+) -> SAE:
     """Import an SAE. ``hook`` overrides (or supplies) the site; ``scaling_factor`` folds a
     dataset normalisation constant into the weights (SAELens ``expected_average_only_in``)."""
     path = Path(path)
     fmt = detect_format(path) if format == "auto" else format
-    loaders = {"saelens": from_saelens, "gemma-scope": from_gemma_scope,
-               "sparsify": from_sparsify, "llama-scope": from_llama_scope}
+    loaders = {
+        "saelens": from_saelens,
+        "gemma-scope": from_gemma_scope,
+        "sparsify": from_sparsify,
+        "llama-scope": from_llama_scope,
+    }
     if fmt not in loaders:
         raise InteropError(f"unknown SAE format {fmt!r}; xmix imports {', '.join(FORMATS)}")
     refuse_pickle(path)
@@ -78,8 +92,10 @@ def _hook(given: str | None, native: str | None, mapper, source: str) -> tuple[s
     if given is not None:
         return hooks.resolve(given, source), native
     if not native:
-        raise InteropError(f"{source}: the SAE does not say where it was trained; give hook= "
-                           f"(an xmix site such as layers.12.residual.post)")
+        raise InteropError(
+            f"{source}: the SAE does not say where it was trained; give hook= "
+            f"(an xmix site such as layers.12.residual.post)"
+        )
     return mapper(native, source), native
 
 
@@ -87,26 +103,37 @@ def _hook(given: str | None, native: str | None, mapper, source: str) -> tuple[s
 _SAELENS_ARCH = {"standard": "relu", "jumprelu": "jumprelu", "topk": "topk"}
 
 
-def _from_saelens_parts(cfg: dict[str, Any], t: dict[str, torch.Tensor], source: str,
-                        hook: str | None, files: list[Path]) -> SAE:
+def _from_saelens_parts(
+    cfg: dict[str, Any],
+    t: dict[str, torch.Tensor],
+    source: str,
+    hook: str | None,
+    files: list[Path],
+) -> SAE:
     """SAELens v6 semantics (sae_lens/saes/{sae,standard_sae,jumprelu_sae,topk_sae}.py;
     pre-6.0 configs are read as sae_lens.loading.handle_pre_6_0_config reads them)."""
     meta = cfg.get("metadata") or cfg.get("meta") or {}
     native = meta.get("hook_name") or cfg.get("hook_name") or cfg.get("hook_point")
     head = meta.get("hook_head_index", cfg.get("hook_head_index", cfg.get("hook_point_head_index")))
     if head is not None:
-        raise InteropError(f"{source}: the SAE reads one attention head ({head}); xmix has no per-head site")
+        raise InteropError(
+            f"{source}: the SAE reads one attention head ({head}); xmix has no per-head site"
+        )
     if cfg.get("reshape_activations", "none") != "none" or (native or "").endswith("hook_z"):
-        raise InteropError(f"{source}: the SAE reads per-head attention outputs (hook_z), before "
-                           f"o_proj; xmix's attention.post is after o_proj and has no equivalent")
+        raise InteropError(
+            f"{source}: the SAE reads per-head attention outputs (hook_z), before "
+            f"o_proj; xmix's attention.post is after o_proj and has no equivalent"
+        )
     act = cfg.get("activation_fn") or cfg.get("activation_fn_str") or "relu"
     arch = cfg.get("architecture") or "standard"
     k = cfg.get("k")
-    if act == "topk" and arch == "standard":      # pre-6.0 TopK SAEs
+    if act == "topk" and arch == "standard":  # pre-6.0 TopK SAEs
         arch, k = "topk", (cfg.get("activation_fn_kwargs") or {}).get("k")
     if arch not in _SAELENS_ARCH:
-        raise InteropError(f"{source}: SAELens architecture {arch!r} is not supported; xmix runs "
-                           f"{', '.join(_SAELENS_ARCH)} (SAELens names)")
+        raise InteropError(
+            f"{source}: SAELens architecture {arch!r} is not supported; xmix runs "
+            f"{', '.join(_SAELENS_ARCH)} (SAELens names)"
+        )
     if arch != "topk" and act not in ("relu", None):
         raise InteropError(f"{source}: activation function {act!r} is not supported (relu only)")
     norm = cfg.get("normalize_activations", "none")
@@ -139,20 +166,37 @@ def _from_saelens_parts(cfg: dict[str, Any], t: dict[str, torch.Tensor], source:
         n = W_dec.norm(dim=1)
         W_enc, b_enc, W_dec = W_enc * n, b_enc * n, W_dec / n[:, None]
     site, native = _hook(hook, native, hooks.from_transformer_lens, source)
-    meta_out = provenance("saelens", files, hook_name=native, model_name=meta.get("model_name") or cfg.get("model_name"),
-                          model_from_pretrained_kwargs=meta.get("model_from_pretrained_kwargs")
-                          or cfg.get("model_from_pretrained_kwargs"), note=note,
-                          sae_lens_version=meta.get("sae_lens_version") or cfg.get("sae_lens_version"))
-    return SAE(W_enc, b_enc, W_dec, b_dec, architecture=_SAELENS_ARCH[arch], threshold=thr,
-               k=int(k) if arch == "topk" and k is not None else None,
-               apply_b_dec_to_input=bool(cfg.get("apply_b_dec_to_input", True)),
-               normalize_activations=norm, hook=site, metadata=meta_out)
+    meta_out = provenance(
+        "saelens",
+        files,
+        hook_name=native,
+        model_name=meta.get("model_name") or cfg.get("model_name"),
+        model_from_pretrained_kwargs=meta.get("model_from_pretrained_kwargs")
+        or cfg.get("model_from_pretrained_kwargs"),
+        note=note,
+        sae_lens_version=meta.get("sae_lens_version") or cfg.get("sae_lens_version"),
+    )
+    return SAE(
+        W_enc,
+        b_enc,
+        W_dec,
+        b_dec,
+        architecture=_SAELENS_ARCH[arch],
+        threshold=thr,
+        k=int(k) if arch == "topk" and k is not None else None,
+        apply_b_dec_to_input=bool(cfg.get("apply_b_dec_to_input", True)),
+        normalize_activations=norm,
+        hook=site,
+        metadata=meta_out,
+    )
 
 
 def from_saelens(path: Path, hook: str | None = None) -> SAE:
     """A folder written by ``sae_lens.SAE.save_model``: cfg.json + sae_weights.safetensors."""
     cfg_p, w_p = path / "cfg.json", path / "sae_weights.safetensors"
-    return _from_saelens_parts(read_json(cfg_p), read_safetensors(w_p), str(path), hook, [cfg_p, w_p])
+    return _from_saelens_parts(
+        read_json(cfg_p), read_safetensors(w_p), str(path), hook, [cfg_p, w_p]
+    )
 
 
 def from_saelens_object(sae, hook: str | None = None) -> SAE:
@@ -174,11 +218,15 @@ def from_gemma_scope(path: Path, hook: str | None = None) -> SAE:
     f = path / "params.npz" if path.is_dir() else path
     try:
         with np.load(f, allow_pickle=False) as z:
-            params = {k.lower(): torch.from_numpy(np.array(z[k], dtype=np.float32)) for k in z.files}
+            params = {
+                k.lower(): torch.from_numpy(np.array(z[k], dtype=np.float32)) for k in z.files
+            }
     except FileNotFoundError:
         raise InteropError(f"{f}: no such file") from None
     except ValueError as e:
-        raise InteropError(f"{f}: not a plain npz of arrays ({e}); object arrays are refused") from None
+        raise InteropError(
+            f"{f}: not a plain npz of arrays ({e}); object arrays are refused"
+        ) from None
     except (OSError, EOFError) as e:
         raise InteropError(f"{f}: not a readable npz file ({e})") from None
     need = ["w_enc", "w_dec", "b_enc", "b_dec", "threshold"]
@@ -193,17 +241,29 @@ def from_gemma_scope(path: Path, hook: str | None = None) -> SAE:
         if m and fam:
             kind = fam.group(1)
             if kind in ("att", "embedding", "transcoders"):
-                raise InteropError(f"{f}: a Gemma Scope {kind} SAE has no xmix site (attention SAEs "
-                                   f"read per-head z before o_proj)")
+                raise InteropError(
+                    f"{f}: a Gemma Scope {kind} SAE has no xmix site (attention SAEs "
+                    f"read per-head z before o_proj)"
+                )
             native = f"{fam.group(0).rstrip('/')}/layer_{m.group(1)}"
             hook = f"layers.{int(m.group(1))}.{'residual.post' if kind == 'res' else 'mlp.post'}"
         else:
-            raise InteropError(f"{f}: cannot tell the layer and site from the path; give hook= "
-                               f"(e.g. layers.12.residual.post for a gemma-scope-*-res SAE)")
+            raise InteropError(
+                f"{f}: cannot tell the layer and site from the path; give hook= "
+                f"(e.g. layers.12.residual.post for a gemma-scope-*-res SAE)"
+            )
     site = hooks.resolve(hook, str(f))
-    return SAE(params["w_enc"], params["b_enc"], params["w_dec"], params["b_dec"],
-               architecture="jumprelu", threshold=params["threshold"], apply_b_dec_to_input=False,
-               hook=site, metadata=provenance("gemma-scope", [f], hook_name=native))
+    return SAE(
+        params["w_enc"],
+        params["b_enc"],
+        params["w_dec"],
+        params["b_dec"],
+        architecture="jumprelu",
+        threshold=params["threshold"],
+        apply_b_dec_to_input=False,
+        hook=site,
+        metadata=provenance("gemma-scope", [f], hook_name=native),
+    )
 
 
 # ------------------------------------------------------------------------------ sparsify
@@ -217,22 +277,34 @@ def from_sparsify(path: Path, hook: str | None = None) -> SAE:
     cfg, t = read_json(cfg_p), read_safetensors(w_p)
     src = str(path)
     if cfg.get("transcode"):
-        raise InteropError(f"{src}: a transcoder (transcode=true) maps one site to another; xmix "
-                           f"imports autoencoders")
+        raise InteropError(
+            f"{src}: a transcoder (transcode=true) maps one site to another; xmix "
+            f"imports autoencoders"
+        )
     if cfg.get("skip_connection") or "W_skip" in t:
         raise InteropError(f"{src}: skip connections are not supported")
     if cfg.get("activation", "topk") != "topk" or cfg.get("signed"):
-        raise InteropError(f"{src}: activation {cfg.get('activation')!r}"
-                           f"{' (signed)' if cfg.get('signed') else ''} is not supported (topk only)")
+        raise InteropError(
+            f"{src}: activation {cfg.get('activation')!r}"
+            f"{' (signed)' if cfg.get('signed') else ''} is not supported (topk only)"
+        )
     for key in ("encoder.weight", "encoder.bias", "W_dec", "b_dec"):
         if key not in t:
             raise InteropError(f"{src}: sae.safetensors lacks {key!r} (has {sorted(t)})")
     if "k" not in cfg:
         raise InteropError(f"{src}: cfg.json has no k")
     site, native = _hook(hook, path.name, hooks.from_hf_module, src)
-    return SAE(t["encoder.weight"].float().t(), t["encoder.bias"].float(), t["W_dec"].float(),
-               t["b_dec"].float(), architecture="topk", k=int(cfg["k"]), apply_b_dec_to_input=True,
-               hook=site, metadata=provenance("sparsify", [cfg_p, w_p], hook_name=native))
+    return SAE(
+        t["encoder.weight"].float().t(),
+        t["encoder.bias"].float(),
+        t["W_dec"].float(),
+        t["b_dec"].float(),
+        architecture="topk",
+        k=int(cfg["k"]),
+        apply_b_dec_to_input=True,
+        hook=site,
+        metadata=provenance("sparsify", [cfg_p, w_p], hook_name=native),
+    )
 
 
 # ------------------------------------------------------------------------------ Llama Scope
@@ -242,7 +314,11 @@ def from_llama_scope(path: Path, hook: str | None = None) -> SAE:
     SAELens does (pretrained_sae_loaders.llama_scope_sae_huggingface_loader, then
     SAE.fold_activation_norm_scaling_factor): s = sqrt(d) / dataset_average_activation_norm.in,
     W_enc * s, JumpReLU threshold * s, W_dec / s, b_dec / s."""
-    folder = path if path.is_dir() else (path.parent.parent if path.parent.name == "checkpoints" else path.parent)
+    folder = (
+        path
+        if path.is_dir()
+        else (path.parent.parent if path.parent.name == "checkpoints" else path.parent)
+    )
     hp_p = folder / "hyperparams.json"
     hp = read_json(hp_p)
     w_p = path if path.is_file() else folder / "checkpoints" / "final.safetensors"
@@ -250,8 +326,10 @@ def from_llama_scope(path: Path, hook: str | None = None) -> SAE:
     src = str(folder)
     h_in, h_out = hp.get("hook_point_in"), hp.get("hook_point_out", hp.get("hook_point_in"))
     if h_in != h_out:
-        raise InteropError(f"{src}: hook_point_in {h_in!r} != hook_point_out {h_out!r}: a "
-                           f"transcoder, which xmix does not import")
+        raise InteropError(
+            f"{src}: hook_point_in {h_in!r} != hook_point_out {h_out!r}: a "
+            f"transcoder, which xmix does not import"
+        )
     if hp.get("act_fn", "jumprelu") != "jumprelu":
         raise InteropError(f"{src}: act_fn {hp.get('act_fn')!r} is not supported (jumprelu only)")
     for key in ("encoder.weight", "encoder.bias", "decoder.weight", "decoder.bias"):
@@ -262,20 +340,26 @@ def from_llama_scope(path: Path, hook: str | None = None) -> SAE:
     if norm == "dataset-wise":
         avg = (hp.get("dataset_average_activation_norm") or {}).get("in")
         if not isinstance(avg, (int, float)) or not avg > 0:
-            raise InteropError(f"{src}: dataset-wise normalisation without "
-                               f"dataset_average_activation_norm.in")
+            raise InteropError(
+                f"{src}: dataset-wise normalisation without dataset_average_activation_norm.in"
+            )
         s = math.sqrt(d) / float(avg)
     elif norm not in ("none", None):
         raise InteropError(f"{src}: norm_activation {norm!r} is not supported")
     thr = float(hp["jump_relu_threshold"]) * (s or 1.0)
     F = int(t["encoder.weight"].shape[0])
     site, native = _hook(hook, h_in, hooks.from_transformer_lens, src)
-    sae = SAE(t["encoder.weight"].float().t(), t["encoder.bias"].float(),
-              t["decoder.weight"].float().t(), t["decoder.bias"].float(), architecture="jumprelu",
-              threshold=torch.full((F,), thr),
-              apply_b_dec_to_input=bool(hp.get("apply_decoder_bias_to_pre_encoder", False)),
-              hook=site, metadata=provenance("llama-scope", [hp_p, w_p], hook_name=native,
-                                             folded_scaling_factor=s))
+    sae = SAE(
+        t["encoder.weight"].float().t(),
+        t["encoder.bias"].float(),
+        t["decoder.weight"].float().t(),
+        t["decoder.bias"].float(),
+        architecture="jumprelu",
+        threshold=torch.full((F,), thr),
+        apply_b_dec_to_input=bool(hp.get("apply_decoder_bias_to_pre_encoder", False)),
+        hook=site,
+        metadata=provenance("llama-scope", [hp_p, w_p], hook_name=native, folded_scaling_factor=s),
+    )
     if s is not None:
         sae.fold_scaling_factor(s)
     return sae

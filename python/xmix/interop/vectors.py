@@ -18,8 +18,9 @@ twice (several files) are summed, as llama.cpp does.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -32,9 +33,15 @@ _LAYER_KEY = re.compile(r"^(?:(?:direction|layer|layers|model\.layers|blocks)[._
 _SV_SITES = {"decoder_block": "residual.post", "self_attn": "attention.post", "mlp": "mlp.post"}
 
 
-def vectors_app(name: str, directions: Mapping[int, Any], *, site: str = "residual.post",
-                scale: float = 1.0, metadata: dict[str, Any] | None = None,
-                source: str = "<vectors>") -> App:
+def vectors_app(
+    name: str,
+    directions: Mapping[int, Any],
+    *,
+    site: str = "residual.post",
+    scale: float = 1.0,
+    metadata: dict[str, Any] | None = None,
+    source: str = "<vectors>",
+) -> App:
     """An app that adds ``scale * directions[k]`` at ``layers.k.<site>`` on every token."""
     if not directions:
         raise InteropError(f"{source}: no direction vectors")
@@ -43,14 +50,23 @@ def vectors_app(name: str, directions: Mapping[int, Any], *, site: str = "residu
     width = None
     for k in layers:
         v = directions[k]
-        v = torch.as_tensor(np.asarray(v, dtype=np.float32) if not isinstance(v, torch.Tensor) else v)
-        v = v.detach().float().reshape(-1) if v.dim() > 1 and v.shape[0] == 1 else v.detach().float()
+        v = torch.as_tensor(
+            np.asarray(v, dtype=np.float32) if not isinstance(v, torch.Tensor) else v
+        )
+        v = (
+            v.detach().float().reshape(-1)
+            if v.dim() > 1 and v.shape[0] == 1
+            else v.detach().float()
+        )
         if v.dim() != 1:
-            raise InteropError(f"{source}: the direction of layer {k} has shape {tuple(v.shape)}; "
-                               f"expected a vector")
+            raise InteropError(
+                f"{source}: the direction of layer {k} has shape {tuple(v.shape)}; "
+                f"expected a vector"
+            )
         if width is not None and v.numel() != width:
-            raise InteropError(f"{source}: directions have different widths ({width} and "
-                               f"{v.numel()} at layer {k})")
+            raise InteropError(
+                f"{source}: directions have different widths ({width} and {v.numel()} at layer {k})"
+            )
         width = v.numel()
         rows.append(v)
     if layers[0] < 0:
@@ -67,7 +83,9 @@ def read_gguf_directions(path: Path) -> tuple[dict[int, np.ndarray], dict[str, A
     try:
         import gguf
     except ImportError:
-        raise InteropError("reading GGUF needs the 'gguf' package: pip install 'xmix[interop]'") from None
+        raise InteropError(
+            "reading GGUF needs the 'gguf' package: pip install 'xmix[interop]'"
+        ) from None
     refuse_pickle(path)
     try:
         reader = gguf.GGUFReader(str(path))
@@ -86,16 +104,19 @@ def read_gguf_directions(path: Path) -> tuple[dict[int, np.ndarray], dict[str, A
                 meta[key] = val
     arch = meta.get("general.architecture")
     if arch not in (None, "controlvector", "steervector"):
-        raise InteropError(f"{path}: GGUF architecture {arch!r} is not a control vector "
-                           f"(controlvector / steervector)")
+        raise InteropError(
+            f"{path}: GGUF architecture {arch!r} is not a control vector "
+            f"(controlvector / steervector)"
+        )
     dirs: dict[int, np.ndarray] = {}
     for t in reader.tensors:
         m = re.fullmatch(r"direction\.(\d+)", t.name)
         if not m:
             raise InteropError(f"{path}: tensor {t.name!r} is not 'direction.<layer>'")
         if t.tensor_type != gguf.GGMLQuantizationType.F32:
-            raise InteropError(f"{path}: tensor {t.name!r} is {t.tensor_type.name}; control vectors "
-                               f"are F32")
+            raise InteropError(
+                f"{path}: tensor {t.name!r} is {t.tensor_type.name}; control vectors are F32"
+            )
         data = np.array(t.data, dtype=np.float32).reshape(-1)
         k = int(m.group(1))
         dirs[k] = dirs[k] + data if k in dirs else data
@@ -116,9 +137,11 @@ def read_safetensors_directions(path: Path) -> dict[int, torch.Tensor]:
     for name, v in t.items():
         m = _LAYER_KEY.match(name)
         if not m or v.dim() != 1:
-            raise InteropError(f"{path}: tensor {name!r} {tuple(v.shape)} is not a per-layer vector "
-                               f"('direction.<k>', 'layers.<k>', '<k>'; 1-D) nor a single "
-                               f"[n_layers, d] matrix")
+            raise InteropError(
+                f"{path}: tensor {name!r} {tuple(v.shape)} is not a per-layer vector "
+                f"('direction.<k>', 'layers.<k>', '<k>'; 1-D) nor a single "
+                f"[n_layers, d] matrix"
+            )
         k = int(m.group(1))
         if k in out:
             raise InteropError(f"{path}: layer {k} is given twice")
@@ -128,8 +151,13 @@ def read_safetensors_directions(path: Path) -> dict[int, torch.Tensor]:
     return out
 
 
-def load_vector_app(path: str | Path, name: str | None = None, format: str = "auto",
-                    scale: float = 1.0, site: str = "residual.post") -> App:
+def load_vector_app(
+    path: str | Path,
+    name: str | None = None,
+    format: str = "auto",
+    scale: float = 1.0,
+    site: str = "residual.post",
+) -> App:
     """A control-vector file as an app (see the module doc for the layer convention)."""
     path = Path(path)
     refuse_pickle(path)
@@ -137,20 +165,30 @@ def load_vector_app(path: str | Path, name: str | None = None, format: str = "au
     if fmt == "auto":
         fmt = {".gguf": "gguf", ".safetensors": "safetensors"}.get(path.suffix.lower())
         if fmt is None:
-            raise InteropError(f"{path}: cannot tell the vector format from the suffix; give "
-                               f"--format ({', '.join(VECTOR_FORMATS)})")
+            raise InteropError(
+                f"{path}: cannot tell the vector format from the suffix; give "
+                f"--format ({', '.join(VECTOR_FORMATS)})"
+            )
     name = name or re.sub(r"[^A-Za-z0-9_\-]", "_", path.stem)[:64] or "vectors"
     if fmt == "gguf":
         dirs, meta = read_gguf_directions(path)
         hint = meta.get("controlvector.model_hint") or meta.get("steervector.model_hint")
         method = meta.get("controlvector.method") or meta.get("steervector.method")
-        md = provenance("gguf", [path], model_hint=hint, method=method,
-                        layers=sorted(dirs), convention="direction.k -> layers.k.residual.post")
+        md = provenance(
+            "gguf",
+            [path],
+            model_hint=hint,
+            method=method,
+            layers=sorted(dirs),
+            convention="direction.k -> layers.k.residual.post",
+        )
     elif fmt == "safetensors":
         dirs = read_safetensors_directions(path)
         md = provenance("safetensors", [path], layers=sorted(dirs), site=site)
     else:
-        raise InteropError(f"unknown vector format {fmt!r}; xmix imports {', '.join(VECTOR_FORMATS)}")
+        raise InteropError(
+            f"unknown vector format {fmt!r}; xmix imports {', '.join(VECTOR_FORMATS)}"
+        )
     return vectors_app(name, dirs, site=site, scale=scale, metadata=md, source=str(path))
 
 
@@ -160,8 +198,13 @@ def from_control_vector(cv, name: str = "control_vector", scale: float = 1.0) ->
     dirs = getattr(cv, "directions", None)
     if not isinstance(dirs, Mapping):
         raise InteropError(f"expected a repeng ControlVector, got {type(cv).__name__}")
-    md = {"imported": {"format": "repeng.ControlVector", "model_hint": getattr(cv, "model_type", None),
-                       "layers": sorted(int(k) for k in dirs)}}
+    md = {
+        "imported": {
+            "format": "repeng.ControlVector",
+            "model_hint": getattr(cv, "model_type", None),
+            "layers": sorted(int(k) for k in dirs),
+        }
+    }
     return vectors_app(name, dirs, scale=scale, metadata=md, source="ControlVector")
 
 
@@ -173,9 +216,17 @@ def from_steering_vector(sv, name: str = "steering_vector", scale: float = 1.0) 
         raise InteropError(f"expected a steering_vectors.SteeringVector, got {type(sv).__name__}")
     layer_type = getattr(sv, "layer_type", "decoder_block")
     if layer_type not in _SV_SITES:
-        raise InteropError(f"SteeringVector layer_type {layer_type!r} has no xmix site "
-                           f"({', '.join(f'{k} -> {v}' for k, v in _SV_SITES.items())})")
-    md = {"imported": {"format": "steering_vectors.SteeringVector", "layer_type": layer_type,
-                       "layers": sorted(int(k) for k in acts)}}
-    return vectors_app(name, acts, site=_SV_SITES[layer_type], scale=scale, metadata=md,
-                       source="SteeringVector")
+        raise InteropError(
+            f"SteeringVector layer_type {layer_type!r} has no xmix site "
+            f"({', '.join(f'{k} -> {v}' for k, v in _SV_SITES.items())})"
+        )
+    md = {
+        "imported": {
+            "format": "steering_vectors.SteeringVector",
+            "layer_type": layer_type,
+            "layers": sorted(int(k) for k in acts),
+        }
+    }
+    return vectors_app(
+        name, acts, site=_SV_SITES[layer_type], scale=scale, metadata=md, source="SteeringVector"
+    )

@@ -19,9 +19,18 @@ import tempfile
 from pathlib import Path
 
 KINDS = (
-    "tiny-llama", "tiny-qwen3", "tiny-mixtral",
-    "tiny-gemma2", "tiny-gemma3", "tiny-qwen2", "tiny-mistral", "tiny-phi3", "tiny-olmo2",
-    "tiny-qwen3-moe", "tiny-deepseek-v2", "tiny-gpt-oss",
+    "tiny-llama",
+    "tiny-qwen3",
+    "tiny-mixtral",
+    "tiny-gemma2",
+    "tiny-gemma3",
+    "tiny-qwen2",
+    "tiny-mistral",
+    "tiny-phi3",
+    "tiny-olmo2",
+    "tiny-qwen3-moe",
+    "tiny-deepseek-v2",
+    "tiny-gpt-oss",
 )
 
 # Bump when the output of the recipe changes, so cached folders are rebuilt.
@@ -85,7 +94,12 @@ SPECS = {
         "Gemma3ForCausalLM",
         {
             **{k: v for k, v in _GEMMA.items() if k != "rope_theta"},
-            "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
+            "layer_types": [
+                "sliding_attention",
+                "sliding_attention",
+                "sliding_attention",
+                "full_attention",
+            ],
             "rope_parameters": {
                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                 "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
@@ -99,8 +113,15 @@ SPECS = {
     # Layer 0 dense (mlp_only_layers), layers 1-3 MoE: 8 experts, top-2, renormalised.
     "tiny-qwen3-moe": (
         "Qwen3MoeForCausalLM",
-        {**_COMMON, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
-         "decoder_sparse_step": 1, "mlp_only_layers": [0], "norm_topk_prob": True},
+        {
+            **_COMMON,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 128,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [0],
+            "norm_topk_prob": True,
+        },
     ),
     # DeepSeek-V2-Lite's shape, shrunk: MLA without a query LoRA; vLLM's CPU MLA kernel only
     # has the latent size kv_lora_rank + qk_rope_head_dim = 512 + 64. Layer 0 dense
@@ -108,23 +129,47 @@ SPECS = {
     # of 4 groups (group_limited_greedy, DeepSeek-V2's own scoring), softmax scores.
     "tiny-deepseek-v2": (
         "DeepseekV2ForCausalLM",
-        {**{k: v for k, v in _COMMON.items() if k != "head_dim"},
-         "num_key_value_heads": 4, "q_lora_rank": None, "kv_lora_rank": 512,
-         "qk_rope_head_dim": 64, "qk_nope_head_dim": 64, "v_head_dim": 64, "head_dim": 64,
-         "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2,
-         "moe_intermediate_size": 128, "first_k_dense_replace": 1, "moe_layer_freq": 1,
-         "topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2,
-         "norm_topk_prob": False, "routed_scaling_factor": 1.0, "scoring_func": "softmax"},
+        {
+            **{k: v for k, v in _COMMON.items() if k != "head_dim"},
+            "num_key_value_heads": 4,
+            "q_lora_rank": None,
+            "kv_lora_rank": 512,
+            "qk_rope_head_dim": 64,
+            "qk_nope_head_dim": 64,
+            "v_head_dim": 64,
+            "head_dim": 64,
+            "n_routed_experts": 8,
+            "n_shared_experts": 1,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 128,
+            "first_k_dense_replace": 1,
+            "moe_layer_freq": 1,
+            "topk_method": "group_limited_greedy",
+            "n_group": 4,
+            "topk_group": 2,
+            "norm_topk_prob": False,
+            "routed_scaling_factor": 1.0,
+            "scoring_func": "softmax",
+        },
     ),
     # GPT-OSS: router with a bias, top-k on the logits then softmax over the k; attention
     # sinks; alternating sliding / full layers (the window is longer than any test prompt);
     # the config's own YaRN RoPE (vLLM's GPT-OSS attention reads its factor).
     "tiny-gpt-oss": (
         "GptOssForCausalLM",
-        {**{k: v for k, v in _COMMON.items() if k not in ("rope_theta", "intermediate_size")},
-         "intermediate_size": 256, "num_local_experts": 4, "num_experts_per_tok": 2,
-         "sliding_window": 4096,
-         "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]},
+        {
+            **{k: v for k, v in _COMMON.items() if k not in ("rope_theta", "intermediate_size")},
+            "intermediate_size": 256,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "sliding_window": 4096,
+            "layer_types": [
+                "sliding_attention",
+                "full_attention",
+                "sliding_attention",
+                "full_attention",
+            ],
+        },
     ),
 }
 # Config classes whose name is not the architecture's with "Config" for "ForCausalLM".
@@ -148,7 +193,11 @@ ROUTER_GAIN = 4.0
 # final norm scales by 4 (logits std ~4, as LM_HEAD_GAIN gives the untied kinds).
 _GEMMA_INIT = {
     "embed_std": 1.0 / 16,
-    "norms": {"post_attention_layernorm": 7.0, "post_feedforward_layernorm": 7.0, "model.norm": 3.0},
+    "norms": {
+        "post_attention_layernorm": 7.0,
+        "post_feedforward_layernorm": 7.0,
+        "model.norm": 3.0,
+    },
     "norm": 0.0,
 }
 INIT_OVERRIDES: dict[str, dict] = {"tiny-gemma2": _GEMMA_INIT, "tiny-gemma3": _GEMMA_INIT}
@@ -192,7 +241,16 @@ def _marker_ok(folder: Path, kind: str, seed: int) -> bool:
 
 def train_tokenizer():
     """Byte-level BPE trained on the embedded corpus (deterministic)."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -227,7 +285,9 @@ def _config(kind: str, tok):
     import transformers
 
     arch, spec = SPECS[kind]
-    config_cls = getattr(transformers, CONFIG_CLASSES.get(arch, arch.replace("ForCausalLM", "Config")))
+    config_cls = getattr(
+        transformers, CONFIG_CLASSES.get(arch, arch.replace("ForCausalLM", "Config"))
+    )
     ids = dict(
         bos_token_id=tok.token_to_id("<s>"),
         eos_token_id=tok.token_to_id("</s>"),
@@ -257,7 +317,9 @@ def _init_weights(model, seed: int, overrides: dict | None = None) -> None:
                 std = over.get("embed_std", EMBED_STD)
             elif name.startswith("lm_head"):
                 std = LM_HEAD_GAIN / math.sqrt(fan_in)
-            elif name.endswith(("mlp.gate.weight", "mlp.router.weight")):  # MoE routers, not gate_proj
+            elif name.endswith(
+                ("mlp.gate.weight", "mlp.router.weight")
+            ):  # MoE routers, not gate_proj
                 std = ROUTER_GAIN / math.sqrt(fan_in)
             else:
                 std = 1.0 / math.sqrt(fan_in)
@@ -287,7 +349,12 @@ def _build_into(kind: str, folder: Path, seed: int) -> None:
     # transformers 5 always writes safetensors (no safe_serialization argument).
     model.save_pretrained(folder)
 
-    marker = {"kind": kind, "seed": seed, "recipe": recipe_hash(kind, seed), "version": RECIPE_VERSION}
+    marker = {
+        "kind": kind,
+        "seed": seed,
+        "recipe": recipe_hash(kind, seed),
+        "version": RECIPE_VERSION,
+    }
     (folder / MARKER).write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n")
 
 
@@ -347,9 +414,13 @@ def tiny_model_path(kind: str, cache_dir: str | Path | None = None) -> Path:
 
 def main(argv: list[str]) -> int:
     """`xmix models <kind|all> [--out DIR]`: print each model folder."""
-    parser = argparse.ArgumentParser(prog="xmix models", description="make the embedded tiny models")
+    parser = argparse.ArgumentParser(
+        prog="xmix models", description="make the embedded tiny models"
+    )
     parser.add_argument("kind", choices=(*KINDS, "all"))
-    parser.add_argument("--out", help="folder that gets one subfolder per kind (default: the xmix cache)")
+    parser.add_argument(
+        "--out", help="folder that gets one subfolder per kind (default: the xmix cache)"
+    )
     args = parser.parse_args(argv)
     for kind in KINDS if args.kind == "all" else (args.kind,):
         print(tiny_model_path(kind, args.out), flush=True)

@@ -77,24 +77,33 @@ def options(value: Any) -> dict[str, Any]:
         return {}
     unknown = sorted(set(value) - set(OPTIONS))
     if unknown:
-        raise ValueError(f"xmix: unknown option(s) {unknown} in additional_config['xmix']; "
-                         f"known: {list(OPTIONS)}")
+        raise ValueError(
+            f"xmix: unknown option(s) {unknown} in additional_config['xmix']; "
+            f"known: {list(OPTIONS)}"
+        )
     out = dict(value)
     if "sites" in out:
         sites = out["sites"]
         if not isinstance(sites, list) or not all(isinstance(x, str) for x in sites):
-            raise ValueError(f"xmix: additional_config['xmix']['sites'] must be a list of site names, "
-                             f"got {sites!r}")
+            raise ValueError(
+                f"xmix: additional_config['xmix']['sites'] must be a list of site names, "
+                f"got {sites!r}"
+            )
         bad = sorted(set(sites) - set(SITE_NAMES))
         if bad:
-            raise ValueError(f"xmix: unknown site(s) {bad} in additional_config['xmix']['sites']; "
-                             f"sites: {list(SITE_NAMES)}")
+            raise ValueError(
+                f"xmix: unknown site(s) {bad} in additional_config['xmix']['sites']; "
+                f"sites: {list(SITE_NAMES)}"
+            )
     if "layers" in out:
         layers = out["layers"]
-        if not isinstance(layers, list) or not all(isinstance(x, int) and not isinstance(x, bool)
-                                                    and x >= 0 for x in layers):
-            raise ValueError(f"xmix: additional_config['xmix']['layers'] must be a list of layer "
-                             f"indices, got {layers!r}")
+        if not isinstance(layers, list) or not all(
+            isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in layers
+        ):
+            raise ValueError(
+                f"xmix: additional_config['xmix']['layers'] must be a list of layer "
+                f"indices, got {layers!r}"
+            )
     return out
 
 
@@ -114,7 +123,9 @@ def with_xmix(additional_config: Any) -> dict[str, Any]:
     extra = dict(additional_config or {})
     value = extra.get(CONFIG_KEY, True)
     if not _truthy(value):
-        raise ValueError("xmix: additional_config['xmix'] is false; xmix.LLM / xmix serve always "
-                         "enable xmix (use vllm.LLM / vllm serve for an engine without it)")
+        raise ValueError(
+            "xmix: additional_config['xmix'] is false; xmix.LLM / xmix serve always "
+            "enable xmix (use vllm.LLM / vllm serve for an engine without it)"
+        )
     extra[CONFIG_KEY] = canonical(value)
     return extra

@@ -29,9 +29,9 @@ numpy array in an untyped field would not survive decoding.
 
 from __future__ import annotations
 
-from xmix.results_codec import pack_results
-
 import logging
+
+from xmix.results_codec import pack_results
 
 from . import fence
 from .frontend import RESULTS_KEY
@@ -60,9 +60,12 @@ def patch_scheduler(cls) -> None:
                     if res:
                         kvp = o.kv_transfer_params
                         if kvp and RESULTS_KEY in kvp:
-                            logger.error("xmix: the KV connector's kv_transfer_params use the key "
-                                         "%r; request %s's read results are dropped", RESULTS_KEY,
-                                         o.request_id)
+                            logger.error(
+                                "xmix: the KV connector's kv_transfer_params use the key "
+                                "%r; request %s's read results are dropped",
+                                RESULTS_KEY,
+                                o.request_id,
+                            )
                             continue
                         o.kv_transfer_params = {**(kvp or {}), RESULTS_KEY: pack_results(res)}
             for rid in scheduler_output.finished_req_ids:
@@ -72,8 +75,11 @@ def patch_scheduler(cls) -> None:
     def finish_requests(self, request_ids, finished_status):
         store = self.__dict__.get("_xmix_results")
         if store:
-            ids = [request_ids] if isinstance(request_ids, str) else (
-                list(store) if request_ids is None else list(request_ids))
+            ids = (
+                [request_ids]
+                if isinstance(request_ids, str)
+                else (list(store) if request_ids is None else list(request_ids))
+            )
             for rid in ids:
                 store.pop(rid, None)
         return orig_finish(self, request_ids, finished_status)

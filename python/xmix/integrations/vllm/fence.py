@@ -68,82 +68,295 @@ _RUNNER = "no hook around a runner step; scheduler_cls/worker_cls would replace 
 _RESULTS = "no extension point carries per-request data from the workers to the outputs"
 _ADMIT = "no extension point sees a request's SamplingParams at admission with the engine's config"
 _HTTP = "the OpenAI server has no response hook; xmix results ride the response body"
-_RPC = ("worker_extension_cls is set only by code that builds EngineArgs; engines that ask "
-        "for xmix via additional_config / XMIX_ENABLE under plain vllm serve never do")
+_RPC = (
+    "worker_extension_cls is set only by code that builds EngineArgs; engines that ask "
+    "for xmix via additional_config / XMIX_ENABLE under plain vllm serve never do"
+)
 _RUNNER_SIG = ("self", "scheduler_output")
 
 PATCHES: tuple[Patch, ...] = (
-    Patch(_SCHED, "update_from_output", ("self", "scheduler_output", "model_runner_output"),
-          "engine_core", _RESULTS),
-    Patch(_SCHED, "finish_requests", ("self", "request_ids", "finished_status"), "engine_core",
-          _RESULTS),
-    Patch(_INPUT, "process_inputs",
-          ("self", "request_id", "prompt", "params", "supported_tasks", "arrival_time",
-           "lora_request", "tokenization_kwargs", "trace_headers", "priority",
-           "data_parallel_rank", "resumable", "session_id", "kv_hints"), "frontend", _ADMIT),
-    Patch(_OUTP, "process_outputs",
-          ("self", "engine_core_outputs", "engine_core_timestamp", "iteration_stats",
-           "weight_version"), "frontend", _RESULTS),
-    Patch(_STATE, "from_new_request",
-          ("cls", "tokenizer", "request", "prompt", "parent_req", "request_index", "queue",
-           "log_stats", "stream_interval"), "frontend", _RESULTS),
-    Patch(_STATE, "make_request_output",
-          ("self", "new_token_ids", "pooling_output", "finish_reason", "stop_reason",
-           "kv_transfer_params", "ec_transfer_params", "error"), "frontend", _RESULTS),
-    Patch(_STATE, "_new_completion_output", ("self", "token_ids", "finish_reason", "stop_reason"),
-          "frontend", _RESULTS),
+    Patch(
+        _SCHED,
+        "update_from_output",
+        ("self", "scheduler_output", "model_runner_output"),
+        "engine_core",
+        _RESULTS,
+    ),
+    Patch(
+        _SCHED,
+        "finish_requests",
+        ("self", "request_ids", "finished_status"),
+        "engine_core",
+        _RESULTS,
+    ),
+    Patch(
+        _INPUT,
+        "process_inputs",
+        (
+            "self",
+            "request_id",
+            "prompt",
+            "params",
+            "supported_tasks",
+            "arrival_time",
+            "lora_request",
+            "tokenization_kwargs",
+            "trace_headers",
+            "priority",
+            "data_parallel_rank",
+            "resumable",
+            "session_id",
+            "kv_hints",
+        ),
+        "frontend",
+        _ADMIT,
+    ),
+    Patch(
+        _OUTP,
+        "process_outputs",
+        (
+            "self",
+            "engine_core_outputs",
+            "engine_core_timestamp",
+            "iteration_stats",
+            "weight_version",
+        ),
+        "frontend",
+        _RESULTS,
+    ),
+    Patch(
+        _STATE,
+        "from_new_request",
+        (
+            "cls",
+            "tokenizer",
+            "request",
+            "prompt",
+            "parent_req",
+            "request_index",
+            "queue",
+            "log_stats",
+            "stream_interval",
+        ),
+        "frontend",
+        _RESULTS,
+    ),
+    Patch(
+        _STATE,
+        "make_request_output",
+        (
+            "self",
+            "new_token_ids",
+            "pooling_output",
+            "finish_reason",
+            "stop_reason",
+            "kv_transfer_params",
+            "ec_transfer_params",
+            "error",
+        ),
+        "frontend",
+        _RESULTS,
+    ),
+    Patch(
+        _STATE,
+        "_new_completion_output",
+        ("self", "token_ids", "finish_reason", "stop_reason"),
+        "frontend",
+        _RESULTS,
+    ),
     Patch(_REQOUT, "add", ("self", "next_output", "aggregate"), "frontend", _RESULTS),
-    Patch(_OUTP, "add_request", ("self", "request", "prompt", "parent_req", "request_index", "queue"),
-          "usage", "per-tenant counters need each admitted request; vLLM's stat loggers do not see extra_args"),
-    Patch(_OUTP, "process_outputs",
-          ("self", "engine_core_outputs", "engine_core_timestamp", "iteration_stats",
-           "weight_version"), "usage", "per-tenant counters of the results each output carries"),
-    Patch(_OUTP, "abort_requests", ("self", "request_ids", "internal"), "usage",
-          "per-tenant counters of dropped requests"),
-    Patch(_V1, "execute_model", ("self", "scheduler_output", "intermediate_tensors"), "worker",
-          _RUNNER),
-    Patch(_V1, "_model_forward",
-          ("self", "input_ids", "positions", "intermediate_tensors", "inputs_embeds",
-           "model_kwargs"), "worker", _RUNNER),
+    Patch(
+        _OUTP,
+        "add_request",
+        ("self", "request", "prompt", "parent_req", "request_index", "queue"),
+        "usage",
+        "per-tenant counters need each admitted request; vLLM's stat loggers do not see extra_args",
+    ),
+    Patch(
+        _OUTP,
+        "process_outputs",
+        (
+            "self",
+            "engine_core_outputs",
+            "engine_core_timestamp",
+            "iteration_stats",
+            "weight_version",
+        ),
+        "usage",
+        "per-tenant counters of the results each output carries",
+    ),
+    Patch(
+        _OUTP,
+        "abort_requests",
+        ("self", "request_ids", "internal"),
+        "usage",
+        "per-tenant counters of dropped requests",
+    ),
+    Patch(
+        _V1,
+        "execute_model",
+        ("self", "scheduler_output", "intermediate_tensors"),
+        "worker",
+        _RUNNER,
+    ),
+    Patch(
+        _V1,
+        "_model_forward",
+        ("self", "input_ids", "positions", "intermediate_tensors", "inputs_embeds", "model_kwargs"),
+        "worker",
+        _RUNNER,
+    ),
     Patch(_V1, "sample_tokens", ("self", "grammar_output"), "worker", _RESULTS),
-    Patch(_V1, "load_model", ("self", "load_dummy_weights", "model"), "worker",
-          "the control block is built on the loaded model, before torch.compile and graph capture"),
-    Patch(_CPU, "load_model", ("self", "load_dummy_weights"), "worker",
-          "CPUModelRunner overrides load_model; as for GPUModelRunner"),
+    Patch(
+        _V1,
+        "load_model",
+        ("self", "load_dummy_weights", "model"),
+        "worker",
+        "the control block is built on the loaded model, before torch.compile and graph capture",
+    ),
+    Patch(
+        _CPU,
+        "load_model",
+        ("self", "load_dummy_weights"),
+        "worker",
+        "CPUModelRunner overrides load_model; as for GPUModelRunner",
+    ),
     Patch(_V2, "finish_requests", _RUNNER_SIG, "worker", _RUNNER),
     Patch(_V2, "add_requests", _RUNNER_SIG, "worker", _RUNNER),
-    Patch(_V2, "prepare_inputs",
-          ("self", "scheduler_output", "batch_req_state", "batch_desc", "num_active_loras"),
-          "worker", "FULL CUDA graphs replay without the Python forward: the maps follow prepare_inputs"),
-    Patch(_V2, "execute_model",
-          ("self", "scheduler_output", "intermediate_tensors", "dummy_run",
-           "skip_attn_for_dummy_run", "is_profile", "context_len", "valid_dummy_state_slots",
-           "randomize_inputs"), "worker", _RUNNER),
+    Patch(
+        _V2,
+        "prepare_inputs",
+        ("self", "scheduler_output", "batch_req_state", "batch_desc", "num_active_loras"),
+        "worker",
+        "FULL CUDA graphs replay without the Python forward: the maps follow prepare_inputs",
+    ),
+    Patch(
+        _V2,
+        "execute_model",
+        (
+            "self",
+            "scheduler_output",
+            "intermediate_tensors",
+            "dummy_run",
+            "skip_attn_for_dummy_run",
+            "is_profile",
+            "context_len",
+            "valid_dummy_state_slots",
+            "randomize_inputs",
+        ),
+        "worker",
+        _RUNNER,
+    ),
     Patch(_V2, "sample_tokens", ("self", "grammar_output"), "worker", _RESULTS),
-    Patch(_V2, "load_model", ("self", "load_dummy_weights", "args", "model", "kwargs"), "worker",
-          "as for the V1 runner"),
-    Patch(_CHAT, "render_chat_request", ("self", "request"), "server",
-          "xmix's admission checks answer 400 before the request reaches the engine"),
-    Patch(_CHAT, "chat_completion_full_generator",
-          ("self", "request", "result_generator", "request_id", "model_name", "conversation",
-           "tokenizer", "request_metadata", "parser", "mm_token_counts"), "server", _HTTP),
-    Patch(_CHAT, "chat_completion_stream_generator",
-          ("self", "request", "result_generator", "request_id", "model_name", "conversation",
-           "tokenizer", "request_metadata", "chat_template_kwargs", "mm_token_counts"),
-          "server", _HTTP),
-    Patch(_CMPL, "render_completion_request", ("self", "request"), "server",
-          "xmix's admission checks answer 400 before the request reaches the engine"),
-    Patch(_CMPL, "request_output_to_completion_response",
-          ("self", "final_res_batch", "request", "request_id", "created_time", "model_name",
-           "tokenizer", "request_metadata"), "server", _HTTP),
-    Patch(_CMPL, "completion_stream_generator",
-          ("self", "request", "engine_inputs", "result_generator", "request_id", "created_time",
-           "model_name", "num_prompts", "tokenizer", "request_metadata"), "server", _HTTP),
+    Patch(
+        _V2,
+        "load_model",
+        ("self", "load_dummy_weights", "args", "model", "kwargs"),
+        "worker",
+        "as for the V1 runner",
+    ),
+    Patch(
+        _CHAT,
+        "render_chat_request",
+        ("self", "request"),
+        "server",
+        "xmix's admission checks answer 400 before the request reaches the engine",
+    ),
+    Patch(
+        _CHAT,
+        "chat_completion_full_generator",
+        (
+            "self",
+            "request",
+            "result_generator",
+            "request_id",
+            "model_name",
+            "conversation",
+            "tokenizer",
+            "request_metadata",
+            "parser",
+            "mm_token_counts",
+        ),
+        "server",
+        _HTTP,
+    ),
+    Patch(
+        _CHAT,
+        "chat_completion_stream_generator",
+        (
+            "self",
+            "request",
+            "result_generator",
+            "request_id",
+            "model_name",
+            "conversation",
+            "tokenizer",
+            "request_metadata",
+            "chat_template_kwargs",
+            "mm_token_counts",
+        ),
+        "server",
+        _HTTP,
+    ),
+    Patch(
+        _CMPL,
+        "render_completion_request",
+        ("self", "request"),
+        "server",
+        "xmix's admission checks answer 400 before the request reaches the engine",
+    ),
+    Patch(
+        _CMPL,
+        "request_output_to_completion_response",
+        (
+            "self",
+            "final_res_batch",
+            "request",
+            "request_id",
+            "created_time",
+            "model_name",
+            "tokenizer",
+            "request_metadata",
+        ),
+        "server",
+        _HTTP,
+    ),
+    Patch(
+        _CMPL,
+        "completion_stream_generator",
+        (
+            "self",
+            "request",
+            "engine_inputs",
+            "result_generator",
+            "request_id",
+            "created_time",
+            "model_name",
+            "num_prompts",
+            "tokenizer",
+            "request_metadata",
+        ),
+        "server",
+        _HTTP,
+    ),
     Patch(_LLM, "xmix", None, "plugin", "llm.xmix on any vllm.LLM: vLLM has no attribute hook"),
-    *(Patch(_WB, name, None, "worker", _RPC) for name in (
-        "xmix_capacity", "xmix_deploy", "xmix_deploy_prepare", "xmix_deploy_commit",
-        "xmix_deploy_abort", "xmix_undeploy", "xmix_undeploy_if_present", "xmix_patch",
-        "xmix_set_mode", "xmix_set_params", "xmix_describe", "xmix_ledger")),
+    *(
+        Patch(_WB, name, None, "worker", _RPC)
+        for name in (
+            "xmix_capacity",
+            "xmix_deploy",
+            "xmix_deploy_prepare",
+            "xmix_deploy_commit",
+            "xmix_deploy_abort",
+            "xmix_undeploy",
+            "xmix_undeploy_if_present",
+            "xmix_patch",
+            "xmix_set_mode",
+            "xmix_set_params",
+            "xmix_describe",
+            "xmix_ledger",
+        )
+    ),
 )
 
 # (class, method) -> vLLM's own attribute, before any xmix layer; (class, method, by) applied.
@@ -231,7 +444,9 @@ def version_ok(version: str) -> bool:
     return lo <= _parse(version) < hi
 
 
-def problems(table: tuple[Patch, ...] | None = None, *, optional: tuple[str, ...] = (_V2, _CHAT, _CMPL)) -> list[str]:
+def problems(
+    table: tuple[Patch, ...] | None = None, *, optional: tuple[str, ...] = (_V2, _CHAT, _CMPL)
+) -> list[str]:
     """Each way the installed vLLM differs from ``table`` (empty: none). Targets in
     ``optional`` may be absent (a build without runner V2 or the OpenAI server), never
     different."""
@@ -267,9 +482,13 @@ def check(table: tuple[Patch, ...] | None = None) -> None:
     """Refuse an engine that asked for xmix on a vLLM the table does not describe."""
     version = installed_version()
     if not version_ok(version):
-        raise FenceError(f"xmix: vLLM {version} is not supported (supported: "
-                         f"{', '.join(SUPPORTED_VLLM)}; python/xmix/integrations/vllm/fence.py)")
+        raise FenceError(
+            f"xmix: vLLM {version} is not supported (supported: "
+            f"{', '.join(SUPPORTED_VLLM)}; python/xmix/integrations/vllm/fence.py)"
+        )
     found = problems(table)
     if found:
-        raise FenceError(f"xmix: vLLM {version} differs from what xmix patches; the engine does "
-                         "not start: " + "; ".join(found))
+        raise FenceError(
+            f"xmix: vLLM {version} differs from what xmix patches; the engine does "
+            "not start: " + "; ".join(found)
+        )

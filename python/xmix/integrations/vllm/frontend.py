@@ -45,14 +45,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from xmix.api import App, AppError
+from xmix.api import App
 from xmix.conditions import n_instructions
 from xmix.control import MODES, ParamCol, RequestError, param_columns, resolve_params
 from xmix.hooks import ModelShape
 from xmix.lowering import DeployError, LoweredApp, lower
-from xmix.results_codec import (DROPPED_KEY, OPTION_KEYS, TRUNCATED_KEY, ResultOptions,
-                                copy_results, max_result_bytes, parse_options, position_bytes,
-                                read_shape, unpack_results)
+from xmix.results_codec import (
+    DROPPED_KEY,
+    OPTION_KEYS,
+    TRUNCATED_KEY,
+    ResultOptions,
+    copy_results,
+    max_result_bytes,
+    parse_options,
+    position_bytes,
+    read_shape,
+    unpack_results,
+)
 
 from . import fence, tenants
 from .request_controls import control_from_args
@@ -92,13 +101,15 @@ def _validation_error(msg: str, value: Any = None) -> Exception:
             class XmixValidationError(VLLMValidationError, ValueError):
                 pass
         except ImportError:  # pragma: no cover - older vLLM
+
             class XmixValidationError(ValueError):
                 def __init__(self, message, parameter=None, value=None):
                     super().__init__(message)
 
         _ERROR_CLASS = XmixValidationError
-    return _ERROR_CLASS(f"xmix: {msg}", parameter="vllm_xargs.xmix",
-                        value=None if value is None else shown(value))
+    return _ERROR_CLASS(
+        f"xmix: {msg}", parameter="vllm_xargs.xmix", value=None if value is None else shown(value)
+    )
 
 
 @dataclass
@@ -113,19 +124,35 @@ class Needs:
     spans: int = 0
 
     @staticmethod
-    def of(lw: LoweredApp) -> "Needs":
-        return Needs(len(lw.ops), sum(n_instructions(o.cond) for o in lw.ops if o.cond is not None),
-                     len(param_columns(lw)), sum(o.n_channels for o in lw.reads.values()),
-                     len(lw.token_sets), len(lw.spans))
+    def of(lw: LoweredApp) -> Needs:
+        return Needs(
+            len(lw.ops),
+            sum(n_instructions(o.cond) for o in lw.ops if o.cond is not None),
+            len(param_columns(lw)),
+            sum(o.n_channels for o in lw.reads.values()),
+            len(lw.token_sets),
+            len(lw.spans),
+        )
 
-    def __add__(self, o: "Needs") -> "Needs":
-        return Needs(self.ops + o.ops, self.cond + o.cond, self.params + o.params,
-                     self.channels + o.channels, self.token_sets + o.token_sets, self.spans + o.spans)
+    def __add__(self, o: Needs) -> Needs:
+        return Needs(
+            self.ops + o.ops,
+            self.cond + o.cond,
+            self.params + o.params,
+            self.channels + o.channels,
+            self.token_sets + o.token_sets,
+            self.spans + o.spans,
+        )
 
 
-_NEEDS = {"ops": ("max_ops", "ops"), "cond": ("max_cond", "condition instructions"),
-          "params": ("max_params", "parameter columns"), "channels": ("max_channels", "reads"),
-          "token_sets": ("max_token_sets", "token sets"), "spans": ("max_spans", "spans")}
+_NEEDS = {
+    "ops": ("max_ops", "ops"),
+    "cond": ("max_cond", "condition instructions"),
+    "params": ("max_params", "parameter columns"),
+    "channels": ("max_channels", "reads"),
+    "token_sets": ("max_token_sets", "token sets"),
+    "spans": ("max_spans", "spans"),
+}
 
 
 class EngineGone(RuntimeError):
@@ -158,7 +185,12 @@ class Deployed:
         for op in self.lowered.reads.values():
             shape = read_shape(op)
             if shape.once:  # CAST: once per request, at the last prompt token
-                k = 1 if prompt_len and (win is None or win.count(prompt_len - 1, prompt_len, prompt_len)) else 0
+                k = (
+                    1
+                    if prompt_len
+                    and (win is None or win.count(prompt_len - 1, prompt_len, prompt_len))
+                    else 0
+                )
             else:
                 k = prompt_len if win is None else int(win.count(0, prompt_len, prompt_len))
             n += k * position_bytes(shape, opts)
@@ -166,11 +198,18 @@ class Deployed:
 
     def describe(self) -> dict[str, Any]:
         lw = self.lowered
-        return {"name": self.app.name, "mode": self.mode, "sites": lw.sites,
-                "reads": sorted(lw.reads), "writes": lw.writes, "stateful": lw.stateful,
-                "params": self.defaults, "version": self.version,
-                "locked": sorted(self.cols[i].key for i in self.locked),
-                "metadata": self.app.metadata}
+        return {
+            "name": self.app.name,
+            "mode": self.mode,
+            "sites": lw.sites,
+            "reads": sorted(lw.reads),
+            "writes": lw.writes,
+            "stateful": lw.stateful,
+            "params": self.defaults,
+            "version": self.version,
+            "locked": sorted(self.cols[i].key for i in self.locked),
+            "metadata": self.app.metadata,
+        }
 
     def applied_params(self, overrides: dict[int, float]) -> dict[str, float]:
         """The public parameter values a request runs with: its overrides, else defaults."""
@@ -185,19 +224,23 @@ def columns_named(cols: list[ParamCol], spec: Any, who: str) -> set[int]:
     if spec is False or spec is None:
         return set()
     if not isinstance(spec, list) or not all(isinstance(k, str) for k in spec):
-        raise DeployError(f'{who}: "locked" must be true, false or a list of parameter names, '
-                          f"got {shown(spec)}")
+        raise DeployError(
+            f'{who}: "locked" must be true, false or a list of parameter names, got {shown(spec)}'
+        )
     out: set[int] = set()
     for key in spec:
         if "." in key:
             op, p = key.rsplit(".", 1)
             hits = [i for i, c in enumerate(cols) if c.public and c.op == op and c.name == p]
         else:
-            hits = [i for i, c in enumerate(cols) if c.public and c.op is None and c.name == key] \
-                or [i for i, c in enumerate(cols) if c.public and c.name == key]
+            hits = [
+                i for i, c in enumerate(cols) if c.public and c.op is None and c.name == key
+            ] or [i for i, c in enumerate(cols) if c.public and c.name == key]
         if not hits:
-            raise DeployError(f"{who}: cannot lock unknown parameter {shown(key)}; known: "
-                              f"{sorted(c.key for c in cols if c.public)}")
+            raise DeployError(
+                f"{who}: cannot lock unknown parameter {shown(key)}; known: "
+                f"{sorted(c.key for c in cols if c.public)}"
+            )
         out.update(hits)
     return out
 
@@ -211,9 +254,9 @@ SALTED_CONNECTORS = frozenset({"OffloadingConnector"})
 
 @dataclass
 class Admission:
-    control: dict | None      # canonical control for the workers (None: the request has none)
-    salt: str | None          # cache-salt suffix
-    skip_cache: bool          # skip reading the prefix cache
+    control: dict | None  # canonical control for the workers (None: the request has none)
+    salt: str | None  # cache-salt suffix
+    skip_cache: bool  # skip reading the prefix cache
 
 
 # The registry revision at which the server's pre-stream check admitted the request being
@@ -222,14 +265,16 @@ class Admission:
 # was switched off between the check and that admission then applies to the request the way a
 # change in flight would (left out, named in provenance ``changed``), instead of a refusal
 # inside a stream that already answered 200.
-_PRECHECKED: contextvars.ContextVar[int | None] = contextvars.ContextVar("xmix_prechecked", default=None)
+_PRECHECKED: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+    "xmix_prechecked", default=None
+)
 
 
 def mark_prechecked(revision: int) -> None:
     _PRECHECKED.set(revision)
 
 
-_REGISTRIES: "weakref.WeakValueDictionary[int, Registry]" = weakref.WeakValueDictionary()
+_REGISTRIES: weakref.WeakValueDictionary[int, Registry] = weakref.WeakValueDictionary()
 _REGISTRY_IDS = itertools.count(1)
 HISTORY = 4096  # control changes remembered for the provenance of requests in flight
 
@@ -281,8 +326,10 @@ class Registry:
             used = self.used()
             max_apps = tenants.limit("XMIX_MAX_APPS")
             if max_apps is not None and len(self.apps) >= max_apps:
-                raise CapacityError(f"app {app.name!r}: {len(self.apps)} apps are deployed; the server "
-                                    f"allows {max_apps} (XMIX_MAX_APPS)")
+                raise CapacityError(
+                    f"app {app.name!r}: {len(self.apps)} apps are deployed; the server "
+                    f"allows {max_apps} (XMIX_MAX_APPS)"
+                )
         cap = dict(self.capacity) if self.capacity else None
         if cap:
             from xmix.control import K
@@ -303,7 +350,9 @@ class Registry:
             return f"{cap_key}={cap[cap_key]}"
 
         try:
-            lowered = lower(app, self.shape, self.tokenizer, max_ops=cap["max_ops"] if cap else None)
+            lowered = lower(
+                app, self.shape, self.tokenizer, max_ops=cap["max_ops"] if cap else None
+            )
         except DeployError as e:
             if cap and ("max_ops" in str(e) or "engine has room" in str(e)):
                 raise DeployError(f"{e} ({where('max_ops')})") from None
@@ -313,11 +362,15 @@ class Registry:
             for attr, (cap_key, what) in _NEEDS.items():
                 want, have = getattr(needs, attr), cap[cap_key] - getattr(used, attr)
                 if want > cap[cap_key]:
-                    raise DeployError(f"app {app.name!r} needs {want} {what}; the engine holds "
-                                      f"{cap[cap_key]} in all ({where(cap_key)})")
+                    raise DeployError(
+                        f"app {app.name!r} needs {want} {what}; the engine holds "
+                        f"{cap[cap_key]} in all ({where(cap_key)})"
+                    )
                 if want > have:
-                    raise CapacityError(f"app {app.name!r} needs {want} {what}; the engine has room "
-                                        f"for {have} more ({where(cap_key)})")
+                    raise CapacityError(
+                        f"app {app.name!r} needs {want} {what}; the engine has room "
+                        f"for {have} more ({where(cap_key)})"
+                    )
         spec = app.spec()
         spec["token_sets"] = [{"name": n, "ids": ids} for n, ids in lowered.token_sets.items()]
         resolved = App.from_spec(spec, app.tensors(), source=f"app {app.name!r}", allow_custom=True)
@@ -338,8 +391,15 @@ class Registry:
         if self.metrics:
             self.metrics["deployed"].labels(model_name=self.shape.model_name).set(len(self.apps))
 
-    def add(self, app: App, lowered: LoweredApp, mode: str, version: int, needs: Needs,
-            locked: Any = False) -> Deployed:
+    def add(
+        self,
+        app: App,
+        lowered: LoweredApp,
+        mode: str,
+        version: int,
+        needs: Needs,
+        locked: Any = False,
+    ) -> Deployed:
         with self.lock:
             d = Deployed(app, lowered, mode, version, param_columns(lowered), needs)
             d.locked = columns_named(d.cols, locked, f"app {app.name!r}")
@@ -360,8 +420,9 @@ class Registry:
             raise DeployError(f"app {name!r} is not deployed; deployed: {sorted(self.apps)}")
         return d
 
-    def check_patch(self, name: str, mode: str | None, params: Any, locked: Any = None
-                    ) -> tuple[dict[int, float], set[int] | None]:
+    def check_patch(
+        self, name: str, mode: str | None, params: Any, locked: Any = None
+    ) -> tuple[dict[int, float], set[int] | None]:
         """Every check of a PATCH, nothing applied: the new default per column, and the
         columns locked after it (None: unchanged)."""
         d = self.get(name)
@@ -371,8 +432,9 @@ class Registry:
         lock = columns_named(d.cols, locked, f"app {name!r}") if locked is not None else None
         return cols, lock
 
-    def patch(self, name: str, mode: str | None, cols: dict[int, float],
-              locked: set[int] | None = None) -> None:
+    def patch(
+        self, name: str, mode: str | None, cols: dict[int, float], locked: set[int] | None = None
+    ) -> None:
         with self.lock:
             d = self.get(name)
             for i, v in cols.items():
@@ -398,15 +460,24 @@ class Registry:
         if self.metrics:
             self.metrics[name].labels(model_name=self.shape.model_name, **labels).inc(n)
 
-    def admit(self, raw: Any, prompt_len: int = 0, max_tokens: int = 0, n: int = 1,
-              count: bool = True, remote_prefill: bool = False) -> Admission:
+    def admit(
+        self,
+        raw: Any,
+        prompt_len: int = 0,
+        max_tokens: int = 0,
+        n: int = 1,
+        count: bool = True,
+        remote_prefill: bool = False,
+    ) -> Admission:
         """Check one request's control (``raw``) and resolve it; raises the validation error
         the client sees. ``count=False``: a check ahead of the real admission (the server
         runs one before a stream starts) that counts only refusals. ``remote_prefill``: the
         request's ``kv_transfer_params`` say its prompt KV was computed on another instance
         (P/D disaggregation)."""
         caller = tenants.current()
-        tenant = caller.tenant if caller is not None else (self.policy.default if self.policy else None)
+        tenant = (
+            caller.tenant if caller is not None else (self.policy.default if self.policy else None)
+        )
         since = _PRECHECKED.get() if count else None
         dropped: list[str] = []
         with self.lock:
@@ -415,8 +486,10 @@ class Registry:
                 cfg, overrides = self._parse(raw, tenant, dropped if gone_ok else None)
                 apps = cfg["apps"] if cfg else []
                 effective = [self.apps[a] for a in apps] + [
-                    d for a, d in self.apps.items() if d.mode == "all" and a not in apps
-                    and (tenant is None or tenant.may_force(a))]
+                    d
+                    for a, d in self.apps.items()
+                    if d.mode == "all" and a not in apps and (tenant is None or tenant.may_force(a))
+                ]
                 cfg = self._result_options(cfg, effective, prompt_len, n)
             except ValueError:
                 self.count("rejected")
@@ -428,25 +501,46 @@ class Registry:
             # Every request carries what it runs with (provenance) and, under a policy that
             # limits the apps forced on it, which mode-"all" apps may apply to it.
             cfg = cfg if cfg is not None else {"apps": [], "params": {}, "pin": {}}
-            forced = sorted(tenant.forced) if tenant is not None and tenant.forced is not None else None
+            forced = (
+                sorted(tenant.forced) if tenant is not None and tenant.forced is not None else None
+            )
             if forced is not None:
                 cfg["forced"] = forced
             cfg["applied"] = {
-                "apps": [{"name": d.app.name, "version": d.version,
-                          "mode": "request" if d.app.name in apps else "all",
-                          "params": d.applied_params(overrides.get(d.app.name, {}))}
-                         for d in effective],
+                "apps": [
+                    {
+                        "name": d.app.name,
+                        "version": d.version,
+                        "mode": "request" if d.app.name in apps else "all",
+                        "params": d.applied_params(overrides.get(d.app.name, {})),
+                    }
+                    for d in effective
+                ],
                 **({"tenant": tenant.name} if tenant is not None else {}),
-                "_rev": self.revision, "_reg": self.uid, "_forced": forced,
-                **({"_dropped": dropped} if dropped else {})}
+                "_rev": self.revision,
+                "_reg": self.uid,
+                "_forced": forced,
+                **({"_dropped": dropped} if dropped else {}),
+            }
             if not effective and not self.epoch:
                 return Admission(cfg, None, False)
             writes = sorted((d for d in effective if d.lowered.writes), key=lambda d: d.app.name)
             salt = None
             if writes or self.epoch:
-                key = [self.epoch, [[d.app.name, d.version,
-                                     [overrides.get(d.app.name, {}).get(i, c.default)
-                                      for i, c in enumerate(d.cols)]] for d in writes]]
+                key = [
+                    self.epoch,
+                    [
+                        [
+                            d.app.name,
+                            d.version,
+                            [
+                                overrides.get(d.app.name, {}).get(i, c.default)
+                                for i, c in enumerate(d.cols)
+                            ],
+                        ]
+                        for d in writes
+                    ],
+                ]
                 salt = "xmix:" + hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32]
             skip = any(d.lowered.reads_prompt or d.lowered.stateful for d in effective)
             if self.kv_connector is not None or remote_prefill:
@@ -460,14 +554,20 @@ class Registry:
     def check_forced_write(self, name: str, lowered: LoweredApp, mode: str) -> None:
         """A writing app in mode "all" on a connector that would make admission refuse every
         request (``_kv_connector_rules``) is refused when it is deployed or switched."""
-        if (mode == "all" and lowered.writes and self.kv_connector is not None
-                and self.kv_connector not in SALTED_CONNECTORS):
+        if (
+            mode == "all"
+            and lowered.writes
+            and self.kv_connector is not None
+            and self.kv_connector not in SALTED_CONNECTORS
+        ):
             raise DeployError(
                 f"app {name!r} writes, and in mode 'all' on this engine's KV connector "
                 f"({self.kv_connector}, which keys stored KV by tokens, not cache salts) every "
                 "request would be refused; use mode 'request' (requests naming it are refused "
                 "with the reason) or a connector keyed by block hashes ("
-                + ", ".join(sorted(SALTED_CONNECTORS)) + ")")
+                + ", ".join(sorted(SALTED_CONNECTORS))
+                + ")"
+            )
 
     def _kv_connector_rules(self, effective: list[Deployed], remote_prefill: bool) -> None:
         """Requests whose state over the prompt would be missing or wrong if their prompt KV
@@ -478,8 +578,9 @@ class Registry:
         hit), so with a connector that loads on its own they just recompute the prompt. A
         request whose prompt was already computed elsewhere (P/D decode side) cannot."""
         writes = sorted(d.app.name for d in effective if d.lowered.writes)
-        prompt_state = sorted(d.app.name for d in effective
-                              if d.lowered.reads_prompt or d.lowered.stateful)
+        prompt_state = sorted(
+            d.app.name for d in effective if d.lowered.reads_prompt or d.lowered.stateful
+        )
         if remote_prefill and (writes or prompt_state):
             raise _validation_error(
                 "this request's prompt KV comes from another instance (kv_transfer_params."
@@ -487,7 +588,8 @@ class Registry:
                 + ", ".join(sorted(set(writes) | set(prompt_state)))
                 + " need the prompt computed where they run (reads and latches/spans over the "
                 "prompt; writes, whose effect on the prompt KV this instance cannot check): "
-                "send the request to an instance that computes its prompt")
+                "send the request to an instance that computes its prompt"
+            )
         if writes and self.kv_connector is not None and self.kv_connector not in SALTED_CONNECTORS:
             raise _validation_error(
                 f"app(s) {', '.join(writes)} write, and this engine's KV connector "
@@ -495,10 +597,13 @@ class Registry:
                 "the cache salt that keeps the KV of a differently steered prompt apart: other "
                 "requests would load this request's steered KV (or it theirs). Writing apps need "
                 "a connector keyed by vLLM's block hashes ("
-                + ", ".join(sorted(SALTED_CONNECTORS)) + ") or no connector")
+                + ", ".join(sorted(SALTED_CONNECTORS))
+                + ") or no connector"
+            )
 
-    def _result_options(self, cfg: dict | None, effective: list[Deployed], prompt_len: int,
-                        n: int) -> dict | None:
+    def _result_options(
+        self, cfg: dict | None, effective: list[Deployed], prompt_len: int, n: int
+    ) -> dict | None:
         """The request's result options into its canonical control (each sequence's byte
         budget included). The bytes its reads report over the prompt are known now (prompt
         length x window x read width): above the budget, the request is refused. Reads of
@@ -524,13 +629,15 @@ class Registry:
                 f"{', ' + str(n) + ' sequences' if n > 1 else ''}); the cap is {total} bytes per "
                 f"request ({source}){', ' + str(opts.max_bytes) + ' per sequence' if n > 1 else ''}: "
                 f'report fewer positions ("positions"), fewer or narrower reads, a smaller '
-                f'"dtype", "encoding": "base64", or n=1')
+                f'"dtype", "encoding": "base64", or n=1'
+            )
         ctl = dict(cfg) if cfg else {"apps": [], "params": {}, "pin": {}}
         ctl["results"] = opts.to_control()
         return ctl
 
-    def _parse(self, raw: Any, tenant: "tenants.Tenant | None" = None,
-               dropped: list[str] | None = None) -> tuple[dict | None, dict[str, dict[int, float]]]:
+    def _parse(
+        self, raw: Any, tenant: tenants.Tenant | None = None, dropped: list[str] | None = None
+    ) -> tuple[dict | None, dict[str, dict[int, float]]]:
         """``dropped`` (a list): the request passed the pre-stream check before a change, so
         apps that went away or were switched off since are left out and listed there rather
         than refused."""
@@ -538,24 +645,31 @@ class Registry:
             return None, {}
         if isinstance(raw, (str, bytes)):
             if len(raw) > max_control_bytes():
-                raise _validation_error(f"the xmix control is {len(raw)} bytes; at most "
-                                        f"{max_control_bytes()} (XMIX_MAX_CONTROL_BYTES)")
+                raise _validation_error(
+                    f"the xmix control is {len(raw)} bytes; at most "
+                    f"{max_control_bytes()} (XMIX_MAX_CONTROL_BYTES)"
+                )
             try:
                 raw = json.loads(raw)
             except json.JSONDecodeError as e:
-                raise _validation_error(f"the xmix control is not valid JSON ({e.msg} at "
-                                        f"position {e.pos})") from None
+                raise _validation_error(
+                    f"the xmix control is not valid JSON ({e.msg} at position {e.pos})"
+                ) from None
             except RecursionError:
                 raise _validation_error("the xmix control is nested too deeply") from None
             except (ValueError, UnicodeDecodeError) as e:
                 raise _validation_error(f"the xmix control is not valid JSON ({e})") from None
         if not isinstance(raw, dict):
-            raise _validation_error(f"the xmix control must be an object like "
-                                    f'{{"apps": [...], "params": {{...}}}}, got {type(raw).__name__}')
+            raise _validation_error(
+                f"the xmix control must be an object like "
+                f'{{"apps": [...], "params": {{...}}}}, got {type(raw).__name__}'
+            )
         unknown = set(raw) - REQUEST_KEYS
         if unknown:
-            raise _validation_error(f"unknown key(s) {shown(sorted(map(str, unknown)))} in the xmix "
-                                    f"control; allowed: {sorted(REQUEST_KEYS)}")
+            raise _validation_error(
+                f"unknown key(s) {shown(sorted(map(str, unknown)))} in the xmix "
+                f"control; allowed: {sorted(REQUEST_KEYS)}"
+            )
         apps = raw.get("apps", [])
         if not isinstance(apps, list) or not all(isinstance(a, str) for a in apps):
             raise _validation_error(f'"apps" must be a list of app names, got {shown(apps)}')
@@ -563,12 +677,15 @@ class Registry:
             raise _validation_error(f'"apps" lists an app twice: {shown(apps)}')
         max_apps = tenants.limit("XMIX_MAX_REQUEST_APPS")
         if len(apps) > max_apps:
-            raise _validation_error(f"the request names {len(apps)} apps; at most {max_apps} "
-                                    f"(XMIX_MAX_REQUEST_APPS)")
+            raise _validation_error(
+                f"the request names {len(apps)} apps; at most {max_apps} (XMIX_MAX_REQUEST_APPS)"
+            )
         for a in apps:
             if tenant is not None and not tenant.may_name(a):
-                raise tenants.forbidden(f"app {shown(a)} is not allowed for this key "
-                                        f"(tenant {tenant.name!r} of the server's policy)")
+                raise tenants.forbidden(
+                    f"app {shown(a)} is not allowed for this key "
+                    f"(tenant {tenant.name!r} of the server's policy)"
+                )
             if dropped is not None and (a not in self.apps or self.apps[a].mode == "off"):
                 dropped.append(a)
                 continue
@@ -578,47 +695,62 @@ class Registry:
                 raise _validation_error(f"app {a!r} is deployed but switched off")
         params = raw.get("params", {})
         if not isinstance(params, dict):
-            raise _validation_error(f'"params" must be an object {{app: {{name: number}}}}, '
-                                    f"got {shown(params)}")
+            raise _validation_error(
+                f'"params" must be an object {{app: {{name: number}}}}, got {shown(params)}'
+            )
         n_params = sum(len(p) if isinstance(p, dict) else 1 for p in params.values())
         max_params = tenants.limit("XMIX_MAX_REQUEST_PARAMS")
         if n_params > max_params:
-            raise _validation_error(f"the request sets {n_params} parameters; at most {max_params} "
-                                    f"(XMIX_MAX_REQUEST_PARAMS)")
+            raise _validation_error(
+                f"the request sets {n_params} parameters; at most {max_params} "
+                f"(XMIX_MAX_REQUEST_PARAMS)"
+            )
         canon: dict[str, dict[str, float]] = {}
         overrides: dict[str, dict[int, float]] = {}
         for a, p in params.items():
             if tenant is not None and not tenant.may_name(a):
-                raise tenants.forbidden(f"params for app {shown(a)}, which this key may not use "
-                                        f"(tenant {tenant.name!r} of the server's policy)")
-            if dropped is not None and (a in dropped or a not in self.apps or (
-                    a not in apps and self.apps[a].mode != "all")):
+                raise tenants.forbidden(
+                    f"params for app {shown(a)}, which this key may not use "
+                    f"(tenant {tenant.name!r} of the server's policy)"
+                )
+            if dropped is not None and (
+                a in dropped or a not in self.apps or (a not in apps and self.apps[a].mode != "all")
+            ):
                 if a not in dropped:
                     dropped.append(a)
                 continue
             if a not in self.apps:
-                raise _validation_error(f"params for unknown app {shown(a)}; deployed: {self._listed(tenant)}")
-            if a not in apps and (self.apps[a].mode != "all"
-                                  or (tenant is not None and not tenant.may_force(a))):
+                raise _validation_error(
+                    f"params for unknown app {shown(a)}; deployed: {self._listed(tenant)}"
+                )
+            if a not in apps and (
+                self.apps[a].mode != "all" or (tenant is not None and not tenant.may_force(a))
+            ):
                 raise _validation_error(f"params for app {a!r}, which this request does not use")
             try:
                 overrides[a] = resolve_params(self.apps[a].cols, p, f"app {a!r}")
             except (RequestError, DeployError) as e:
                 raise _validation_error(str(e)) from None
-            held = sorted(self.apps[a].cols[i].key for i in overrides[a] if i in self.apps[a].locked)
+            held = sorted(
+                self.apps[a].cols[i].key for i in overrides[a] if i in self.apps[a].locked
+            )
             if held:
-                raise tenants.forbidden(f"app {a!r}: parameter(s) {held} are locked by the operator; "
-                                        f"requests may not override them")
+                raise tenants.forbidden(
+                    f"app {a!r}: parameter(s) {held} are locked by the operator; "
+                    f"requests may not override them"
+                )
             canon[a] = {k: float(v) for k, v in p.items()}
         if dropped:
             apps = [a for a in apps if a not in dropped]
-        pin = {a: [self.apps[a].version, sorted([c, v] for c, v in overrides.get(a, {}).items())]
-               for a in [*apps, *(a for a in params if a not in apps and a not in (dropped or ()))]}
+        pin = {
+            a: [self.apps[a].version, sorted([c, v] for c, v in overrides.get(a, {}).items())]
+            for a in [*apps, *(a for a in params if a not in apps and a not in (dropped or ()))]
+        }
         out = {"apps": list(apps), "params": canon, "pin": pin}
         out["results_raw"] = {k: raw[k] for k in OPTION_KEYS if k in raw}  # checked in admit
         return out, overrides
 
-    def _listed(self, tenant: "tenants.Tenant | None") -> list[str]:
+    def _listed(self, tenant: tenants.Tenant | None) -> list[str]:
         """The deployed apps a caller may know of."""
         return sorted(a for a in self.apps if tenant is None or tenant.may_name(a))
 
@@ -666,15 +798,22 @@ def patch_input_processor(cls) -> None:
         raw = control_from_args(sp.extra_args, _validation_error)
         if reg is None:
             if raw is not None:
-                raise _validation_error("this request asks for xmix apps, but xmix is not enabled "
-                                        "on this engine (use xmix.LLM / xmix serve)")
+                raise _validation_error(
+                    "this request asks for xmix apps, but xmix is not enabled "
+                    "on this engine (use xmix.LLM / xmix serve)"
+                )
             return req
         n_prompt = _prompt_len(req)
         max_tokens = sp.max_tokens
         if max_tokens is None:
             max_tokens = max(self.model_config.max_model_len - n_prompt, 0)
-        adm = reg.admit(raw, n_prompt, max_tokens, sp.n or 1,
-                        remote_prefill=_remote_prefill((sp.extra_args or {}).get("kv_transfer_params")))
+        adm = reg.admit(
+            raw,
+            n_prompt,
+            max_tokens,
+            sp.n or 1,
+            remote_prefill=_remote_prefill((sp.extra_args or {}).get("kv_transfer_params")),
+        )
         if adm.control is not None:
             # A new dict on the request's own copy: the caller's SamplingParams stays as given.
             sp.extra_args = {**(sp.extra_args or {}), XMIX_KEY: adm.control}
@@ -701,8 +840,11 @@ def patch_output_processor(out_cls, state_cls, request_output_cls) -> None:
 
     def from_new_request(cls, tokenizer, request, *args, **kwargs):
         st = orig_from_new(cls, tokenizer, request, *args, **kwargs)
-        ctl = (getattr(request.sampling_params, "extra_args", None) or {}).get(XMIX_KEY) \
-            if getattr(request, "sampling_params", None) is not None else None
+        ctl = (
+            (getattr(request.sampling_params, "extra_args", None) or {}).get(XMIX_KEY)
+            if getattr(request, "sampling_params", None) is not None
+            else None
+        )
         if isinstance(ctl, dict) and "applied" in ctl:
             st.__dict__["_xmix_applied"] = ctl["applied"]
         return st
@@ -728,8 +870,10 @@ def patch_output_processor(out_cls, state_cls, request_output_cls) -> None:
                 if dropped and applied is not None:
                     # the engine no longer held the version admitted (a change through another
                     # API server this one had not seen yet): named under "changed"
-                    st.__dict__["_xmix_applied"] = {**applied, "_dropped": sorted(
-                        set(applied.get("_dropped", ())) | set(dropped))}
+                    st.__dict__["_xmix_applied"] = {
+                        **applied,
+                        "_dropped": sorted(set(applied.get("_dropped", ())) | set(dropped)),
+                    }
                 if not res and err is None:
                     continue
                 st.__dict__["_xmix_seen"] = True
@@ -740,7 +884,9 @@ def patch_output_processor(out_cls, state_cls, request_output_cls) -> None:
                 if err is not None:
                     # A worker could not serve this request: it ends here with an error (the
                     # OpenAI server answers 500 / an error event); the engine core drops it.
-                    logger.warning("xmix: request %s finished with an error: %s", eco.request_id, err)
+                    logger.warning(
+                        "xmix: request %s finished with an error: %s", eco.request_id, err
+                    )
                     st.__dict__["_xmix_error"] = str(err)
                     if eco.finish_reason is None:
                         failed.append(eco.request_id)
@@ -783,9 +929,13 @@ def patch_output_processor(out_cls, state_cls, request_output_cls) -> None:
         # state's sequence finishes, once (its ``changed`` covers the whole run); outputs
         # before that carry none (the server sends it in the chunk that finishes a choice).
         applied = self.__dict__.get("_xmix_applied")
-        if applied is not None and (getattr(out, "finished", False) or any(
+        if applied is not None and (
+            getattr(out, "finished", False)
+            or any(
                 getattr(c, "finish_reason", None) is not None
-                for c in getattr(out, "outputs", None) or ())):
+                for c in getattr(out, "outputs", None) or ()
+            )
+        ):
             prov = self.__dict__.get("_xmix_prov")
             if prov is None:
                 prov = self.__dict__["_xmix_prov"] = provenance(applied)
@@ -825,7 +975,9 @@ def patch_output_processor(out_cls, state_cls, request_output_cls) -> None:
 def _remote_prefill(kv_transfer_params: Any) -> bool:
     """A request whose prompt KV another instance computed (what vLLM's own code reads:
     v1/engine/output_processor.py, v1/core/sched/scheduler.py)."""
-    return isinstance(kv_transfer_params, dict) and bool(kv_transfer_params.get("do_remote_prefill"))
+    return isinstance(kv_transfer_params, dict) and bool(
+        kv_transfer_params.get("do_remote_prefill")
+    )
 
 
 def provenance(applied: dict) -> dict:
@@ -854,7 +1006,9 @@ def _load_app(app: App | str | Path | bytes, allow_custom: bool) -> App:
         return app
     if isinstance(app, (bytes, bytearray)):
         return App.from_bytes(bytes(app), allow_custom=allow_custom)
-    return App.load(app) if allow_custom else App.from_bytes(Path(app).read_bytes(), str(app), False)
+    return (
+        App.load(app) if allow_custom else App.from_bytes(Path(app).read_bytes(), str(app), False)
+    )
 
 
 class Controller:
@@ -873,8 +1027,9 @@ class Controller:
         their results (the first engine's first worker first)."""
         self._rpc = rpc
         cfg = input_processor.vllm_config.model_config
-        self.registry = Registry(ModelShape.from_hf_config(cfg.hf_config, cfg.model),
-                                 input_processor.tokenizer)
+        self.registry = Registry(
+            ModelShape.from_hf_config(cfg.hf_config, cfg.model), input_processor.tokenizer
+        )
         self.lock = threading.RLock()
         input_processor._xmix_registry = self.registry
         # Pipeline parallel: refused here, before any RPC, because a worker raising in a
@@ -960,8 +1115,10 @@ class Controller:
             deadline = time.monotonic() + float(os.environ.get("XMIX_LEASE_WAIT_S", "30"))
             while not self._rpc("xmix_ledger", ("acquire", self._owner))[0]:
                 if time.monotonic() > deadline:
-                    raise EngineGone("another API server holds the control plane's lease (a "
-                                     "change in progress); try again")
+                    raise EngineGone(
+                        "another API server holds the control plane's lease (a "
+                        "change in progress); try again"
+                    )
                 time.sleep(0.02)
             try:
                 self.sync()
@@ -980,8 +1137,14 @@ class Controller:
         except Exception:
             logger.exception("xmix: %s(%s) failed", method, name)
 
-    def deploy(self, app: App | str | Path | bytes, mode: str = "request", *,
-               allow_custom: bool = True, locked: Any = False) -> dict:
+    def deploy(
+        self,
+        app: App | str | Path | bytes,
+        mode: str = "request",
+        *,
+        allow_custom: bool = True,
+        locked: Any = False,
+    ) -> dict:
         """``locked``: true, or a list of parameter names, that requests may not override."""
         if mode not in MODES:
             raise DeployError(f"mode must be one of {list(MODES)}, got {shown(mode)}")
@@ -1006,8 +1169,11 @@ class Controller:
                     # (deployed behind the frontend's back, e.g. by vLLM's dev-mode
                     # /collective_rpc): nothing can use it, so it goes, and the deploy is retried.
                     self._undo("xmix_deploy_abort", app.name)
-                    logger.warning("xmix: app %r was on a worker but not in the registry; "
-                                   "taken off before deploying it", app.name)
+                    logger.warning(
+                        "xmix: app %r was on a worker but not in the registry; "
+                        "taken off before deploying it",
+                        app.name,
+                    )
                     self._rpc("xmix_undeploy_if_present", (app.name,))
                     self._rpc("xmix_deploy_prepare", (data, mode, version))
             except Exception as e:
@@ -1024,8 +1190,16 @@ class Controller:
                     raise
                 raise _deploy_failed(app.name, e) from None
             self._mine[(app.name, version)] = (app, lowered, needs)
-            self._record({"kind": "deploy", "name": app.name, "data": data, "mode": mode,
-                          "version": version, "locked": locked})
+            self._record(
+                {
+                    "kind": "deploy",
+                    "name": app.name,
+                    "data": data,
+                    "mode": mode,
+                    "version": version,
+                    "locked": locked,
+                }
+            )
             return self.registry.get(app.name).describe()
 
     def undeploy(self, name: str) -> None:
@@ -1036,12 +1210,17 @@ class Controller:
             # follows, instead of keeping an app no request can use and no DELETE can remove.
             gone = self._rpc("xmix_undeploy_if_present", (name,))
             if not all(gone):
-                logger.warning("xmix: app %r was already gone on %d of %d workers", name,
-                               sum(not g for g in gone), len(gone))
+                logger.warning(
+                    "xmix: app %r was already gone on %d of %d workers",
+                    name,
+                    sum(not g for g in gone),
+                    len(gone),
+                )
             self._record({"kind": "undeploy", "name": name})
 
-    def patch(self, name: str, mode: str | None = None, params: dict | None = None,
-              locked: Any = None) -> dict:
+    def patch(
+        self, name: str, mode: str | None = None, params: dict | None = None, locked: Any = None
+    ) -> dict:
         """Mode, default parameters and/or the parameters locked against requests' overrides,
         as one change: everything is checked before anything is applied; a refusal changes
         nothing."""
@@ -1051,8 +1230,9 @@ class Controller:
                 self.registry.check_forced_write(name, self.registry.get(name).lowered, mode)
             if mode is not None or params is not None:
                 self._rpc("xmix_patch", (name, mode, params))
-            self._record({"kind": "patch", "name": name, "mode": mode, "params": params,
-                          "locked": locked})
+            self._record(
+                {"kind": "patch", "name": name, "mode": mode, "params": params, "locked": locked}
+            )
             return self.registry.get(name).describe()
 
     def set_mode(self, name: str, mode: str) -> None:
@@ -1073,7 +1253,9 @@ class Controller:
 def _deploy_failed(name: str, e: BaseException) -> DeployError:
     msg = _root(e)
     room = "not enough room" in msg or "apps are deployed already" in msg
-    return (CapacityError if room else DeployError)(f"deploying app {name!r} failed on a worker: {msg}")
+    return (CapacityError if room else DeployError)(
+        f"deploying app {name!r} failed on a worker: {msg}"
+    )
 
 
 def _root(e: BaseException) -> str:

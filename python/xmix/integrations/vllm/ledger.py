@@ -44,8 +44,9 @@ class Ledger:
             return True
         if op == "append":
             if self.holder != owner:
-                raise RuntimeError(f"xmix ledger: append by {owner!r} without the lease "
-                                   f"(held by {self.holder!r})")
+                raise RuntimeError(
+                    f"xmix ledger: append by {owner!r} without the lease (held by {self.holder!r})"
+                )
             entry = dict(entry or {})
             entry["rev"] = len(self.entries) + 1
             if entry.get("kind") == "undeploy":

@@ -22,8 +22,11 @@ def check_architecture(model: str, **kwargs) -> None:
     try:
         from transformers import AutoConfig
 
-        cfg = AutoConfig.from_pretrained(model, trust_remote_code=bool(kwargs.get("trust_remote_code")),
-                                         revision=kwargs.get("revision"))
+        cfg = AutoConfig.from_pretrained(
+            model,
+            trust_remote_code=bool(kwargs.get("trust_remote_code")),
+            revision=kwargs.get("revision"),
+        )
     except Exception as e:  # noqa: BLE001 - any failure: the workers decide
         logger.debug("xmix: config of %s not read here (%s); the workers check it", model, e)
         return

@@ -7,8 +7,26 @@ import threading
 
 _lock = threading.Lock()
 _metrics = None
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0,
-                   2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 
 
 def _make(registry=None):
@@ -17,38 +35,82 @@ def _make(registry=None):
 
     kw = {"registry": REGISTRY if registry is None else registry}
     return {
-        "requests": Counter("vllm:xmix_requests", "Requests admitted that use at least one xmix app",
-                            ["model_name"], **kw),
-        "app_requests": Counter("vllm:xmix_app_requests", "Requests admitted per xmix app",
-                                ["model_name", "app"], **kw),
-        "rejected": Counter("vllm:xmix_rejected_requests",
-                            "Requests refused at admission for a bad xmix control", ["model_name"], **kw),
-        "changes": Counter("vllm:xmix_control_changes", "Control-plane changes applied",
-                           ["model_name", "kind"], **kw),
+        "requests": Counter(
+            "vllm:xmix_requests",
+            "Requests admitted that use at least one xmix app",
+            ["model_name"],
+            **kw,
+        ),
+        "app_requests": Counter(
+            "vllm:xmix_app_requests", "Requests admitted per xmix app", ["model_name", "app"], **kw
+        ),
+        "rejected": Counter(
+            "vllm:xmix_rejected_requests",
+            "Requests refused at admission for a bad xmix control",
+            ["model_name"],
+            **kw,
+        ),
+        "changes": Counter(
+            "vllm:xmix_control_changes",
+            "Control-plane changes applied",
+            ["model_name", "kind"],
+            **kw,
+        ),
         "deployed": Gauge("vllm:xmix_apps_deployed", "xmix apps deployed", ["model_name"], **kw),
         # Per-app use, counted by usage.py from what the engine returns.
-        "gate_tokens": Counter("vllm:xmix_gate_tokens",
-                               "Positions where the read of an xmix gate ran", ["model_name", "app", "gate"], **kw),
-        "gate_fired": Counter("vllm:xmix_gate_fired_tokens",
-                              "Positions where an xmix gate held", ["model_name", "app", "gate"], **kw),
-        "app_ttft": Histogram("vllm:xmix_app_time_to_first_token_seconds",
-                              "Time to first token of finished requests that used the app",
-                              ["model_name", "app"], buckets=LATENCY_BUCKETS, **kw),
-        "app_tpot": Histogram("vllm:xmix_app_time_per_output_token_seconds",
-                              "Mean time per output token of finished requests that used the app",
-                              ["model_name", "app"], buckets=LATENCY_BUCKETS, **kw),
-        "plain_ttft": Histogram("vllm:xmix_no_app_time_to_first_token_seconds",
-                                "Time to first token of finished requests that used no xmix app",
-                                ["model_name"], buckets=LATENCY_BUCKETS, **kw),
-        "plain_tpot": Histogram("vllm:xmix_no_app_time_per_output_token_seconds",
-                                "Mean time per output token of finished requests that used no xmix app",
-                                ["model_name"], buckets=LATENCY_BUCKETS, **kw),
-        "result_cap_refusals": Counter("vllm:xmix_result_cap_refusals",
-                                       "Requests refused at admission: their reads over the prompt "
-                                       "exceed their result byte cap", ["model_name"], **kw),
-        "results_truncated": Counter("vllm:xmix_results_truncated",
-                                     "Sequences whose read results were cut at their byte cap",
-                                     ["model_name"], **kw),
+        "gate_tokens": Counter(
+            "vllm:xmix_gate_tokens",
+            "Positions where the read of an xmix gate ran",
+            ["model_name", "app", "gate"],
+            **kw,
+        ),
+        "gate_fired": Counter(
+            "vllm:xmix_gate_fired_tokens",
+            "Positions where an xmix gate held",
+            ["model_name", "app", "gate"],
+            **kw,
+        ),
+        "app_ttft": Histogram(
+            "vllm:xmix_app_time_to_first_token_seconds",
+            "Time to first token of finished requests that used the app",
+            ["model_name", "app"],
+            buckets=LATENCY_BUCKETS,
+            **kw,
+        ),
+        "app_tpot": Histogram(
+            "vllm:xmix_app_time_per_output_token_seconds",
+            "Mean time per output token of finished requests that used the app",
+            ["model_name", "app"],
+            buckets=LATENCY_BUCKETS,
+            **kw,
+        ),
+        "plain_ttft": Histogram(
+            "vllm:xmix_no_app_time_to_first_token_seconds",
+            "Time to first token of finished requests that used no xmix app",
+            ["model_name"],
+            buckets=LATENCY_BUCKETS,
+            **kw,
+        ),
+        "plain_tpot": Histogram(
+            "vllm:xmix_no_app_time_per_output_token_seconds",
+            "Mean time per output token of finished requests that used no xmix app",
+            ["model_name"],
+            buckets=LATENCY_BUCKETS,
+            **kw,
+        ),
+        "result_cap_refusals": Counter(
+            "vllm:xmix_result_cap_refusals",
+            "Requests refused at admission: their reads over the prompt "
+            "exceed their result byte cap",
+            ["model_name"],
+            **kw,
+        ),
+        "results_truncated": Counter(
+            "vllm:xmix_results_truncated",
+            "Sequences whose read results were cut at their byte cap",
+            ["model_name"],
+            **kw,
+        ),
     }
 
 
@@ -74,8 +136,11 @@ def get():
 GRAPH_COUNTERS = {
     "check_passed": ("xmix_graph_checks", "First-replay checks of patched CUDA graphs", "passed"),
     "check_failed": ("xmix_graph_checks", "First-replay checks of patched CUDA graphs", "failed"),
-    "check_unverifiable": ("xmix_graph_checks", "First-replay checks of patched CUDA graphs",
-                           "unverifiable"),
+    "check_unverifiable": (
+        "xmix_graph_checks",
+        "First-replay checks of patched CUDA graphs",
+        "unverifiable",
+    ),
 }
 GRAPH_TOTALS = {
     "patched": ("xmix_graphs_patched", "CUDA graphs patched at capture"),
@@ -86,7 +151,7 @@ REFRESH_S = 5.0
 # Per deployed app, from the same answers (counted since the app's deploy).
 APP_COUNTERS = {
     "nonfinite_writes": "Stream elements an app's writes would have made Inf/NaN, refused (kept, "
-                        "or 0 for user kernels)",
+    "or 0 for user kernels)",
     "site_errors": "Site-program failures of an app (each fails the requests that used it in that step)",
 }
 
@@ -97,7 +162,7 @@ class GraphStatsCollector:
     def __init__(self, fetch, model_name: str, refresh_s: float = REFRESH_S, clock=None):
         import time
 
-        self._fetch = fetch              # () -> list of xmix_describe answers, one per worker
+        self._fetch = fetch  # () -> list of xmix_describe answers, one per worker
         self.model_name = model_name
         self.refresh_s = refresh_s
         self._clock = clock or time.monotonic
@@ -105,7 +170,7 @@ class GraphStatsCollector:
         self._totals: dict[str, int] = {}
         self._per_app: dict[str, dict[str, int]] = {}  # nonfinite_writes, site_errors per app
         self._asked_at: float | None = None
-        self.workers = 0                 # workers in the last answer that sent counters
+        self.workers = 0  # workers in the last answer that sent counters
         self.thread: threading.Thread | None = None
 
     def _refresh(self) -> None:
@@ -142,7 +207,9 @@ class GraphStatsCollector:
             if not due or busy:
                 return
             self._asked_at = now
-            self.thread = threading.Thread(target=self._refresh, name="xmix-graph-stats", daemon=True)
+            self.thread = threading.Thread(
+                target=self._refresh, name="xmix-graph-stats", daemon=True
+            )
         self.thread.start()
 
     def collect(self):
@@ -157,14 +224,18 @@ class GraphStatsCollector:
             for app, v in sorted(per_app.get(key, {}).items()):
                 c.add_metric([self.model_name, app], v)
             yield c
-        w = GaugeMetricFamily("vllm:xmix_graph_stats_workers",
-                              "Workers whose CUDA graph counters the xmix_graph_* metrics include",
-                              labels=labels)
+        w = GaugeMetricFamily(
+            "vllm:xmix_graph_stats_workers",
+            "Workers whose CUDA graph counters the xmix_graph_* metrics include",
+            labels=labels,
+        )
         w.add_metric([self.model_name], workers)
         yield w
-        checks = CounterMetricFamily("vllm:xmix_graph_checks",
-                                     "First-replay checks of patched CUDA graphs (XMIX_GRAPH_CHECK)",
-                                     labels=labels + ["result"])
+        checks = CounterMetricFamily(
+            "vllm:xmix_graph_checks",
+            "First-replay checks of patched CUDA graphs (XMIX_GRAPH_CHECK)",
+            labels=labels + ["result"],
+        )
         for key, (_, _, result) in GRAPH_COUNTERS.items():
             checks.add_metric([self.model_name, result], totals.get(key, 0))
         yield checks

@@ -76,8 +76,13 @@ def _moe_layers(model: nn.Module, family: Family, n_layers: int) -> frozenset[in
     return frozenset(ModelShape.from_hf_config(config).moe_layers)
 
 
-def place_sites(model: nn.Module, n_layers: int, family: Family, sites: list[str] | None = None,
-                layers: list[int] | None = None) -> tuple[dict[str, int], frozenset[int]]:
+def place_sites(
+    model: nn.Module,
+    n_layers: int,
+    family: Family,
+    sites: list[str] | None = None,
+    layers: list[int] | None = None,
+) -> tuple[dict[str, int], frozenset[int]]:
     """Put the hook sites of ``family`` in (only the kinds in ``sites`` and, for per-layer
     sites, the ``layers`` given, when given); returns counts per site kind (for the log and
     tests) and the ids of the sites apps may use (placed here, or in a layer another pipeline
@@ -93,8 +98,10 @@ def place_sites(model: nn.Module, n_layers: int, family: Family, sites: list[str
     if decoder is None:
         raise RuntimeError(f"xmix: {type(model).__name__} ({family.title}) has no {emap.layers!r}")
     if len(decoder) != n_layers:
-        raise RuntimeError(f"xmix: {type(model).__name__} has {len(decoder)} decoder layers at "
-                           f"{emap.layers!r}, the config says {n_layers}")
+        raise RuntimeError(
+            f"xmix: {type(model).__name__} has {len(decoder)} decoder layers at "
+            f"{emap.layers!r}, the config says {n_layers}"
+        )
     counts = {name: 0 for name in (*LAYER_SITES, *MODEL_SITES)}
     # A router exists only in MoE layers (Qwen3-MoE's mlp_only_layers, DeepSeek's first dense
     # layers): the config says which, and a MoE layer without the table's router module is
@@ -102,7 +109,7 @@ def place_sites(model: nn.Module, n_layers: int, family: Family, sites: list[str
     moe = _moe_layers(model, family, n_layers)
     # Check every module first, then wrap: nothing half-placed.
     plan: list[tuple[nn.Module, int, Tap, str]] = []
-    elsewhere: set[int] = set()            # sites of layers another pipeline stage owns
+    elsewhere: set[int] = set()  # sites of layers another pipeline stage owns
     for idx, layer in enumerate(decoder):
         if at is not None and idx not in at:
             continue
@@ -116,9 +123,11 @@ def place_sites(model: nn.Module, n_layers: int, family: Family, sites: list[str
                 continue
             mod = resolve(layer, tap.module)
             if mod is None:
-                raise RuntimeError(f"xmix: {family.title} site table: layer {idx} of "
-                                   f"{type(model).__name__} has no module {tap.module!r} "
-                                   f"(for {name}); the table does not fit this implementation")
+                raise RuntimeError(
+                    f"xmix: {family.title} site table: layer {idx} of "
+                    f"{type(model).__name__} has no module {tap.module!r} "
+                    f"(for {name}); the table does not fit this implementation"
+                )
             plan.append((mod, site_id(name, idx, n_layers), tap, name))
     norm = resolve(model, emap.final_norm)
     if kinds is None or "final.post" in kinds:

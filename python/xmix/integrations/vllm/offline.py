@@ -14,9 +14,11 @@ def controller(llm) -> Controller:
     if ctl is None:
         engine = llm.llm_engine
         if not enable.requested(engine.vllm_config):
-            raise RuntimeError("xmix is not enabled on this engine: use xmix.LLM, or pass "
-                               "additional_config={'xmix': True} to vllm.LLM (or set XMIX_ENABLE=1 "
-                               "before it starts)")
+            raise RuntimeError(
+                "xmix is not enabled on this engine: use xmix.LLM, or pass "
+                "additional_config={'xmix': True} to vllm.LLM (or set XMIX_ENABLE=1 "
+                "before it starts)"
+            )
 
         def rpc(method: str, args: tuple):
             return engine.collective_rpc(method, None, args, {})

@@ -31,14 +31,14 @@ def register() -> None:
 
 
 def _patch_all() -> None:
-    import xmix.ops  # noqa: F401  (the torch op must exist before any model is traced)
-
     from vllm.outputs import RequestOutput
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.engine.input_processor import InputProcessor
     from vllm.v1.engine.output_processor import OutputProcessor, RequestState
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     from vllm.v1.worker.worker_base import WorkerBase
+
+    import xmix.ops  # noqa: F401  (the torch op must exist before any model is traced)
 
     from . import engine_core, frontend, worker
 
@@ -67,8 +67,12 @@ def _patch_all() -> None:
     from .offline import controller
 
     # llm.xmix on any offline vllm.LLM: deploy, modes, params, status
-    fence.add(LLM, "xmix", property(controller, doc="xmix control plane (deploy, modes, params)"),
-              by="plugin")
+    fence.add(
+        LLM,
+        "xmix",
+        property(controller, doc="xmix control plane (deploy, modes, params)"),
+        by="plugin",
+    )
     try:
         from . import server
 

@@ -57,15 +57,18 @@ def _apps(value: Any, fail: Callable[[str], Exception]) -> list[str]:
             raise fail(f'"{APPS_KEY}" must list app names as strings, got {_short(value)}')
         names = [n.strip() for n in value]
     else:
-        raise fail(f'"{APPS_KEY}" must be a list of app names or a comma-separated string, '
-                   f"got {type(value).__name__}")
+        raise fail(
+            f'"{APPS_KEY}" must be a list of app names or a comma-separated string, '
+            f"got {type(value).__name__}"
+        )
     if any(not n for n in names):
         raise fail(f'"{APPS_KEY}" has an empty app name: {_short(value)}')
     return names
 
 
-def control_from_args(extra_args: Mapping | None,
-                      error: Callable[[str], Exception] = ValueError) -> Any:
+def control_from_args(
+    extra_args: Mapping | None, error: Callable[[str], Exception] = ValueError
+) -> Any:
     """The request's xmix control: the JSON form's value as given (a string or a dict, checked
     later by admission), the canonical dict built from the flat form, or None when the request
     has neither. ``error(message)`` makes the exception raised for a malformed flat form."""
@@ -74,9 +77,11 @@ def control_from_args(extra_args: Mapping | None,
     flat = sorted(k for k in extra_args if is_flat_key(k))
     if JSON_KEY in extra_args:
         if flat:
-            raise error(f'the request has both the JSON form "{JSON_KEY}" and the flat form '
-                        f"{', '.join(repr(k) for k in flat[:8])}{' ...' if len(flat) > 8 else ''}; "
-                        "use one of them")
+            raise error(
+                f'the request has both the JSON form "{JSON_KEY}" and the flat form '
+                f"{', '.join(repr(k) for k in flat[:8])}{' ...' if len(flat) > 8 else ''}; "
+                "use one of them"
+            )
         return extra_args[JSON_KEY]
     if not flat:
         return None
@@ -88,7 +93,7 @@ def control_from_args(extra_args: Mapping | None,
         if key == APPS_KEY:
             apps = _apps(value, error)
             continue
-        option = key[len(OPTION_PREFIX):] if key.startswith(OPTION_PREFIX) else None
+        option = key[len(OPTION_PREFIX) :] if key.startswith(OPTION_PREFIX) else None
         if option in OPTION_NAMES:
             if option == "positions":
                 from xmix.results_codec import positions_from_text
@@ -100,10 +105,12 @@ def control_from_args(extra_args: Mapping | None,
             options[option] = value  # checked by admission with the JSON form's options
             continue
         if not key.startswith(PARAM_PREFIX):
-            raise error(f"unknown flat control {key!r}; the flat form has {APPS_KEY!r}, "
-                        f"'{PARAM_PREFIX}<app>.<parameter>' and "
-                        f"{', '.join(repr(OPTION_PREFIX + o) for o in OPTION_NAMES)} keys")
-        app, _, name = key[len(PARAM_PREFIX):].partition(".")
+            raise error(
+                f"unknown flat control {key!r}; the flat form has {APPS_KEY!r}, "
+                f"'{PARAM_PREFIX}<app>.<parameter>' and "
+                f"{', '.join(repr(OPTION_PREFIX + o) for o in OPTION_NAMES)} keys"
+            )
+        app, _, name = key[len(PARAM_PREFIX) :].partition(".")
         if not app or not name:
             raise error(f"flat control {key!r} must be '{PARAM_PREFIX}<app>.<parameter>'")
         if isinstance(value, bool) or not isinstance(value, (int, float)):

@@ -42,12 +42,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from xmix.api import AppError, LimitError
-from xmix.control import MODES, RequestError
-from xmix.lowering import DeployError
-
 from xmix.console import console_url
 from xmix.console.router import console_router
-
+from xmix.control import MODES, RequestError
+from xmix.lowering import DeployError
 from xmix.results_codec import DEFAULT_OPTIONS, ResultOptions, encode_results, options_of_control
 
 from . import frontend, metrics, tenants, usage
@@ -115,11 +113,13 @@ def serve_main(argv: list[str]) -> int:
             print(f"xmix serve: app file {p!r} not found", file=sys.stderr)
             return 2
     if not rest or rest[0].startswith("-"):
-        print("usage: xmix serve MODEL [--app PATH ...] [--app-mode off|request|all] [--app-locked] "
-              "[--xmix-admin-key KEY] [--xmix-policy FILE] [--xmix-audit-log FILE] "
-              "[--xmix-max-apps N] [--xmix-max-ops N] [--xmix-max-request-apps N] "
-              "[--xmix-max-request-params N] [--xmix-max-result-bytes N] [vllm serve arguments]",
-              file=sys.stderr)
+        print(
+            "usage: xmix serve MODEL [--app PATH ...] [--app-mode off|request|all] [--app-locked] "
+            "[--xmix-admin-key KEY] [--xmix-policy FILE] [--xmix-audit-log FILE] "
+            "[--xmix-max-apps N] [--xmix-max-ops N] [--xmix-max-request-apps N] "
+            "[--xmix-max-request-params N] [--xmix-max-result-bytes N] [vllm serve arguments]",
+            file=sys.stderr,
+        )
         return 2
     try:
         rest = _ask_for_xmix(rest)
@@ -155,8 +155,9 @@ def _ask_for_xmix(args: list[str]) -> list[str]:
     out, found = [], False
     it = iter(args)
     for a in it:
-        if a in ("--additional-config", "--additional_config") or a.startswith(("--additional-config=",
-                                                                                   "--additional_config=")):
+        if a in ("--additional-config", "--additional_config") or a.startswith(
+            ("--additional-config=", "--additional_config=")
+        ):
             raw = a.split("=", 1)[1] if "=" in a else next(it, "")
             try:
                 given = json.loads(raw) if raw else {}
@@ -216,7 +217,11 @@ class XmixEndpointPlugin:
         if engine_client is None:
             return
         loop = asyncio.get_running_loop()
-        keys = args.api_key if isinstance(args.api_key, list) else ([args.api_key] if args.api_key else [])
+        keys = (
+            args.api_key
+            if isinstance(args.api_key, list)
+            else ([args.api_key] if args.api_key else [])
+        )
         env_key = os.environ.get("VLLM_API_KEY")
         if env_key and env_key not in keys:
             keys.append(env_key)
@@ -238,12 +243,16 @@ class XmixEndpointPlugin:
                 except TimeoutError:
                     if gone():
                         fut.cancel()
-                        raise EngineGone("the engine stopped while the change waited for it "
-                                         "(the server is shutting down)") from None
+                        raise EngineGone(
+                            "the engine stopped while the change waited for it "
+                            "(the server is shutting down)"
+                        ) from None
                 except Exception as e:
                     if gone() or type(e).__name__ == "EngineDeadError":
-                        raise EngineGone("the engine stopped while the change waited for it "
-                                         "(the server is shutting down)") from None
+                        raise EngineGone(
+                            "the engine stopped while the change waited for it "
+                            "(the server is shutting down)"
+                        ) from None
                     raise
 
         ctl = Controller(engine_client.input_processor, rpc)
@@ -266,10 +275,23 @@ class XmixEndpointPlugin:
                     raise
                 logger.info("xmix: app %s deployed at start by another API server", name)
                 continue
-            logger.info("xmix: app %s  mode=%s  sites=%s%s", info["name"], mode, ", ".join(info["sites"]),
-                        "  parameters locked" if locked else "")
-            state.xmix.audit.record("local", "deploy", info["name"], 201, "deployed at start",
-                                    mode=mode, version=info["version"], locked=info["locked"] or None)
+            logger.info(
+                "xmix: app %s  mode=%s  sites=%s%s",
+                info["name"],
+                mode,
+                ", ".join(info["sites"]),
+                "  parameters locked" if locked else "",
+            )
+            state.xmix.audit.record(
+                "local",
+                "deploy",
+                info["name"],
+                201,
+                "deployed at start",
+                mode=mode,
+                version=info["version"],
+                locked=info["locked"] or None,
+            )
         usage.install(ctl.registry)
         if (getattr(args, "api_server_count", 1) or 1) > 1:
             state.xmix.poller = asyncio.get_running_loop().create_task(_follow(ctl, gone))
@@ -328,16 +350,20 @@ def _document_statuses(app) -> None:
         for path, method in XMIX_STATUSES.items():
             op = schema.get("paths", {}).get(path, {}).get(method)
             if op is not None:
-                op.setdefault("responses", {}).setdefault("403", {
-                    "description": "xmix: the key's policy does not allow an app the request names, "
-                                   "or the request sets a parameter the operator locked"})
+                op.setdefault("responses", {}).setdefault(
+                    "403",
+                    {
+                        "description": "xmix: the key's policy does not allow an app the request names, "
+                        "or the request sets a parameter the operator locked"
+                    },
+                )
         return schema
 
     app.openapi = openapi
 
 
 class ServerState:
-    def __init__(self, ctl: Controller, auth: "tenants.Auth", gone=None):
+    def __init__(self, ctl: Controller, auth: tenants.Auth, gone=None):
         self.ctl = ctl
         self.auth = auth
         self.audit = tenants.Audit()
@@ -447,11 +473,12 @@ class RequestAppsAuth:
         finally:
             tenants.reset_caller(token)
 
-    async def _serve(self, st: "ServerState", header, scope, receive, send) -> None:
+    async def _serve(self, st: ServerState, header, scope, receive, send) -> None:
         path = scope["path"].removeprefix(scope.get("root_path", ""))
         dev_rpc = path == DEV_RPC_PATH
         if scope.get("method") != "POST" or (
-                not dev_rpc and (not st.keyed or path.startswith(self.guarded) or st.authorized(header))):
+            not dev_rpc and (not st.keyed or path.startswith(self.guarded) or st.authorized(header))
+        ):
             return await self.app(scope, receive, send)
         limit = MAX_RPC_BODY if dev_rpc else max_open_body_bytes()
         parts, size, more = [], 0, True
@@ -470,18 +497,35 @@ class RequestAppsAuth:
             method = _rpc_method(body)
             if method is not None and method.startswith("xmix"):
                 caller = tenants.current()
-                st.audit.record(caller.key if caller else "none", "collective_rpc", None, 403,
-                                "refused", method=shown(method))
-                resp = JSONResponse(_error_body(403, f"forbidden: {shown(method)} changes xmix's apps "
-                                                     "behind the control plane; use /xmix/v1/apps"),
-                                    status_code=403)
+                st.audit.record(
+                    caller.key if caller else "none",
+                    "collective_rpc",
+                    None,
+                    403,
+                    "refused",
+                    method=shown(method),
+                )
+                resp = JSONResponse(
+                    _error_body(
+                        403,
+                        f"forbidden: {shown(method)} changes xmix's apps "
+                        "behind the control plane; use /xmix/v1/apps",
+                    ),
+                    status_code=403,
+                )
                 return await resp(scope, receive, send)
         elif _carries_xmix(body):
-            logger.info("xmix: refused an unauthenticated request with an xmix control on %s",
-                        scope["path"])
-            resp = JSONResponse(_error_body(401, "unauthorized: requests that use xmix apps need "
-                                                 "the server's API key as a Bearer token"),
-                                status_code=401)
+            logger.info(
+                "xmix: refused an unauthenticated request with an xmix control on %s", scope["path"]
+            )
+            resp = JSONResponse(
+                _error_body(
+                    401,
+                    "unauthorized: requests that use xmix apps need "
+                    "the server's API key as a Bearer token",
+                ),
+                status_code=401,
+            )
             return await resp(scope, receive, send)
         replayed = False
 
@@ -496,34 +540,65 @@ class RequestAppsAuth:
 
 
 # OpenAPI: what the control plane takes and answers (schemathesis checks responses against it).
-_ERR_SCHEMA = {"type": "object", "properties": {"error": {"type": "object", "properties": {
-    "message": {"type": "string"}, "type": {"type": "string"}, "code": {"type": "integer"}}}}}
+_ERR_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "error": {
+            "type": "object",
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "code": {"type": "integer"},
+            },
+        }
+    },
+}
 
 
 def _responses(ok: dict[int, str], *errors: int) -> dict:
-    what = {400: "bad request (names what is wrong)", 401: "no or wrong key",
-            403: "this key may not do this, or the control plane is off", 404: "no such app",
-            409: "an app of that name is deployed", 413: "too large (names the limit)",
-            422: "the app does not fit the model, or a refused mode/parameter",
-            503: "xmix is not initialised, or the server is shutting down",
-            507: "the engine has no room for the app (names the limit)"}
+    what = {
+        400: "bad request (names what is wrong)",
+        401: "no or wrong key",
+        403: "this key may not do this, or the control plane is off",
+        404: "no such app",
+        409: "an app of that name is deployed",
+        413: "too large (names the limit)",
+        422: "the app does not fit the model, or a refused mode/parameter",
+        503: "xmix is not initialised, or the server is shutting down",
+        507: "the engine has no room for the app (names the limit)",
+    }
     out: dict = {s: {"description": d} for s, d in ok.items()}
     for s in errors:
         out[s] = {"description": what[s], "content": {"application/json": {"schema": _ERR_SCHEMA}}}
     return out
 
 
-_APP_SCHEMA = {"type": "object", "required": ["name", "mode"], "properties": {
-    "name": {"type": "string"}, "mode": {"type": "string", "enum": list(MODES)},
-    "sites": {"type": "array", "items": {"type": "string"}},
-    "reads": {"type": "array", "items": {"type": "string"}}, "writes": {"type": "boolean"},
-    "stateful": {"type": "boolean"}, "params": {"type": "object", "additionalProperties": {"type": "number"}},
-    "version": {"type": "integer"}, "locked": {"type": "array", "items": {"type": "string"}},
-    "metadata": {"type": "object"}}}
-_PATCH_SCHEMA = {"type": "object", "minProperties": 1, "additionalProperties": False, "properties": {
-    "mode": {"type": "string", "enum": list(MODES)},
-    "params": {"type": "object", "additionalProperties": {"type": "number"}},
-    "locked": {"oneOf": [{"type": "boolean"}, {"type": "array", "items": {"type": "string"}}]}}}
+_APP_SCHEMA = {
+    "type": "object",
+    "required": ["name", "mode"],
+    "properties": {
+        "name": {"type": "string"},
+        "mode": {"type": "string", "enum": list(MODES)},
+        "sites": {"type": "array", "items": {"type": "string"}},
+        "reads": {"type": "array", "items": {"type": "string"}},
+        "writes": {"type": "boolean"},
+        "stateful": {"type": "boolean"},
+        "params": {"type": "object", "additionalProperties": {"type": "number"}},
+        "version": {"type": "integer"},
+        "locked": {"type": "array", "items": {"type": "string"}},
+        "metadata": {"type": "object"},
+    },
+}
+_PATCH_SCHEMA = {
+    "type": "object",
+    "minProperties": 1,
+    "additionalProperties": False,
+    "properties": {
+        "mode": {"type": "string", "enum": list(MODES)},
+        "params": {"type": "object", "additionalProperties": {"type": "number"}},
+        "locked": {"oneOf": [{"type": "boolean"}, {"type": "array", "items": {"type": "string"}}]},
+    },
+}
 
 
 def _json_ok(schema: dict, text: str) -> dict:
@@ -539,7 +614,9 @@ def build_router() -> APIRouter:
     def state_of(request: Request) -> ServerState | None:
         return getattr(request.app.state, "xmix", None)
 
-    async def guard(request: Request, write: bool = False, action: str = "", app: str | None = None):
+    async def guard(
+        request: Request, write: bool = False, action: str = "", app: str | None = None
+    ):
         st = state_of(request)
         if st is None:
             return None, error(503, "xmix is not initialised on this server")
@@ -548,22 +625,46 @@ def build_router() -> APIRouter:
         if refused is not None:
             status, msg = refused
             if write:
-                st.audit.record(tenants.fingerprint(tenants.bearer(header)), action, app, status,
-                                "refused: " + msg.split(":")[0])
+                st.audit.record(
+                    tenants.fingerprint(tenants.bearer(header)),
+                    action,
+                    app,
+                    status,
+                    "refused: " + msg.split(":")[0],
+                )
             return None, error(status, msg)
         if write and st.gone():
             return None, error(503, "the engine has stopped (the server is shutting down)")
         return st, None
 
-    def audit(st: ServerState, request: Request, action: str, app: str | None, status: int,
-              result: str, **details) -> None:
-        st.audit.record(tenants.fingerprint(tenants.bearer(request.headers.get("Authorization"))),
-                        action, app, status, result, **details)
+    def audit(
+        st: ServerState,
+        request: Request,
+        action: str,
+        app: str | None,
+        status: int,
+        result: str,
+        **details,
+    ) -> None:
+        st.audit.record(
+            tenants.fingerprint(tenants.bearer(request.headers.get("Authorization"))),
+            action,
+            app,
+            status,
+            result,
+            **details,
+        )
 
-    @router.get("/xmix/v1/apps", responses=_responses(
-            {200: "the deployed apps this key may see"}, 401, 503) | {200: _json_ok(
-            {"type": "object", "properties": {"apps": {"type": "array", "items": _APP_SCHEMA}}},
-            "the deployed apps this key may see")})
+    @router.get(
+        "/xmix/v1/apps",
+        responses=_responses({200: "the deployed apps this key may see"}, 401, 503)
+        | {
+            200: _json_ok(
+                {"type": "object", "properties": {"apps": {"type": "array", "items": _APP_SCHEMA}}},
+                "the deployed apps this key may see",
+            )
+        },
+    )
     async def list_apps(request: Request):
         st, err = await guard(request)
         if err:
@@ -575,13 +676,26 @@ def build_router() -> APIRouter:
         caller = tenants.current()
         t = caller.tenant if caller is not None and not caller.admin else None
         if t is not None:
-            apps = [a for a in apps if t.may_name(a["name"]) or (a["mode"] == "all" and t.may_force(a["name"]))]
+            apps = [
+                a
+                for a in apps
+                if t.may_name(a["name"]) or (a["mode"] == "all" and t.may_force(a["name"]))
+            ]
         return {"apps": apps}
 
-    @router.get("/xmix/v1/status", responses=_responses(
-            {200: "what each worker reports"}, 401, 403, 503) | {200: _json_ok(
-            {"type": "object", "properties": {"workers": {"type": "array", "items": {"type": "object"}}}},
-            "what each worker reports")})
+    @router.get(
+        "/xmix/v1/status",
+        responses=_responses({200: "what each worker reports"}, 401, 403, 503)
+        | {
+            200: _json_ok(
+                {
+                    "type": "object",
+                    "properties": {"workers": {"type": "array", "items": {"type": "object"}}},
+                },
+                "what each worker reports",
+            )
+        },
+    )
     async def status(request: Request):
         """Per worker: apps, per-app counters of refused non-finite writes and site-program
         failures, request slots in use, step counters. The admin key only."""
@@ -597,17 +711,29 @@ def build_router() -> APIRouter:
             return error(503, str(e))
         return {"workers": workers}
 
-    @router.post("/xmix/v1/apps", status_code=201, responses=_responses(
-            {201: "deployed"}, 400, 401, 403, 409, 413, 422, 503, 507) | {201: _json_ok(_APP_SCHEMA, "deployed")},
-            openapi_extra={"requestBody": {"required": True, "content": {
-                "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}})
+    @router.post(
+        "/xmix/v1/apps",
+        status_code=201,
+        responses=_responses({201: "deployed"}, 400, 401, 403, 409, 413, 422, 503, 507)
+        | {201: _json_ok(_APP_SCHEMA, "deployed")},
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {
+                    "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}
+                },
+            }
+        },
+    )
     async def deploy_app(request: Request, mode: str = "request", locked: str = "false"):
         st, err = await guard(request, True, "deploy")
         if err:
             return err
 
         def refuse(status: int, msg: str, name: str | None = None) -> JSONResponse:
-            audit(st, request, "deploy", name, status, "refused", mode=shown(mode), reason=msg[:300])
+            audit(
+                st, request, "deploy", name, status, "refused", mode=shown(mode), reason=msg[:300]
+            )
             return error(status, msg)
 
         if mode not in MODES:
@@ -623,7 +749,9 @@ def build_router() -> APIRouter:
             return refuse(400, "empty body: send the app file (safetensors with an xmix spec)")
         async with st.lock:
             try:
-                info = await asyncio.to_thread(st.ctl.deploy, body, mode, allow_custom=False, locked=lock)
+                info = await asyncio.to_thread(
+                    st.ctl.deploy, body, mode, allow_custom=False, locked=lock
+                )
             except CapacityError as e:
                 return refuse(507, str(e))
             except DeployError as e:
@@ -634,14 +762,31 @@ def build_router() -> APIRouter:
                 return refuse(400, str(e))
             except EngineGone as e:  # the engine went away under the change
                 return refuse(503, f"deploy did not complete: {e}")
-        audit(st, request, "deploy", info["name"], 201, "deployed", mode=mode, version=info["version"],
-              sites=len(info["sites"]), locked=info["locked"] or None)
+        audit(
+            st,
+            request,
+            "deploy",
+            info["name"],
+            201,
+            "deployed",
+            mode=mode,
+            version=info["version"],
+            sites=len(info["sites"]),
+            locked=info["locked"] or None,
+        )
         return JSONResponse(info, status_code=201)
 
-    @router.patch("/xmix/v1/apps/{name}", responses=_responses(
-            {200: "changed"}, 400, 401, 403, 404, 413, 422, 503) | {200: _json_ok(_APP_SCHEMA, "changed")},
-            openapi_extra={"requestBody": {"required": True, "content": {
-                "application/json": {"schema": _PATCH_SCHEMA}}}})
+    @router.patch(
+        "/xmix/v1/apps/{name}",
+        responses=_responses({200: "changed"}, 400, 401, 403, 404, 413, 422, 503)
+        | {200: _json_ok(_APP_SCHEMA, "changed")},
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": _PATCH_SCHEMA}},
+            }
+        },
+    )
     async def patch_app(name: str, request: Request):
         st, err = await guard(request, True, "patch", name)
         if err:
@@ -678,13 +823,29 @@ def build_router() -> APIRouter:
                 return refuse(422, str(e))
             except EngineGone as e:
                 return refuse(503, f"change did not complete: {e}")
-        audit(st, request, "patch", name, 200, "changed", mode=mode, params=params,
-              locked=locked, version=info["version"])
+        audit(
+            st,
+            request,
+            "patch",
+            name,
+            200,
+            "changed",
+            mode=mode,
+            params=params,
+            locked=locked,
+            version=info["version"],
+        )
         return info
 
-    @router.delete("/xmix/v1/apps/{name}", responses=_responses(
-            {200: "undeployed"}, 401, 403, 404, 503) | {200: _json_ok(
-            {"type": "object", "properties": {"deleted": {"type": "string"}}}, "undeployed")})
+    @router.delete(
+        "/xmix/v1/apps/{name}",
+        responses=_responses({200: "undeployed"}, 401, 403, 404, 503)
+        | {
+            200: _json_ok(
+                {"type": "object", "properties": {"deleted": {"type": "string"}}}, "undeployed"
+            )
+        },
+    )
     async def delete_app(name: str, request: Request):
         st, err = await guard(request, True, "undeploy", name)
         if err:
@@ -799,7 +960,7 @@ async def _with_results(stream, sink: list, applied: dict, n_choices: int, opts:
         if chunk.startswith('data: {"error"'):
             if applied.get("error"):
                 # vLLM reports a failed request as "Internal server error": say what failed
-                body = json.loads(chunk[len("data: "):])
+                body = json.loads(chunk[len("data: ") :])
                 if isinstance(body.get("error"), dict):
                     body["error"]["message"] = applied["error"]
                     chunk = f"data: {json.dumps(body)}\n\n"
@@ -814,7 +975,7 @@ async def _with_results(stream, sink: list, applied: dict, n_choices: int, opts:
             indices = {int(m.group(1))}
             body = None
         else:  # not the one-choice shape: parse it
-            body = json.loads(chunk[len("data: "):])
+            body = json.loads(chunk[len("data: ") :])
             indices = {c.get("index") for c in body.get("choices") or []}
         extra = []
         mine = [r for i, r in sink if i in indices] if sink else []
@@ -843,7 +1004,9 @@ async def _with_results(stream, sink: list, applied: dict, n_choices: int, opts:
         if body is None:
             parts = [chunk[:-3]]
             for k, v in extra:
-                parts.append(f',"{k}":' + (v if k == APPLIED_KEY else json.dumps(v, allow_nan=False)))
+                parts.append(
+                    f',"{k}":' + (v if k == APPLIED_KEY else json.dumps(v, allow_nan=False))
+                )
             parts.append("}\n\n")
             yield "".join(parts)
         else:
@@ -875,24 +1038,39 @@ def _precheck(serving, request, engine_inputs, max_tokens_field: str):
     for ei in engine_inputs:
         n_prompt = serving._extract_prompt_len(ei)
         try:
-            max_tokens = get_max_tokens(serving.model_config.max_model_len, asked, n_prompt,
-                                        serving.default_sampling_params, serving.override_max_tokens,
-                                        truncate_prompt_tokens=getattr(request, "truncate_prompt_tokens", None))
+            max_tokens = get_max_tokens(
+                serving.model_config.max_model_len,
+                asked,
+                n_prompt,
+                serving.default_sampling_params,
+                serving.override_max_tokens,
+                truncate_prompt_tokens=getattr(request, "truncate_prompt_tokens", None),
+            )
         except Exception:  # vLLM refuses it itself, with its own message
             return None
         try:
-            adm = reg.admit(raw, n_prompt, max_tokens, getattr(request, "n", None) or 1, count=False,
-                            remote_prefill=frontend._remote_prefill(
-                                getattr(request, "kv_transfer_params", None)))
+            adm = reg.admit(
+                raw,
+                n_prompt,
+                max_tokens,
+                getattr(request, "n", None) or 1,
+                count=False,
+                remote_prefill=frontend._remote_prefill(
+                    getattr(request, "kv_transfer_params", None)
+                ),
+            )
             checked_at = adm.control["applied"]["_rev"]
         except ValueError as e:
             logger.info("xmix: request refused at admission: %s", e)
             if tenants.is_forbidden(e):
                 from http import HTTPStatus
 
-                return serving.create_error_response(str(e), err_type="PermissionDeniedError",
-                                                     status_code=HTTPStatus.FORBIDDEN,
-                                                     param="vllm_xargs.xmix")
+                return serving.create_error_response(
+                    str(e),
+                    err_type="PermissionDeniedError",
+                    status_code=HTTPStatus.FORBIDDEN,
+                    param="vllm_xargs.xmix",
+                )
             return serving.create_error_response(str(e), param="vllm_xargs.xmix")
     if raw is not None and checked_at is not None:
         frontend.mark_prechecked(checked_at)
@@ -982,12 +1160,18 @@ def patch_openai_serving() -> None:
             resp = await full(self, request, last(result_generator), *args, **kwargs)
         except Exception as e:
             raise _said(e, seen) from None
-        if getattr(resp, "error", None) is not None and seen and getattr(seen[0], "xmix_error", None):
+        if (
+            getattr(resp, "error", None) is not None
+            and seen
+            and getattr(seen[0], "xmix_error", None)
+        ):
             resp.error.message = seen[0].xmix_error
         opts = _options(request)
         res = _results_of(seen, opts)
         if res and hasattr(resp, "choices"):
-            if not _per_choice(resp.choices, sorted(seen[0].outputs, key=lambda co: co.index), opts):
+            if not _per_choice(
+                resp.choices, sorted(seen[0].outputs, key=lambda co: co.index), opts
+            ):
                 setattr(resp, XMIX_KEY, res)
         applied = _applied_of(seen)
         if applied is not None and hasattr(resp, "choices"):
@@ -997,9 +1181,13 @@ def patch_openai_serving() -> None:
     def chat_stream(self, request, result_generator, *args, **kwargs):
         sink: list = []
         applied: dict = {}
-        return _with_results(stream(self, request, _tap(result_generator, sink, None, applied),
-                                    *args, **kwargs), sink, applied, request.n or 1,
-                             _options(request))
+        return _with_results(
+            stream(self, request, _tap(result_generator, sink, None, applied), *args, **kwargs),
+            sink,
+            applied,
+            request.n or 1,
+            _options(request),
+        )
 
     def completion_response(self, final_res_batch, request, *args, **kwargs):
         try:
@@ -1010,8 +1198,10 @@ def patch_openai_serving() -> None:
         res = _results_of(final_res_batch, opts)
         if res:
             done = [r for r in final_res_batch if r is not None]
-            if not (any(len(r.outputs) > 1 for r in done)
-                    and _per_choice(resp.choices, [co for r in done for co in r.outputs], opts)):
+            if not (
+                any(len(r.outputs) > 1 for r in done)
+                and _per_choice(resp.choices, [co for r in done for co in r.outputs], opts)
+            ):
                 setattr(resp, XMIX_KEY, res)
         applied = _applied_of(final_res_batch)
         if applied is not None and hasattr(resp, "choices"):
@@ -1022,16 +1212,33 @@ def patch_openai_serving() -> None:
         sink: list = []
         applied: dict = {}
         n = request.n or 1
-        return _with_results(cstream(self, request, engine_inputs,
-                                     _tap(result_generator, sink, n, applied), *args, **kwargs),
-                             sink, applied, n, _options(request))
+        return _with_results(
+            cstream(
+                self,
+                request,
+                engine_inputs,
+                _tap(result_generator, sink, n, applied),
+                *args,
+                **kwargs,
+            ),
+            sink,
+            applied,
+            n,
+            _options(request),
+        )
 
     fence.replace(OpenAIServingChat, "render_chat_request", render_chat_request, by="server")
     fence.replace(OpenAIServingChat, "chat_completion_full_generator", chat_full, by="server")
     fence.replace(OpenAIServingChat, "chat_completion_stream_generator", chat_stream, by="server")
-    fence.replace(OpenAIServingCompletion, "render_completion_request", render_completion_request,
-                  by="server")
-    fence.replace(OpenAIServingCompletion, "request_output_to_completion_response",
-                  completion_response, by="server")
-    fence.replace(OpenAIServingCompletion, "completion_stream_generator", completion_stream,
-                  by="server")
+    fence.replace(
+        OpenAIServingCompletion, "render_completion_request", render_completion_request, by="server"
+    )
+    fence.replace(
+        OpenAIServingCompletion,
+        "request_output_to_completion_response",
+        completion_response,
+        by="server",
+    )
+    fence.replace(
+        OpenAIServingCompletion, "completion_stream_generator", completion_stream, by="server"
+    )

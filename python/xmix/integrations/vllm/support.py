@@ -26,7 +26,8 @@ def problems(vllm_config: Any) -> list[str]:
         out.append(
             f"speculative decoding ({getattr(spec, 'method', '?')}, --speculative-config): a step's "
             "scheduled tokens include draft tokens the verifier may reject, so reads would "
-            "report rejected positions and writes, latches and spans would act on them")
+            "report rejected positions and writes, latches and spans would act on them"
+        )
     par = getattr(vllm_config, "parallel_config", None)
     if par is not None:
         if getattr(par, "enable_dbo", False) or (getattr(par, "ubatch_size", 0) or 0) > 1:
@@ -34,12 +35,14 @@ def problems(vllm_config: Any) -> list[str]:
                 "dual-batch overlap / micro-batching (--enable-dbo, ubatch_size): the model "
                 "runs on micro-batch slices (v1/worker/gpu/model_runner.py: ubatch_runner, "
                 "gpu_ubatch_wrapper.py) whose rows xmix's sites would index from the step's "
-                "first token")
+                "first token"
+            )
         if (getattr(par, "prefill_context_parallel_size", 1) or 1) > 1:
             out.append(
                 "prefill context parallelism (--prefill-context-parallel-size > 1): each rank "
                 "runs a reordered share of the prompt tokens (v1/worker/gpu/pcp_manager.py), not "
-                "the scheduler's batch order the step maps are built from")
+                "the scheduler's batch order the step maps are built from"
+            )
         pp = getattr(par, "pipeline_parallel_size", 1) or 1
         tp = getattr(par, "tensor_parallel_size", 1) or 1
         if pp > 1 and tp > 1:
@@ -47,13 +50,15 @@ def problems(vllm_config: Any) -> list[str]:
                 f"pipeline parallel ({pp} stages) together with tensor parallel ({tp} ranks): "
                 "vLLM splits each tensor a stage sends across its TP ranks (isend_tensor_dict's "
                 "all_gather_group), and the reads xmix sends on from a stage exist on its first "
-                "TP rank only; use one of the two (docs/serving.md, Pipeline parallel)")
+                "TP rank only; use one of the two (docs/serving.md, Pipeline parallel)"
+            )
     model = getattr(vllm_config, "model_config", None)
     if model is not None and getattr(model, "enable_prompt_embeds", False):
         out.append(
             "prompt embeddings (--enable-prompt-embeds): model runner V1 then calls the model "
             "with input_ids=None (v1/worker/gpu_model_runner.py: _preprocess), so token "
-            "conditions, spans and the step maps cannot be built and apps would silently not run")
+            "conditions, spans and the step maps cannot be built and apps would silently not run"
+        )
     # A KV connector (--kv-transfer-config) is served: results ride a private key the connector
     # never sees (engine_core.py), and the requests whose prompt state an externally loaded KV
     # would bypass are refused or recompute their prompt at admission (frontend.Registry.admit:
@@ -66,5 +71,7 @@ def check(vllm_config: Any) -> None:
     found = problems(vllm_config)
     if found:
         raise UnsupportedConfig(
-            "xmix cannot serve this engine configuration correctly:\n  - " + "\n  - ".join(found)
-            + "\nStart the engine without these options, or with the xmix plugin off.")
+            "xmix cannot serve this engine configuration correctly:\n  - "
+            + "\n  - ".join(found)
+            + "\nStart the engine without these options, or with the xmix plugin off."
+        )

@@ -44,7 +44,10 @@ LIMITS: dict[str, tuple[int | None, str]] = {
     "XMIX_MAX_REQUEST_APPS": (16, "apps one request may name"),
     "XMIX_MAX_REQUEST_PARAMS": (256, "parameter values one request may set (all apps together)"),
     "XMIX_MAX_APPS": (64, "apps deployed at once on the server (at most the engine's 64)"),
-    "XMIX_MAX_OPS": (None, "ops placed on layers by all deployed apps (default: the engine's room)"),
+    "XMIX_MAX_OPS": (
+        None,
+        "ops placed on layers by all deployed apps (default: the engine's room)",
+    ),
 }
 
 # ``xmix serve`` flags that set an environment variable of this process (the API server
@@ -133,6 +136,7 @@ def forbidden(msg: str) -> Exception:
                 def __init__(self, message: str):
                     super().__init__(message, HTTPStatus.FORBIDDEN)
         except ImportError:  # pragma: no cover - older vLLM
+
             class XmixForbidden(ValueError):
                 status = 403
 
@@ -202,38 +206,53 @@ class Policy:
         self.source = source
 
     @staticmethod
-    def parse(doc: Any, source: str = "<policy>") -> "Policy":
+    def parse(doc: Any, source: str = "<policy>") -> Policy:
         if not isinstance(doc, dict) or set(doc) - {"tenants", "default"}:
-            raise PolicyError(f"{source}: must be an object with \"tenants\" and optionally \"default\"")
+            raise PolicyError(
+                f'{source}: must be an object with "tenants" and optionally "default"'
+            )
         tenants = doc.get("tenants") or {}
         if not isinstance(tenants, dict):
-            raise PolicyError(f"{source}: \"tenants\" must be an object of name: rules")
+            raise PolicyError(f'{source}: "tenants" must be an object of name: rules')
         by_digest: dict[bytes, Tenant] = {}
         for name, rules in tenants.items():
             where = f"{source}: tenant {name!r}"
             if not isinstance(rules, dict) or set(rules) - _TENANT_KEYS:
                 raise PolicyError(f"{where}: rules are an object with keys {sorted(_TENANT_KEYS)}")
             keys = rules.get("keys_sha256")
-            if not isinstance(keys, list) or not keys or not all(
-                    isinstance(k, str) and _HEX64.match(k.lower()) for k in keys):
-                raise PolicyError(f"{where}: \"keys_sha256\" must list the SHA-256 digests (64 hex "
-                                  f"digits) of its keys, e.g. printf %s \"$KEY\" | sha256sum")
-            t = Tenant(name, _names(rules.get("apps", []), f"{where}: \"apps\""),
-                       _names(rules.get("forced", "*"), f"{where}: \"forced\""))
+            if (
+                not isinstance(keys, list)
+                or not keys
+                or not all(isinstance(k, str) and _HEX64.match(k.lower()) for k in keys)
+            ):
+                raise PolicyError(
+                    f'{where}: "keys_sha256" must list the SHA-256 digests (64 hex '
+                    f'digits) of its keys, e.g. printf %s "$KEY" | sha256sum'
+                )
+            t = Tenant(
+                name,
+                _names(rules.get("apps", []), f'{where}: "apps"'),
+                _names(rules.get("forced", "*"), f'{where}: "forced"'),
+            )
             for k in keys:
                 d = bytes.fromhex(k.lower())
                 if d in by_digest:
-                    raise PolicyError(f"{where}: a key is listed for tenant {by_digest[d].name!r} too")
+                    raise PolicyError(
+                        f"{where}: a key is listed for tenant {by_digest[d].name!r} too"
+                    )
                 by_digest[d] = t
         dflt = doc.get("default", {})
         if not isinstance(dflt, dict) or set(dflt) - {"apps", "forced"}:
-            raise PolicyError(f"{source}: \"default\" is an object with \"apps\" and \"forced\"")
-        default = Tenant("default", _names(dflt.get("apps", []), f"{source}: default \"apps\""),
-                         _names(dflt.get("forced", "*"), f"{source}: default \"forced\""))
+            raise PolicyError(f'{source}: "default" is an object with "apps" and "forced"')
+        default = Tenant(
+            "default",
+            _names(dflt.get("apps", []), f'{source}: default "apps"'),
+            _names(dflt.get("forced", "*"), f'{source}: default "forced"'),
+        )
         return Policy(by_digest, default, source)
 
     @staticmethod
-    def load(path: str) -> "Policy":
+    def load(path: str) -> Policy:
         try:
             with open(path, "rb") as f:
                 data = f.read((1 << 20) + 1)
@@ -259,8 +278,8 @@ class Policy:
 class Caller:
     """The client of the HTTP request being served."""
 
-    key: str                     # fingerprint of its key ("none" without one)
-    tenant: Tenant | None        # None: no policy on this server
+    key: str  # fingerprint of its key ("none" without one)
+    tenant: Tenant | None  # None: no policy on this server
     admin: bool = False
 
 
@@ -284,23 +303,31 @@ class Auth:
     """The server's credentials: inference keys (vLLM's ``--api-key``), admin keys, whether an
     open control plane was asked for, and the policy."""
 
-    def __init__(self, api_keys: list[str], admin_keys: list[str], open_control: bool = False,
-                 policy: Policy | None = None):
+    def __init__(
+        self,
+        api_keys: list[str],
+        admin_keys: list[str],
+        open_control: bool = False,
+        policy: Policy | None = None,
+    ):
         self._api = [digest(k) for k in api_keys if k]
         self._admin = [digest(k) for k in admin_keys if k]
         self.open_control = open_control
         self.policy = policy
         if set(self._api) & set(self._admin):
-            logger.warning("xmix: an admin key is also an inference key (--api-key): clients "
-                           "holding it may both generate and change apps")
+            logger.warning(
+                "xmix: an admin key is also an inference key (--api-key): clients "
+                "holding it may both generate and change apps"
+            )
 
     @staticmethod
-    def from_env(api_keys: list[str]) -> "Auth":
+    def from_env(api_keys: list[str]) -> Auth:
         admin = [k for k in os.environ.get(ADMIN_KEY_ENV, "").split(",") if k.strip()]
         policy_path = os.environ.get(POLICY_ENV)
         policy = Policy.load(policy_path) if policy_path else None
-        return Auth(api_keys, [k.strip() for k in admin], _truthy(os.environ.get(OPEN_CONTROL_ENV)),
-                    policy)
+        return Auth(
+            api_keys, [k.strip() for k in admin], _truthy(os.environ.get(OPEN_CONTROL_ENV)), policy
+        )
 
     @property
     def keyed(self) -> bool:
@@ -333,13 +360,17 @@ class Auth:
             if self.is_admin(token):
                 return None
             if token is not None and self.may_generate(token) and self._api:
-                return 403, ("forbidden: this key may generate but not change apps; the control "
-                             "plane takes the admin key (--xmix-admin-key)")
+                return 403, (
+                    "forbidden: this key may generate but not change apps; the control "
+                    "plane takes the admin key (--xmix-admin-key)"
+                )
             return 401, "unauthorized: send the admin key (--xmix-admin-key) as a Bearer token"
         if not self.open_control:
-            return 403, (f"the control plane is off: start xmix serve with --xmix-admin-key (or "
-                         f"{ADMIN_KEY_ENV}), or set {OPEN_CONTROL_ENV}=1 to let whoever may generate "
-                         f"change apps")
+            return 403, (
+                f"the control plane is off: start xmix serve with --xmix-admin-key (or "
+                f"{ADMIN_KEY_ENV}), or set {OPEN_CONTROL_ENV}=1 to let whoever may generate "
+                f"change apps"
+            )
         if self.may_generate(token):
             return None
         return 401, "unauthorized: send the server's API key as a Bearer token"
@@ -354,19 +385,31 @@ class Auth:
     def start_lines(self) -> list[str]:
         """What the server says about its control plane when it starts."""
         if self._admin:
-            lines = [f"xmix: control plane on, authenticated by {len(self._admin)} admin key(s) "
-                     f"(inference keys may not change apps)"]
+            lines = [
+                f"xmix: control plane on, authenticated by {len(self._admin)} admin key(s) "
+                f"(inference keys may not change apps)"
+            ]
         elif self.open_control:
-            who = "the server's API key" if self._api else "ANYONE who can reach the server (no --api-key)"
-            lines = [f"xmix: control plane OPEN ({OPEN_CONTROL_ENV}=1): {who} may deploy, switch "
-                     f"and re-parameterise apps"]
+            who = (
+                "the server's API key"
+                if self._api
+                else "ANYONE who can reach the server (no --api-key)"
+            )
+            lines = [
+                f"xmix: control plane OPEN ({OPEN_CONTROL_ENV}=1): {who} may deploy, switch "
+                f"and re-parameterise apps"
+            ]
         else:
-            lines = [f"xmix: control plane off (no --xmix-admin-key / {ADMIN_KEY_ENV}); apps given "
-                     f"with --app are served, changes are refused (set {OPEN_CONTROL_ENV}=1 to open it)"]
+            lines = [
+                f"xmix: control plane off (no --xmix-admin-key / {ADMIN_KEY_ENV}); apps given "
+                f"with --app are served, changes are refused (set {OPEN_CONTROL_ENV}=1 to open it)"
+            ]
         if self.policy is not None:
-            lines.append(f"xmix: per-key policy from {self.policy.source}: "
-                         f"{len(set(self.policy.by_digest.values()))} tenant(s), default "
-                         f"{self.policy.default.describe()}")
+            lines.append(
+                f"xmix: per-key policy from {self.policy.source}: "
+                f"{len(set(self.policy.by_digest.values()))} tenant(s), default "
+                f"{self.policy.default.describe()}"
+            )
         return lines
 
 
@@ -379,11 +422,19 @@ class Audit:
         self.path = path if path is not None else os.environ.get(AUDIT_ENV) or None
         self._lock = threading.Lock()
 
-    def record(self, key: str, action: str, app: str | None, status: int, result: str,
-               **details: Any) -> dict:
+    def record(
+        self, key: str, action: str, app: str | None, status: int, result: str, **details: Any
+    ) -> dict:
         now = time.time()
-        entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now * 1000) % 1000:03d}Z",
-                 "key": key, "action": action, "app": app, "status": status, "result": result}
+        entry = {
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now))
+            + f".{int(now * 1000) % 1000:03d}Z",
+            "key": key,
+            "action": action,
+            "app": app,
+            "status": status,
+            "result": result,
+        }
         entry.update({k: v for k, v in details.items() if v is not None})
         line = json.dumps(entry, sort_keys=False, default=str)
         audit_logger.info("xmix audit %s", line)

@@ -40,7 +40,7 @@ logger = logging.getLogger("vllm.xmix")
 
 @dataclass
 class _Gate:
-    read: str                # the result key
+    read: str  # the result key
     cmp: str
     threshold: float
     label: str
@@ -74,7 +74,9 @@ def gates_of(lowered, defaults: dict[str, float], overrides: dict[str, Any]) -> 
             if not isinstance(node, C.Gate):
                 continue
             if isinstance(node.value, str):
-                th = overrides.get(node.value, defaults.get(node.value, lowered.app_params.get(node.value)))
+                th = overrides.get(
+                    node.value, defaults.get(node.value, lowered.app_params.get(node.value))
+                )
                 if th is None:
                     continue
             else:
@@ -127,7 +129,8 @@ class Usage:
                 apps = [a["name"] for a in applied.get("apps") or [] if a.get("name") in deployed]
             else:
                 apps = [a for a in named if a in deployed] + sorted(
-                    a for a, d in deployed.items() if d.mode == "all" and a not in named)
+                    a for a, d in deployed.items() if d.mode == "all" and a not in named
+                )
             gates = {}
             for a in apps:
                 d = deployed[a]
@@ -230,8 +233,9 @@ def install(registry, output_processor_cls=None) -> Usage | None:
             try:
                 kvp = eco.kv_transfer_params
                 res = kvp.get(RESULTS_KEY) if isinstance(kvp, dict) else None
-                _usage.output(eco.request_id, res, len(eco.new_token_ids or ()),
-                              eco.finish_reason is not None)
+                _usage.output(
+                    eco.request_id, res, len(eco.new_token_ids or ()), eco.finish_reason is not None
+                )
             except Exception:
                 logger.debug("xmix: usage not counted", exc_info=True)
         return orig_process(self, engine_core_outputs, *args, **kwargs)

@@ -57,21 +57,30 @@ class WorkerXmix:
         # Staging sets: one more than the steps vLLM keeps in flight (config/vllm.py:
         # VllmConfig.max_concurrent_batches), so the host never waits for a set in steady state.
         depth = max(3, int(getattr(cfg, "max_concurrent_batches", 2)) + 1)
-        cap = Capacity(max_tokens=max(int(sched.max_num_batched_tokens), 512),
-                       max_slots=max(int(sched.max_num_seqs), 1) + 8, staging_depth=depth,
-                       capture_floats=capture_floats())
+        cap = Capacity(
+            max_tokens=max(int(sched.max_num_batched_tokens), 512),
+            max_slots=max(int(sched.max_num_seqs), 1) + 8,
+            staging_depth=depth,
+            capture_floats=capture_floats(),
+        )
         self._attach(ControlBlock(self.shape, runner.device, cap), _tp_rank() == 0)
         self.pp = _stage_link(cfg, self.shape.n_layers)
         opts = enable.options(enable.config_value(cfg))
-        self.sites, self.placed = place_sites(runner.model, self.shape.n_layers, family,
-                                              opts.get("sites"), opts.get("layers"))
+        self.sites, self.placed = place_sites(
+            runner.model, self.shape.n_layers, family, opts.get("sites"), opts.get("layers")
+        )
         _warn_lost_fusion(cfg, family, runner.model, self.sites)
-        logger.info("xmix: control block ready on %s (%d layers, d=%d, %d tokens x %d slots)",
-                    runner.device, self.shape.n_layers, self.shape.hidden_size,
-                    cap.max_tokens, cap.max_slots)
+        logger.info(
+            "xmix: control block ready on %s (%d layers, d=%d, %d tokens x %d slots)",
+            runner.device,
+            self.shape.n_layers,
+            self.shape.hidden_size,
+            cap.max_tokens,
+            cap.max_slots,
+        )
 
     @classmethod
-    def for_control_block(cls, cb: ControlBlock, rank0: bool = True) -> "WorkerXmix":
+    def for_control_block(cls, cb: ControlBlock, rank0: bool = True) -> WorkerXmix:
         """The per-step path without a model runner (tests drive it with stand-ins)."""
         x = cls.__new__(cls)
         x.shape = cb.shape
@@ -85,7 +94,7 @@ class WorkerXmix:
         self.cb = cb
         ops.set_control(cb)
         self.rank0 = rank0
-        self.pending: dict[str, dict] = {}          # reads drained on the host (CPU engine)
+        self.pending: dict[str, dict] = {}  # reads drained on the host (CPU engine)
         self.pending_reads: list[PendingReads] = []  # reads still on their way (GPU)
         self.sched = None
         self.stats = {"steps": 0, "steps_with_apps": 0, "admit_errors": 0, "restarts": 0}
@@ -130,17 +139,27 @@ class WorkerXmix:
                 if dropped:
                     self.stats["stale_apps"] = self.stats.get("stale_apps", 0) + 1
                     self.pending.setdefault(nr.req_id, {})[DROPPED_KEY] = sorted(map(str, dropped))
-                    logger.info("xmix: request %s runs without %s (undeployed or redeployed since "
-                                "it was admitted)", nr.req_id, dropped)
+                    logger.info(
+                        "xmix: request %s runs without %s (undeployed or redeployed since "
+                        "it was admitted)",
+                        nr.req_id,
+                        dropped,
+                    )
             except Exception as e:
                 self._contain(nr.req_id, n_prompt, e)
 
     def _contain(self, req_id: str, n_prompt: int, e: Exception) -> None:
         self.stats["admit_errors"] += 1
-        logger.warning("xmix: request %s failed at admission on the worker (%s: %s); it is "
-                       "finished with an error", req_id, type(e).__name__, e)
+        logger.warning(
+            "xmix: request %s failed at admission on the worker (%s: %s); it is "
+            "finished with an error",
+            req_id,
+            type(e).__name__,
+            e,
+        )
         self.pending.setdefault(req_id, {})[ERROR_KEY] = (
-            f"xmix could not admit this request on a worker ({type(e).__name__}: {e})")
+            f"xmix could not admit this request on a worker ({type(e).__name__}: {e})"
+        )
         if req_id not in self.cb.slots:
             try:  # a plain slot, so the step's maps still place its tokens (inert)
                 self._started[self.cb.admit(req_id, [], None, n_prompt)] = False
@@ -156,9 +175,17 @@ class WorkerXmix:
         ib = runner.input_batch
         n = ib.num_reqs
         req_ids = ib.req_ids[:n]
-        n_tok = np.fromiter((sched.num_scheduled_tokens[r] for r in req_ids), dtype=np.int64, count=n)
-        self.begin(req_ids, n_tok, ib.num_computed_tokens_cpu[:n], ib.num_prompt_tokens[:n],
-                   input_ids, int(input_ids.shape[0]))
+        n_tok = np.fromiter(
+            (sched.num_scheduled_tokens[r] for r in req_ids), dtype=np.int64, count=n
+        )
+        self.begin(
+            req_ids,
+            n_tok,
+            ib.num_computed_tokens_cpu[:n],
+            ib.num_prompt_tokens[:n],
+            input_ids,
+            int(input_ids.shape[0]),
+        )
 
     def begin(self, req_ids, n_tok, start, plen, input_ids, padded: int) -> None:
         """Per-step maps and prologue for the scheduled requests (batch order). ``plen`` may
@@ -189,7 +216,9 @@ class WorkerXmix:
                     slot = cb.admit(rid, [], {}, int(plen[i]) if plen is not None else 0)
             slots[i] = slot
         if plen is None:
-            plen = np.fromiter((cb.slot_req[s].prompt_len for s in slots.tolist()), dtype=np.int64, count=n)
+            plen = np.fromiter(
+                (cb.slot_req[s].prompt_len for s in slots.tolist()), dtype=np.int64, count=n
+            )
         start = np.asarray(start)
         # A request that starts again at position 0 without having been preempted (V1 keeps
         # such a request's slot) recomputes too; the prologue resets its state.
@@ -249,7 +278,9 @@ class WorkerXmix:
         return resolve
 
     # ------------------------------------------------------------------ control RPCs
-    def deploy(self, data: bytes, mode: str, version: int = 0, commit: bool = True) -> dict[str, Any]:
+    def deploy(
+        self, data: bytes, mode: str, version: int = 0, commit: bool = True
+    ) -> dict[str, Any]:
         """Check and stage an app (its bytes come from the frontend, which checked them
         too); ``commit`` swaps it in at once, else ``xmix_deploy_commit`` does."""
         app = App.from_bytes(data, source="deploy", allow_custom=True)
@@ -264,9 +295,11 @@ class WorkerXmix:
             from xmix.lowering import DeployError
 
             names = ", ".join(site_name(s, self.shape.n_layers) for s in missing[:8])
-            raise DeployError(f"app {app.name!r} needs site(s) {names}{' ...' if len(missing) > 8 else ''}, "
-                              f"which this engine did not place (additional_config['xmix'] sites / "
-                              f"layers chose the placed sites at start)")
+            raise DeployError(
+                f"app {app.name!r} needs site(s) {names}{' ...' if len(missing) > 8 else ''}, "
+                f"which this engine did not place (additional_config['xmix'] sites / "
+                f"layers chose the placed sites at start)"
+            )
         self.cb.prepare_install(lowered, mode, version)
         if commit:
             self.cb.commit_install(lowered.name)
@@ -283,7 +316,7 @@ def _stage_link(cfg, n_layers: int):
         return None
     from vllm.distributed import get_pp_group
 
-    from .pp import Stages, StageLink
+    from .pp import StageLink, Stages
 
     return StageLink(Stages.of(n_layers, get_pp_group().rank_in_group, size))
 
@@ -313,10 +346,13 @@ def _control(sp) -> tuple[list[str], dict | None, dict, list[str] | None, Result
         return [], {}, {}, None, None
     pins = cfg.get("pin")
     forced = cfg.get("forced")
-    return (list(cfg.get("apps") or []), dict(pins) if pins is not None else None,
-            dict(cfg.get("params") or {}),
-            [a for a in forced if isinstance(a, str)] if isinstance(forced, list) else None,
-            ResultOptions.from_control(cfg.get("results")))
+    return (
+        list(cfg.get("apps") or []),
+        dict(pins) if pins is not None else None,
+        dict(cfg.get("params") or {}),
+        [a for a in forced if isinstance(a, str)] if isinstance(forced, list) else None,
+        ResultOptions.from_control(cfg.get("results")),
+    )
 
 
 def _warn_lost_fusion(cfg, family: Family, model, counts: dict[str, int]) -> None:
@@ -330,10 +366,14 @@ def _warn_lost_fusion(cfg, family: Family, model, counts: dict[str, int]) -> Non
         return
     gaps = [s for s in engine_map(family, model).fusion_gaps if counts.get(s)]
     if gaps:
-        logger.warning("xmix: tensor_parallel_size=%d: the hook sites %s sit between an all-reduce "
-                       "and the RMSNorm vLLM fuses it with, so the all-reduce + RMSNorm fusion does not "
-                       "apply where they are placed; place fewer with additional_config['xmix'] "
-                       "sites / layers (docs/models.md)", tp, ", ".join(gaps))
+        logger.warning(
+            "xmix: tensor_parallel_size=%d: the hook sites %s sit between an all-reduce "
+            "and the RMSNorm vLLM fuses it with, so the all-reduce + RMSNorm fusion does not "
+            "apply where they are placed; place fewer with additional_config['xmix'] "
+            "sites / layers (docs/models.md)",
+            tp,
+            ", ".join(gaps),
+        )
 
 
 # ---------------------------------------------------------------------- patches
@@ -372,8 +412,11 @@ def patch_model_runner(cls) -> None:
     def sample_tokens(self, *args, **kwargs):
         return _attach_results(self, orig_sample(self, *args, **kwargs))
 
-    for name, fn in (("execute_model", execute_model), ("_model_forward", _model_forward),
-                     ("sample_tokens", sample_tokens)):
+    for name, fn in (
+        ("execute_model", execute_model),
+        ("_model_forward", _model_forward),
+        ("sample_tokens", sample_tokens),
+    ):
         fence.replace(cls, name, fn, by="worker")
 
 
@@ -457,8 +500,14 @@ def patch_model_runner_v2(cls) -> None:
         x = _runner_xmix(self)
         if x is not None:
             n = ib.num_reqs
-            x.begin(ib.req_ids[:n], ib.num_scheduled_tokens[:n], ib.num_computed_tokens_np[:n], None,
-                    ib.input_ids, int(ib.num_tokens_after_padding))
+            x.begin(
+                ib.req_ids[:n],
+                ib.num_scheduled_tokens[:n],
+                ib.num_computed_tokens_np[:n],
+                None,
+                ib.input_ids,
+                int(ib.num_tokens_after_padding),
+            )
         return ib
 
     def execute_model(self, scheduler_output, *args, **kwargs):
@@ -472,9 +521,13 @@ def patch_model_runner_v2(cls) -> None:
     def sample_tokens(self, *args, **kwargs):
         return _attach_results(self, orig_sample(self, *args, **kwargs))
 
-    for name, fn in (("finish_requests", finish_requests), ("add_requests", add_requests),
-                     ("prepare_inputs", prepare_inputs), ("execute_model", execute_model),
-                     ("sample_tokens", sample_tokens)):
+    for name, fn in (
+        ("finish_requests", finish_requests),
+        ("add_requests", add_requests),
+        ("prepare_inputs", prepare_inputs),
+        ("execute_model", execute_model),
+        ("sample_tokens", sample_tokens),
+    ):
         fence.replace(cls, name, fn, by="worker")
 
 
@@ -518,8 +571,12 @@ def patch_load_model(cls) -> None:
         _key_compile_cache(self.vllm_config)
         t0 = time.perf_counter()
         self._xmix = WorkerXmix(self, family)
-        logger.info("xmix: attached to %s (%s) in %.2fs", type(self).__name__, family.title,
-                    time.perf_counter() - t0)
+        logger.info(
+            "xmix: attached to %s (%s) in %.2fs",
+            type(self).__name__,
+            family.title,
+            time.perf_counter() - t0,
+        )
         return r
 
     fence.replace(cls, "load_model", load_model, by="worker")
@@ -528,16 +585,23 @@ def patch_load_model(cls) -> None:
 def _wx(worker) -> WorkerXmix:
     x = _runner_xmix(getattr(worker, "model_runner", None))
     if x is None:
-        raise RuntimeError("xmix is not enabled on this engine (start it with xmix.LLM / xmix serve, "
-                           "or additional_config={'xmix': true})")
+        raise RuntimeError(
+            "xmix is not enabled on this engine (start it with xmix.LLM / xmix serve, "
+            "or additional_config={'xmix': true})"
+        )
     return x
 
 
 def xmix_capacity(self) -> dict:
     """The control block's fixed sizes, for the frontend's checks before a deploy."""
     cb = _wx(self).cb
-    return {"max_ops": cb.cap.max_ops, "max_cond": cb.cap.max_cond, "max_apps": cb.cap.max_apps,
-            "max_params": cb.cap.max_params, "max_channels": cb.cap.max_channels}
+    return {
+        "max_ops": cb.cap.max_ops,
+        "max_cond": cb.cap.max_cond,
+        "max_apps": cb.cap.max_apps,
+        "max_params": cb.cap.max_params,
+        "max_channels": cb.cap.max_channels,
+    }
 
 
 def xmix_deploy(self, data: bytes, mode: str = "request", version: int = 0) -> dict:
@@ -587,10 +651,16 @@ def xmix_describe(self) -> dict:
     from xmix import graphs
 
     x = _wx(self)
-    return {"apps": x.describe(), "sites": x.sites, "stats": {**x.stats, **x.cb.staging_stats()},
-            "graphs": graphs.stats(), "ops_generation": x.cb.ops_generation,
-            "nonfinite_writes": x.cb.nonfinite_writes(), "site_errors": dict(x.cb.site_errors),
-            "slots_in_use": len(x.cb.slots)}
+    return {
+        "apps": x.describe(),
+        "sites": x.sites,
+        "stats": {**x.stats, **x.cb.staging_stats()},
+        "graphs": graphs.stats(),
+        "ops_generation": x.cb.ops_generation,
+        "nonfinite_writes": x.cb.nonfinite_writes(),
+        "site_errors": dict(x.cb.site_errors),
+        "slots_in_use": len(x.cb.slots),
+    }
 
 
 def xmix_ledger(self, op: str, owner: str = "", since: int = 0, entry: dict | None = None):
@@ -605,10 +675,23 @@ def xmix_ledger(self, op: str, owner: str = "", since: int = 0, entry: dict | No
     return led.call(op, owner, since, entry)
 
 
-WORKER_METHODS = {f.__name__: f for f in (
-    xmix_ledger, xmix_capacity, xmix_deploy, xmix_deploy_prepare, xmix_deploy_commit, xmix_deploy_abort,
-    xmix_undeploy, xmix_undeploy_if_present, xmix_patch, xmix_set_mode, xmix_set_params,
-    xmix_describe)}
+WORKER_METHODS = {
+    f.__name__: f
+    for f in (
+        xmix_ledger,
+        xmix_capacity,
+        xmix_deploy,
+        xmix_deploy_prepare,
+        xmix_deploy_commit,
+        xmix_deploy_abort,
+        xmix_undeploy,
+        xmix_undeploy_if_present,
+        xmix_patch,
+        xmix_set_mode,
+        xmix_set_params,
+        xmix_describe,
+    )
+}
 
 
 def patch_worker_base(cls) -> None:
