@@ -24,7 +24,8 @@ metadata travels with it, so extra keys need no change on the receiving side's b
 - **Read results.** vLLM returns a step's output from one worker only, the first tensor-parallel
   rank of the last stage (``v1/executor/multiproc_executor.py: _get_output_rank``). So each
   earlier stage's first TP rank drains its own reads after its forward and sends them on,
-  pickled into a uint8 tensor (``xmix_reads``); the last stage merges them into its own
+  packed as arrays (``results_codec.pack_results``) and msgpack-encoded into a uint8 tensor
+  (``xmix_reads``; no pickle: what a stage decodes is data, never code); the last stage merges them into its own
   before the step's output leaves, so they reach the engine core with the step's tokens.
 
 An op conditioned on a read made on a *later* stage (a latch whose op sits before its read,
@@ -37,9 +38,9 @@ Cost: nothing is sent when no app conditions across stages and no read ran on th
 
 from __future__ import annotations
 
-import pickle
 from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 import torch
 
@@ -64,10 +65,12 @@ class Stages:
     n_layers: int
 
     @classmethod
-    def of(cls, n_layers: int, rank: int, size: int) -> "Stages":
+    def of(cls, n_layers: int, rank: int, size: int) -> Stages:
         from vllm.distributed.utils import get_pp_indices
 
-        return cls(rank, size, tuple(get_pp_indices(n_layers, r, size) for r in range(size)), n_layers)
+        return cls(
+            rank, size, tuple(get_pp_indices(n_layers, r, size) for r in range(size)), n_layers
+        )
 
     @property
     def first(self) -> bool:
@@ -122,10 +125,11 @@ def check_deploy(lowered, stages: Stages) -> None:
     if back:
         k, sr, so, op = back[0]
         raise DeployError(
-            f"app {lowered.name!r}: op {op.label} runs on pipeline stage {so} but is conditioned on "
+            f"app {lowered.name!r}: op {getattr(op, 'label', op)} runs on pipeline stage {so} but is conditioned on "
             f"read {k!r}, which runs on the later stage {sr}; a value cannot travel back to an "
             f"earlier stage (stage layer ranges {list(stages.ranges)}). Move the read to a layer "
-            f"at or before the op's, or the op after the read")
+            f"at or before the op's, or the op after the read"
+        )
 
 
 def forwarded_channels(apps, stages: Stages) -> np.ndarray:
@@ -166,7 +170,10 @@ class StageLink:
             self.stats["gate_steps_received"] += 1
         reads = None
         if KEY_READS in t:
-            reads = pickle.loads(t.pop(KEY_READS).cpu().numpy().tobytes())
+            from xmix.results_codec import unpack_results
+
+            raw = msgspec.msgpack.decode(t.pop(KEY_READS).cpu().numpy().tobytes())
+            reads = {rid: unpack_results(apps) for rid, apps in raw.items()}
         self._inbox = gates
         return gates, reads
 
@@ -180,9 +187,11 @@ class StageLink:
         vals, state = g[KEY_VALUES], g[KEY_STATE]
         R, W = cb.cap.max_channels, state.shape[-1] if state.dim() == 3 else 3
         if vals.shape[0] != n_tok or state.shape[0] != len(row_slots):
-            raise RuntimeError(f"xmix: pipeline stage {self.stages.rank} received gate values for "
-                               f"{vals.shape[0]} tokens / {state.shape[0]} requests, its step has "
-                               f"{n_tok} / {len(row_slots)}")
+            raise RuntimeError(
+                f"xmix: pipeline stage {self.stages.rank} received gate values for "
+                f"{vals.shape[0]} tokens / {state.shape[0]} requests, its step has "
+                f"{n_tok} / {len(row_slots)}"
+            )
         slots = torch.as_tensor(np.asarray(row_slots, dtype=np.int64), device=cb.device)
         res = cb.dev["results"].view(cb.cap.max_tokens, R)
         rs = cb.dev["read_state"].view(cb.cap.max_slots, R, W)
@@ -219,7 +228,9 @@ class StageLink:
             out[KEY_STATE] = rs[idx][:, ch].contiguous()
             self.stats["gate_steps_sent"] += 1
         if reads:
-            data = pickle.dumps(reads, protocol=pickle.HIGHEST_PROTOCOL)
+            from xmix.results_codec import pack_results
+
+            data = msgspec.msgpack.encode({rid: pack_results(apps) for rid, apps in reads.items()})
             out[KEY_READS] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
             self.stats["read_bytes_sent"] += len(data)
         return out
