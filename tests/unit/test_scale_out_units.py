@@ -60,7 +60,13 @@ def fan_out(engines):
 
 
 def server(engines):
-    ip = NS(vllm_config=NS(model_config=NS(hf_config=HF, model="tiny")), tokenizer=None)
+    ip = NS(
+        vllm_config=NS(
+            model_config=NS(hf_config=HF, model="tiny"),
+            parallel_config=NS(pipeline_parallel_size=1),
+        ),
+        tokenizer=None,
+    )
     return Controller(ip, fan_out(engines))
 
 
