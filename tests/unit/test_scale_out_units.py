@@ -155,3 +155,49 @@ def test_one_change_at_a_time_across_servers(fleet, monkeypatch):
     led = engines[0].worker.model_runner._xmix.ledger
     with pytest.raises(RuntimeError, match="without the lease"):
         led.call("append", "intruder", entry={"kind": "undeploy", "name": "a"})
+
+
+def test_a_request_finishing_while_a_change_is_on_its_way_names_it(fleet):
+    """The engines apply a change at their next step, before the RPC that carried it has
+    returned and the registry has followed the ledger. A request that finishes in that window
+    ran with the change, so its provenance names it under ``changed``: an app switched to mode
+    "all" or deployed in it (which read and wrote the request), a parameter change of its own
+    app. The bounded soak (tests/server/test_soak.py) saw both as a leak and as a wrong
+    answer before the registry knew changes as pending."""
+    from xmix.integrations.vllm.frontend import provenance
+
+    engines, s1, _ = fleet
+    s1.deploy(app("own"))
+    s1.deploy(app("other"))
+    mine = s1.registry.admit({"apps": ["own"]}, 3, 4).control["applied"]
+    plain = s1.registry.admit(None, 3, 4).control["applied"]
+    assert provenance(mine)["changed"] == [] and provenance(plain)["changed"] == []
+
+    seen: dict[str, tuple[list, list]] = {}
+    real = engines[0].call
+
+    def call(method, args):
+        out = real(method, args)
+        if method in ("xmix_patch", "xmix_deploy_commit", "xmix_undeploy_if_present"):
+            # the engine has applied it; both requests finish now, before the RPC returns
+            seen.setdefault(
+                f"{method}{args[:2]}", (provenance(mine)["changed"], provenance(plain)["changed"])
+            )
+        return out
+
+    engines[0].call = call
+    s1.patch("own", params={"scale": 2.0})  # the request's own app: changed for it only
+    s1.patch("other", mode="all")  # reaches every request in flight
+    s1.deploy(app("late"), mode="all")
+    s1.undeploy("own")
+    assert seen == {
+        "xmix_patch('own', None)": (["own"], []),
+        "xmix_patch('other', 'all')": (["other", "own"], ["other"]),
+        "xmix_deploy_commit('late',)": (["late", "other", "own"], ["late", "other"]),
+        "xmix_undeploy_if_present('own',)": (["late", "other", "own"], ["late", "other"]),
+    }
+    # a change refused by its checks announces nothing
+    fresh = s1.registry.admit(None, 3, 4).control["applied"]
+    with pytest.raises(DeployError):
+        s1.patch("other", mode="x")
+    assert provenance(fresh)["changed"] == []

@@ -300,6 +300,10 @@ class Registry:
         # Control changes in order, for what reached requests in flight (provenance).
         self.revision = 0
         self.history: deque = deque(maxlen=HISTORY)  # (revision, app, kind, mode after)
+        # Changes on their way to the engines (app -> its mode after the change). The engines
+        # apply a change at their next step, before the RPC that carried it returns and the
+        # registry follows the ledger: a request that finishes in that window ran with it.
+        self.pending: dict[str, str | None] = {}
         self.uid = next(_REGISTRY_IDS)
         _REGISTRIES[self.uid] = self
         # The control epoch: +1 at every change that reaches the KV of running requests (see
@@ -390,6 +394,21 @@ class Registry:
         self.count("changes", kind=kind)
         if self.metrics:
             self.metrics["deployed"].labels(model_name=self.shape.model_name).set(len(self.apps))
+
+    def announce(self, name: str, mode_after: str | None) -> None:
+        """A change of ``name`` is about to be sent to the engines: from now until ``settle``,
+        requests that finish count it as a change while they ran (``changed_since``). Called
+        only after every check passed, so a refused change leaves no trace; a change that
+        fails on the way stays in the history (a request may then name it as changed
+        without it having changed: the safe side)."""
+        with self.lock:
+            self.revision += 1
+            self.history.append((self.revision, name, "pending", mode_after))
+            self.pending[name] = mode_after
+
+    def settle(self, name: str) -> None:
+        with self.lock:
+            self.pending.pop(name, None)
 
     def add(
         self,
@@ -761,15 +780,15 @@ class Registry:
         names = {a["name"] for a in applied.get("apps", ())}
         forced = applied.get("_forced")
         with self.lock:
-            if self.revision == rev0:
+            pending = dict(self.pending)
+            if self.revision == rev0 and not pending:
                 return []
             hist = list(self.history)
         out: set[str] = set()
-        if not hist or hist[0][0] > rev0 + 1:  # older than what is remembered
-            out |= names
-        for rev, name, _kind, mode in hist:
-            if rev <= rev0:
-                continue
+        if self.revision != rev0 and (not hist or hist[0][0] > rev0 + 1):
+            out |= names  # older than what is remembered
+        reached = [(n, m) for rev, n, _kind, m in hist if rev > rev0] + list(pending.items())
+        for name, mode in reached:
             if name in names or (mode == "all" and (forced is None or name in forced)):
                 out.add(name)
         return sorted(out)
@@ -1129,6 +1148,17 @@ class Controller:
                 except Exception:  # the lease lapses by itself (ledger.LEASE_S)
                     logger.warning("xmix: releasing the control-plane lease failed", exc_info=True)
 
+    @contextlib.contextmanager
+    def _announced(self, name: str, mode_after: str | None):
+        """The engines may apply the change as soon as its RPC is sent, and requests in flight
+        can finish before the registry follows the ledger: the registry knows the change as
+        pending from before the send until it has recorded it (provenance's ``changed``)."""
+        self.registry.announce(name, mode_after)
+        try:
+            yield
+        finally:
+            self.registry.settle(name)
+
     def _undo(self, method: str, name: str) -> None:
         try:
             self._rpc(method, (name,))
@@ -1182,41 +1212,44 @@ class Controller:
                 if isinstance(e, EngineGone):
                     raise
                 raise _deploy_failed(app.name, e) from None
-            try:
-                self._rpc("xmix_deploy_commit", (app.name,))
-            except Exception as e:  # a worker lost its prepared state: take it off everywhere
-                self._undo("xmix_undeploy_if_present", app.name)
-                if isinstance(e, EngineGone):
-                    raise
-                raise _deploy_failed(app.name, e) from None
-            self._mine[(app.name, version)] = (app, lowered, needs)
-            self._record(
-                {
-                    "kind": "deploy",
-                    "name": app.name,
-                    "data": data,
-                    "mode": mode,
-                    "version": version,
-                    "locked": locked,
-                }
-            )
+            with self._announced(app.name, mode):
+                try:
+                    self._rpc("xmix_deploy_commit", (app.name,))
+                except Exception as e:  # a worker lost its prepared state: take it off everywhere
+                    self._undo("xmix_undeploy_if_present", app.name)
+                    if isinstance(e, EngineGone):
+                        raise
+                    raise _deploy_failed(app.name, e) from None
+                self._mine[(app.name, version)] = (app, lowered, needs)
+                self._record(
+                    {
+                        "kind": "deploy",
+                        "name": app.name,
+                        "data": data,
+                        "mode": mode,
+                        "version": version,
+                        "locked": locked,
+                    }
+                )
             return self.registry.get(app.name).describe()
 
     def undeploy(self, name: str) -> None:
         with self._change():
             self.registry.get(name)
-            # Where a worker no longer has it (taken off behind the frontend's back, e.g. by
-            # vLLM's dev-mode /collective_rpc), there is nothing to take off: the registry
-            # follows, instead of keeping an app no request can use and no DELETE can remove.
-            gone = self._rpc("xmix_undeploy_if_present", (name,))
-            if not all(gone):
-                logger.warning(
-                    "xmix: app %r was already gone on %d of %d workers",
-                    name,
-                    sum(not g for g in gone),
-                    len(gone),
-                )
-            self._record({"kind": "undeploy", "name": name})
+            with self._announced(name, None):
+                # Where a worker no longer has it (taken off behind the frontend's back, e.g.
+                # by vLLM's dev-mode /collective_rpc), there is nothing to take off: the
+                # registry follows, instead of keeping an app no request can use and no
+                # DELETE can remove.
+                gone = self._rpc("xmix_undeploy_if_present", (name,))
+                if not all(gone):
+                    logger.warning(
+                        "xmix: app %r was already gone on %d of %d workers",
+                        name,
+                        sum(not g for g in gone),
+                        len(gone),
+                    )
+                self._record({"kind": "undeploy", "name": name})
 
     def patch(
         self, name: str, mode: str | None = None, params: dict | None = None, locked: Any = None
@@ -1228,11 +1261,20 @@ class Controller:
             self.registry.check_patch(name, mode, params, locked)
             if mode is not None:
                 self.registry.check_forced_write(name, self.registry.get(name).lowered, mode)
+            entry = {
+                "kind": "patch",
+                "name": name,
+                "mode": mode,
+                "params": params,
+                "locked": locked,
+            }
             if mode is not None or params is not None:
-                self._rpc("xmix_patch", (name, mode, params))
-            self._record(
-                {"kind": "patch", "name": name, "mode": mode, "params": params, "locked": locked}
-            )
+                after = mode if mode is not None else self.registry.get(name).mode
+                with self._announced(name, after):
+                    self._rpc("xmix_patch", (name, mode, params))
+                    self._record(entry)
+            else:  # only which parameters are locked: nothing reaches the engines
+                self._record(entry)
             return self.registry.get(name).describe()
 
     def set_mode(self, name: str, mode: str) -> None:
