@@ -60,6 +60,7 @@ if _browser_missing():
     pytest.skip(_browser_missing(), allow_module_level=True)
 
 from selenium import webdriver  # noqa: E402
+from selenium.common.exceptions import TimeoutException  # noqa: E402
 from selenium.webdriver.chrome.service import Service  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.support.ui import Select, WebDriverWait  # noqa: E402
@@ -393,7 +394,18 @@ def test_live_view_shows_the_metrics_counters_and_refreshes(server, page):
     def shown(app):
         return float(cell(app, "td.admitted"))
 
-    wait(page, lambda d: cell("lens_probe", "td.admitted") is not None)
+    try:
+        wait(page, lambda d: cell("lens_probe", "td.admitted") is not None)
+    except TimeoutException:
+        # what the view said and what the endpoint answers, for the next failure's reader
+        r = server["client"].get("/xmix/v1/console/live")
+        status = page.find_element(By.ID, "live-status").text
+        visible = page.execute_script("return document.visibilityState")
+        raise AssertionError(
+            f"the live table never showed lens_probe: #live-status {status!r}, "
+            f"document.visibilityState {visible!r}, GET /xmix/v1/console/live "
+            f"{r.status_code}: {r.text[:300]}"
+        ) from None
     assert shown("lens_probe") == metric(server, "vllm:xmix_app_requests_total", app="lens_probe")
     tokens = metric(server, "vllm:xmix_gate_tokens_total", app="gated")
     fired = metric(server, "vllm:xmix_gate_fired_tokens_total", app="gated")
