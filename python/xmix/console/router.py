@@ -18,6 +18,7 @@ take the same Bearer token as the control plane:
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 from collections.abc import Awaitable, Callable
@@ -192,6 +193,9 @@ def console_router(guard: Guard) -> APIRouter:
         m = metrics.get()
         if m is None or "gate_tokens" not in m:
             return _error(503, "prometheus_client is not available: no counters")
-        return live.snapshot(m, st.ctl.registry.shape.model_name, st.ctl.apps())
+        # apps() follows the engines' ledger through an RPC that waits on this event loop:
+        # called on the loop itself it would block the whole server, so it runs in a thread
+        apps = await asyncio.to_thread(st.ctl.apps)
+        return live.snapshot(m, st.ctl.registry.shape.model_name, apps)
 
     return router

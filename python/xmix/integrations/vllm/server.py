@@ -236,6 +236,13 @@ class XmixEndpointPlugin:
             # (HTTP 503) instead of holding the thread, and the interpreter's exit, forever.
             if gone():
                 raise EngineGone("the engine has stopped (the server is shutting down)")
+            if _on_loop(loop):
+                # the future below would wait for the loop this call is blocking: a freeze
+                # of every request, so a bug in a caller fails its own request instead
+                raise RuntimeError(
+                    f"xmix: control RPC {method} called on the server's event loop; "
+                    "run it in a thread (asyncio.to_thread)"
+                )
             fut = asyncio.run_coroutine_threadsafe(fan_out(engine_client, method, rpc_args), loop)
             while True:
                 try:
@@ -314,6 +321,13 @@ async def _follow(ctl: Controller, gone) -> None:
             return
         except Exception:
             logger.warning("xmix: following the engines' ledger failed", exc_info=True)
+
+
+def _on_loop(loop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:  # no loop runs in this thread
+        return False
 
 
 async def fan_out(engine_client, method: str, args: tuple) -> list:
