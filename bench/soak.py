@@ -120,7 +120,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(tmp: Path, apps: dict[str, bytes], key: str, admin: str, timeout: float = 900):
+def start_server(
+    tmp: Path,
+    apps: dict[str, bytes],
+    key: str,
+    admin: str,
+    timeout: float = 900,
+    eager: bool = False,
+):
     from xmix.models.tiny import tiny_model_path
 
     paths = []
@@ -149,6 +156,7 @@ def start_server(tmp: Path, apps: dict[str, bytes], key: str, admin: str, timeou
         admin,
         "--max-num-seqs",
         "32",
+        *(["--enforce-eager"] if eager else []),
         *paths,
     ]
     log = tmp / "serve.log"

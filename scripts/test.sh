@@ -24,7 +24,11 @@ PYTHON=.venv/bin/python GPU_CHECK_BUILD_DIR=$BUILD OUT=build/gpu_check/ci bench/
 GPU_CHECK_RC=${PIPESTATUS[0]}
 echo "gpu_check --cpu-only: rc=$GPU_CHECK_RC in $((SECONDS - GPU_CHECK_T0))s"
 echo "== pytest =="
-.venv/bin/python -m pytest tests -q -p no:cacheprovider "$@" 2>&1 | tee /tmp/xmix-pytest.log
+# -n 2: two pytest-xdist workers, each taking a test module whole (its engine
+# starts once; tests/conftest.py groups the paper-app modules, which share session engines).
+# An engine start keeps about one core busy, so two at a time use a 2-core machine.
+# --durations: the slowest setups and tests, so a CI log shows where the time budget goes.
+.venv/bin/python -m pytest tests -q -p no:cacheprovider -n "${XMIX_TEST_WORKERS:-2}" --durations=25 "$@" 2>&1 | tee /tmp/xmix-pytest.log
 PYTEST_RC=${PIPESTATUS[0]}
 set -e
 

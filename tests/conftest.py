@@ -15,6 +15,7 @@ blocks across groups (test_results_server takes test_results_engine's kernel, te
 test_app_files_hostile's cases), whichever subset of files a run collects.
 """
 
+import functools
 import os
 import sys
 from pathlib import Path
@@ -42,6 +43,30 @@ def _gpu_reason() -> str | None:
     if not C.cuda_available():
         return f"xmix._C cannot use the GPU: {C.cuda_status()}"
     return None
+
+
+@functools.cache
+def _uses_apps_oracle(path: str) -> bool:
+    try:
+        return "apps_oracle" in (_HERE.parent / path).read_text(encoding="utf-8")
+    except OSError:
+        return False
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """scripts/test.sh runs two pytest-xdist workers. Each takes a test module whole, so its
+    module-scoped engine starts once; the modules on the paper-app engines that
+    tests/apps_oracle.py keeps for the session go to one worker together. (xdist's own
+    ``--dist loadgroup`` cannot do this under pytest 9.2: it renames ``item._nodeid``, which
+    pytest no longer reads.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByModule(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "apps_oracle" if _uses_apps_oracle(path) else path
+
+    return ByModule(config, log)
 
 
 def pytest_collection_modifyitems(config, items):

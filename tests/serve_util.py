@@ -58,6 +58,7 @@ def xmix_server(tmp: Path, app_paths: list[Path], *extra: str, timeout: float = 
         "float32",
         "--max-model-len",
         "512",
+        "--enforce-eager",  # tests/engine_util.py: compiled serving is tests/server/test_server.py
         "--api-key",
         KEY,
         "--xmix-admin-key",

@@ -65,6 +65,7 @@ def xmix_serve(tmp: Path, *args: str, env: dict[str, str] | None = None, timeout
         "float32",
         "--max-model-len",
         "512",
+        "--enforce-eager",  # tests/engine_util.py: compiled serving is tests/server/test_server.py
         "--served-model-name",
         MODEL_NAME,
         *args,

@@ -12,7 +12,16 @@ import pytest
 import torch
 
 import xmix
-from engine_util import PROMPTS, assert_reads_match, greedy, hf_model, make_llm, shutdown, tokenize
+from engine_util import (
+    COMPILED,
+    PROMPTS,
+    assert_reads_match,
+    greedy,
+    hf_model,
+    make_llm,
+    shutdown,
+    tokenize,
+)
 from xmix.hooks import ModelShape
 from xmix.models.tiny import tiny_model_path
 
@@ -101,11 +110,11 @@ def env(request):
     tok = AutoTokenizer.from_pretrained(path)
     shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(path))
     apps = build_apps(shape, tok)
-    vanilla = make_llm(path, with_xmix=False)
+    vanilla = make_llm(path, with_xmix=False, **COMPILED)
     van_ids = [tokenize(tok, p) for p in PROMPTS]
     van_out = [list(o.outputs[0].token_ids) for o in greedy(vanilla, van_ids, MAX_TOKENS)]
     shutdown(vanilla)
-    llm = make_llm(path)
+    llm = make_llm(path, **COMPILED)
     for a in apps:
         llm.xmix.deploy(a)
     model = hf_model(path)

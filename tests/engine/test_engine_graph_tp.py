@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import xmix
-from engine_util import PROMPTS, greedy, make_llm, shutdown, tokenize
+from engine_util import COMPILED, PROMPTS, greedy, make_llm, shutdown, tokenize
 from xmix.models.tiny import tiny_model_path
 
 pytestmark = pytest.mark.engine
@@ -124,7 +124,7 @@ def test_tensor_parallel_matches_single_process(monkeypatch):
     for tp in (1, 2):
         if tp == 2:
             monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
-        llm = make_llm(path, tensor_parallel_size=tp)
+        llm = make_llm(path, tensor_parallel_size=tp, **COMPILED)
         try:
             for a in _apps(256):
                 llm.xmix.deploy(a)

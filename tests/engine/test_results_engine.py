@@ -65,6 +65,7 @@ def _engine_cli_args() -> list[str]:
         "--max-num-seqs",
         str(ENGINE_KW["max_num_seqs"]),
         "--enable-prefix-caching",
+        *(["--enforce-eager"] if ENGINE_KW["enforce_eager"] else []),  # as the module's engine
     ]
 
 

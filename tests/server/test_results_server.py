@@ -73,6 +73,7 @@ def server(tmp_path_factory):
         "float32",
         "--max-model-len",
         "512",
+        "--enforce-eager",  # tests/engine_util.py: compiled serving is tests/server/test_server.py
         "--served-model-name",
         "tiny",
         "--xmix-max-result-bytes",

@@ -27,7 +27,7 @@ def test_soak_under_live_changes(tmp_path):
     import soak
 
     apps = soak.build_apps(0)
-    proc, base, log = soak.start_server(tmp_path, apps, "soak-key", "soak-admin-key")
+    proc, base, log = soak.start_server(tmp_path, apps, "soak-key", "soak-admin-key", eager=True)
     try:
         args = argparse.Namespace(
             requests=REQUESTS,
