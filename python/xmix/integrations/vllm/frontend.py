@@ -781,11 +781,12 @@ class Registry:
         forced = applied.get("_forced")
         with self.lock:
             pending = dict(self.pending)
-            if self.revision == rev0 and not pending:
+            moved = self.revision != rev0
+            if not moved and not pending:
                 return []
             hist = list(self.history)
         out: set[str] = set()
-        if self.revision != rev0 and (not hist or hist[0][0] > rev0 + 1):
+        if moved and (not hist or hist[0][0] > rev0 + 1):
             out |= names  # older than what is remembered
         reached = [(n, m) for rev, n, _kind, m in hist if rev > rev0] + list(pending.items())
         for name, mode in reached:
