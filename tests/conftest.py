@@ -53,7 +53,7 @@ def _uses_apps_oracle(path: str) -> bool:
         return False
 
 
-def pytest_xdist_make_scheduler(config, log):
+def _make_scheduler(config, log):
     """scripts/test.sh runs two pytest-xdist workers. Each takes a test module whole, so its
     module-scoped engine starts once; the modules on the paper-app engines that
     tests/apps_oracle.py keeps for the session go to one worker together. (xdist's own
@@ -67,6 +67,14 @@ def pytest_xdist_make_scheduler(config, log):
             return "apps_oracle" if _uses_apps_oracle(path) else path
 
     return ByModule(config, log)
+
+
+try:  # the hook exists only with pytest-xdist (the test extra); plain pytest runs without it
+    import xdist  # noqa: F401
+
+    pytest_xdist_make_scheduler = _make_scheduler
+except ImportError:
+    pass
 
 
 def pytest_collection_modifyitems(config, items):
