@@ -984,6 +984,13 @@ def patch_output_processor(out_cls, state_cls, request_output_cls) -> None:
                 c.xmix = merge_results(getattr(c, XMIX_KEY, None) or {}, nxt)
         if self.outputs and hasattr(self.outputs[0], XMIX_KEY):
             self.xmix = getattr(self.outputs[0], XMIX_KEY, None) or {}
+        # When the consumer falls behind, vLLM's RequestOutputCollector merges the finishing
+        # output into an earlier one: provenance and a worker's error come only with the
+        # output that finishes, so they move over with it or the response loses them.
+        for key in ("xmix_applied", "xmix_error"):
+            val = getattr(next_output, key, None)
+            if val is not None:
+                setattr(self, key, val)
 
     fence.replace(out_cls, "process_outputs", process_outputs, by="frontend")
     fence.replace(state_cls, "from_new_request", classmethod(from_new_request), by="frontend")
