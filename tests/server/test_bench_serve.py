@@ -1,4 +1,6 @@
-"""bench/serve_overhead.py end to end at tiny sizes (issue 17): one round, `vllm serve` and
+"""bench/serve_overhead.py and bench/serve_paired.py end to end at tiny sizes (issue 17).
+
+serve_overhead: one round, `vllm serve` and
 `xmix serve` on the tiny Llama, vLLM's own client (`vllm bench serve`) against both, the ratio
 table printed and written with the machine, date and command, the ITL plot written. No timing
 is asserted (the full benchmark runs as `python bench/serve_overhead.py`).
@@ -106,3 +108,56 @@ def test_serve_overhead_runs_end_to_end(tmp_path):
     log = (raw / "r0-xmix.log").read_text()
     serving = log.split("[shutdown]", 1)[0]
     assert "[shutdown]" in log and "Traceback" not in serving, serving[-3000:]
+
+
+def test_serve_paired_runs_end_to_end(tmp_path):
+    """bench/serve_paired.py at tiny sizes: one xmix server, waves of each configuration in
+    turn, vLLM's request function timing every request; the table has a row per
+    configuration with a median and interquartile range per metric, and mixed over
+    mixed-same; the per-wave figures are kept. No timing is asserted."""
+    results = tmp_path / "paired.md"
+    cmd = [
+        sys.executable,
+        str(ROOT / "bench" / "serve_paired.py"),
+        "--model",
+        "tiny-llama",
+        "--waves",
+        "2",
+        "--concurrency",
+        "2",
+        "--mixed-concurrency",
+        "4",
+        "--input-len",
+        "16",
+        "--output-len",
+        str(OUT_LEN),
+        "--configs",
+        "probe,mixed-same,mixed",
+        "--server-arg=--enforce-eager",
+        "--results",
+        str(results),
+    ]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
+    rows = [l for l in r.stdout.splitlines() if l.startswith("| ")]
+    assert rows[0] == "| configuration | mean TTFT | mean ITL | P99 ITL | mean E2E |"
+    names = [l.split(" | ")[0] for l in rows[1:]]
+    assert names == [
+        "| unused, concurrency 2 (ms)",
+        "| unused, concurrency 4 (ms)",
+        "| probe (concurrency 2)",
+        "| mixed-same (concurrency 4)",
+        "| mixed (concurrency 4)",
+        "| mixed over mixed-same (concurrency 4): 64 vs 4 configurations",
+    ]
+    for row in rows[3:]:
+        assert len(re.findall(r"\d+\.\d+ \(\d+\.\d+\.\.\d+\.\d+\)", row)) == 4, row
+    text = results.read_text()
+    assert "machine:" in text and "command: python bench/serve_paired.py" in text
+    waves = json.loads(results.with_suffix(".json").read_text())
+    assert sorted(waves) == ["mixed-same@4", "mixed@4", "probe@2", "unused@2", "unused@4"]
+    for figs in waves.values():
+        assert len(figs) == 2
+        for f in figs:  # a request's latency covers its first token and the gaps after it
+            assert 0 < f["ttft"] < f["e2e"] and 0 < f["itl"] <= f["p99_itl"] < f["e2e"]
