@@ -376,6 +376,12 @@ def summarize(res: dict) -> dict:
         # > 1 when the server put several steps' tokens in one stream chunk (its frontend
         # lagged behind the engine): those tokens count as ITL ~0 in vLLM's client
         "tok_per_chunk": float(sum(res["output_lens"]) / sum(len(i) + 1 for i in res["itls"])),
+        # ITLs over 3x the run's median: steps in which new prompts' prefill joined the
+        # others' decodes. Few (about one per wave of prompts) when the requests run in
+        # lockstep (equal output lengths: they finish and are replaced together), many when
+        # their starts are staggered; which regime a run falls into moves TTFT and P99 ITL
+        # more than anything else here (docs/benchmarks.md)
+        "stalls": float(np.sum(np.asarray(itls) > 3 * np.median(itls))),
     }
 
 

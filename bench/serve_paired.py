@@ -79,7 +79,11 @@ async def run_waves(base: str, model: Path, vocab: int, plan: list[tuple[str, in
     rng = random.Random(0)
     got: dict[tuple[str, int], list[dict]] = {p: [] for p in plan}
     timeout = aiohttp.ClientTimeout(total=6 * 3600)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    # Idle connections are dropped by the client before the server's keep-alive timeout
+    # (uvicorn: 5 s) closes them: between the long waves at --mixed-concurrency the short
+    # waves' connections sit idle, and one the server had just closed failed a request.
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=2)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         for w in range(args.waves + 1):
             k = w % len(plan)
             for cfg, c in plan[k:] + plan[:k]:
