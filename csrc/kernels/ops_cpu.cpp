@@ -15,164 +15,14 @@ namespace {
 
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 
-struct Row {
-  void* h;
-  const void* r;
-  int32_t d;
-  int32_t dtype;
-  float x(int32_t i) const {  // the stream value: hidden + residual
-    float v = load(h, i, dtype);
-    return r ? v + load(r, i, dtype) : v;
-  }
-  float hid(int32_t i) const { return load(h, i, dtype); }
-  float res(int32_t i) const { return r ? load(r, i, dtype) : 0.f; }
-  mutable int32_t refused = 0;  // elements store_finite kept
-  void set_h(int32_t i, float v) const { refused += store_finite(h, i, dtype, v) ? 1 : 0; }
-};
-
-void count_refused(const ControlBlock& cb, const OpDesc& op, int32_t n) {
-  if (n) ptr<int32_t>(cb.app_nonfinite)[op.app] += n;
-}
-
-Row row_at(void* h, const void* r, int64_t t, int32_t d, int64_t sh, int64_t sr, int32_t dtype) {
-  const int64_t es = dtype_size(dtype);
-  Row row;
-  row.h = static_cast<char*>(h) + t * sh * es;
-  row.r = r ? static_cast<const char*>(r) + t * sr * es : nullptr;
-  row.d = d;
-  row.dtype = dtype;
-  return row;
-}
-
-float dot_x(const Row& row, const float* w) {
-  float acc = 0.f;
-  for (int32_t i = 0; i < row.d; ++i) acc += row.x(i) * w[i];
-  return acc;
-}
-
-// Latch bookkeeping shared by every read: prompt tokens accumulate sum/count/last.
-void note_read(const ControlBlock& cb, int32_t channel, int32_t slot, uint32_t flags, float v) {
-  if (!(flags & TF_PROMPT)) return;
-  float* s = ptr<float>(cb.read_state) +
-             (static_cast<int64_t>(slot) * cb.n_channels + channel) * kReadStateWidth;
-  s[0] += v;
-  s[1] += 1.f;
-  if (flags & TF_LAST) s[2] = v;
-}
-
-float probe_value(const Row& row, const OpDesc& op, const float* p) {
-  return sigmoid(dot_x(row, ptr<const float>(op.a0)) + p[op.param_base + P_PROBE_BIAS]);
-}
-
-float distance_value(const Row& row, const OpDesc& op) {
-  const float* mu = ptr<const float>(op.a0);
-  float best = std::numeric_limits<float>::infinity();
-  for (int32_t k = 0; k < op.n; ++k) {
-    float acc = 0.f;
-    for (int32_t i = 0; i < row.d; ++i) {
-      float e = row.x(i) - mu[static_cast<int64_t>(k) * row.d + i];
-      acc += e * e;
-    }
-    best = std::fmin(best, std::sqrt(acc));
-  }
-  return best;
-}
-
-// CAST: m = running sum / count over prompt tokens (vec_state holds sum[d], count);
-// value = cos(m, tanh(P m)), P = v v^T / (v^T v). a0 = v, a1 = {1 / (v^T v)}.
-float cosine_of_mean(const float* sum, float count, const OpDesc& op, int32_t d) {
-  const float* v = ptr<const float>(op.a0);
-  const float inv_vv = ptr<const float>(op.a1)[0];
-  float vm = 0.f;
-  for (int32_t i = 0; i < d; ++i) vm += v[i] * (sum[i] / count);
-  const float a = vm * inv_vv;
-  float mu = 0.f, mm = 0.f, uu = 0.f;
-  for (int32_t i = 0; i < d; ++i) {
-    const float m = sum[i] / count;
-    const float u = std::tanh(a * v[i]);
-    mu += m * u;
-    mm += m * m;
-    uu += u * u;
-  }
-  const float den = std::sqrt(mm) * std::sqrt(uu);
-  return den > 0.f ? mu / den : 0.f;
-}
-
-void apply_write(const Row& row, const OpDesc& op, const float* p, std::vector<float>& scratch) {
-  const int32_t d = row.d;
-  switch (op.kind) {
-    case OP_ADD: {
-      const float* v = ptr<const float>(op.a0);
-      const float s = p[op.param_base + P_ADD_SCALE];
-      for (int32_t i = 0; i < d; ++i) row.set_h(i, row.hid(i) + s * v[i]);
-      break;
-    }
-    case OP_ABLATE: {
-      const float* u = ptr<const float>(op.a0);
-      const float proj = dot_x(row, u);
-      for (int32_t i = 0; i < d; ++i) row.set_h(i, row.hid(i) - proj * u[i]);
-      break;
-    }
-    case OP_CLAMP: {
-      const float* u = ptr<const float>(op.a0);
-      const float proj = dot_x(row, u);
-      const float lo = p[op.param_base + P_CLAMP_LO], hi = p[op.param_base + P_CLAMP_HI];
-      const float delta = std::fmin(std::fmax(proj, lo), hi) - proj;
-      for (int32_t i = 0; i < d; ++i) row.set_h(i, row.hid(i) + delta * u[i]);
-      break;
-    }
-    case OP_AFFINE: {
-      const float* A = ptr<const float>(op.a0);
-      const float* mus = ptr<const float>(op.a1);
-      const float* mut = ptr<const float>(op.a2);
-      scratch.resize(static_cast<size_t>(d));
-      for (int32_t j = 0; j < d; ++j) scratch[j] = row.x(j) - mus[j];
-      // All of x is read before any element of h is written.
-      std::vector<float> out(static_cast<size_t>(d));
-      for (int32_t i = 0; i < d; ++i) {
-        float acc = 0.f;
-        const float* a = A + static_cast<int64_t>(i) * d;
-        for (int32_t j = 0; j < d; ++j) acc += a[j] * scratch[j];
-        out[i] = acc + mut[i];
-      }
-      for (int32_t i = 0; i < d; ++i) row.set_h(i, out[i] - row.res(i));
-      break;
-    }
-    case OP_ROUTER: {
-      // Row = router logits of one token over d experts; a0 = mask in {-1, 0, 1}.
-      const float* mask = ptr<const float>(op.a0);
-      const float delta = p[op.param_base + P_ROUTER_DELTA];
-      float mx = -std::numeric_limits<float>::infinity();
-      for (int32_t e = 0; e < d; ++e) mx = std::fmax(mx, row.hid(e));
-      float se = 0.f;
-      for (int32_t e = 0; e < d; ++e) se += std::exp(row.hid(e) - mx);
-      const float lse = mx + std::log(se);
-      float lmax = -std::numeric_limits<float>::infinity(), lmin = -lmax;
-      scratch.resize(static_cast<size_t>(d));
-      for (int32_t e = 0; e < d; ++e) {
-        scratch[e] = row.hid(e) - lse;
-        lmax = std::fmax(lmax, scratch[e]);
-        lmin = std::fmin(lmin, scratch[e]);
-      }
-      for (int32_t e = 0; e < d; ++e) {
-        float v = scratch[e];
-        if (mask[e] > 0.f)
-          v = lmax + delta;
-        else if (mask[e] < 0.f)
-          v = lmin - delta;
-        row.set_h(e, v);
-      }
-      break;
-    }
-    default: break;
-  }
-}
-
-// ---------------------------------------------------------------- SAEs
-// One semantics with ops.cu and xmix.reference.sae_encode. Dot products use 32 partial sums
-// in a fixed order (vectorisable without reassociation, and enough independent chains to
+// ---------------------------------------------------------------- fp32 row loops
+// Every built-in op works on whole rows in fp32 scratch, so its loops vectorise: a row is
+// converted once on load and once on store (an element at a time, these loops cost the
+// ablation of 24 sites ~40 ms per 1 024-token prefill step on the CPU engine).
+// Dot products (ablation, clamp, probes, LEACE, SAE encoders) use 32 partial sums in a fixed
+// order (vectorisable without reassociation, and enough independent chains to
 // hide the add latency); the CUDA twin reduces across lanes, so the two differ only by fp32
-// reassociation (and fused multiply-adds where the CPU has them).
+// reassociation (neither twin fuses multiply-adds: CMakeLists.txt).
 constexpr int32_t kLanes = 32;
 typedef float v8 __attribute__((vector_size(32), aligned(4)));  // unaligned loads allowed
 
@@ -203,6 +53,245 @@ __attribute__((target_clones("avx512f", "avx2,fma", "default"))) void dot_rows(
   for (int32_t r = 0; r < n; ++r) out[r] = dot32(w, x + static_cast<int64_t>(r) * d, d) + bias;
 }
 
+__attribute__((target_clones("avx512f", "avx2,fma", "default"))) float dot_f(const float* a,
+                                                                             const float* b,
+                                                                             int32_t n) {
+  return dot32(a, b, n);
+}
+
+// dst[i] = src[i] converted to fp32.
+void load_row(const void* src, int32_t dtype, int32_t d, float* dst) {
+  if (dtype == DT_F32) {
+    std::memcpy(dst, src, sizeof(float) * static_cast<size_t>(d));
+    return;
+  }
+  const uint16_t* s = static_cast<const uint16_t*>(src);
+  if (dtype == DT_BF16)
+    for (int32_t i = 0; i < d; ++i) dst[i] = bf16_to_float(s[i]);
+  else
+    for (int32_t i = 0; i < d; ++i) dst[i] = f16_to_float(s[i]);
+}
+
+// dst[i] += src[i] converted to fp32 (the stream: hidden + residual).
+__attribute__((target_clones("avx512f", "avx2,fma", "default"))) void add_row(float* dst,
+                                                                              const void* src,
+                                                                              int32_t dtype,
+                                                                              int32_t d) {
+  if (dtype == DT_F32) {
+    const float* s = static_cast<const float*>(src);
+    for (int32_t i = 0; i < d; ++i) dst[i] += s[i];
+    return;
+  }
+  const uint16_t* s = static_cast<const uint16_t*>(src);
+  if (dtype == DT_BF16)
+    for (int32_t i = 0; i < d; ++i) dst[i] += bf16_to_float(s[i]);
+  else
+    for (int32_t i = 0; i < d; ++i) dst[i] += f16_to_float(s[i]);
+}
+
+// out[i] = h[i] + a * v[i]
+__attribute__((target_clones("avx512f", "avx2,fma", "default"))) void axpy(float* out,
+                                                                           const float* h, float a,
+                                                                           const float* v,
+                                                                           int32_t d) {
+  for (int32_t i = 0; i < d; ++i) out[i] = h[i] + a * v[i];
+}
+
+// Stores v[0..d) into a row of dtype with store_finite's rule (an element whose new value is
+// not finite in dtype keeps its old value); returns how many elements kept theirs. The common
+// case, every element finite, is one vectorised check and one copy.
+__attribute__((target_clones("avx512f", "avx2,fma", "default"))) int32_t store_row(void* dst,
+                                                                                   int32_t dtype,
+                                                                                   const float* v,
+                                                                                   int32_t d) {
+  int32_t refused = 0;
+  if (dtype == DT_F32) {
+    int32_t bad = 0;
+    for (int32_t i = 0; i < d; ++i) bad += is_finite_f(v[i]) ? 0 : 1;
+    float* o = static_cast<float*>(dst);
+    if (!bad) {
+      std::memcpy(o, v, sizeof(float) * static_cast<size_t>(d));
+      return 0;
+    }
+    for (int32_t i = 0; i < d; ++i) {
+      if (is_finite_f(v[i]))
+        o[i] = v[i];
+      else
+        ++refused;
+    }
+    return refused;
+  }
+  // Finite after rounding to 16 bits: the exponent field is not all ones.
+  uint16_t* o = static_cast<uint16_t*>(dst);
+  const uint16_t exp_mask = dtype == DT_BF16 ? 0x7f80u : 0x7c00u;
+  for (int32_t i = 0; i < d; ++i) {
+    const uint16_t b = dtype == DT_BF16 ? float_to_bf16(v[i]) : float_to_f16(v[i]);
+    if ((b & exp_mask) != exp_mask)
+      o[i] = b;
+    else
+      ++refused;
+  }
+  return refused;
+}
+
+struct Row {
+  void* h;
+  const void* r;
+  int32_t d;
+  int32_t dtype;
+  float hid(int32_t i) const { return load(h, i, dtype); }
+  mutable int32_t refused = 0;  // elements store_finite kept
+  // Whole rows: the stream or the hidden states into dst (d floats), v into the hidden states.
+  void load_x(float* dst) const {
+    load_row(h, dtype, d, dst);
+    if (r) add_row(dst, r, dtype, d);
+  }
+  void load_hid(float* dst) const { load_row(h, dtype, d, dst); }
+  void store_h(const float* v) const { refused += store_row(h, dtype, v, d); }
+};
+
+// Per-op fp32 scratch rows: the stream, the hidden states, the new hidden states.
+struct Scratch {
+  explicit Scratch(int32_t d)
+      : x(static_cast<size_t>(d)), hid(static_cast<size_t>(d)), out(static_cast<size_t>(d)) {}
+  std::vector<float> x, hid, out;
+};
+
+void count_refused(const ControlBlock& cb, const OpDesc& op, int32_t n) {
+  if (n) ptr<int32_t>(cb.app_nonfinite)[op.app] += n;
+}
+
+Row row_at(void* h, const void* r, int64_t t, int32_t d, int64_t sh, int64_t sr, int32_t dtype) {
+  const int64_t es = dtype_size(dtype);
+  Row row;
+  row.h = static_cast<char*>(h) + t * sh * es;
+  row.r = r ? static_cast<const char*>(r) + t * sr * es : nullptr;
+  row.d = d;
+  row.dtype = dtype;
+  return row;
+}
+
+// Latch bookkeeping shared by every read: prompt tokens accumulate sum/count/last.
+void note_read(const ControlBlock& cb, int32_t channel, int32_t slot, uint32_t flags, float v) {
+  if (!(flags & TF_PROMPT)) return;
+  float* s = ptr<float>(cb.read_state) +
+             (static_cast<int64_t>(slot) * cb.n_channels + channel) * kReadStateWidth;
+  s[0] += v;
+  s[1] += 1.f;
+  if (flags & TF_LAST) s[2] = v;
+}
+
+// x: the row's stream (d floats).
+float probe_value(const float* x, int32_t d, const OpDesc& op, const float* p) {
+  return sigmoid(dot_f(x, ptr<const float>(op.a0), d) + p[op.param_base + P_PROBE_BIAS]);
+}
+
+float distance_value(const float* x, int32_t d, const OpDesc& op) {
+  const float* mu = ptr<const float>(op.a0);
+  float best = std::numeric_limits<float>::infinity();
+  for (int32_t k = 0; k < op.n; ++k) {
+    float acc = 0.f;
+    for (int32_t i = 0; i < d; ++i) {
+      float e = x[i] - mu[static_cast<int64_t>(k) * d + i];
+      acc += e * e;
+    }
+    best = std::fmin(best, std::sqrt(acc));
+  }
+  return best;
+}
+
+// CAST: m = running sum / count over prompt tokens (vec_state holds sum[d], count);
+// value = cos(m, tanh(P m)), P = v v^T / (v^T v). a0 = v, a1 = {1 / (v^T v)}.
+float cosine_of_mean(const float* sum, float count, const OpDesc& op, int32_t d) {
+  const float* v = ptr<const float>(op.a0);
+  const float inv_vv = ptr<const float>(op.a1)[0];
+  float vm = 0.f;
+  for (int32_t i = 0; i < d; ++i) vm += v[i] * (sum[i] / count);
+  const float a = vm * inv_vv;
+  float mu = 0.f, mm = 0.f, uu = 0.f;
+  for (int32_t i = 0; i < d; ++i) {
+    const float m = sum[i] / count;
+    const float u = std::tanh(a * v[i]);
+    mu += m * u;
+    mm += m * m;
+    uu += u * u;
+  }
+  const float den = std::sqrt(mm) * std::sqrt(uu);
+  return den > 0.f ? mu / den : 0.f;
+}
+
+void apply_write(const Row& row, const OpDesc& op, const float* p, Scratch& sc) {
+  const int32_t d = row.d;
+  float* x = sc.x.data();
+  float* hid = sc.hid.data();
+  float* out = sc.out.data();
+  switch (op.kind) {
+    case OP_ADD: {
+      row.load_hid(hid);
+      axpy(out, hid, p[op.param_base + P_ADD_SCALE], ptr<const float>(op.a0), d);
+      break;
+    }
+    case OP_ABLATE: {
+      const float* u = ptr<const float>(op.a0);
+      row.load_x(x);
+      row.load_hid(hid);
+      axpy(out, hid, -dot_f(x, u, d), u, d);
+      break;
+    }
+    case OP_CLAMP: {
+      const float* u = ptr<const float>(op.a0);
+      row.load_x(x);
+      row.load_hid(hid);
+      const float proj = dot_f(x, u, d);
+      const float lo = p[op.param_base + P_CLAMP_LO], hi = p[op.param_base + P_CLAMP_HI];
+      axpy(out, hid, std::fmin(std::fmax(proj, lo), hi) - proj, u, d);
+      break;
+    }
+    case OP_AFFINE: {
+      const float* A = ptr<const float>(op.a0);
+      const float* mus = ptr<const float>(op.a1);
+      const float* mut = ptr<const float>(op.a2);
+      row.load_x(x);
+      for (int32_t j = 0; j < d; ++j) x[j] -= mus[j];
+      // out = A (x - mu_s) + mu_t - r: the new stream, less the residual, is the new h.
+      for (int32_t i = 0; i < d; ++i)
+        out[i] = dot_f(A + static_cast<int64_t>(i) * d, x, d) + mut[i];
+      if (row.r) {
+        load_row(row.r, row.dtype, d, hid);
+        for (int32_t i = 0; i < d; ++i) out[i] -= hid[i];
+      }
+      break;
+    }
+    case OP_ROUTER: {
+      // Row = router logits of one token over d experts; a0 = mask in {-1, 0, 1}.
+      const float* mask = ptr<const float>(op.a0);
+      const float delta = p[op.param_base + P_ROUTER_DELTA];
+      row.load_hid(hid);
+      float mx = -std::numeric_limits<float>::infinity();
+      for (int32_t e = 0; e < d; ++e) mx = std::fmax(mx, hid[e]);
+      float se = 0.f;
+      for (int32_t e = 0; e < d; ++e) se += std::exp(hid[e] - mx);
+      const float lse = mx + std::log(se);
+      float lmax = -std::numeric_limits<float>::infinity(), lmin = -lmax;
+      for (int32_t e = 0; e < d; ++e) {
+        out[e] = hid[e] - lse;
+        lmax = std::fmax(lmax, out[e]);
+        lmin = std::fmin(lmin, out[e]);
+      }
+      for (int32_t e = 0; e < d; ++e) {
+        if (mask[e] > 0.f)
+          out[e] = lmax + delta;
+        else if (mask[e] < 0.f)
+          out[e] = lmin - delta;
+      }
+      break;
+    }
+    default: return;
+  }
+  row.store_h(out);
+}
+
+// ---------------------------------------------------------------- SAEs
 struct Sae {
   const float* w_enc;  // [F, d]: one encoder row per feature
   const float* w_dec;  // [F, d]
@@ -241,7 +330,7 @@ Sae sae_of(const OpDesc& op, int32_t d) {
 // which decoder output appears in the stream.
 float sae_input(const Row& row, const Sae& s, float* xin) {
   const int32_t d = s.d;
-  for (int32_t i = 0; i < d; ++i) xin[i] = row.x(i);
+  row.load_x(xin);
   float scale = 1.f;
   if (s.norm == SAE_NORM_RESCALE) {
     float ss = 0.f;
@@ -322,6 +411,7 @@ void run_sae_cpu(const ControlBlock& cb, const OpDesc& op, void* h, const void* 
   }
   if (listed) {
     float acts[kSaeMaxFeatures];
+    std::vector<float> delta(static_cast<size_t>(d)), hid(static_cast<size_t>(d));
     for (int32_t j = 0; j < n_sel; ++j) {
       const int32_t t = rows[j], slot = slots[j];
       sae_listed_acts(s, xin.data() + static_cast<int64_t>(j) * d, op.n, acts);
@@ -335,13 +425,15 @@ void run_sae_cpu(const ControlBlock& cb, const OpDesc& op, void* h, const void* 
       const float value =
           params[static_cast<int64_t>(slot) * cb.n_params + op.param_base + P_SAE_CLAMP_VALUE];
       const Row row = row_at(h, r, t, d, sh, sr, dtype);
-      std::vector<float> delta(static_cast<size_t>(d), 0.f);
+      std::fill(delta.begin(), delta.end(), 0.f);
       for (int32_t c = 0; c < op.n; ++c) {
         const float coef = (value - acts[c]) * scale[j];
         const float* w = s.w_dec + static_cast<int64_t>(s.feats[c]) * d;
         for (int32_t i = 0; i < d; ++i) delta[i] += coef * w[i];
       }
-      for (int32_t i = 0; i < d; ++i) row.set_h(i, row.hid(i) + delta[i]);
+      row.load_hid(hid.data());
+      for (int32_t i = 0; i < d; ++i) hid[i] += delta[i];
+      row.store_h(hid.data());
       count_refused(cb, op, row.refused);
     }
     return;
@@ -401,7 +493,6 @@ void run_op_cpu(const ControlBlock& cb, const OpDesc& op, void* h, const void* r
   const bool is_read = op_is_read(op.kind);
   const uint32_t* tok_flags = ptr<const uint32_t>(cb.tok_flags);
   const float* params = ptr<const float>(cb.slot_params);
-  std::vector<float> scratch;
 
   if (op.kind == OP_SAE_READ || op.kind == OP_SAE_CLAMP) {
     run_sae_cpu(cb, op, h, r, n_rows, d, stride_h, stride_r, dtype);
@@ -457,6 +548,8 @@ void run_op_cpu(const ControlBlock& cb, const OpDesc& op, void* h, const void* r
     return;
   }
 
+  Scratch sc(d);
+  float* x = sc.x.data();
   for (int32_t t = 0; t < n_rows; ++t) {
     int32_t slot;
     const bool sel = op_selects(cb, op, t, &slot);
@@ -464,7 +557,7 @@ void run_op_cpu(const ControlBlock& cb, const OpDesc& op, void* h, const void* r
     const uint32_t flags = tok_flags[t];
     if (!is_read) {
       if (sel) {
-        apply_write(row, op, params + static_cast<int64_t>(slot) * cb.n_params, scratch);
+        apply_write(row, op, params + static_cast<int64_t>(slot) * cb.n_params, sc);
         count_refused(cb, op, row.refused);
       }
       continue;
@@ -474,18 +567,25 @@ void run_op_cpu(const ControlBlock& cb, const OpDesc& op, void* h, const void* r
     const float* p = slot >= 0 ? params + static_cast<int64_t>(slot) * cb.n_params : nullptr;
     switch (op.kind) {
       case OP_PROBE:
-        if (sel) v = probe_value(row, op, p);
+        if (sel) {
+          row.load_x(x);
+          v = probe_value(x, d, op, p);
+        }
         has = sel;
         break;
       case OP_DISTANCE:
-        if (sel) v = distance_value(row, op);
+        if (sel) {
+          row.load_x(x);
+          v = distance_value(x, d, op);
+        }
         has = sel;
         break;
       case OP_CAPTURE:
         if (sel) {
           const int32_t w = capture_width(op), d0 = capture_first_dim(op);
           float* dst = ptr<float>(cb.capture) + op.capture_offset + static_cast<int64_t>(t) * w;
-          for (int32_t i = 0; i < w; ++i) dst[i] = row.x(d0 + i);
+          row.load_x(x);
+          std::memcpy(dst, x + d0, sizeof(float) * static_cast<size_t>(w));
           v = 1.f;
           has = true;
         }
@@ -496,7 +596,8 @@ void run_op_cpu(const ControlBlock& cb, const OpDesc& op, void* h, const void* r
         float* st = ptr<float>(cb.vec_state) + static_cast<int64_t>(slot) * cb.vec_state_width +
                     op.state_base;
         if (sel && (flags & TF_PROMPT)) {
-          for (int32_t i = 0; i < d; ++i) st[i] += row.x(i);
+          row.load_x(x);
+          for (int32_t i = 0; i < d; ++i) st[i] += x[i];
           st[d] += 1.f;
         }
         if ((flags & TF_PROMPT) && (flags & TF_LAST) && st[d] > 0.f) {
