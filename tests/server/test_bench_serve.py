@@ -55,6 +55,9 @@ def test_serve_overhead_runs_end_to_end(tmp_path):
         str(plot),
         "--raw",
         str(raw),
+        # both servers eager: what is tested is the benchmark's plumbing, and two cold
+        # compiles cost ~2 min
+        "--server-arg=--enforce-eager",
     ]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1500)
@@ -140,7 +143,9 @@ def test_serve_paired_runs_end_to_end(tmp_path):
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
-    rows = [l for l in r.stdout.splitlines() if l.startswith("| ")]
+    all_rows = [l for l in r.stdout.splitlines() if l.startswith("| ")]
+    split = next(i for i, l in enumerate(all_rows) if l.startswith("| configuration | step"))
+    rows, host = all_rows[:split], all_rows[split:]
     assert rows[0] == "| configuration | mean TTFT | mean ITL | P99 ITL | mean E2E |"
     names = [l.split(" | ")[0] for l in rows[1:]]
     assert names == [
@@ -153,6 +158,20 @@ def test_serve_paired_runs_end_to_end(tmp_path):
     ]
     for row in rows[3:]:
         assert len(re.findall(r"\d+\.\d+ \(\d+\.\d+\.\.\d+\.\d+\)", row)) == 4, row
+    # where the worker's time went, from its own counters: a row per configuration; unused
+    # waves run no site program, the probe's do
+    host_rows = {l.split(" | ")[0][2:]: l.split(" | ")[1:] for l in host[1:]}
+    assert list(host_rows) == [
+        "unused (concurrency 2)",
+        "unused (concurrency 4)",
+        "probe (concurrency 2)",
+        "mixed-same (concurrency 4)",
+        "mixed (concurrency 4)",
+    ]
+    assert float(host_rows["unused (concurrency 2)"][2]) == 0.0
+    assert float(host_rows["probe (concurrency 2)"][2]) > 0.0
+    for cells in host_rows.values():
+        assert float(cells[0]) > 0 and float(cells[1]) >= 0
     text = results.read_text()
     assert "machine:" in text and "command: python bench/serve_paired.py" in text
     waves = json.loads(results.with_suffix(".json").read_text())
@@ -161,3 +180,4 @@ def test_serve_paired_runs_end_to_end(tmp_path):
         assert len(figs) == 2
         for f in figs:  # a request's latency covers its first token and the gaps after it
             assert 0 < f["ttft"] < f["e2e"] and 0 < f["itl"] <= f["p99_itl"] < f["e2e"]
+            assert f["step_ms"] > 0 and f["host_step_ms"] >= 0 and f["host_sites_ms"] >= 0
