@@ -1,6 +1,7 @@
 """Throughput of vanilla vLLM vs xmix on the CPU engine, measured side by side in one run.
 
-Configurations (same engine settings, tiny Llama, greedy, fixed output length):
+Configurations (same engine settings, greedy, fixed output length; by default the 8-layer
+d = 512 Llama that bench/serve_overhead.py and bench/serve_paired.py serve):
   vanilla        vLLM with the xmix plugin off
   unused         xmix with apps deployed (a steering app, a probe, an all-layer ablation),
                  no request uses them
@@ -15,7 +16,7 @@ Rounds are interleaved (vanilla, unused, steer, probe, vanilla, ...) so that mac
 hits every configuration alike; the table gives the median tokens/s per configuration and the
 ratio of medians to vanilla. This is a benchmark, not a test: nothing here asserts.
 
-    python bench/cpu_overhead.py [--prompts 64] [--tokens 64] [--rounds 5] [--model tiny-llama]
+    python bench/cpu_overhead.py [--prompts 64] [--tokens 64] [--rounds 5] [--model llama-8x512]
 """
 
 from __future__ import annotations
@@ -33,20 +34,24 @@ def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--model", default="tiny-llama")
+    ap.add_argument(
+        "--model",
+        default="llama-8x512",
+        help="llama-LxD (bench/serve_overhead.py's random-weight Llama), a tiny kind, or a folder",
+    )
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
 
     import torch
+    from serve_overhead import bench_model  # this folder is sys.path[0]
     from vllm import SamplingParams
 
     import xmix
     from xmix.apps import cast
-    from xmix.models.tiny import tiny_model_path
 
-    path = str(tiny_model_path(args.model))
+    path = str(bench_model(args.model))
     kw = dict(dtype="float32", max_model_len=512, seed=0, gpu_memory_utilization=0.3)
 
     os.environ["XMIX_DISABLE"] = "1"

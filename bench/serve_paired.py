@@ -14,8 +14,11 @@ The table gives per configuration the median over waves of the paired ratio and 
 interquartile range; multiply by serve_overhead's "unused" row for the ratio to vanilla vLLM.
 `mixed` (64 distinct bodies) and `mixed-same` (its four app combinations with one set of
 parameters) run at --mixed-concurrency against unused waves of the same size; mixed over
-mixed-same is the cost of the 64 distinct configurations alone. This is a benchmark, not a
-test: nothing here asserts on speed.
+mixed-same is the cost of the 64 distinct configurations alone. A second table gives where
+the worker's time went per configuration: xmix's own host time per engine step, its step
+bookkeeping and its active site programs (the worker's counters, read through
+/xmix/v1/status between waves), against the wave's wall time per step. This is a benchmark,
+not a test: nothing here asserts on speed.
 
     python bench/serve_paired.py [--waves 30] [--concurrency 8] [--mixed-concurrency 64]
         [--model llama-8x512] [--configs steer,ablate,probe,cast,mixed-same,mixed]
@@ -68,8 +71,29 @@ def quartiles(xs: list[float]) -> tuple[float, float, float]:
     return q[0], statistics.median(xs), q[2]
 
 
+async def worker_counters(session, base: str) -> dict[str, float]:
+    """Worker 0's step count and xmix host seconds (the status route, admin key)."""
+    async with session.get(
+        f"{base}/xmix/v1/status", headers={"Authorization": f"Bearer {so.ADMIN_KEY}"}
+    ) as r:
+        st = (await r.json())["workers"][0]["stats"]
+    return {k: float(st[k]) for k in ("steps", "host_seconds_step", "host_seconds_sites")}
+
+
+def host_figures(before: dict, after: dict, wall: float) -> dict[str, float]:
+    """Per engine step of one wave, ms: xmix's bookkeeping, its site programs, the step."""
+    n = max(after["steps"] - before["steps"], 1.0)
+    return {
+        "host_step_ms": 1e3 * (after["host_seconds_step"] - before["host_seconds_step"]) / n,
+        "host_sites_ms": 1e3 * (after["host_seconds_sites"] - before["host_seconds_sites"]) / n,
+        "step_ms": 1e3 * wall / n,
+    }
+
+
 async def run_waves(base: str, model: Path, vocab: int, plan: list[tuple[str, int]], args):
     """Per (config, concurrency): one dict of figures per wave (the first wave is warm-up)."""
+    import time
+
     import aiohttp
     from vllm.benchmarks.lib.endpoint_request_func import (
         RequestFuncInput,
@@ -100,11 +124,17 @@ async def run_waves(base: str, model: Path, vocab: int, plan: list[tuple[str, in
                     )
                     for i in range(c)
                 ]
+                before = await worker_counters(session, base)
+                t0 = time.perf_counter()
                 outs = await asyncio.gather(
                     *(async_request_openai_completions(x, session) for x in inputs)
                 )
+                wall = time.perf_counter() - t0
+                after = await worker_counters(session, base)
                 if w:
-                    got[(cfg, c)].append(wave_figures(outs))
+                    got[(cfg, c)].append(
+                        {**wave_figures(outs), **host_figures(before, after, wall)}
+                    )
             if w and args.progress:
                 print(f"wave {w}/{args.waves}", flush=True)
     return got
@@ -141,6 +171,25 @@ def table(got: dict[tuple[str, int], list[dict]], configs: list[tuple[str, int]]
                 + " | ".join(cells)
                 + " |"
             )
+    return "\n".join(lines)
+
+
+def host_table(got: dict[tuple[str, int], list[dict]], plan: list[tuple[str, int]]) -> str:
+    lines = [
+        "| configuration | step (ms) | xmix bookkeeping (ms) | xmix site programs (ms) "
+        "| xmix share of the step |",
+        "|---|---|---|---|---|",
+    ]
+    for cfg, c in plan:
+        waves = got[(cfg, c)]
+        med = {k: statistics.median(w[k] for w in waves) for k in waves[0] if "ms" in k}
+        share = statistics.median(
+            (w["host_step_ms"] + w["host_sites_ms"]) / w["step_ms"] for w in waves
+        )
+        lines.append(
+            f"| {cfg} (concurrency {c}) | {med['step_ms']:.2f} | {med['host_step_ms']:.3f} "
+            f"| {med['host_sites_ms']:.3f} | {100 * share:.1f} % |"
+        )
     return "\n".join(lines)
 
 
@@ -201,7 +250,12 @@ def main() -> None:
         f"{args.output_len} output tokens (ignore_eos); {args.waves} waves per configuration "
         f"after one warm-up wave; server start {start:.0f} s\n\n"
         "ratio to the unused wave next to it (same server, same concurrency): median over "
-        "waves (interquartile range); unused rows: medians in ms\n\n" + table(got, configs) + "\n"
+        "waves (interquartile range); unused rows: medians in ms\n\n"
+        + table(got, configs)
+        + "\n\nxmix's host time in the worker per engine step (the worker's counters; "
+        "medians over waves; step: the wave's wall time over its engine steps)\n\n"
+        + host_table(got, plan)
+        + "\n"
     )
     print(text)
     if args.results:

@@ -13,6 +13,8 @@ process's control block (``set_control``) and runs the site program:
 
 from __future__ import annotations
 
+from time import perf_counter
+
 import torch
 
 from xmix import _C
@@ -59,6 +61,7 @@ def _site_cpu(h: torch.Tensor, r: torch.Tensor | None, site: int) -> None:
     cb = _CONTROL
     if cb is None or not cb.site_active[site]:
         return
+    t0 = perf_counter()
     try:
         n, d, sh, sr, rp, dt = _args(h, r)
         failed = _C.run_site_cpu(cb.ptr, site, h.data_ptr(), rp, n, d, sh, sr, dt)
@@ -66,6 +69,7 @@ def _site_cpu(h: torch.Tensor, r: torch.Tensor | None, site: int) -> None:
         failed = [(None, f"{type(e).__name__}: {e}")]
     if failed:
         cb.site_failed(site, failed)
+    cb.site_seconds += perf_counter() - t0
 
 
 def _site_cuda(h: torch.Tensor, r: torch.Tensor | None, site: int) -> None:

@@ -292,6 +292,36 @@ def test_graph_counters_of_the_workers_reach_metrics(server):
     assert "vllm:xmix_graph_fallbacks_total{" in text
 
 
+def test_worker_host_time_reaches_metrics(server):
+    """xmix's own host time in the worker (step bookkeeping and active site programs) and
+    the steps it saw come to /metrics with the graph counters; a request that runs the probe
+    adds site time, so both parts move."""
+
+    def host() -> dict[str, float]:
+        text = server["client"].get("/metrics").text
+        out = {}
+        for l in text.splitlines():
+            if l.startswith("vllm:xmix_worker_host_seconds_total{"):
+                out[l.split('part="')[1].split('"')[0]] = float(l.rsplit(" ", 1)[1])
+            elif l.startswith("vllm:xmix_worker_steps_total{"):
+                out["steps"] = float(l.rsplit(" ", 1)[1])
+        return out
+
+    first = host()
+    assert set(first) == {"step", "sites", "steps"}, first
+    complete(server, control={"apps": ["probe"]})
+    deadline = time.time() + 30
+    while True:
+        later = host()  # refreshed in the background, at most every 5 s
+        if later["sites"] > first["sites"] or time.time() > deadline:
+            break
+        time.sleep(0.5)
+    assert later["steps"] > first["steps"] and later["step"] > first["step"], (first, later)
+    assert later["sites"] > first["sites"], (first, later)
+    # a few ms of bookkeeping per step at most, on this 2-core machine, not seconds
+    assert later["step"] / later["steps"] < 0.05, later
+
+
 def test_bad_requests_are_rejected_and_serving_continues(server):
     cases = [
         ({"apps": ["nope"]}, None, "unknown app"),

@@ -109,3 +109,18 @@ def test_a_failing_or_old_worker_answer_keeps_serving_metrics():
     _wait(c)
     got = _scrape(c)  # the last values stay
     assert got['vllm:xmix_graph_checks_total{model_name="m",result="passed"}'] == 3
+
+
+def test_worker_host_time_is_the_largest_ranks_not_a_sum():
+    """Tensor-parallel ranks run the same steps and site programs side by side: the engine's
+    host time is the slowest rank's, so two ranks' 0.5 s and 0.7 s read 0.7 s, not 1.2 s."""
+    clock = Clock()
+    w0 = {"stats": {"steps": 40, "host_seconds_step": 0.5, "host_seconds_sites": 0.25}}
+    w1 = {"stats": {"steps": 40, "host_seconds_step": 0.7, "host_seconds_sites": 0.125}}
+    c = GraphStatsCollector(lambda: [w0, w1], "m", refresh_s=5.0, clock=clock)
+    _scrape(c)
+    _wait(c)
+    got = _scrape(c)
+    assert got['vllm:xmix_worker_host_seconds_total{model_name="m",part="step"}'] == 0.7
+    assert got['vllm:xmix_worker_host_seconds_total{model_name="m",part="sites"}'] == 0.25
+    assert got['vllm:xmix_worker_steps_total{model_name="m"}'] == 40

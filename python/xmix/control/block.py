@@ -188,6 +188,8 @@ class ControlBlock:
         # (the worker finishes them with an error); failures per app name.
         self.failed: dict[str, str] = {}
         self.site_errors: dict[str, int] = {}
+        # Host seconds in active site programs on the CPU engine (ops.py); the worker reports it.
+        self.site_seconds = 0.0
         self.graph_hook: GraphHook | None = None  # set by the CUDA-graph capture hook
         self._site_ops: list[list[SiteOp]] = [[] for _ in range(self.n_sites)]
         self._site_custom: dict[int, list[tuple[int, SiteOp]]] = {}

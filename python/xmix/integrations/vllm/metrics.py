@@ -156,6 +156,11 @@ APP_COUNTERS = {
 }
 
 
+# xmix's own host time in the workers (worker.py, ops.py), from the same answers: every rank
+# runs the same steps and site programs, so the largest value is the engine's.
+HOST_PARTS = {"step": "host_seconds_step", "sites": "host_seconds_sites"}
+
+
 class GraphStatsCollector:
     """A prometheus_client collector of the workers' CUDA graph counters."""
 
@@ -169,6 +174,7 @@ class GraphStatsCollector:
         self._lock = threading.Lock()
         self._totals: dict[str, int] = {}
         self._per_app: dict[str, dict[str, int]] = {}  # nonfinite_writes, site_errors per app
+        self._host: dict[str, float] = {}  # HOST_PARTS, and "steps"
         self._asked_at: float | None = None
         self.workers = 0  # workers in the last answer that sent counters
         self.thread: threading.Thread | None = None
@@ -179,7 +185,12 @@ class GraphStatsCollector:
             totals: dict[str, int] = {}
             per_app: dict[str, dict[str, int]] = {k: {} for k in APP_COUNTERS}
             workers = 0
+            host: dict[str, float] = {}
             for a in answers or ():
+                st = (a or {}).get("stats") or {}
+                for k in (*HOST_PARTS.values(), "steps"):
+                    if k in st:
+                        host[k] = max(host.get(k, 0.0), float(st[k]))
                 # every rank runs the same site programs: the largest count is the app's
                 for k in APP_COUNTERS:
                     for app, v in ((a or {}).get(k) or {}).items():
@@ -193,6 +204,7 @@ class GraphStatsCollector:
             with self._lock:
                 self._totals = totals
                 self._per_app = per_app
+                self._host = host
                 self.workers = workers
         except Exception as e:  # an engine shutting down: keep the last values
             import logging
@@ -218,7 +230,22 @@ class GraphStatsCollector:
         self.maybe_refresh()
         with self._lock:
             totals, workers, per_app = dict(self._totals), self.workers, dict(self._per_app)
+            host = dict(self._host)
         labels = ["model_name"]
+        hs = CounterMetricFamily(
+            "vllm:xmix_worker_host_seconds",
+            "xmix's own host time in the worker: per-step bookkeeping around the forward "
+            "(admission, step maps, prologue, read drain) and active site programs on the CPU",
+            labels=labels + ["part"],
+        )
+        for part, key in HOST_PARTS.items():
+            hs.add_metric([self.model_name, part], host.get(key, 0.0))
+        yield hs
+        steps = CounterMetricFamily(
+            "vllm:xmix_worker_steps", "Engine steps the xmix worker saw", labels=labels
+        )
+        steps.add_metric([self.model_name], host.get("steps", 0.0))
+        yield steps
         for key, doc in APP_COUNTERS.items():
             c = CounterMetricFamily(f"vllm:xmix_{key}", doc, labels=labels + ["app"])
             for app, v in sorted(per_app.get(key, {}).items()):

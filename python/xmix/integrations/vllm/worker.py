@@ -98,6 +98,10 @@ class WorkerXmix:
         self.pending_reads: list[PendingReads] = []  # reads still on their way (GPU)
         self.sched = None
         self.stats = {"steps": 0, "steps_with_apps": 0, "admit_errors": 0, "restarts": 0}
+        # xmix's own host time in this worker, seconds: the per-step bookkeeping around the
+        # forward (admission, step maps, prologue, drain) and the active site programs inside
+        # it (ops.py). Operators and bench/serve_paired.py read them as a share of the step.
+        self.host_seconds = 0.0
         self._started = np.zeros(cb.cap.max_slots, dtype=bool)
         self._pp_step = None  # (row slots, tokens) of a step that ran apps, for the next stage
 
@@ -394,7 +398,9 @@ def patch_model_runner(cls) -> None:
         x = _runner_xmix(self)
         if x is None:
             return orig_execute(self, scheduler_output, *args, **kwargs)
+        t0 = time.perf_counter()
         x.on_schedule(scheduler_output)
+        x.host_seconds += time.perf_counter() - t0
         if x.pp is None:
             return orig_execute(self, scheduler_output, *args, **kwargs)
         return _execute_stage(self, x, orig_execute, scheduler_output, args, kwargs)
@@ -403,11 +409,15 @@ def patch_model_runner(cls) -> None:
         x = _runner_xmix(self)
         if x is None:
             return orig_forward(self, input_ids, positions, *args, **kwargs)
+        t0 = time.perf_counter()
         x.before_forward(self, input_ids)
+        t1 = time.perf_counter()
         try:
             return orig_forward(self, input_ids, positions, *args, **kwargs)
         finally:
+            t2 = time.perf_counter()
             x.after_forward()
+            x.host_seconds += (t1 - t0) + (time.perf_counter() - t2)
 
     def sample_tokens(self, *args, **kwargs):
         return _attach_results(self, orig_sample(self, *args, **kwargs))
@@ -499,6 +509,7 @@ def patch_model_runner_v2(cls) -> None:
         ib = orig_prepare(self, scheduler_output, *args, **kwargs)
         x = _runner_xmix(self)
         if x is not None:
+            t0 = time.perf_counter()
             n = ib.num_reqs
             x.begin(
                 ib.req_ids[:n],
@@ -508,6 +519,7 @@ def patch_model_runner_v2(cls) -> None:
                 ib.input_ids,
                 int(ib.num_tokens_after_padding),
             )
+            x.host_seconds += time.perf_counter() - t0
         return ib
 
     def execute_model(self, scheduler_output, *args, **kwargs):
@@ -516,7 +528,9 @@ def patch_model_runner_v2(cls) -> None:
         finally:
             x = _runner_xmix(self)
             if x is not None and not kwargs.get("dummy_run", False):
+                t0 = time.perf_counter()
                 x.after_forward()
+                x.host_seconds += time.perf_counter() - t0
 
     def sample_tokens(self, *args, **kwargs):
         return _attach_results(self, orig_sample(self, *args, **kwargs))
@@ -654,7 +668,12 @@ def xmix_describe(self) -> dict:
     return {
         "apps": x.describe(),
         "sites": x.sites,
-        "stats": {**x.stats, **x.cb.staging_stats()},
+        "stats": {
+            **x.stats,
+            **x.cb.staging_stats(),
+            "host_seconds_step": x.host_seconds,
+            "host_seconds_sites": x.cb.site_seconds,
+        },
         "graphs": graphs.stats(),
         "ops_generation": x.cb.ops_generation,
         "nonfinite_writes": x.cb.nonfinite_writes(),
