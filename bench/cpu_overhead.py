@@ -14,7 +14,8 @@ d = 512 Llama that bench/serve_overhead.py and bench/serve_paired.py serve):
 
 Rounds are interleaved (vanilla, unused, steer, probe, vanilla, ...) so that machine noise
 hits every configuration alike; the table gives the median tokens/s per configuration and the
-ratio of medians to vanilla. This is a benchmark, not a test: nothing here asserts.
+ratio of medians to vanilla, and the median (and quartiles) of each round's ratio to the same
+round's vanilla. This is a benchmark, not a test: nothing here asserts.
 
     python bench/cpu_overhead.py [--prompts 64] [--tokens 64] [--rounds 5] [--model llama-8x512]
 """
@@ -128,10 +129,21 @@ def main() -> None:
         f"workload: {args.model}, {args.prompts} prompts x {args.tokens} tokens, greedy, "
         f"{args.rounds} interleaved rounds\n"
     )
-    print(f"{'configuration':16s} {'median tok/s':>13s} {'ratio':>7s}   rounds (tok/s)")
+    # paired: each round's figure over the same round's vanilla (the machine drifts by more
+    # than the costs between the first and the last round of a run), median and quartiles
+    print(
+        f"{'configuration':16s} {'median tok/s':>13s} {'ratio':>7s} {'paired (IQR)':>20s}"
+        "   rounds (tok/s)"
+    )
     for name, vals in tps.items():
         med = statistics.median(vals)
-        print(f"{name:16s} {med:13.1f} {med / base:7.3f}   " + ", ".join(f"{v:.0f}" for v in vals))
+        per = [v / b for v, b in zip(vals, tps["vanilla"])]
+        q = statistics.quantiles(per, n=4, method="inclusive") if len(per) > 1 else per * 3
+        paired = f"{statistics.median(per):.3f} ({q[0]:.2f}..{q[2]:.2f})"
+        print(
+            f"{name:16s} {med:13.1f} {med / base:7.3f} {paired:>20s}   "
+            + ", ".join(f"{v:.0f}" for v in vals)
+        )
 
 
 if __name__ == "__main__":

@@ -60,7 +60,10 @@ __attribute__((target_clones("avx512f", "avx2,fma", "default"))) float dot_f(con
 }
 
 // dst[i] = src[i] converted to fp32.
-void load_row(const void* src, int32_t dtype, int32_t d, float* dst) {
+__attribute__((target_clones("avx512f", "avx2,fma", "default"))) void load_row(const void* src,
+                                                                               int32_t dtype,
+                                                                               int32_t d,
+                                                                               float* dst) {
   if (dtype == DT_F32) {
     std::memcpy(dst, src, sizeof(float) * static_cast<size_t>(d));
     return;
@@ -121,12 +124,24 @@ __attribute__((target_clones("avx512f", "avx2,fma", "default"))) int32_t store_r
     }
     return refused;
   }
-  // Finite after rounding to 16 bits: the exponent field is not all ones.
+  // Finite after rounding to 16 bits: the exponent field is not all ones. bf16 without a
+  // branch (select and count), so it vectorises like fp32.
   uint16_t* o = static_cast<uint16_t*>(dst);
-  const uint16_t exp_mask = dtype == DT_BF16 ? 0x7f80u : 0x7c00u;
+  if (dtype == DT_BF16) {
+    const uint32_t* u = reinterpret_cast<const uint32_t*>(v);
+    for (int32_t i = 0; i < d; ++i) {
+      // float_to_bf16's rounding; a NaN (which it keeps a NaN) is refused, as is a value
+      // that rounds to Inf, so the NaN branch is folded into the check
+      const uint16_t b = static_cast<uint16_t>((u[i] + 0x7fffu + ((u[i] >> 16) & 1u)) >> 16);
+      const uint32_t ok = ((u[i] & 0x7fffffffu) <= 0x7f800000u) & ((b & 0x7f80u) != 0x7f80u);
+      o[i] = ok ? b : o[i];
+      refused += static_cast<int32_t>(ok ^ 1u);
+    }
+    return refused;
+  }
   for (int32_t i = 0; i < d; ++i) {
-    const uint16_t b = dtype == DT_BF16 ? float_to_bf16(v[i]) : float_to_f16(v[i]);
-    if ((b & exp_mask) != exp_mask)
+    const uint16_t b = float_to_f16(v[i]);
+    if ((b & 0x7c00u) != 0x7c00u)
       o[i] = b;
     else
       ++refused;

@@ -84,6 +84,39 @@ def test_an_adversarial_affine_matrix_cannot_make_the_stream_infinite(backend, d
     assert _counts(hs) == {"k": refused}
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_nan_in_the_stream_is_not_spread_by_a_projection(backend, dtype):
+    """One NaN element in a row makes that row's projection NaN, so every new value of the
+    row is NaN: the whole row keeps its values (the NaN stays where it was, nothing spreads)
+    and counts d refused elements; the request's other rows are ablated as usual."""
+    g = torch.Generator().manual_seed(2)
+    u = torch.randn(D, generator=g)
+    app = App("k")
+    app.write("ablate", direction=u).layers([0]).submodule("residual.pre")
+    h = torch.randn(5, D, generator=g).to(dtype)
+    r = torch.randn(5, D, generator=g).to(dtype)
+    h[1, 7] = float("nan")
+    h, r = h.to(backend), r.to(backend)
+    h0 = h.clone()
+    hs = Harness(SHAPE, [app], backend)
+    hs.step(STEP)
+    hs.run("residual.pre", 0, h, r)
+    want = R.ablate(h0.cpu(), r.cpu(), A_ROWS, u)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    assert torch.equal(h[1].cpu().view(bits), h0[1].cpu().view(bits))  # the NaN row, as it was
+    assert torch.equal(h[3:].cpu().view(bits), h0[3:].cpu().view(bits))  # the other request
+    ok = torch.tensor([0, 2])
+    torch.testing.assert_close(
+        h[ok].cpu().float(),
+        want[ok].float(),
+        rtol=1e-5 if dtype == torch.float32 else 1e-2,
+        atol=1e-5 if dtype == torch.float32 else 1e-2,
+    )
+    assert not torch.equal(h[ok].cpu(), h0[ok].cpu())
+    assert _counts(hs) == {"k": D}
+
+
 KERNELS_CPP = r"""
 #include <stdexcept>
 #include "xmix/custom.h"
