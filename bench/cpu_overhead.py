@@ -18,6 +18,7 @@ ratio of medians to vanilla, and the median (and quartiles) of each round's rati
 round's vanilla. This is a benchmark, not a test: nothing here asserts.
 
     python bench/cpu_overhead.py [--prompts 64] [--tokens 64] [--rounds 5] [--model llama-8x512]
+    python bench/cpu_overhead.py --profile DIR   # py-spy on xmix's processes, per configuration
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import os
 import platform
 import statistics
 import time
+from pathlib import Path
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
@@ -43,6 +45,12 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument(
+        "--profile",
+        type=Path,
+        help="instead of the rounds: py-spy on xmix's processes (frontend, engine core, worker) "
+        "during three generates per xmix configuration; collapsed stacks and summary.txt here",
+    )
     args = ap.parse_args()
 
     import torch
@@ -60,7 +68,14 @@ def main() -> None:
 
     vanilla = vllm.LLM(model=path, **kw)
     del os.environ["XMIX_DISABLE"]
+    import psutil
+
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
     llm = xmix.LLM(model=path, **kw)
+    # xmix's engine core and worker: the processes its engine started
+    xmix_procs = {
+        p.pid: p.name() for p in psutil.Process().children(recursive=True) if p.pid not in before
+    }
     d = llm.llm_engine.model_config.hf_config.hidden_size
     g = torch.Generator().manual_seed(0)
     steer = xmix.App("steer")
@@ -111,6 +126,15 @@ def main() -> None:
     # warm-up (compilation, allocator) once per configuration
     for eng, p in configs.values():
         eng.generate(prompts[:8], p, use_tqdm=False)
+    if args.profile:
+        roles = {"frontend": os.getpid()}
+        for pid, name in xmix_procs.items():
+            if "EngineCore" in name:
+                roles["engine"] = pid
+            elif "Worker" in name:
+                roles["worker"] = pid
+        profile(args.profile, roles, {k: v for k, v in configs.items() if k != "vanilla"}, prompts)
+        return
     tps: dict[str, list[float]] = {k: [] for k in configs}
     for _ in range(args.rounds):
         for name, (eng, p) in configs.items():
@@ -144,6 +168,41 @@ def main() -> None:
             f"{name:16s} {med:13.1f} {med / base:7.3f} {paired:>20s}   "
             + ", ".join(f"{v:.0f}" for v in vals)
         )
+
+
+def profile(out: Path, roles: dict[str, int], configs: dict, prompts: list) -> None:
+    """py-spy (200 Hz, active samples) on each of xmix's processes while one configuration
+    generates three times; the summary is serve_overhead's (xmix's own share per process)."""
+    import shutil
+    import signal
+    import subprocess
+    import sys
+
+    from serve_overhead import profile_report
+
+    spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    out.mkdir(parents=True, exist_ok=True)
+    for name, (eng, p) in configs.items():
+        spies = [
+            subprocess.Popen(
+                [spy, "record", "--pid", str(pid), "--rate", "200", "--format", "raw"]
+                + ["--nonblocking", "--output", str(out / f"{name}-{role}.txt")],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            for role, pid in roles.items()
+        ]
+        time.sleep(1)  # py-spy attached
+        t0 = time.perf_counter()
+        for _ in range(3):
+            eng.generate(prompts, p, use_tqdm=False)
+        print(f"{name}: {time.perf_counter() - t0:.2f} s for three generates (under py-spy)")
+        for s in spies:
+            s.send_signal(signal.SIGINT)
+            s.wait(timeout=120)
+    report = profile_report(out)
+    (out / "summary.txt").write_text(report)
+    print(report + f"\nprofiles (py-spy collapsed stacks) and summary.txt in {out}")
 
 
 if __name__ == "__main__":
