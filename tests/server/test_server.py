@@ -318,8 +318,6 @@ def test_worker_host_time_reaches_metrics(server):
         time.sleep(0.5)
     assert later["steps"] > first["steps"] and later["step"] > first["step"], (first, later)
     assert later["sites"] > first["sites"], (first, later)
-    # a few ms of bookkeeping per step at most, on this 2-core machine, not seconds
-    assert later["step"] / later["steps"] < 0.05, later
 
 
 def test_bad_requests_are_rejected_and_serving_continues(server):
