@@ -20,9 +20,20 @@ bookkeeping and its active site programs (the worker's counters, read through
 /xmix/v1/status between waves), against the wave's wall time per step. This is a benchmark,
 not a test: nothing here asserts on speed.
 
+--vanilla keeps a `vllm serve` (plugins off, same model and flags) up beside the xmix server
+and adds its waves to the rotation: "unused over vanilla" is then the cost of deploying xmix,
+paired wave by wave, with none of serve_overhead's server-to-server drift (servers started in
+turn, each run's regime, lockstep or staggered, set by chance; two such vanilla servers differ
+by 10 %). An idle server takes almost nothing (its worker polls: ~1 % of a core). --control
+adds a second, identical vanilla server ("vanilla-again"): "vanilla-again over vanilla" is the
+method's own floor, what two servers that differ in nothing show. --instances repeats the
+whole run with fresh servers (started in alternating order), since a server process can be
+faster or slower than another for its whole life; the table then also gives each instance's
+median.
+
     python bench/serve_paired.py [--waves 30] [--concurrency 8] [--mixed-concurrency 64]
         [--model llama-8x512] [--configs steer,ablate,probe,cast,mixed-same,mixed]
-        [--results FILE.md]
+        [--vanilla] [--control] [--instances 1] [--results FILE.md]
 """
 
 from __future__ import annotations
@@ -46,6 +57,8 @@ import serve_overhead as so
 # configurations in flight instead of 64): mixed over mixed-same is what distinct
 # configurations cost, apart from what the apps themselves cost
 EXTRA = ("mixed-same",)
+# configurations that run on a vanilla server of their own (--vanilla, --control)
+VANILLA = ("vanilla", "vanilla-again")
 
 METRICS = (("mean TTFT", "ttft"), ("mean ITL", "itl"), ("P99 ITL", "p99_itl"), ("mean E2E", "e2e"))
 
@@ -90,8 +103,11 @@ def host_figures(before: dict, after: dict, wall: float) -> dict[str, float]:
     }
 
 
-async def run_waves(base: str, model: Path, vocab: int, plan: list[tuple[str, int]], args):
-    """Per (config, concurrency): one dict of figures per wave (the first wave is warm-up)."""
+async def run_waves(
+    bases: dict[str, str], model: Path, vocab: int, plan: list[tuple[str, int]], args
+):
+    """Per (config, concurrency): one dict of figures per wave (the first wave is warm-up).
+    `bases`: the xmix server's URL under "xmix", each vanilla configuration's under its name."""
     import time
 
     import aiohttp
@@ -112,6 +128,7 @@ async def run_waves(base: str, model: Path, vocab: int, plan: list[tuple[str, in
             k = w % len(plan)
             for cfg, c in plan[k:] + plan[:k]:
                 bodies = request_bodies(cfg)
+                base = bases.get(cfg, bases["xmix"])
                 inputs = [
                     RequestFuncInput(
                         prompt=[rng.randrange(10, vocab - 10) for _ in range(args.input_len)],
@@ -124,53 +141,100 @@ async def run_waves(base: str, model: Path, vocab: int, plan: list[tuple[str, in
                     )
                     for i in range(c)
                 ]
-                before = await worker_counters(session, base)
+                counted = cfg not in VANILLA  # a vanilla server has no xmix counters
+                before = await worker_counters(session, base) if counted else None
                 t0 = time.perf_counter()
                 outs = await asyncio.gather(
                     *(async_request_openai_completions(x, session) for x in inputs)
                 )
                 wall = time.perf_counter() - t0
-                after = await worker_counters(session, base)
+                after = await worker_counters(session, base) if counted else None
                 if w:
-                    got[(cfg, c)].append(
-                        {**wave_figures(outs), **host_figures(before, after, wall)}
-                    )
+                    figs = wave_figures(outs)
+                    if counted:
+                        figs.update(host_figures(before, after, wall))
+                    got[(cfg, c)].append(figs)
             if w and args.progress:
                 print(f"wave {w}/{args.waves}", flush=True)
     return got
 
 
 def request_bodies(config: str) -> list[dict]:
+    if config in VANILLA:
+        return [{}]
     if config == "mixed-same":
         return [{"vllm_xargs": {"xmix_apps": apps}} for apps in so.MIXED_COMBOS]
     return so.request_bodies(config)
 
 
+def paired_cells(mine: list[dict], base: list[dict]) -> list[str]:
+    cells = []
+    for _, k in METRICS:
+        lo, med, hi = quartiles([m[k] / b[k] for m, b in zip(mine, base)])
+        cells.append(f"{med:.3f} ({lo:.2f}..{hi:.2f})")
+    return cells
+
+
+def vanilla_rows(got: dict[tuple[str, int], list[dict]]) -> list[str]:
+    """unused over vanilla (xmix deployed against vanilla vLLM, wave by wave) and the control."""
+    rows = []
+    for c in sorted({c for cfg, c in got if cfg == "vanilla"}):
+        van = got[("vanilla", c)]
+        for cfg, label in (
+            ("unused", f"unused over vanilla: xmix deployed, no app used (concurrency {c})"),
+            ("vanilla-again", f"control: vanilla-again over vanilla (concurrency {c})"),
+        ):
+            if (cfg, c) in got:
+                rows.append(f"| {label} | " + " | ".join(paired_cells(got[(cfg, c)], van)) + " |")
+    return rows
+
+
 def table(got: dict[tuple[str, int], list[dict]], configs: list[tuple[str, int]]) -> str:
     head = "| configuration | " + " | ".join(m for m, _ in METRICS) + " |"
     lines = [head, "|" + "---|" * (len(METRICS) + 1)]
-    for c in sorted({c for _, c in got}):
-        base = got[("unused", c)]
-        cells = [f"{1e3 * statistics.median(w[k] for w in base):.1f}" for _, k in METRICS]
-        lines.append(f"| unused, concurrency {c} (ms) | " + " | ".join(cells) + " |")
+    for name in ("vanilla", "unused"):
+        for c in sorted({c for cfg, c in got if cfg == name}):
+            base = got[(name, c)]
+            cells = [f"{1e3 * statistics.median(w[k] for w in base):.1f}" for _, k in METRICS]
+            lines.append(f"| {name}, concurrency {c} (ms) | " + " | ".join(cells) + " |")
+    lines += vanilla_rows(got)
     for cfg, c in configs:
-        base, mine = got[("unused", c)], got[(cfg, c)]
-        cells = []
-        for _, k in METRICS:
-            lo, med, hi = quartiles([m[k] / b[k] for m, b in zip(mine, base)])
-            cells.append(f"{med:.3f} ({lo:.2f}..{hi:.2f})")
+        cells = paired_cells(got[(cfg, c)], got[("unused", c)])
         lines.append(f"| {cfg} (concurrency {c}) | " + " | ".join(cells) + " |")
     for (cfg, c), same in [(k, ("mixed-same", k[1])) for k in configs if k[0] == "mixed"]:
         if same in got:
-            cells = []
-            for _, k in METRICS:
-                lo, med, hi = quartiles([m[k] / b[k] for m, b in zip(got[(cfg, c)], got[same])])
-                cells.append(f"{med:.3f} ({lo:.2f}..{hi:.2f})")
             lines.append(
                 f"| mixed over mixed-same (concurrency {c}): 64 vs 4 configurations | "
-                + " | ".join(cells)
+                + " | ".join(paired_cells(got[(cfg, c)], got[same]))
                 + " |"
             )
+    return "\n".join(lines)
+
+
+def instance_table(got: dict[tuple[str, int], list[dict]]) -> str:
+    """Per server instance, the median paired ratio to vanilla (a server process can be faster
+    or slower than another for its whole life; the instances show how much)."""
+    pairs = [
+        (cfg, c) for cfg, c in got if cfg in ("unused", "vanilla-again") and ("vanilla", c) in got
+    ]
+    n = max(w["instance"] for w in got[pairs[0]]) + 1
+    head = "| over vanilla | " + " | ".join(f"instance {i + 1}" for i in range(n)) + " |"
+    lines = [
+        "per instance, median over its waves (mean ITL / mean E2E)",
+        "",
+        head,
+        "|" + "---|" * (n + 1),
+    ]
+    for cfg, c in pairs:
+        cells = []
+        for i in range(n):
+            mine = [w for w in got[(cfg, c)] if w["instance"] == i]
+            van = [w for w in got[("vanilla", c)] if w["instance"] == i]
+            itl, e2e = (
+                statistics.median(m[k] / b[k] for m, b in zip(mine, van)) for k in ("itl", "e2e")
+            )
+            cells.append(f"{itl:.3f} / {e2e:.3f}")
+        lines.append(f"| {cfg} (concurrency {c}) | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -181,6 +245,8 @@ def host_table(got: dict[tuple[str, int], list[dict]], plan: list[tuple[str, int
         "|---|---|---|---|---|",
     ]
     for cfg, c in plan:
+        if cfg in VANILLA:
+            continue
         waves = got[(cfg, c)]
         med = {k: statistics.median(w[k] for w in waves) for k in waves[0] if "ms" in k}
         share = statistics.median(
@@ -205,6 +271,13 @@ def main() -> None:
     ap.add_argument("--mixed-concurrency", type=int, default=64)
     ap.add_argument("--configs", default="steer,ablate,probe,cast,mixed-same,mixed")
     ap.add_argument("--server-arg", action="append", default=[])
+    ap.add_argument(
+        "--vanilla", action="store_true", help="a vanilla server beside, its waves in turn"
+    )
+    ap.add_argument(
+        "--control", action="store_true", help="and a second vanilla server (implies --vanilla)"
+    )
+    ap.add_argument("--instances", type=int, default=1, help="fresh servers this many times")
     ap.add_argument("--results", type=Path)
     ap.add_argument("--progress", action="store_true")
     args = ap.parse_args()
@@ -216,7 +289,10 @@ def main() -> None:
     configs = [
         (c, args.mixed_concurrency if c.startswith("mixed") else args.concurrency) for c in names
     ]
-    plan = [("unused", c) for c in sorted({c for _, c in configs})] + configs
+    args.vanilla |= args.control
+    vanillas = ["vanilla", "vanilla-again"][: int(args.vanilla) + int(args.control)]
+    sizes = sorted({c for _, c in configs} | ({args.concurrency} if vanillas else set()))
+    plan = [("unused", c) for c in sizes] + [(v, args.concurrency) for v in vanillas] + configs
 
     from transformers import AutoConfig
 
@@ -225,12 +301,25 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="serve_paired-"))
     apps = so.write_apps(model, work)
     os.environ["OPENAI_API_KEY"] = so.API_KEY  # vLLM's request function reads it
-    server = so.Server("xmix", model, apps, work / "xmix.log", args.server_arg)
-    try:
-        start = server.wait_ready()
-        got = asyncio.run(run_waves(server.base, model, vocab, plan, args))
-    finally:
-        server.stop()
+    got: dict[tuple[str, int], list[dict]] = {p: [] for p in plan}
+    starts: list[str] = []
+    for i in range(args.instances):
+        # started one after another (two starting at once on a small machine slow each
+        # other's compile), in alternating order so neither kind always starts first
+        kinds = ["xmix", *vanillas] if i % 2 == 0 else [*vanillas, "xmix"]
+        servers: dict[str, so.Server] = {}
+        try:
+            for name in kinds:
+                kind = "xmix" if name == "xmix" else "vanilla"
+                log = work / f"{name}-{i}.log"
+                servers[name] = so.Server(kind, model, apps, log, args.server_arg)
+                starts.append(f"{name} {servers[name].wait_ready():.0f}")
+            bases = {name: srv.base for name, srv in servers.items()}
+            for key, waves in asyncio.run(run_waves(bases, model, vocab, plan, args)).items():
+                got[key] += [{**w, "instance": i} for w in waves]
+        finally:
+            for srv in servers.values():
+                srv.stop()
 
     import torch
     import vllm
@@ -247,11 +336,14 @@ def main() -> None:
         f"command: python bench/serve_paired.py {' '.join(sys.argv[1:])}\n"
         f"code: {rev or 'unknown'}\n"
         f"model: {args.model}, float32; {args.input_len} random prompt tokens, "
-        f"{args.output_len} output tokens (ignore_eos); {args.waves} waves per configuration "
-        f"after one warm-up wave; server start {start:.0f} s\n\n"
-        "ratio to the unused wave next to it (same server, same concurrency): median over "
-        "waves (interquartile range); unused rows: medians in ms\n\n"
+        f"{args.output_len} output tokens (ignore_eos); {args.waves} waves per configuration and instance "
+        f"after one warm-up wave, {args.instances} server instance(s); server start (s): "
+        f"{', '.join(starts)}\n\n"
+        "ratio to the unused wave next to it (same server, same concurrency), or to the "
+        'vanilla wave next to it ("over vanilla"): median over waves (interquartile range); '
+        "vanilla and unused rows: medians in ms\n\n"
         + table(got, configs)
+        + (f"\n\n{instance_table(got)}" if vanillas else "")
         + "\n\nxmix's host time in the worker per engine step (the worker's counters; "
         "medians over waves; step: the wave's wall time over its engine steps)\n\n"
         + host_table(got, plan)
