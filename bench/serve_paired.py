@@ -123,12 +123,17 @@ async def run_waves(
     # (uvicorn: 5 s) closes them: between the long waves at --mixed-concurrency the short
     # waves' connections sit idle, and one the server had just closed failed a request.
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=2)
+    last = None
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         for w in range(args.waves + 1):
             k = w % len(plan)
             for cfg, c in plan[k:] + plan[:k]:
                 bodies = request_bodies(cfg)
                 base = bases.get(cfg, bases["xmix"])
+                if last not in (None, base):
+                    # the server that just ran a wave is still spinning (see the top)
+                    await asyncio.sleep(args.switch_gap)
+                last = base
                 inputs = [
                     RequestFuncInput(
                         prompt=[rng.randrange(10, vocab - 10) for _ in range(args.input_len)],
@@ -278,6 +283,12 @@ def main() -> None:
         "--control", action="store_true", help="and a second vanilla server (implies --vanilla)"
     )
     ap.add_argument("--instances", type=int, default=1, help="fresh servers this many times")
+    ap.add_argument(
+        "--switch-gap",
+        type=float,
+        default=1.5,
+        help="seconds between two waves on different servers (vLLM's shm readers spin 1 s)",
+    )
     ap.add_argument("--results", type=Path)
     ap.add_argument("--progress", action="store_true")
     args = ap.parse_args()
