@@ -26,8 +26,15 @@ paired wave by wave, with none of serve_overhead's server-to-server drift (serve
 turn, each run's regime, lockstep or staggered, set by chance; two such vanilla servers differ
 by 10 %). An idle server takes almost nothing (its worker polls: ~1 % of a core). --control
 adds a second, identical vanilla server ("vanilla-again"): "vanilla-again over vanilla" is the
-method's own floor, what two servers that differ in nothing show. --instances repeats the
-whole run with fresh servers (started in alternating order), since a server process can be
+method's own floor, what two servers that differ in nothing show. A wave on one server
+waits --switch-gap seconds after a wave on another: the worker that just stepped keeps
+polling vLLM's shared-memory queue with sched_yield for 1 s after its last read
+(`shm_broadcast.SpinCondition`, busy_loop_s), on the core the next server's worker is bound
+to as well (vLLM's CPU worker binds core 0 on a 2-core machine). Without the gap the next
+wave's first second ran beside that spin: mean TTFT came in steps of ~0.5 s (0.39 to
+1.46 s; one server alone: 0.39-0.47 s); with 1.5 s it is 0.37-0.56 s on every server.
+--instances repeats the whole run with fresh servers (started in alternating order), since a
+server process can be
 faster or slower than another for its whole life; the table then also gives each instance's
 median.
 

@@ -114,10 +114,11 @@ def test_serve_overhead_runs_end_to_end(tmp_path):
 
 
 def test_serve_paired_runs_end_to_end(tmp_path):
-    """bench/serve_paired.py at tiny sizes: one xmix server, waves of each configuration in
-    turn, vLLM's request function timing every request; the table has a row per
-    configuration with a median and interquartile range per metric, and mixed over
-    mixed-same; the per-wave figures are kept. No timing is asserted."""
+    """bench/serve_paired.py at tiny sizes: one xmix server and (--vanilla) a vanilla server
+    beside it, waves of each configuration in turn, vLLM's request function timing every
+    request; the table has a row per configuration with a median and interquartile range per
+    metric, unused over vanilla, and mixed over mixed-same; a table per server instance; the
+    per-wave figures are kept. No timing is asserted."""
     results = tmp_path / "paired.md"
     cmd = [
         sys.executable,
@@ -136,6 +137,8 @@ def test_serve_paired_runs_end_to_end(tmp_path):
         str(OUT_LEN),
         "--configs",
         "probe,mixed-same,mixed",
+        "--vanilla",
+        "--switch-gap=0.2",  # no timing is read here; the gap only has to be taken
         "--server-arg=--enforce-eager",
         "--results",
         str(results),
@@ -143,24 +146,27 @@ def test_serve_paired_runs_end_to_end(tmp_path):
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
-    all_rows = [l for l in r.stdout.splitlines() if l.startswith("| ")]
-    split = next(i for i, l in enumerate(all_rows) if l.startswith("| configuration | step"))
-    rows, host = all_rows[:split], all_rows[split:]
+    blocks = [b.splitlines() for b in r.stdout.split("\n\n")]
+    rows, per_instance, host = [b for b in blocks if b and b[0].startswith("| ")]
     assert rows[0] == "| configuration | mean TTFT | mean ITL | P99 ITL | mean E2E |"
-    names = [l.split(" | ")[0] for l in rows[1:]]
+    names = [l.split(" | ")[0] for l in rows[2:]]
     assert names == [
+        "| vanilla, concurrency 2 (ms)",
         "| unused, concurrency 2 (ms)",
         "| unused, concurrency 4 (ms)",
+        "| unused over vanilla: xmix deployed, no app used (concurrency 2)",
         "| probe (concurrency 2)",
         "| mixed-same (concurrency 4)",
         "| mixed (concurrency 4)",
         "| mixed over mixed-same (concurrency 4): 64 vs 4 configurations",
     ]
-    for row in rows[3:]:
+    for row in rows[5:]:
         assert len(re.findall(r"\d+\.\d+ \(\d+\.\d+\.\.\d+\.\d+\)", row)) == 4, row
+    assert per_instance[0] == "| over vanilla | instance 1 |"
+    assert re.fullmatch(r"\| unused \(concurrency 2\) \| \d+\.\d+ / \d+\.\d+ \|", per_instance[2])
     # where the worker's time went, from its own counters: a row per configuration; unused
     # waves run no site program, the probe's do
-    host_rows = {l.split(" | ")[0][2:]: l.split(" | ")[1:] for l in host[1:]}
+    host_rows = {l.split(" | ")[0][2:]: l.split(" | ")[1:] for l in host[2:]}
     assert list(host_rows) == [
         "unused (concurrency 2)",
         "unused (concurrency 4)",
@@ -175,9 +181,20 @@ def test_serve_paired_runs_end_to_end(tmp_path):
     text = results.read_text()
     assert "machine:" in text and "command: python bench/serve_paired.py" in text
     waves = json.loads(results.with_suffix(".json").read_text())
-    assert sorted(waves) == ["mixed-same@4", "mixed@4", "probe@2", "unused@2", "unused@4"]
-    for figs in waves.values():
+    assert sorted(waves) == [
+        "mixed-same@4",
+        "mixed@4",
+        "probe@2",
+        "unused@2",
+        "unused@4",
+        "vanilla@2",
+    ]
+    for name, figs in waves.items():
         assert len(figs) == 2
         for f in figs:  # a request's latency covers its first token and the gaps after it
             assert 0 < f["ttft"] < f["e2e"] and 0 < f["itl"] <= f["p99_itl"] < f["e2e"]
-            assert f["step_ms"] > 0 and f["host_step_ms"] >= 0 and f["host_sites_ms"] >= 0
+            assert f["instance"] == 0
+            if name.startswith("vanilla"):  # no xmix counters on a vanilla server
+                assert "step_ms" not in f
+            else:
+                assert f["step_ms"] > 0 and f["host_step_ms"] >= 0 and f["host_sites_ms"] >= 0

@@ -1,0 +1,72 @@
+"""bench/serve_paired.py's ratios to vanilla, on wave figures made by hand (issue 17).
+
+Each xmix (or second vanilla) wave is the vanilla wave next to it times a factor chosen here,
+different per server instance, so every ratio the tables print is known in advance: the median
+and interquartile range over all waves, and each instance's median."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+import serve_paired  # noqa: E402
+
+KEYS = ("ttft", "itl", "p99_itl", "e2e")
+
+
+def waves(base: dict[str, float], factors: list[tuple[int, float]]) -> list[dict]:
+    return [{**{k: base[k] * f for k in KEYS}, "instance": i} for i, f in factors]
+
+
+def figures() -> dict[tuple[str, int], list[dict]]:
+    base = {"ttft": 0.300, "itl": 0.020, "p99_itl": 0.030, "e2e": 1.5}
+    # two instances of two waves each; vanilla's own waves differ, the ratios do not
+    van = [(0, 1.0), (0, 1.1), (1, 0.9), (1, 1.0)]
+    return {
+        ("vanilla", 8): waves(base, van),
+        # xmix unused: +1 % on instance 1, +3 % on instance 2
+        ("unused", 8): waves(
+            base, [(i, f * r) for (i, f), r in zip(van, (1.01, 1.01, 1.03, 1.03))]
+        ),
+        # the second vanilla server: -2 % on instance 1, +4 % on instance 2
+        ("vanilla-again", 8): waves(
+            base, [(i, f * r) for (i, f), r in zip(van, (0.98, 0.98, 1.04, 1.04))]
+        ),
+    }
+
+
+def test_over_vanilla_rows_are_the_paired_ratios():
+    rows = serve_paired.vanilla_rows(figures())
+    # median of (1.01, 1.01, 1.03, 1.03) is 1.02, its quartiles 1.01 and 1.03; same per metric
+    assert rows == [
+        "| unused over vanilla: xmix deployed, no app used (concurrency 8) | "
+        + " | ".join(["1.020 (1.01..1.03)"] * 4)
+        + " |",
+        "| control: vanilla-again over vanilla (concurrency 8) | "
+        + " | ".join(["1.010 (0.98..1.04)"] * 4)
+        + " |",
+    ]
+
+
+def test_each_instance_has_its_own_median():
+    text = serve_paired.instance_table(figures())
+    lines = text.splitlines()
+    assert lines[2] == "| over vanilla | instance 1 | instance 2 |"
+    assert lines[4] == "| unused (concurrency 8) | 1.010 / 1.010 | 1.030 / 1.030 |"
+    assert lines[5] == "| vanilla-again (concurrency 8) | 0.980 / 0.980 | 1.040 / 1.040 |"
+
+
+def test_the_full_table_puts_vanilla_first_and_the_over_vanilla_rows_next():
+    got = figures()
+    names = [line.split(" | ")[0] for line in serve_paired.table(got, []).splitlines()[2:]]
+    assert names == [
+        "| vanilla, concurrency 8 (ms)",
+        "| unused, concurrency 8 (ms)",
+        "| unused over vanilla: xmix deployed, no app used (concurrency 8)",
+        "| control: vanilla-again over vanilla (concurrency 8)",
+    ]
+    # vanilla's medians in ms: waves at 1.0, 1.1, 0.9, 1.0 of the base -> median 1.0
+    vanilla = serve_paired.table(got, []).splitlines()[2]
+    assert vanilla == "| vanilla, concurrency 8 (ms) | 300.0 | 20.0 | 30.0 | 1500.0 |"
