@@ -188,17 +188,29 @@ def paired_cells(mine: list[dict], base: list[dict]) -> list[str]:
 
 
 def vanilla_rows(got: dict[tuple[str, int], list[dict]]) -> list[str]:
-    """unused over vanilla (xmix deployed against vanilla vLLM, wave by wave) and the control."""
+    """unused over vanilla (xmix deployed against vanilla vLLM, wave by wave), the control,
+    and each app over vanilla (its wave against the vanilla wave of the same turn)."""
     rows = []
     for c in sorted({c for cfg, c in got if cfg == "vanilla"}):
         van = got[("vanilla", c)]
-        for cfg, label in (
+        labels = [
             ("unused", f"unused over vanilla: xmix deployed, no app used (concurrency {c})"),
             ("vanilla-again", f"control: vanilla-again over vanilla (concurrency {c})"),
-        ):
+        ] + [
+            (cfg, f"{cfg} over vanilla (concurrency {c})")
+            for cfg, cc in got
+            if cc == c and cfg not in ("unused", *VANILLA)
+        ]
+        for cfg, label in labels:
             if (cfg, c) in got:
                 rows.append(f"| {label} | " + " | ".join(paired_cells(got[(cfg, c)], van)) + " |")
     return rows
+
+
+def load_waves(path: Path) -> dict[tuple[str, int], list[dict]]:
+    """A run's per-wave figures as written next to its results (FILE.json)."""
+    raw = json.loads(path.read_text())
+    return {(k.rsplit("@", 1)[0], int(k.rsplit("@", 1)[1])): v for k, v in raw.items()}
 
 
 def table(got: dict[tuple[str, int], list[dict]], configs: list[tuple[str, int]]) -> str:
@@ -297,8 +309,21 @@ def main() -> None:
         help="seconds between two waves on different servers (vLLM's shm readers spin 1 s)",
     )
     ap.add_argument("--results", type=Path)
+    ap.add_argument(
+        "--from-json",
+        type=Path,
+        help="no servers: print the tables again from a run's per-wave figures (FILE.json)",
+    )
     ap.add_argument("--progress", action="store_true")
     args = ap.parse_args()
+    if args.from_json:
+        got = load_waves(args.from_json)
+        configs = [k for k in got if k[0] not in ("unused", *VANILLA)]
+        print(table(got, configs))
+        if any(cfg == "vanilla" for cfg, _ in got):
+            print("\n" + instance_table(got))
+        print("\n" + host_table(got, list(got)))
+        return
     names = [c for c in args.configs.split(",") if c and c != "unused"]
     known = so.CONFIGS + EXTRA
     bad = [c for c in names if c not in known]

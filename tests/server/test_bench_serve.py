@@ -155,6 +155,7 @@ def test_serve_paired_runs_end_to_end(tmp_path):
         "| unused, concurrency 2 (ms)",
         "| unused, concurrency 4 (ms)",
         "| unused over vanilla: xmix deployed, no app used (concurrency 2)",
+        "| probe over vanilla (concurrency 2)",
         "| probe (concurrency 2)",
         "| mixed-same (concurrency 4)",
         "| mixed (concurrency 4)",
@@ -180,6 +181,21 @@ def test_serve_paired_runs_end_to_end(tmp_path):
         assert float(cells[0]) > 0 and float(cells[1]) >= 0
     text = results.read_text()
     assert "machine:" in text and "command: python bench/serve_paired.py" in text
+    # the saved per-wave figures print the same tables again, without servers
+    again = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "serve_paired.py"),
+            "--from-json",
+            str(results.with_suffix(".json")),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    blocks = [b.splitlines() for b in again.stdout.split("\n\n")]
+    assert [b for b in blocks if b and b[0].startswith("| ")] == [rows, per_instance, host]
     waves = json.loads(results.with_suffix(".json").read_text())
     assert sorted(waves) == [
         "mixed-same@4",

@@ -30,6 +30,8 @@ def figures() -> dict[tuple[str, int], list[dict]]:
         ("unused", 8): waves(
             base, [(i, f * r) for (i, f), r in zip(van, (1.01, 1.01, 1.03, 1.03))]
         ),
+        # an app on the xmix server: +5 % everywhere
+        ("steer", 8): waves(base, [(i, f * 1.05) for i, f in van]),
         # the second vanilla server: -2 % on instance 1, +4 % on instance 2
         ("vanilla-again", 8): waves(
             base, [(i, f * r) for (i, f), r in zip(van, (0.98, 0.98, 1.04, 1.04))]
@@ -47,6 +49,7 @@ def test_over_vanilla_rows_are_the_paired_ratios():
         "| control: vanilla-again over vanilla (concurrency 8) | "
         + " | ".join(["1.010 (0.98..1.04)"] * 4)
         + " |",
+        "| steer over vanilla (concurrency 8) | " + " | ".join(["1.050 (1.05..1.05)"] * 4) + " |",
     ]
 
 
@@ -66,6 +69,7 @@ def test_the_full_table_puts_vanilla_first_and_the_over_vanilla_rows_next():
         "| unused, concurrency 8 (ms)",
         "| unused over vanilla: xmix deployed, no app used (concurrency 8)",
         "| control: vanilla-again over vanilla (concurrency 8)",
+        "| steer over vanilla (concurrency 8)",
     ]
     # vanilla's medians in ms: waves at 1.0, 1.1, 0.9, 1.0 of the base -> median 1.0
     vanilla = serve_paired.table(got, []).splitlines()[2]
