@@ -76,11 +76,9 @@ def test_serve_overhead_runs_end_to_end(tmp_path):
         cells = re.findall(r"(\d+\.\d+) \((\d+\.\d+)\.\.(\d+\.\d+)\)", row)
         assert len(cells) == 6, row
         for med, lo, hi in cells:
-            assert (
-                float(med) > 0
-                and abs(float(lo) - float(med)) < 0.006
-                and abs(float(hi) - float(med)) < 0.006
-            )
+            # one round: min, median and max are one ratio. It may print as 0.000: at 6
+            # tokens a run's P99 ITL can be a thousandth of the other server's (one stall)
+            assert abs(float(lo) - float(med)) < 0.006 and abs(float(hi) - float(med)) < 0.006
     text = results.read_text()
     assert (
         "machine:" in text and "date:" in text and "command: python bench/serve_overhead.py" in text
@@ -96,6 +94,7 @@ def test_serve_overhead_runs_end_to_end(tmp_path):
         # the gaps between chunks, so TTFT plus the ITLs is the request's latency
         assert len(res["itls"]) == N and all(len(i) <= OUT_LEN - 1 for i in res["itls"])
         for ttft, itl, lat in zip(res["ttfts"], res["itls"], res["latencies"]):
+            assert 0 < ttft <= lat and all(x >= 0 for x in itl)
             assert abs(ttft + sum(itl) - lat) < 0.05 * lat + 1e-3
         return res
 
