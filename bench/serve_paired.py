@@ -34,13 +34,13 @@ to as well (vLLM's CPU worker binds core 0 on a 2-core machine). Without the gap
 wave's first second ran beside that spin: mean TTFT came in steps of ~0.5 s (0.39 to
 1.46 s; one server alone: 0.39-0.47 s); with 1.5 s it is 0.37-0.56 s on every server.
 --instances repeats the whole run with fresh servers (started in alternating order), since a
-server process can be
-faster or slower than another for its whole life; the table then also gives each instance's
-median.
+server process can be faster or slower than another for its whole life; the table then also
+gives each instance's median.
 
     python bench/serve_paired.py [--waves 30] [--concurrency 8] [--mixed-concurrency 64]
         [--model llama-8x512] [--configs steer,ablate,probe,cast,mixed-same,mixed]
-        [--vanilla] [--control] [--instances 1] [--results FILE.md]
+        [--vanilla] [--control] [--instances 1] [--switch-gap 1.5] [--results FILE.md]
+    python bench/serve_paired.py --from-json FILE.json
 """
 
 from __future__ import annotations
@@ -324,6 +324,8 @@ def main() -> None:
             print("\n" + instance_table(got))
         print("\n" + host_table(got, list(got)))
         return
+    if args.waves < 1 or args.instances < 1:
+        ap.error(f"--waves and --instances must be at least 1 (got {args.waves}, {args.instances})")
     names = [c for c in args.configs.split(",") if c and c != "unused"]
     known = so.CONFIGS + EXTRA
     bad = [c for c in names if c not in known]
@@ -379,8 +381,9 @@ def main() -> None:
         f"command: python bench/serve_paired.py {' '.join(sys.argv[1:])}\n"
         f"code: {rev or 'unknown'}\n"
         f"model: {args.model}, float32; {args.input_len} random prompt tokens, "
-        f"{args.output_len} output tokens (ignore_eos); {args.waves} waves per configuration and instance "
-        f"after one warm-up wave, {args.instances} server instance(s); server start (s): "
+        f"{args.output_len} output tokens (ignore_eos); {args.waves} waves per configuration "
+        f"and instance after one warm-up wave, {args.instances} server instance(s); "
+        "server start (s): "
         f"{', '.join(starts)}\n\n"
         "ratio to the unused wave next to it (same server, same concurrency), or to the "
         'vanilla wave next to it ("over vanilla"): median over waves (interquartile range); '
