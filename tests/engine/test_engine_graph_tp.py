@@ -132,6 +132,8 @@ def test_tensor_parallel_matches_single_process(monkeypatch):
             assert len(status) == tp and all(s["sites"]["residual.pre"] == 4 for s in status)
             outs = greedy(llm, ids, 16, controls)
             results[tp] = [(list(o.outputs[0].token_ids), xmix.results(o)) for o in outs]
+            if tp == 2:
+                _refused_on_both_ranks(llm)
         finally:
             shutdown(llm)
     for (t1, r1), (t2, r2), ctl in zip(results[1], results[2], controls):
@@ -143,3 +145,23 @@ def test_tensor_parallel_matches_single_process(monkeypatch):
                 r1["probe"]["p"]["values"], r2["probe"]["p"]["values"], rtol=1e-4, atol=1e-5
             )
     assert results[1][1][0] != results[1][0][0], "the steering app changes the answer"
+
+
+def _refused_on_both_ranks(llm) -> None:
+    """vLLM's MultiprocExecutor reads the workers' replies in rank order and raised at the
+    first failure, leaving rank 1's reply for the next call (tests/unit/test_worker_rpc.py).
+    A deploy refused on both ranks (a ghost of the same name on the workers, which the
+    frontend takes off and deploys again) used to shift every later control answer."""
+    ghost = xmix.App("hidden")
+    ghost.write("add", vector=torch.ones(256), scale=1.0).layers([0]).submodule("mlp.post")
+    llm.collective_rpc("xmix_deploy", args=(ghost.to_bytes(), "request", 77))
+    info = llm.xmix.deploy(ghost)
+    assert info["version"] != 77
+    status = llm.xmix.status()
+    assert len(status) == 2
+    for s in status:  # each rank's own describe, not another call's reply
+        assert {a["name"]: a["version"] for a in s["apps"]}["hidden"] == info["version"]
+    llm.xmix.undeploy("hidden")
+    assert [sorted(a["name"] for a in s["apps"]) for s in llm.xmix.status()] == [
+        ["ablate", "probe", "steer"]
+    ] * 2

@@ -92,7 +92,7 @@ def test_worker_patches_load_in_a_ray_worker_process(local_ray):
     assert out["problems"] == []
     # Every worker patch the fence declares for this vLLM (runner step, load_model on the
     # GPU and CPU runners, the worker's RPC methods) is in place in the Ray process.
-    # (22 with vLLM 0.32; XMIX_DISABLE=1 in the actor's runtime_env leaves all of them missing.)
+    # (23 with vLLM 0.32; XMIX_DISABLE=1 in the actor's runtime_env leaves all of them missing.)
     for must in (
         "cpu_model_runner:CPUModelRunner.load_model",
         "gpu_model_runner:GPUModelRunner.execute_model",

@@ -343,6 +343,7 @@ PATCHES: tuple[Patch, ...] = (
     *(
         Patch(_WB, name, None, "worker", _RPC)
         for name in (
+            "xmix_call",
             "xmix_capacity",
             "xmix_deploy",
             "xmix_deploy_prepare",

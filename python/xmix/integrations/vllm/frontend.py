@@ -159,6 +159,32 @@ class EngineGone(RuntimeError):
     """The engine stopped (a shutdown, or it died) while a control change waited for it."""
 
 
+class WorkerError(RuntimeError):
+    """An xmix worker method failed on a worker; the message is the worker's own
+    (``"<Type>: <message>"``, worker.py ``xmix_call``)."""
+
+
+def answered(rpc):
+    """``rpc`` (run a worker method on every worker, return their replies) through the
+    workers' ``xmix_call``: each worker answers ``("ok", result)`` or ``("error", message)``
+    and never raises inside vLLM's collective RPC (why: worker.py ``xmix_call``). Returns the
+    results, or raises WorkerError with the first failure once every reply is read."""
+
+    def call(method: str, args: tuple) -> list:
+        out, failed = [], None
+        for r in rpc("xmix_call", (method, tuple(args))):
+            if not (isinstance(r, (list, tuple)) and len(r) == 2 and r[0] in ("ok", "error")):
+                raise WorkerError(f"{method}: a worker sent {type(r).__name__}, not an answer")
+            if r[0] == "error" and failed is None:
+                failed = str(r[1])
+            out.append(r[1])
+        if failed is not None:
+            raise WorkerError(failed)
+        return out
+
+    return call
+
+
 class CapacityError(DeployError):
     """A deploy that would fit the engine but finds it full of other apps (its control
     block, or the server's limits): HTTP 507 on the server. The message names the limit."""
@@ -1051,8 +1077,9 @@ class Controller:
 
     def __init__(self, input_processor, rpc):
         """rpc(method, args) runs a worker method on every worker of every engine and returns
-        their results (the first engine's first worker first)."""
-        self._rpc = rpc
+        their replies (the first engine's first worker first); xmix's methods are reached
+        through ``xmix_call`` (``answered``)."""
+        self._rpc = answered(rpc)
         cfg = input_processor.vllm_config.model_config
         self.registry = Registry(
             ModelShape.from_hf_config(cfg.hf_config, cfg.model), input_processor.tokenizer

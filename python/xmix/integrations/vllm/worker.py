@@ -694,9 +694,30 @@ def xmix_ledger(self, op: str, owner: str = "", since: int = 0, entry: dict | No
     return led.call(op, owner, since, entry)
 
 
+def xmix_call(self, method: str, args: list | tuple = ()) -> tuple[str, Any]:
+    """Every control RPC of xmix's frontend comes through here, and a failure is an answer,
+    ``("error", "<Type>: <message>")``, never an exception (else ``("ok", result)``).
+
+    vLLM's ``MultiprocExecutor.collective_rpc`` (``v1/executor/multiproc_executor.py``) reads
+    the workers' replies in rank order and raises at the first one that failed: the replies
+    of the ranks after it stay in their queues, and the next collective RPC reads them as its
+    own answers. With tensor parallelism a deploy refused on every rank would have shifted
+    every later control answer by one call (a status, a ledger entry, a commit taken for
+    another call's reply). Answering instead of raising keeps each call's replies its own."""
+    fn = WORKER_METHODS.get(method) if method != "xmix_call" else None
+    if fn is None:
+        return ("error", f"RuntimeError: no xmix worker method {method!r}")
+    try:
+        return ("ok", fn(self, *args))
+    except Exception as e:
+        logger.info("xmix: worker method %s refused: %s: %s", method, type(e).__name__, e)
+        return ("error", f"{type(e).__name__}: {e}")
+
+
 WORKER_METHODS = {
     f.__name__: f
     for f in (
+        xmix_call,
         xmix_ledger,
         xmix_capacity,
         xmix_deploy,
