@@ -1,0 +1,131 @@
+"""xmix's host work per engine step on the CPU engine, without vLLM: the worker's per-step
+path (``WorkerXmix.begin``: slots, step maps, prologue; every hook site's
+``torch.ops.xmix.site`` call; ``after_forward``: drain and step end) for one decode step of 8
+requests, each using the configuration's app, timed hot (the same step repeated) and cold
+(a pass over a buffer larger than the caches and a matmul before every step, as the model's
+forward leaves the caches in a real step).
+
+    python bench/step_host.py [--d 512] [--layers 8] [--rows 8] [--steps 300] [--evict-mib 32]
+
+Configurations: ``none`` (no app deployed), ``unused`` (apps deployed, no request uses
+them), ``steer`` (one add at one layer), ``ablate`` (3 sites x every layer), ``probe`` (one
+read, drained every step). The serving runs' counters (``bench/serve_paired.py``: xmix
+bookkeeping and site programs per step) are measured inside the engine, where every step is
+cold; this shows how much of them is the cold caches rather than the work. Medians over
+--steps steps, one torch thread (vLLM's CPU worker runs one). Nothing here asserts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+
+import numpy as np
+import torch
+
+CONFIGS = ("none", "unused", "steer", "ablate", "probe")
+SITES = ("residual.pre", "attention.post", "mlp.post", "residual.post")
+
+
+def build(config: str, d: int, n_layers: int, rows: int):
+    import xmix
+    from xmix.control import Capacity, ControlBlock
+    from xmix.hooks import ModelShape, site_id
+    from xmix.integrations.vllm.worker import WorkerXmix
+    from xmix.lowering import lower
+
+    shape = ModelShape(n_layers=n_layers, hidden_size=d, vocab_size=32000)
+    cb = ControlBlock(shape, "cpu", Capacity(max_tokens=max(rows, 512), max_slots=rows + 8))
+    g = torch.Generator().manual_seed(0)
+    apps = {}
+    apps["steer"] = xmix.App("steer")
+    apps["steer"].write("add", vector=torch.randn(d, generator=g), scale=1.0).layers(
+        [n_layers // 2]
+    ).submodule("residual.post")
+    apps["ablate"] = xmix.App("ablate")
+    r = torch.randn(d, generator=g)
+    for s in SITES[:3]:
+        apps["ablate"].write("ablate", direction=r).layers("all").submodule(s)
+    apps["probe"] = xmix.App("probe")
+    apps["probe"].read("probe", weight=torch.randn(d, generator=g) / d**0.5).layers(
+        [min(n_layers // 2 + 1, n_layers - 1)]
+    ).submodule("residual.post").named("p")
+    if config != "none":
+        for a in apps.values():
+            cb.install(lower(a, shape))
+    x = WorkerXmix.for_control_block(cb)
+    rids = [f"r{i}" for i in range(rows)]
+    for rid in rids:
+        cb.admit(rid, [config] if config in apps else [], {}, 128)
+    # every site a Llama layer has, as the compiled graph calls them each step
+    sites = [site_id(s, layer, n_layers) for layer in range(n_layers) for s in SITES]
+    return x, rids, sites
+
+
+def run(config: str, args, cold: bool) -> dict[str, float]:
+    d, rows = args.d, args.rows
+    x, rids, sites = build(config, d, args.layers, rows)
+    h, res = torch.randn(rows, d), torch.randn(rows, d)
+    ids = torch.randint(0, 32000, (rows,))
+    n_tok, plen = np.ones(rows, dtype=np.int64), np.full(rows, 128, dtype=np.int64)
+    evict = torch.randn(args.evict_mib * (1 << 18)) if cold else None
+    w = torch.randn(d, 4 * d)
+    parts: dict[str, list[float]] = {"begin": [], "sites": [], "after": []}
+    for step in range(args.steps):
+        if evict is not None:
+            evict.mul_(1.0000001)
+            (h @ w).sum()
+        start = np.full(rows, 128 + step, dtype=np.int64)
+        t0 = time.perf_counter()
+        x.begin(rids, n_tok, start, plen, ids, rows)
+        t1 = time.perf_counter()
+        for s in sites:
+            torch.ops.xmix.site(h, res, s)
+        t2 = time.perf_counter()
+        x.after_forward()
+        if x.has_results():
+            x.take_results()()
+        t3 = time.perf_counter()
+        parts["begin"].append(t1 - t0)
+        parts["sites"].append(t2 - t1)
+        parts["after"].append(t3 - t2)
+    return {k: statistics.median(v) * 1e6 for k, v in parts.items()}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--d", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--rows", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--evict-mib", type=int, default=32)
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    args = ap.parse_args(argv)
+    configs = [c for c in args.configs.split(",") if c]
+    bad = [c for c in configs if c not in CONFIGS]
+    if bad:
+        ap.error(f"unknown configuration(s) {bad}; known: {', '.join(CONFIGS)}")
+    if args.steps < 1 or args.rows < 1 or args.layers < 1:
+        ap.error("--steps, --rows and --layers must be at least 1")
+    torch.set_num_threads(1)
+    print(
+        f"# xmix host work per decode step: d={args.d}, {args.layers} layers "
+        f"({args.layers * len(SITES)} sites), {args.rows} requests; torch {torch.__version__}, "
+        f"1 thread, {platform.machine()}; cold: {args.evict_mib} MiB evicted before each step"
+    )
+    print("| configuration | caches | begin µs | sites µs | after µs | total µs |")
+    print("|---|---|---|---|---|---|")
+    for config in configs:
+        for cold in (False, True):
+            p = run(config, args, cold)
+            total = p["begin"] + p["sites"] + p["after"]
+            print(
+                f"| {config} | {'cold' if cold else 'hot'} | {p['begin']:.1f} | "
+                f"{p['sites']:.1f} | {p['after']:.1f} | {total:.1f} |"
+            )
+
+
+if __name__ == "__main__":
+    main()
