@@ -53,18 +53,62 @@ def _uses_apps_oracle(path: str) -> bool:
         return False
 
 
+def _scope(path: str) -> str:
+    return "apps_oracle" if _uses_apps_oracle(path) else path
+
+
+# Seconds each scope took (setup + calls + teardown, `scripts/test.sh --durations=0`,
+# 2026-12-02, this project's 2-core machine), for the scopes over ~40 s. The run hands them
+# out longest first, so the last minutes are short unit modules on both workers; xdist's own
+# order (most tests first) left the few-test, minutes-long server benchmarks for last, one
+# worker running them for ~6 min while the other idled. Only the order uses these figures:
+# a module missing here or grown since still runs, after the listed ones.
+SCOPE_SECONDS = {
+    "tests/engine/test_engine.py": 650,
+    "tests/engine/test_models_engine.py": 550,
+    "tests/engine/test_models_moe.py": 500,
+    "apps_oracle": 430,
+    "tests/engine/test_do_no_harm.py": 420,
+    "tests/server/test_bench_serve.py": 410,
+    "tests/engine/test_engine_graph_tp.py": 360,
+    "tests/server/test_scale_out.py": 230,
+    "tests/engine/test_results_engine.py": 210,
+    "tests/server/test_server.py": 160,
+    "tests/engine/test_pipeline_parallel.py": 150,
+    "tests/engine/test_kv_connector.py": 110,
+    "tests/server/test_fuzz_http.py": 100,
+    "tests/server/test_soak.py": 100,
+    "tests/server/test_console.py": 90,
+    "tests/engine/test_faults.py": 75,
+    "tests/server/test_tenants.py": 75,
+    "tests/server/test_openai_client.py": 70,
+    "tests/server/test_faults_http.py": 65,
+    "tests/server/test_results_server.py": 65,
+    "tests/engine/test_import_vectors.py": 60,
+    "tests/engine/test_sae_engine.py": 60,
+    "tests/engine/test_request_controls.py": 55,
+    "tests/engine/test_support.py": 55,
+    "tests/unit/test_api.py": 50,
+    "tests/engine/test_live_changes.py": 50,
+    "tests/unit/test_tiny_models.py": 45,
+    "tests/engine/test_engine_preempt.py": 45,
+}
+
+
 def _make_scheduler(config, log):
     """scripts/test.sh runs two pytest-xdist workers. Each takes a test module whole, so its
     module-scoped engine starts once; the modules on the paper-app engines that
     tests/apps_oracle.py keeps for the session go to one worker together. (xdist's own
     ``--dist loadgroup`` cannot do this under pytest 9.2: it renames ``item._nodeid``, which
-    pytest no longer reads.)"""
+    pytest no longer reads.) Scopes are handed out in collection order, which
+    ``pytest_collection_modifyitems`` sorts longest first (``SCOPE_SECONDS``)."""
     from xdist.scheduler import LoadScopeScheduling
+
+    config.option.loadscopereorder = False  # keep the collection's (longest-first) order
 
     class ByModule(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            path = nodeid.split("::", 1)[0]
-            return "apps_oracle" if _uses_apps_oracle(path) else path
+            return _scope(nodeid.split("::", 1)[0])
 
     return ByModule(config, log)
 
@@ -78,6 +122,8 @@ except ImportError:
 
 
 def pytest_collection_modifyitems(config, items):
+    # longest scopes first (a stable sort: the order within and among the rest stays)
+    items.sort(key=lambda it: -SCOPE_SECONDS.get(_scope(it.nodeid.split("::", 1)[0]), 0))
     reason = _gpu_reason()
     if reason is None:
         return

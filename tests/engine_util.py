@@ -13,11 +13,12 @@ import torch
 # this 2-core machine (a tiny Llama starts in 90 s compiled cold, 36 s compiled from the
 # cache, 29 s eager), and most modules test control, results and
 # faults, not compilation. xmix under torch.compile is covered where it is the point, with
-# ``COMPILED``: tests/engine/test_engine.py (Llama and Qwen3 against the references), the paper
+# ``COMPILED``: tests/engine/test_engine.py (Llama against the references), the paper
 # apps' engines (tests/apps_oracle.py), tests/engine/test_engine_graph_tp.py and
 # tests/server/test_server.py; the benchmarks under bench/ run compiled as served. Two modules
 # stay compiled because vLLM 0.32 CPU itself differs in eager mode: test_models_moe.py
-# (DeepSeek-V2's tokens differ from transformers') and test_pipeline_parallel.py (a later
+# (DeepSeek-V2's tokens differ from transformers'; its Qwen3-MoE also runs Qwen3's attention
+# compiled) and test_pipeline_parallel.py (a later
 # stage's intermediate tensors are never allocated).
 ENGINE_KW = dict(
     enforce_eager=True,
