@@ -670,6 +670,11 @@ async def soak(args, base: str, apps: dict[str, bytes]) -> dict:
 
         async def one(spec: Spec) -> Result:
             nonlocal done_n
+            # The requests keep pace with the changes as the changes keep pace with them: on
+            # a loaded machine a change can take seconds, and requests that all finished
+            # before the changes came would leave none that lived through one.
+            while not driver.done() and ch.applied < args.changes * spec.i / len(specs) - 2:
+                await asyncio.sleep(0.01)
             async with sem:
                 names = []
                 for a in spec.apps:
