@@ -35,7 +35,9 @@ def _mean(acc: list[float] | None) -> float | None:
 def snapshot(metrics: dict, model: str, apps: list[dict]) -> dict[str, Any]:
     """Per deployed app: requests admitted that named it, finished requests that used it,
     mean TTFT and TPOT of those and their difference to requests that used no app, and each
-    gate's positions, fires and rate. ``apps`` is the control plane's list."""
+    gate's positions, fires and rate, and its monitors: requests its stop ended and requests in
+    which a since(...) condition started to hold, by read. ``apps`` is the control plane's
+    list."""
     admitted: dict[str, float] = {}
     for name, labels, value in _samples(metrics["app_requests"]):
         if name.endswith("_total") and labels.get("model_name") == model:
@@ -53,6 +55,15 @@ def snapshot(metrics: dict, model: str, apps: list[dict]) -> dict[str, Any]:
                     labels["gate"], {"tokens": 0, "fired": 0}
                 )
                 g[field] += value
+
+    monitors: dict[str, dict[str, dict[str, float]]] = {}
+    for key in ("stopped", "switched"):
+        if key not in metrics:
+            continue
+        for name, labels, value in _samples(metrics[key]):
+            if name.endswith("_total") and labels.get("model_name") == model:
+                per = monitors.setdefault(labels["app"], {}).setdefault(key, {})
+                per[labels["read"]] = per.get(labels["read"], 0) + value
 
     def added(mean: float | None, base: float | None) -> float | None:
         return None if mean is None or base is None else mean - base
@@ -80,6 +91,11 @@ def snapshot(metrics: dict, model: str, apps: list[dict]) -> dict[str, Any]:
                         "rate": v["fired"] / v["tokens"] if v["tokens"] else None,
                     }
                     for g, v in sorted(gates.get(name, {}).items())
+                ],
+                "monitors": [
+                    {"action": action, "read": read, "requests": n}
+                    for action in ("stopped", "switched")
+                    for read, n in sorted(monitors.get(name, {}).get(action, {}).items())
                 ],
             }
         )

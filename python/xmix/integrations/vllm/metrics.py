@@ -105,6 +105,20 @@ def _make(registry=None):
             ["model_name"],
             **kw,
         ),
+        # Monitors (App.stop, since(...)), counted by usage.py per request.
+        "stopped": Counter(
+            "vllm:xmix_requests_stopped",
+            "Requests an app's stop ended, by the read its condition reports",
+            ["model_name", "app", "read"],
+            **kw,
+        ),
+        "switched": Counter(
+            "vllm:xmix_requests_switched",
+            "Requests in which an app's since(...) condition started to hold, by the read it "
+            "reports",
+            ["model_name", "app", "read"],
+            **kw,
+        ),
         "results_truncated": Counter(
             "vllm:xmix_results_truncated",
             "Sequences whose read results were cut at their byte cap",
