@@ -1012,6 +1012,11 @@ def test_monitors_stop_and_switch_over_http(server):
             (ch.get("choices") or [{}])[0].get("delta", {}).get("content") or "" for ch in chunks
         )
         assert text == full["choices"][0]["message"]["content"]
+        # n = 2 sampled: each choice names its own sequence's stop
+        two = complete(server, control={"apps": ["mon"]}, n=2, temperature=1.0, seed=4).json()
+        for ch in two["choices"]:
+            assert ch["finish_reason"] == "stop"
+            assert ch["xmix_monitors"]["stopped"]["position"] == n_prompt
         # a switch
         r = complete(server, control={"apps": ["sw"]}).json()
         (sw_rec,) = r["xmix_applied"]["switched"]
@@ -1030,7 +1035,7 @@ def test_monitors_stop_and_switch_over_http(server):
                     return float(l.rsplit(" ", 1)[1])
             return 0.0
 
-        assert count("xmix_requests_stopped", "mon", "m") == 3  # two completions, one stream
+        assert count("xmix_requests_stopped", "mon", "m") == 5  # 2 completions, 1 stream, n=2
         assert count("xmix_requests_stopped", "mon_prompt", "q") == 1
         assert count("xmix_requests_switched", "sw", "s") == 1
     finally:

@@ -174,9 +174,11 @@ class ControlBlock:
         self._n_app_slots = 0
         self._all_mask = self._on_mask = self._read_mask = self._span_mask = 0
         self._monitor_mask = 0  # apps with a stop or a since(...) term
+        self._mplan: tuple[tuple[int, int], MonitorPlan] | None = None
         # Per slot: one past the last position a step with apps ran on; a preempted request's
         # monitors do not decide the positions below it again when it recomputes.
         self._extent = np.zeros(cap.max_slots, dtype=np.int64)
+        self._floor = np.zeros(cap.max_slots, dtype=np.int64)  # what the device's floor holds
         self.step_rows: tuple[Arr, int] | None = None  # (slots of the step's rows, rows)
         self.step_tokens = 0
         self.step_active = 0
@@ -711,7 +713,7 @@ class ControlBlock:
 
     def _occupy(self, st: SlotState) -> int:
         slot = self._slots.occupy(st)
-        self._extent[slot] = st.floor
+        self._extent[slot] = self._floor[slot] = st.floor
         st.apps &= set(self.apps)  # an app undeployed while the request waited
         mask = 0
         for inst in self.apps.values():
@@ -735,7 +737,7 @@ class ControlBlock:
             if slot is not None and self._monitor_mask:
                 # what its monitors decided so far survives the recompute
                 st0 = self.slot_req[slot]
-                st0.floor = int(self._extent[slot])
+                st0.floor = int(max(self._extent[slot], self._floor[slot]))
                 st0.sinces = self._read_sinces(slot)
             st = self.release(req_id)
             if st is not None:
@@ -753,7 +755,8 @@ class ControlBlock:
         """A request that starts again at position 0 in the slot it holds: its monitors keep
         what they decided and do not decide those positions again."""
         if self._monitor_mask:
-            floor = int(self._extent[slot])
+            floor = int(max(self._extent[slot], self._floor[slot]))
+            self._floor[slot] = floor
             self._launch(lambda: self.dev["slot_floor"][slot].fill_(floor))
 
     def _read_sinces(self, slot: int) -> Arr:
@@ -907,8 +910,9 @@ class ControlBlock:
         self._step_reads = bool(active & self._read_mask)
         self._step_monitors = bool(active & self._monitor_mask)
         if self._monitor_mask:
-            ext = self._extent[slots]
-            self._extent[slots] = np.maximum(ext, start + n_tok_a)
+            # positions only grow within a request (a restart resets its floor first), so
+            # the last step's end is the extent
+            self._extent[slots] = start + n_tok_a
         return True
 
     def could_run(self) -> bool:
@@ -989,20 +993,25 @@ class ControlBlock:
         slots, n_req = self.step_rows
         out: Results = self._drain_reads() if self._step_reads else {}
         if self._step_monitors:
-            mon = collect_monitors(
-                self._monitor_plan(),
-                self.host["row_stop"][:n_req],
-                self.host["row_switched"][:n_req],
-                self.host["slot_sticky"],
-                slots[:n_req],
-                [self.slot_req.get(int(x)) for x in slots[:n_req]],
-            )
-            for rid, got in mon.items():
-                out.setdefault(rid, {}).update(got)
+            keys, bits = self.host["row_stop"][:n_req], self.host["row_switched"][:n_req]
+            if (keys != -1).any() or bits.any():  # most steps: nothing fired
+                mon = collect_monitors(
+                    self._monitor_plan(),
+                    keys,
+                    bits,
+                    self.host["slot_sticky"],
+                    slots[:n_req],
+                    [self.slot_req.get(int(x)) for x in slots[:n_req]],
+                )
+                for rid, got in mon.items():
+                    out.setdefault(rid, {}).update(got)
         return out
 
     def _monitor_plan(self) -> MonitorPlan:
-        return monitor_plan(self.apps.values(), self.step_active)
+        key = (self.ops_generation, self.step_active)
+        if self._mplan is None or self._mplan[0] != key:
+            self._mplan = (key, monitor_plan(self.apps.values(), self.step_active))
+        return self._mplan[1]
 
     def _drain_reads(self) -> Results:
         n_tok = self.step_tokens
