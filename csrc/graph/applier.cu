@@ -62,7 +62,6 @@ struct NvtxRange {
 };
 
 constexpr uint32_t kThreads = 256;
-constexpr unsigned kDefaultSmemLimit = 48 * 1024;
 
 // Our kernels in every form the runtime may report for a kernel node (kernel_match.h): the
 // host stub, its cudaFunction_t and cudaKernel_t, and the mangled name for a handle that
@@ -567,10 +566,10 @@ struct GraphPatch::Impl {
     return it == ifs.end() ? 0 : it->second.handle;
   }
 
+  // An op node launches the op kernel with the anchor's dynamic shared memory (two rows of d
+  // floats): opted in by static + dynamic size (xmix/smem.h), as a launch does.
   static void prepare_smem(Role role, const AnchorArgs& a) {
-    if (role == Role::Op && a.smem > kDefaultSmemLimit)
-      XG_CHECK(cudaFuncSetAttribute(op_kernel_symbol(), cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    static_cast<int>(a.smem)));
+    if (role == Role::Op) XG_CHECK(static_cast<cudaError_t>(prepare_op_kernel_smem(a.d)));
   }
 
   bool apply(const Plan& plan, uint64_t exec_u) {

@@ -86,6 +86,12 @@ class ControlBlock:
         self.vocab_words = (shape.vocab_size + 31) // 32
         self.lock = threading.RLock()
         self.on_gpu = self.device.type == "cuda"
+        if self.on_gpu:
+            # a hidden size whose site kernels cannot launch would fail the first capture and
+            # take the engine down with a launch error: refuse it now, naming it
+            why = _C.site_smem_check(shape.hidden_size)
+            if why:
+                raise ValueError(why)
         # Staged: host mirrors apart from the device buffers, everything sent through a device
         # queue (always on a GPU; on a CPU only with a queue given, which tests use to stand
         # in for a GPU stream).
