@@ -157,6 +157,10 @@ cp -r python/xmix "$WORK/pkg/xmix"
 find "$WORK/pkg/xmix" -name '_C*.so' -delete
 find "$WORK/pkg/xmix" -name '__pycache__' -prune -exec rm -rf {} +
 cp "$MODULE" "$WORK/pkg/xmix/_C$EXT"
+# the headers a wheel installs beside the package (CMakeLists.txt): user kernels include
+# xmix/custom.h (the check's custom-kernel case compiles one)
+mkdir -p "$WORK/pkg/xmix/include/xmix"
+cp csrc/include/xmix/custom.h csrc/include/xmix/control.h "$WORK/pkg/xmix/include/xmix/"
 cat >"$WORK/boot/sitecustomize.py" <<'EOF'
 import sys
 
