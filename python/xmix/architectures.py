@@ -35,10 +35,13 @@ architecture without an entry is refused when xmix is asked for, with the suppor
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 from xmix.hooks import LAYER_SITES, MODEL_SITES
 from xmix.lowering import DeployError
+
+logger = logging.getLogger("vllm.xmix")
 
 HIDDEN = (0, "hidden_states")
 
@@ -378,3 +381,21 @@ __all__ = [
     "resolve",
     "supported_architectures",
 ]
+
+
+def check_architecture(model: str, **kwargs) -> None:
+    """Refuse a model family without a site table before any engine process starts (the
+    workers check again: this is only the early, readable error). A config that cannot be
+    read here (a format only vLLM reads) is left to the workers."""
+    try:
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.from_pretrained(
+            model,
+            trust_remote_code=bool(kwargs.get("trust_remote_code")),
+            revision=kwargs.get("revision"),
+        )
+    except Exception as e:  # noqa: BLE001 - any failure: the workers decide
+        logger.debug("xmix: config of %s not read here (%s); the workers check it", model, e)
+        return
+    require_family(architecture_of(cfg), model)
