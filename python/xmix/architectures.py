@@ -38,7 +38,6 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from xmix.hooks import LAYER_SITES, MODEL_SITES
 from xmix.lowering import DeployError
 
 logger = logging.getLogger("vllm.xmix")
@@ -97,10 +96,6 @@ class Family:
     @property
     def moe(self) -> bool:
         return "router.logits" in self.vllm.sites
-
-    @property
-    def site_names(self) -> tuple[str, ...]:
-        return tuple(s for s in LAYER_SITES if s in self.vllm.sites) + MODEL_SITES
 
 
 # --- building blocks ----------------------------------------------------------------------

@@ -135,15 +135,6 @@ class LoweredApp:
     def reads_prompt(self) -> bool:
         return any(o.is_read for o in self.ops)
 
-    def param_names(self) -> set[str]:
-        names = set(self.app_params)
-        for o in self.ops:
-            for p, _ in o.params:
-                names.add(p)
-                if o.name:
-                    names.add(f"{o.name}.{p}")
-        return names
-
 
 def _fail(app: str, what: str, msg: str) -> DeployError:
     return DeployError(f"app {app!r}, {what}: {msg}")
