@@ -897,6 +897,9 @@ def test_every_change_is_one_audit_line_with_a_fingerprint(srv):
     for k in (ADMIN, RESEARCH, PRODUCT, OTHER, SECRET):
         assert k not in text
     assert srv["audit"].stat().st_mode & 0o777 == 0o600
+    import httpx  # dev mode's /server_info (on here) shows configuration and environment
+
+    assert SECRET not in httpx.get(srv["server"].base + "/server_info", timeout=60).text
     keys = keyed.Keys(SECRET.encode())
     admin_fp = keys.fingerprint(ADMIN)
     for k in (ADMIN, PRODUCT):

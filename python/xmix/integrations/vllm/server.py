@@ -123,7 +123,9 @@ def serve_main(argv: list[str]) -> int:
             "usage: xmix serve MODEL [--app PATH ...] [--app-mode off|request|all] [--app-locked] "
             "[--xmix-admin-key KEY] [--xmix-policy FILE] [--xmix-audit-log FILE] "
             "[--xmix-max-apps N] [--xmix-max-ops N] [--xmix-max-request-apps N] "
-            "[--xmix-max-request-params N] [--xmix-max-result-bytes N] [vllm serve arguments]",
+            "[--xmix-max-request-params N] [--xmix-max-result-bytes N] "
+            "[--xmix-max-response-bytes N] [--xmix-metrics-app-labels names|hashed] "
+            "[vllm serve arguments]",
             file=sys.stderr,
         )
         return 2
@@ -358,7 +360,15 @@ async def fan_out(engine_client, method: str, args: tuple) -> list:
 
 # Routes whose answers xmix adds to: a request whose key's policy forbids an app, or that sets
 # a parameter the operator locked, is a 403 there.
-XMIX_STATUSES = {"/v1/completions": "post", "/v1/chat/completions": "post", "/invocations": "post"}
+XMIX_STATUSES = {
+    "/v1/completions": "post",
+    "/v1/chat/completions": "post",
+    "/invocations": "post",
+    "/v1/responses": "post",
+    "/v1/messages": "post",
+    "/v1/chat/completions/batch": "post",
+    "/inference/v1/generate": "post",
+}
 
 
 def _document_statuses(app) -> None:
