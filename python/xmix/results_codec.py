@@ -60,6 +60,12 @@ def max_result_bytes() -> int:
     return int(os.environ.get("XMIX_MAX_RESULT_BYTES", str(16 << 20)))
 
 
+def max_response_bytes() -> int:
+    """The server's cap on the read results of one HTTP response, all its prompts and choices
+    together (``XMIX_MAX_RESPONSE_BYTES``; a key's policy may set its own)."""
+    return int(os.environ.get("XMIX_MAX_RESPONSE_BYTES", str(64 << 20)))
+
+
 # ---------------------------------------------------------------------- dtypes
 def to_dtype(values: np.ndarray, dtype: str) -> np.ndarray:
     """float32 values in the storage form of ``dtype``: float32, float16, or bfloat16 as

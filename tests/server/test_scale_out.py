@@ -168,7 +168,15 @@ def runs(tmp_path_factory):
     t0 = time.time()
     # --- two API servers in front of one engine
     with xmix_server(
-        tmp, files, "--host", "127.0.0.1", "--api-server-count", "2", "--max-num-seqs", "8"
+        tmp,
+        files,
+        "--host",
+        "127.0.0.1",
+        "--api-server-count",
+        "2",
+        "--max-num-seqs",
+        "8",
+        "--enable-prompt-tokens-details",
     ) as s:
         ids = set()
         for _ in range(64):
@@ -178,6 +186,15 @@ def runs(tmp_path_factory):
         rec["api_ids"] = sorted(ids)
         rec["api_ref"] = [outcome(complete(s, p, CONTROL)[0]) for p in PROMPTS]
         other = {rec["api_ids"][0]: rec["api_ids"][1], rec["api_ids"][1]: rec["api_ids"][0]}
+        # a steered prompt through one server, then through the other: the same cache salt
+        # (keyed with the engine's secret, fetched by both), so its blocks are reused
+        long = "Cache shared across servers: " + " ".join(f"w{i % 17} x{i % 5}" for i in range(90))
+        r, x = complete(s, long, {"xmix_apps": ["steer"]}, max_tokens=1)
+        r, _ = through(s, other[x], lambda: complete(s, long, {"xmix_apps": ["steer"]}, 1))
+        rec["salt_across"] = (
+            r.json()["usage"]["prompt_tokens"],
+            (r.json()["usage"].get("prompt_tokens_details") or {}).get("cached_tokens"),
+        )
         # a deploy through one server (whichever the connection reached: a POST is not
         # repeated to pick one), used at once through the other
         r, a = fresh(s, "POST", "/xmix/v1/apps?mode=request", content=late.read_bytes())
@@ -236,6 +253,13 @@ def runs(tmp_path_factory):
 
 def test_two_api_servers_both_answer(runs):
     assert len(runs["api_ids"]) == 2, runs["api_ids"]
+
+
+def test_both_api_servers_salt_a_configuration_alike(runs):
+    """Issue 33 item 1: cache salts are keyed with a per-deployment secret; every API server
+    fetches the engine's, so a steered prompt cached through one is reused through the other."""
+    prompt, cached = runs["salt_across"]
+    assert prompt >= 256 and cached >= 256, runs["salt_across"]
 
 
 def test_deploy_through_one_server_is_used_through_the_other(runs):

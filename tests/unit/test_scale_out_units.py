@@ -108,6 +108,39 @@ def test_deploy_refused_by_one_engine_is_rolled_back_on_all(fleet):
     ] * 2
 
 
+def test_every_api_server_keys_cache_salts_with_the_first_engines_secret(fleet, monkeypatch):
+    """Issue 33 item 1: cache salts are keyed with one secret per deployment. Each API server
+    fetches it from the first worker of the first engine when it first follows the ledger
+    (before a server serves), so both servers give a configuration the same salt (prefix
+    caching across them keeps working) and neither gives a client's salt that value. An
+    operator's XMIX_DEPLOYMENT_SECRET is used where set (the engines read it)."""
+    engines, s1, s2 = fleet
+    s1.deploy(app("a"))
+    s2.sync()
+
+    def salt(s, client=None):
+        return s.registry.cache_salt(client, s.registry.admit({"apps": ["a"]}, 3, 4))
+
+    assert salt(s1) == salt(s2) and salt(s1, "c") == salt(s2, "c") != salt(s1)
+    assert salt(s1, salt(s1)) != salt(s1)
+    held = [e.worker.model_runner._xmix.deployment_secret for e in engines]
+    assert len(held[0]) == 32 and held[0] != held[1]  # random per engine; the first one's rules
+    # a fresh deployment whose operator set a secret: its engines hold it, salts follow it
+    monkeypatch.setenv("XMIX_DEPLOYMENT_SECRET", "operator-chosen secret 0123456789")
+    fresh = [Engine(), Engine()]
+    f1, f2 = server(fresh), server(fresh)
+    f1.deploy(app("a"))
+    f2.sync()
+    for e in fresh:
+        assert e.worker.model_runner._xmix.deployment_secret == (
+            b"operator-chosen secret 0123456789"
+        )
+    assert salt(f1) == salt(f2) != salt(s1)
+    monkeypatch.setenv("XMIX_DEPLOYMENT_SECRET", "short")
+    with pytest.raises(Exception, match="needs at least 16"):
+        server([Engine()]).sync()
+
+
 def test_changes_through_one_server_are_seen_by_the_other(fleet):
     engines, s1, s2 = fleet
     a = s1.deploy(app("a"))

@@ -11,9 +11,12 @@ Per request, in ``InputProcessor.process_inputs`` (before the request reaches th
   - its result options (encoding, dtype, window of positions, byte cap) are checked, and a
     request whose reads over its prompt would exceed its byte cap is refused; reads of
     generated tokens are cut at the cap by the worker, with a marker (``results_codec``);
-  - requests whose effective apps write get a ``cache_salt`` describing everything that
-    shapes their KV (apps, deployment versions, every parameter value, defaults included,
-    and the control epoch), so their prompt KV is never shared with another configuration;
+  - requests whose effective apps write get a ``cache_salt`` from everything that shapes
+    their KV (apps, deployment versions, every parameter value, defaults included, and the
+    control epoch), so their prompt KV is never shared with another configuration. The salt
+    is a MAC keyed with the deployment's secret over that and the client's own
+    ``cache_salt``, and every client salt goes through the same MAC, so no client can send
+    the salt of a configuration it may not use (keyed.py);
   - requests whose apps read, or keep per-request state over the prompt, skip reading the
     prefix cache, so every prompt token is computed and read.
 
@@ -31,7 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import hashlib
+import dataclasses
 import itertools
 import json
 import logging
@@ -63,7 +66,7 @@ from xmix.results_codec import (
     unpack_results,
 )
 
-from . import fence, tenants
+from . import fence, keyed, tenants
 from .request_controls import control_from_args
 
 logger = logging.getLogger("vllm.xmix")  # vLLM's handlers and format apply
@@ -281,8 +284,36 @@ SALTED_CONNECTORS = frozenset({"OffloadingConnector"})
 @dataclass
 class Admission:
     control: dict | None  # canonical control for the workers (None: the request has none)
-    salt: str | None  # cache-salt suffix
+    # What shapes the request's KV besides its tokens (the control epoch, its writing apps,
+    # their versions and parameter values), None when nothing does; the cache salt is a
+    # keyed MAC of this and the client's own cache_salt (Registry.cache_salt, keyed.py).
+    salt: Any
     skip_cache: bool  # skip reading the prefix cache
+    # Bytes its reads return over the prompt, all sequences together (known in advance).
+    prompt_bytes: int = 0
+
+
+class ResponseBudget:
+    """What the read results of one HTTP response (all its prompts and choices) may take
+    (``XMIX_MAX_RESPONSE_BYTES``, or the caller's policy). The server's pre-stream check
+    refuses a response whose reads over its prompts alone exceed it; what is left is shared
+    out evenly as ``spare`` bytes per sequence for the reads of generated tokens, which the
+    worker cuts at each sequence's budget with the truncation marker. Each admission takes
+    its sequences' budgets from ``remaining``, so the response stays under the cap even when
+    apps change between the check and the admissions."""
+
+    def __init__(self, total: int, spare: int, source: str):
+        self.total, self.spare, self.source = total, spare, source
+        self.remaining = total
+        self.lock = threading.Lock()
+
+    def take(self, per_seq: int, known: int, n: int) -> int:
+        """A sequence's byte budget: at most ``per_seq`` (the request's own cap), its reads
+        over the prompt (``known``) plus the spare, and an n-th of what is left."""
+        with self.lock:
+            b = max(min(per_seq, known + self.spare, self.remaining // n), 0)
+            self.remaining -= b * n
+            return b
 
 
 # The registry revision at which the server's pre-stream check admitted the request being
@@ -298,6 +329,17 @@ _PRECHECKED: contextvars.ContextVar[int | None] = contextvars.ContextVar(
 
 def mark_prechecked(revision: int) -> None:
     _PRECHECKED.set(revision)
+
+
+# The response budget of the HTTP request being served (set by the server's pre-stream check,
+# in that request's own context; none offline).
+_RESPONSE: contextvars.ContextVar[ResponseBudget | None] = contextvars.ContextVar(
+    "xmix_response_budget", default=None
+)
+
+
+def set_response_budget(budget: ResponseBudget | None) -> None:
+    _RESPONSE.set(budget)
 
 
 _REGISTRIES: weakref.WeakValueDictionary[int, Registry] = weakref.WeakValueDictionary()
@@ -338,6 +380,14 @@ class Registry:
         self.epoch = 0
         self.capacity: dict[str, int] | None = None  # the workers' control-block sizes
         self.sync = None  # the Controller's: follow the engines' ledger (ledger.py)
+        # Keyed with the deployment's secret once the Controller fetched it from the engines
+        # (before a server serves); this process's own until then.
+        self.keys = keyed.Keys.random()
+
+    def cache_salt(self, client: str | None, adm: Admission) -> str | None:
+        """The cache_salt a request runs with: the client's own salt and ``adm.salt`` (what
+        xmix derives from its apps) in a keyed MAC; no client value equals a derived salt."""
+        return self.keys.cache_salt(client, adm.salt)
 
     # ------------------------------------------------------------------ deploy side
     def used(self) -> Needs:
@@ -498,7 +548,11 @@ class Registry:
     # ------------------------------------------------------------------ request side
     def count(self, name: str, n: float = 1, **labels) -> None:
         if self.metrics:
-            self.metrics[name].labels(model_name=self.shape.model_name, **labels).inc(n)
+            from .metrics import shown as shown_labels
+
+            self.metrics[name].labels(model_name=self.shape.model_name, **shown_labels(labels)).inc(
+                n
+            )
 
     def admit(
         self,
@@ -530,7 +584,9 @@ class Registry:
                     for a, d in self.apps.items()
                     if d.mode == "all" and a not in apps and (tenant is None or tenant.may_force(a))
                 ]
-                cfg = self._result_options(cfg, effective, prompt_len, n)
+                cfg, prompt_bytes = self._result_options(
+                    cfg, effective, prompt_len, n, _RESPONSE.get() if count else None
+                )
             except ValueError:
                 self.count("rejected")
                 raise
@@ -563,7 +619,7 @@ class Registry:
                 **({"_dropped": dropped} if dropped else {}),
             }
             if not effective and not self.epoch:
-                return Admission(cfg, None, False)
+                return Admission(cfg, None, False, prompt_bytes)
             writes = sorted((d for d in effective if d.lowered.writes), key=lambda d: d.app.name)
             salt = None
             if writes or self.epoch:
@@ -581,7 +637,7 @@ class Registry:
                         for d in writes
                     ],
                 ]
-                salt = "xmix:" + hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32]
+                salt = key
             skip = any(d.lowered.reads_prompt or d.lowered.stateful for d in effective)
             if self.kv_connector is not None or remote_prefill:
                 try:
@@ -589,7 +645,7 @@ class Registry:
                 except ValueError:
                     self.count("rejected")
                     raise
-            return Admission(cfg, salt, skip)
+            return Admission(cfg, salt, skip, prompt_bytes)
 
     def check_forced_write(self, name: str, lowered: LoweredApp, mode: str) -> None:
         """A writing app in mode "all" on a connector that would make admission refuse every
@@ -642,13 +698,19 @@ class Registry:
             )
 
     def _result_options(
-        self, cfg: dict | None, effective: list[Deployed], prompt_len: int, n: int
-    ) -> dict | None:
+        self,
+        cfg: dict | None,
+        effective: list[Deployed],
+        prompt_len: int,
+        n: int,
+        budget: ResponseBudget | None = None,
+    ) -> tuple[dict | None, int]:
         """The request's result options into its canonical control (each sequence's byte
-        budget included). The bytes its reads report over the prompt are known now (prompt
-        length x window x read width): above the budget, the request is refused. Reads of
-        generated tokens depend on how long it runs: the worker cuts them at the budget and
-        marks the results (``TRUNCATED_KEY``)."""
+        budget included), and the bytes its reads return over the prompt (all sequences).
+        Those are known now (prompt length x window x read width): above the budget, the
+        request is refused. Reads of generated tokens depend on how long it runs: the worker
+        cuts them at the budget and marks the results (``TRUNCATED_KEY``). ``budget``: the
+        whole response's, which each sequence's budget is taken from."""
         raw = cfg.pop("results_raw", {}) if cfg else {}
         n = max(n, 1)
         try:
@@ -657,7 +719,7 @@ class Registry:
             raise _validation_error(str(e)) from None
         readers = [d for d in effective if d.lowered.reads]
         if not readers:
-            return cfg
+            return cfg, 0
         known = sum(d.prompt_result_bytes(prompt_len, opts) for d in readers)
         if known > opts.max_bytes:
             self.count("result_cap_refusals")
@@ -671,9 +733,11 @@ class Registry:
                 f'report fewer positions ("positions"), fewer or narrower reads, a smaller '
                 f'"dtype", "encoding": "base64", or n=1'
             )
+        if budget is not None:
+            opts = dataclasses.replace(opts, max_bytes=budget.take(opts.max_bytes or 0, known, n))
         ctl = dict(cfg) if cfg else {"apps": [], "params": {}, "pin": {}}
         ctl["results"] = opts.to_control()
-        return ctl
+        return ctl, known * n
 
     def _parse(
         self, raw: Any, tenant: tenants.Tenant | None = None, dropped: list[str] | None = None
@@ -835,6 +899,8 @@ def patch_input_processor(cls) -> None:
         reg: Registry | None = getattr(self, "_xmix_registry", None)
         sp = getattr(req, "sampling_params", None)
         if sp is None:
+            if reg is not None and getattr(req, "cache_salt", None) is not None:
+                req.cache_salt = reg.keys.cache_salt(req.cache_salt, None)  # see below
             return req
         raw = control_from_args(sp.extra_args, _validation_error)
         if reg is None:
@@ -858,8 +924,9 @@ def patch_input_processor(cls) -> None:
         if adm.control is not None:
             # A new dict on the request's own copy: the caller's SamplingParams stays as given.
             sp.extra_args = {**(sp.extra_args or {}), XMIX_KEY: adm.control}
-        if adm.salt is not None:
-            req.cache_salt = f"{req.cache_salt}|{adm.salt}" if req.cache_salt else adm.salt
+        # Every salt on an xmix engine goes through the keyed MAC, the client's own too, so
+        # no client can send the salt of another configuration (keyed.py).
+        req.cache_salt = reg.cache_salt(req.cache_salt, adm)
         if adm.skip_cache:
             sp.skip_reading_prefix_cache = True
         return req
@@ -1093,6 +1160,7 @@ class Controller:
         self.registry.sync = self.sync
         # The engine-side ledger (ledger.py) is the truth; this registry follows it.
         self.ledger_rev = 0
+        self._keyed = False
         self._owner = f"{os.uname().nodename}:{os.getpid()}:{self.registry.uid}"
         self._mine: dict[tuple[str, int], tuple[App, LoweredApp, Needs]] = {}
         kv = getattr(input_processor.vllm_config, "kv_transfer_config", None)
@@ -1108,11 +1176,20 @@ class Controller:
         """Bring the registry up to the engines' ledger: apply, in the ledger's order, every
         change made through any API server since the last sync. Returns the ledger revision."""
         with self.lock:
+            self._fetch_keys()
             got = self._rpc("xmix_ledger", ("since", self._owner, self.ledger_rev))[0]
             for e in got["entries"]:
                 self._apply(e)
             self.ledger_rev = got["rev"]
             return self.ledger_rev
+
+    def _fetch_keys(self) -> None:
+        """The deployment's secret from the first worker of the first engine, once: every API
+        server keys cache salts and fingerprints alike (keyed.py). A server syncs before it
+        serves, so no request is salted with this process's own keys."""
+        if not self._keyed:
+            self.registry.keys = keyed.Keys(self._rpc("xmix_deployment_secret", ())[0])
+            self._keyed = True
 
     def _apply(self, e: dict) -> None:
         reg, name, kind = self.registry, e["name"], e["kind"]

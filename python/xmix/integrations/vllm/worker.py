@@ -694,6 +694,19 @@ def xmix_ledger(self, op: str, owner: str = "", since: int = 0, entry: dict | No
     return led.call(op, owner, since, entry)
 
 
+def xmix_deployment_secret(self) -> bytes:
+    """The deployment's secret (keyed.py): the operator's XMIX_DEPLOYMENT_SECRET, else random
+    bytes drawn on first use and kept for the engine's life. Every API server keys cache
+    salts, audit fingerprints and hidden metric labels with the first worker's."""
+    x = _wx(self)
+    s = x.__dict__.get("deployment_secret")
+    if s is None:
+        from .keyed import engine_secret
+
+        s = x.__dict__["deployment_secret"] = engine_secret()
+    return s
+
+
 def xmix_call(self, method: str, args: list | tuple = ()) -> tuple[str, Any]:
     """Every control RPC of xmix's frontend comes through here, and a failure is an answer,
     ``("error", "<Type>: <message>")``, never an exception (else ``("ok", result)``).
@@ -719,6 +732,7 @@ WORKER_METHODS = {
     for f in (
         xmix_call,
         xmix_ledger,
+        xmix_deployment_secret,
         xmix_capacity,
         xmix_deploy,
         xmix_deploy_prepare,
