@@ -459,3 +459,21 @@ def test_the_crash_trigger_file_fires_once(tmp_path):
     assert not trigger.exists()
     got = StateDir.check(d)
     assert "a" not in got.apps and got.apps["b"].mode == "off"
+
+
+def test_xmix_serve_refuses_a_damaged_state_before_any_engine_starts(tmp_path):
+    import subprocess
+    import sys
+
+    d, _ = base_dir(tmp_path)
+    j = d / "journal.jsonl"
+    j.write_bytes(j.read_bytes().replace(b'"a"', b'"x"', 1))
+    r = subprocess.run(
+        [sys.executable, "-m", "xmix.cli", "serve", "some-model", "--xmix-state-dir", str(d)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert f"{j} line 1: checksum mismatch" in r.stderr
+    assert "Nothing was started. To start clean, move the directory away" in r.stderr
