@@ -3,6 +3,8 @@
 - ``xmix serve MODEL --app PATH [--app PATH ...] [--app-mode MODE] [any vllm serve argument]``
   runs ``vllm serve`` with the xmix general plugin (engine side) and the xmix endpoint plugin
   (HTTP side), then deploys the given apps before the server takes requests.
+  ``--xmix-state-dir DIR``: the control plane's changes are kept in DIR and restored at the
+  next start, before the first request (state_dir.py, restore.py).
 - Per request: ``"vllm_xargs": {"xmix": "<JSON control>"}``, checked before the request is
   scheduled (a refusal is a 400 before any stream starts). Non-streaming responses carry the
   request's read results under a top-level ``"xmix"`` key (with ``n > 1`` each choice carries
@@ -298,6 +300,18 @@ class XmixEndpointPlugin:
         # A state directory first (restore.py): its apps, with the changes made to them,
         # are what this server held before it stopped.
         restored = await asyncio.to_thread(restore.restore, ctl)
+        if restored is not None and not restored["by_other"]:
+            for name in restored["apps"]:
+                d = ctl.registry.apps[name]
+                state.xmix.audit.record(
+                    "local",
+                    "restore",
+                    name,
+                    200,
+                    f"restored from the state directory {restored['dir']}",
+                    mode=d.mode,
+                    version=d.version,
+                )
         for entry in json.loads(os.environ.get(APPS_ENV, "[]")):
             path, mode, locked = (entry + [False])[:3]
             try:
