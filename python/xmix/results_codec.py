@@ -80,12 +80,6 @@ def to_float32(values: np.ndarray, dtype: str) -> np.ndarray:
     return values.astype(np.float32, copy=False)
 
 
-def _torch_dtype(dtype: str):
-    import torch
-
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-
-
 def to_tensor(values: np.ndarray, dtype: str):
     import torch
 

@@ -497,11 +497,6 @@ class Registry:
             if d.lowered.writes and (cols or mode is not None):
                 self.epoch += 1
 
-    def check_params(self, name: str, params: Any) -> dict[str, float]:
-        d = self.get(name)
-        hits = resolve_params(d.cols, params, f"app {name!r}")
-        return {d.cols[i].key: v for i, v in hits.items()}
-
     def describe(self) -> list[dict]:
         with self.lock:
             return [d.describe() for d in sorted(self.apps.values(), key=lambda d: d.version)]

@@ -8,6 +8,7 @@ import logging
 import os
 from typing import Any
 
+from xmix.architectures import check_architecture
 from xmix.lowering import DeployError
 
 from . import enable, fence
@@ -18,26 +19,6 @@ from .restore import log_app_kept
 from .state_dir import STATE_DIR_ENV, StateDir, StateError
 
 logger = logging.getLogger("vllm.xmix")
-
-
-def check_architecture(model: str, **kwargs) -> None:
-    """Refuse a model family without a site table before any engine process starts (the
-    workers check again: this is only the early, readable error). A config that cannot be
-    read here (a format only vLLM reads) is left to the workers."""
-    from xmix.architectures import architecture_of, require_family
-
-    try:
-        from transformers import AutoConfig
-
-        cfg = AutoConfig.from_pretrained(
-            model,
-            trust_remote_code=bool(kwargs.get("trust_remote_code")),
-            revision=kwargs.get("revision"),
-        )
-    except Exception as e:  # noqa: BLE001 - any failure: the workers decide
-        logger.debug("xmix: config of %s not read here (%s); the workers check it", model, e)
-        return
-    require_family(architecture_of(cfg), model)
 
 
 @contextlib.contextmanager

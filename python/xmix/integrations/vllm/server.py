@@ -153,8 +153,9 @@ def serve_main(argv: list[str]) -> int:
     except ValueError as e:
         print(f"xmix serve: {e}", file=sys.stderr)
         return 2
+    from xmix.architectures import check_architecture
+
     from . import fence
-    from .llm import check_architecture
 
     try:
         fence.check()

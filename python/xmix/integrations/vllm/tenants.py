@@ -335,10 +335,6 @@ class Auth:
         return bool(self._api)
 
     @property
-    def control_on(self) -> bool:
-        return bool(self._admin) or self.open_control
-
-    @property
     def has_admin(self) -> bool:
         return bool(self._admin)
 
