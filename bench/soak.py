@@ -1,7 +1,9 @@
-"""Soak: ``xmix serve`` over HTTP under concurrent requests and continuous control changes.
+"""Soak: ``xmix serve`` over HTTP under concurrent requests and continuous control changes,
+then the same under ``kill -9`` of the whole server and restarts from its state directory.
 
     python bench/soak.py --requests 2000 --changes 1000 [--concurrency 16] [--url URL
         --key KEY --admin-key KEY] [--seed 0] [--json out.json]
+        [--restarts 3 --restart-requests 300 --restart-changes 100 | --kill-points P,P,...]
 
 Without --url it starts ``xmix serve`` on the embedded tiny Llama itself (its log is read
 for server errors afterwards). Requests: chat and completions, streamed and not, with and
@@ -23,6 +25,18 @@ Checked per request:
                  have; no request slot stays taken once everything finished
 A refusal documented for a race (an app named just as it went away: 400 "unknown app" /
 "switched off") is counted apart, not as a failure.
+
+Restart phase (``--restarts N``, on a server of its own with ``--xmix-state-dir``; not with
+--url): requests and changes (deploys, PATCHes of mode, parameters and locks, alone and
+together, undeploys) run on while the whole server is killed with SIGKILL N times, each time
+at a random moment with a change on its way, and restarted from its state directory; requests
+not yet sent wait for it. After each restart: every acknowledged change (HTTP 2xx) must be
+there (lost: must be 0), the change that was in flight must be there whole or absent (half:
+must be 0), and requests of apps no change touches must answer as before the first kill
+(pinned). Requests in flight at a kill are counted as cut, apart from failures. At the end
+every completed request is checked against the same request alone (oracle), as above.
+``--kill-points`` kills at the test-only crash points instead (state_dir.py, e.g.
+``deploy:app.renamed,patch:applied``; an empty entry: from outside).
 
 Prints: requests sent / completed / refused / disconnected / failed / hung, oracle checks
 (equal / wrong), changes applied (and refused as intended), p50 / p99 latency of a
