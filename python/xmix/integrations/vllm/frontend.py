@@ -1135,14 +1135,18 @@ class Controller:
                 lowered = lower(app, reg.shape, reg.tokenizer)
                 mine = (app, lowered, Needs.of(lowered))
             app, lowered, needs = mine
-            reg.add(app, lowered, e["mode"], e["version"], needs, e.get("locked", False))
+            # A change and its revision under one hold of the lock: an admission between the
+            # two would see the change with the revision its pre-stream check saw, and refuse
+            # inside a stream what it should leave out (``admit``'s ``gone_ok``).
             with reg.lock:
+                reg.add(app, lowered, e["mode"], e["version"], needs, e.get("locked", False))
                 reg._version = max(reg._version, e["version"])
-            reg.changed("deploy", name)
+                reg.changed("deploy", name)
         elif kind == "undeploy":
-            if name in reg.apps:
-                reg.remove(name)
-                reg.changed("undeploy", name)
+            with reg.lock:
+                if name in reg.apps:
+                    reg.remove(name)
+                    reg.changed("undeploy", name)
         elif kind == "restore":
             # A restart from a state directory: start above every epoch and version the
             # directory's earlier runs reached (cache salts and versions are never reused).
@@ -1154,14 +1158,15 @@ class Controller:
             if name not in reg.apps:
                 return
             mode, params, locked = e.get("mode"), e.get("params"), e.get("locked")
-            cols, lock = reg.check_patch(name, mode, params, locked)
-            reg.patch(name, mode, cols, lock)
-            if params is not None:
-                reg.changed("params", name)
-            if mode is not None:
-                reg.changed("mode", name)
-            if lock is not None:
-                reg.changed("locked")
+            with reg.lock:
+                cols, lock = reg.check_patch(name, mode, params, locked)
+                reg.patch(name, mode, cols, lock)
+                if params is not None:
+                    reg.changed("params", name)
+                if mode is not None:
+                    reg.changed("mode", name)
+                if lock is not None:
+                    reg.changed("locked")
         else:
             logger.warning("xmix: unknown ledger entry %r ignored", kind)
 
