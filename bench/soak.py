@@ -1150,6 +1150,11 @@ async def restart_soak(args, srv: Restartable, apps: dict[str, bytes], points: l
 
     async def one(spec: Spec) -> Result:
         nonlocal done_n, inflight
+        # Requests keep pace with the changes (as in soak), a window of ``concurrency``
+        # requests ahead, so that changes run among requests and requests are in flight
+        # when a kill comes.
+        while not drive.done() and applied < target * (spec.i - args.concurrency) / n_req - 2:
+            await asyncio.sleep(0.01)
         async with sem:
             await up.wait()
             names = []
