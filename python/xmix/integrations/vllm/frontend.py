@@ -162,6 +162,12 @@ class EngineGone(RuntimeError):
     """The engine stopped (a shutdown, or it died) while a control change waited for it."""
 
 
+class NotSaved(EngineGone):
+    """A change refused because the state directory could not record it (state_dir.py): it
+    is written before any engine applies it, so nothing changed. Answered as a change the
+    server could not complete (HTTP 503)."""
+
+
 class WorkerError(RuntimeError):
     """An xmix worker method failed on a worker; the message is the worker's own
     (``"<Type>: <message>"``, worker.py ``xmix_call``)."""
@@ -1163,6 +1169,8 @@ class Controller:
         self._keyed = False
         self._owner = f"{os.uname().nodename}:{os.getpid()}:{self.registry.uid}"
         self._mine: dict[tuple[str, int], tuple[App, LoweredApp, Needs]] = {}
+        self._depth = 0  # nested changes (a restore) hold the lease once
+        self.restored = False  # the ledger holds a restore from a state directory (restore.py)
         kv = getattr(input_processor.vllm_config, "kv_transfer_config", None)
         self.registry.kv_connector = getattr(kv, "kv_connector", None) if kv is not None else None
 
@@ -1204,28 +1212,56 @@ class Controller:
                 lowered = lower(app, reg.shape, reg.tokenizer)
                 mine = (app, lowered, Needs.of(lowered))
             app, lowered, needs = mine
-            reg.add(app, lowered, e["mode"], e["version"], needs, e.get("locked", False))
+            # A change and its revision under one hold of the lock: an admission between the
+            # two would see the change with the revision its pre-stream check saw, and refuse
+            # inside a stream what it should leave out (``admit``'s ``gone_ok``).
             with reg.lock:
+                reg.add(app, lowered, e["mode"], e["version"], needs, e.get("locked", False))
                 reg._version = max(reg._version, e["version"])
-            reg.changed("deploy", name)
+                reg.changed("deploy", name)
         elif kind == "undeploy":
-            if name in reg.apps:
-                reg.remove(name)
-                reg.changed("undeploy", name)
+            with reg.lock:
+                if name in reg.apps:
+                    reg.remove(name)
+                    reg.changed("undeploy", name)
+        elif kind == "restore":
+            # A restart from a state directory: start above every epoch and version the
+            # directory's earlier runs reached (cache salts and versions are never reused).
+            with reg.lock:
+                reg.epoch = max(reg.epoch, int(e.get("epoch", 0)))
+                reg._version = max(reg._version, int(e.get("version", 0)))
+            self.restored = True
         elif kind == "patch":
             if name not in reg.apps:
                 return
             mode, params, locked = e.get("mode"), e.get("params"), e.get("locked")
-            cols, lock = reg.check_patch(name, mode, params, locked)
-            reg.patch(name, mode, cols, lock)
-            if params is not None:
-                reg.changed("params", name)
-            if mode is not None:
-                reg.changed("mode", name)
-            if lock is not None:
-                reg.changed("locked")
+            with reg.lock:
+                cols, lock = reg.check_patch(name, mode, params, locked)
+                reg.patch(name, mode, cols, lock)
+                if params is not None:
+                    reg.changed("params", name)
+                if mode is not None:
+                    reg.changed("mode", name)
+                if lock is not None:
+                    reg.changed("locked")
         else:
             logger.warning("xmix: unknown ledger entry %r ignored", kind)
+
+    def _save(self, entry: dict) -> None:
+        """Write a change to the state directory, if there is one, before any engine applies
+        it (state_dir.py): a change that is not written is not made."""
+        try:
+            self._rpc("xmix_ledger", ("save", self._owner, 0, entry))
+        except WorkerError as e:
+            raise NotSaved(f"the change was not made: {_root(e)}") from None
+
+    def _forget(self, entry: dict) -> None:
+        """A change written to the state directory that then failed on the way: write its
+        undoing, so a restart does not bring back what the engines refused."""
+        try:
+            self._save(entry)
+        except Exception:
+            logger.exception("xmix: the state directory keeps a change that failed (%s)", entry)
 
     def _record(self, entry: dict) -> None:
         """Append a change that reached every engine to the ledger, then follow the ledger
@@ -1234,11 +1270,14 @@ class Controller:
         self.sync()
 
     @contextlib.contextmanager
-    def _change(self):
+    def _change(self, wait_s: float | None = None):
         """One control change at a time across every API server: the ledger's lease on the
-        first worker of the first engine, then a sync, so the checks see every earlier change."""
+        first worker of the first engine, then a sync, so the checks see every earlier change.
+        Nested (the changes of a restore): the inner ones renew the lease, the outer releases it."""
         with self.lock:
-            deadline = time.monotonic() + float(os.environ.get("XMIX_LEASE_WAIT_S", "30"))
+            if wait_s is None:
+                wait_s = float(os.environ.get("XMIX_LEASE_WAIT_S", "30"))
+            deadline = time.monotonic() + wait_s
             while not self._rpc("xmix_ledger", ("acquire", self._owner))[0]:
                 if time.monotonic() > deadline:
                     raise EngineGone(
@@ -1246,14 +1285,19 @@ class Controller:
                         "change in progress); try again"
                     )
                 time.sleep(0.02)
+            self._depth += 1
             try:
                 self.sync()
                 yield
             finally:
-                try:
-                    self._rpc("xmix_ledger", ("release", self._owner))
-                except Exception:  # the lease lapses by itself (ledger.LEASE_S)
-                    logger.warning("xmix: releasing the control-plane lease failed", exc_info=True)
+                self._depth -= 1
+                if self._depth == 0:
+                    try:
+                        self._rpc("xmix_ledger", ("release", self._owner))
+                    except Exception:  # the lease lapses by itself (ledger.LEASE_S)
+                        logger.warning(
+                            "xmix: releasing the control-plane lease failed", exc_info=True
+                        )
 
     @contextlib.contextmanager
     def _announced(self, name: str, mode_after: str | None):
@@ -1281,21 +1325,28 @@ class Controller:
         *,
         allow_custom: bool = True,
         locked: Any = False,
+        version: int | None = None,
     ) -> dict:
-        """``locked``: true, or a list of parameter names, that requests may not override."""
+        """``locked``: true, or a list of parameter names, that requests may not override.
+        ``version``: the deployment version to keep (a restore, restore.py); else the next."""
         if mode not in MODES:
             raise DeployError(f"mode must be one of {list(MODES)}, got {shown(mode)}")
         with self._change():
             self._capacity()
             app = _load_app(app, allow_custom)
             lowered, data, needs = self.registry.prepare(app)
-            columns_named(param_columns(lowered), locked, f"app {app.name!r}")  # checked first
+            cols = param_columns(lowered)
+            # checked first; the ledger and the state directory keep the names it resolved to
+            lock_keys = sorted(
+                cols[i].key for i in columns_named(cols, locked, f"app {app.name!r}")
+            )
             if self._stages is not None:
                 from .pp import check_deploy
 
                 check_deploy(lowered, self._stages)
             self.registry.check_forced_write(app.name, lowered, mode)
-            version = self.registry.next_version()
+            if version is None:
+                version = self.registry.next_version()
             try:
                 try:
                     self._rpc("xmix_deploy_prepare", (data, mode, version))
@@ -1319,30 +1370,36 @@ class Controller:
                 if isinstance(e, EngineGone):
                     raise
                 raise _deploy_failed(app.name, e) from None
+            entry = {
+                "kind": "deploy",
+                "name": app.name,
+                "data": data,
+                "mode": mode,
+                "version": version,
+                "locked": lock_keys,
+            }
+            try:
+                self._save(entry)
+            except Exception:
+                self._undo("xmix_deploy_abort", app.name)
+                raise
             with self._announced(app.name, mode):
                 try:
                     self._rpc("xmix_deploy_commit", (app.name,))
                 except Exception as e:  # a worker lost its prepared state: take it off everywhere
                     self._undo("xmix_undeploy_if_present", app.name)
+                    self._forget({"kind": "undeploy", "name": app.name})
                     if isinstance(e, EngineGone):
                         raise
                     raise _deploy_failed(app.name, e) from None
                 self._mine[(app.name, version)] = (app, lowered, needs)
-                self._record(
-                    {
-                        "kind": "deploy",
-                        "name": app.name,
-                        "data": data,
-                        "mode": mode,
-                        "version": version,
-                        "locked": locked,
-                    }
-                )
+                self._record(entry)
             return self.registry.get(app.name).describe()
 
     def undeploy(self, name: str) -> None:
         with self._change():
             self.registry.get(name)
+            self._save({"kind": "undeploy", "name": name})
             with self._announced(name, None):
                 # Where a worker no longer has it (taken off behind the frontend's back, e.g.
                 # by vLLM's dev-mode /collective_rpc), there is nothing to take off: the
@@ -1365,20 +1422,35 @@ class Controller:
         as one change: everything is checked before anything is applied; a refusal changes
         nothing."""
         with self._change():
-            self.registry.check_patch(name, mode, params, locked)
+            d = self.registry.get(name)
+            cols, lock = self.registry.check_patch(name, mode, params, locked)
             if mode is not None:
-                self.registry.check_forced_write(name, self.registry.get(name).lowered, mode)
+                self.registry.check_forced_write(name, d.lowered, mode)
+            # The ledger and the state directory keep the names the values resolved to.
+            named = {d.cols[i].key: v for i, v in cols.items()}
             entry = {
                 "kind": "patch",
                 "name": name,
                 "mode": mode,
-                "params": params,
-                "locked": locked,
+                "params": named if params is not None else None,
+                "locked": sorted(d.cols[i].key for i in lock) if lock is not None else None,
             }
+            before = {
+                "kind": "patch",
+                "name": name,
+                "mode": d.mode,
+                "params": d.defaults,
+                "locked": sorted(d.cols[i].key for i in d.locked),
+            }
+            self._save(entry)
             if mode is not None or params is not None:
-                after = mode if mode is not None else self.registry.get(name).mode
+                after = mode if mode is not None else d.mode
                 with self._announced(name, after):
-                    self._rpc("xmix_patch", (name, mode, params))
+                    try:
+                        self._rpc("xmix_patch", (name, mode, params))
+                    except Exception:
+                        self._forget(before)
+                        raise
                     self._record(entry)
             else:  # only which parameters are locked: nothing reaches the engines
                 self._record(entry)

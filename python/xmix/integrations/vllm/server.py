@@ -3,6 +3,8 @@
 - ``xmix serve MODEL --app PATH [--app PATH ...] [--app-mode MODE] [any vllm serve argument]``
   runs ``vllm serve`` with the xmix general plugin (engine side) and the xmix endpoint plugin
   (HTTP side), then deploys the given apps before the server takes requests.
+  ``--xmix-state-dir DIR``: the control plane's changes are kept in DIR and restored at the
+  next start, before the first request (state_dir.py, restore.py).
 - Per request: ``"vllm_xargs": {"xmix": "<JSON control>"}``, checked before the request is
   scheduled (a refusal is a 400 before any stream starts). Non-streaming responses carry the
   request's read results under a top-level ``"xmix"`` key (with ``n > 1`` each choice carries
@@ -54,7 +56,7 @@ from xmix.results_codec import (
     options_of_control,
 )
 
-from . import frontend, metrics, tenants, usage
+from . import frontend, metrics, restore, tenants, usage
 from .frontend import XMIX_KEY, CapacityError, Controller, EngineGone, _validation_error, shown
 from .request_controls import control_from_args, has_control
 
@@ -81,6 +83,7 @@ def serve_main(argv: list[str]) -> int:
     apps: list[str] = []
     mode = "request"
     locked = False
+    state_dir: str | None = None
     rest: list[str] = []
     flags: dict[str, list[str]] = {}
     it = iter(argv)
@@ -92,6 +95,11 @@ def serve_main(argv: list[str]) -> int:
             mode = val if eq else next(it, "")
         elif a == "--app-locked":
             locked = True
+        elif name == "--xmix-state-dir":
+            if state_dir is not None:
+                print("xmix serve: --xmix-state-dir given twice", file=sys.stderr)
+                return 2
+            state_dir = val if eq else next(it, "")
         elif name in tenants.SERVE_FLAGS:
             flags.setdefault(name, []).append(val if eq else next(it, ""))
         else:
@@ -118,12 +126,31 @@ def serve_main(argv: list[str]) -> int:
         if not p or not os.path.isfile(p):
             print(f"xmix serve: app file {p!r} not found", file=sys.stderr)
             return 2
+    from .state_dir import STATE_DIR_ENV, StateDir, StateError
+
+    state_dir = state_dir if state_dir is not None else os.environ.get(STATE_DIR_ENV)
+    if state_dir is not None:
+        if not state_dir or state_dir.startswith("--"):
+            print("xmix serve: --xmix-state-dir needs a directory", file=sys.stderr)
+            return 2
+        try:  # before any engine starts: a corrupt or unsafe state stops here, named
+            st = StateDir.check(state_dir)
+        except StateError as e:
+            print(
+                f"xmix serve: {e}\nNothing was started. To start clean, move the directory "
+                "away (its apps/ keeps every app file) and start again (docs/serving.md, "
+                "State directory).",
+                file=sys.stderr,
+            )
+            return 2
+        print(f"xmix serve: state directory {st.path}: {st.summary()}", file=sys.stderr)
+        os.environ[STATE_DIR_ENV] = os.path.abspath(state_dir)
     if not rest or rest[0].startswith("-"):
         print(
             "usage: xmix serve MODEL [--app PATH ...] [--app-mode off|request|all] [--app-locked] "
             "[--xmix-admin-key KEY] [--xmix-policy FILE] [--xmix-audit-log FILE] "
-            "[--xmix-max-apps N] [--xmix-max-ops N] [--xmix-max-request-apps N] "
-            "[--xmix-max-request-params N] [--xmix-max-result-bytes N] "
+            "[--xmix-state-dir DIR] [--xmix-max-apps N] [--xmix-max-ops N] "
+            "[--xmix-max-request-apps N] [--xmix-max-request-params N] [--xmix-max-result-bytes N] "
             "[--xmix-max-response-bytes N] [--xmix-metrics-app-labels names|hashed] "
             "[vllm serve arguments]",
             file=sys.stderr,
@@ -281,6 +308,21 @@ class XmixEndpointPlugin:
         await asyncio.to_thread(ctl.sync)  # also fetches the deployment's secret (keyed.py)
         auth.keys = ctl.registry.keys
         metrics.set_app_labels(ctl.registry.keys)
+        # A state directory first (restore.py): its apps, with the changes made to them,
+        # are what this server held before it stopped.
+        restored = await asyncio.to_thread(restore.restore, ctl)
+        if restored is not None and not restored["by_other"]:
+            for name in restored["apps"]:
+                d = ctl.registry.apps[name]
+                state.xmix.audit.record(
+                    "local",
+                    "restore",
+                    name,
+                    200,
+                    f"restored from the state directory {restored['dir']}",
+                    mode=d.mode,
+                    version=d.version,
+                )
         for entry in json.loads(os.environ.get(APPS_ENV, "[]")):
             path, mode, locked = (entry + [False])[:3]
             try:
@@ -288,10 +330,13 @@ class XmixEndpointPlugin:
             except DeployError as e:
                 # With several API servers every one deploys the --app files at start; the
                 # first does, the others find the app in the engines' ledger.
-                name = frontend._load_app(path, True).name
-                if "already deployed" not in str(e) or name not in ctl.registry.apps:
+                app = frontend._load_app(path, True)
+                if "already deployed" not in str(e) or app.name not in ctl.registry.apps:
                     raise
-                logger.info("xmix: app %s deployed at start by another API server", name)
+                if restored is not None and app.name in restored["apps"]:
+                    restore.log_app_kept(ctl, app, path, restored["dir"])
+                else:
+                    logger.info("xmix: app %s deployed at start by another API server", app.name)
                 continue
             logger.info(
                 "xmix: app %s  mode=%s  sites=%s%s",

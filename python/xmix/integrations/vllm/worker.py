@@ -585,6 +585,8 @@ def patch_load_model(cls) -> None:
         _key_compile_cache(self.vllm_config)
         t0 = time.perf_counter()
         self._xmix = WorkerXmix(self, family)
+        # A state directory is read now: a corrupt one stops the engine's start.
+        _ledger(self._xmix, self.vllm_config)
         logger.info(
             "xmix: attached to %s (%s) in %.2fs",
             type(self).__name__,
@@ -685,13 +687,17 @@ def xmix_describe(self) -> dict:
 def xmix_ledger(self, op: str, owner: str = "", since: int = 0, entry: dict | None = None):
     """The engine-side record of control changes and the lease that serialises them across
     API servers (ledger.py)."""
-    x = _wx(self)
+    return _ledger(_wx(self), getattr(self, "vllm_config", None)).call(op, owner, since, entry)
+
+
+def _ledger(x: WorkerXmix, vllm_config):
     led = x.__dict__.get("ledger")
     if led is None:
         from .ledger import Ledger
+        from .state_dir import for_worker
 
-        led = x.__dict__["ledger"] = Ledger()
-    return led.call(op, owner, since, entry)
+        led = x.__dict__["ledger"] = Ledger(for_worker(vllm_config))
+    return led
 
 
 def xmix_deployment_secret(self) -> bytes:
