@@ -200,6 +200,28 @@ def test_new_files_are_private(tmp_path):
 
 
 # ---------------------------------------------------------------------- crashes
+def test_the_deployment_secret_is_kept_across_starts(tmp_path):
+    """Without XMIX_DEPLOYMENT_SECRET the state directory keeps the secret keyed.py derives cache
+    salts, audit fingerprints and hidden metric labels from: drawn once, 0600, the same after a
+    restart; a file others can read or a damaged one is refused, naming it."""
+    st = StateDir.open(tmp_path / "s")
+    first = st.secret()
+    assert len(first) == 32 and st.secret() == first
+    p = tmp_path / "s" / S.SECRET
+    assert p.stat().st_mode & 0o777 == 0o600
+    st.close()
+    st = StateDir.open(tmp_path / "s")
+    assert st.secret() == first
+    p.chmod(0o644)
+    with pytest.raises(StateError, match="read by others"):
+        st.secret()
+    p.chmod(0o600)
+    p.write_text("not hex\n")
+    with pytest.raises(StateError, match=str(p)):
+        st.secret()
+    st.close()
+
+
 def _killed_child(fn) -> int:
     """Run fn() in a forked child; returns the signal that ended it (0: it exited)."""
     pid = os.fork()

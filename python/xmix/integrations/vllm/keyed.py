@@ -10,10 +10,12 @@ One secret per deployment: every API server of a deployment (``--api-server-coun
 derive the same salt for the same app configuration, or prefix caching across them breaks,
 and the same fingerprint for the same key. The engines are the state every API server
 reaches, so the first worker of the first engine holds the secret (``XMIX_DEPLOYMENT_SECRET``
-when the operator sets one, else 32 random bytes drawn when it is first asked for) and each
-API server fetches it once through xmix's worker RPC before it serves (frontend.Controller).
-It is never logged, never written to disk and never sent to a client; vLLM's dev-mode
-``/collective_rpc`` refuses xmix's worker methods (server.RequestAppsAuth).
+when the operator sets one, else the one kept in the state directory, ``--xmix-state-dir``,
+drawn there once and read at every start, else 32 random bytes drawn when it is first asked
+for) and each API server fetches it once through xmix's worker RPC before it serves
+(frontend.Controller). It is never logged, never written anywhere but the state directory's
+0600 file, and never sent to a client; vLLM's dev-mode ``/collective_rpc`` refuses xmix's
+worker methods (server.RequestAppsAuth).
 
 Each use gets its own key, derived from the secret with HMAC-SHA256 and a label, so a value of
 one kind (a fingerprint, a metric label) says nothing about another (a cache salt).

@@ -48,6 +48,7 @@ import hashlib
 import json
 import logging
 import os
+import secrets
 import signal
 import stat
 from collections.abc import Callable
@@ -65,6 +66,7 @@ STATE = "state.json"
 JOURNAL = "journal.jsonl"
 LOCK = "LOCK"
 APPS = "apps"
+SECRET = "secret"  # the deployment's secret (keyed.py) when the operator gives none: 0600
 TMP = ".tmp-"
 MODES = ("off", "request", "all")
 # Points where a crash can be placed (``XMIX_TEST_STATE_CRASH``), in the order a change
@@ -513,6 +515,32 @@ class StateDir:
             raise
         self._point(f"{what}.renamed")
         _fsync_dir(p.parent)
+
+    def secret(self) -> bytes:
+        """The deployment's secret kept here (keyed.py): drawn and written (0600, atomically)
+        the first time, read at every later start, so cache salts, audit fingerprints and
+        hidden metric labels stay the same across restarts. A file others can read, or one
+        that is not 32 bytes of hex, is refused, naming it."""
+        p = self.path / SECRET
+        if not p.exists():
+            raw = secrets.token_bytes(32)
+            self._write_atomic(p, raw.hex().encode() + b"\n", "secret")
+            return raw
+        mode = p.stat().st_mode & 0o777
+        if mode & 0o077:
+            raise StateError(
+                f"{p}: the deployment secret may be read by others (mode {mode:o}); "
+                "make it 0600 or remove it (a new one is drawn)"
+            )
+        try:
+            raw = bytes.fromhex(p.read_text().strip())
+        except ValueError:
+            raw = b""
+        if len(raw) != 32:
+            raise StateError(
+                f"{p}: not a deployment secret (32 bytes as hex); remove it to draw one"
+            )
+        return raw
 
     def compact(self) -> None:
         """Fold the journal into state.json, then drop the journal, unused app files and

@@ -701,15 +701,21 @@ def _ledger(x: WorkerXmix, vllm_config):
 
 
 def xmix_deployment_secret(self) -> bytes:
-    """The deployment's secret (keyed.py): the operator's XMIX_DEPLOYMENT_SECRET, else random
-    bytes drawn on first use and kept for the engine's life. Every API server keys cache
-    salts, audit fingerprints and hidden metric labels with the first worker's."""
+    """The deployment's secret (keyed.py): the operator's XMIX_DEPLOYMENT_SECRET, else the one
+    kept in the state directory (drawn there once), else random bytes drawn on first use and
+    kept for the engine's life. Every API server keys cache salts, audit fingerprints and
+    hidden metric labels with the first worker's."""
     x = _wx(self)
     s = x.__dict__.get("deployment_secret")
     if s is None:
-        from .keyed import engine_secret
+        from .keyed import engine_secret, secret_from_env
 
-        s = x.__dict__["deployment_secret"] = engine_secret()
+        state = _ledger(x, getattr(self, "vllm_config", None)).state
+        if secret_from_env() is None and state is not None:
+            s = state.secret()
+        else:
+            s = engine_secret()
+        x.__dict__["deployment_secret"] = s
     return s
 
 
