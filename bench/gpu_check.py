@@ -21,12 +21,16 @@ import contextlib
 import math
 import os
 import re
+import shutil
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import gpu_check_reference as gref  # noqa: E402 - bench/, beside this script
 import numpy as np
 import torch
 
@@ -53,15 +57,19 @@ def check(ok: bool, what: str) -> bool:
 
 
 # ---------------------------------------------------------------- pure helpers (tests/unit/test_gpu_check.py)
-def probe_median(results: torch.Tensor, channel: int) -> float | None:
-    """The median of one read channel over the rows that hold a value (B x R result rows):
-    a gate threshold true for about half of the tokens. None when fewer than two rows have
-    a value (results restored from a snapshot are all NaN)."""
+def gate_threshold(results: torch.Tensor, channel: int) -> float | None:
+    """A gate threshold true for about half of the tokens: the midpoint between the two middle
+    distinct values of one read channel over the rows that hold a value (B x R result rows).
+    A midpoint, not a value that was read, so that no read lies on the threshold: the
+    reference's values differ from the kernel's in the last bits, and a row whose value equals
+    the threshold would be gated on one side and not the other. None when fewer than two
+    distinct values were read (results restored from a snapshot are all NaN)."""
     p = results[:, channel].float()
-    p = p[~torch.isnan(p)]
+    p = torch.unique(p[~torch.isnan(p)])  # sorted
     if p.numel() < 2:
         return None
-    return float(p.median())
+    m = p.numel() // 2
+    return float((p[m - 1] + p[m]) / 2)
 
 
 def changed_rows(y: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
@@ -126,6 +134,9 @@ class Case:
     reads: bool = False  # compare result channels / capture buffer too
     gate_param: str | None = None  # gated cases: run with the gate false, then true for some
     some_not_all: bool = False  # gate true for some rows: not all of them may change
+    # False for user kernels: a graph that keeps its anchors (XMIX_GRAPH_PATCH=0, a refused
+    # patch) cannot run them, so there the case's requests must be failed, not compared
+    anchors_run_it: bool = True
 
 
 def check_cases(d: int, n_layers: int) -> list[Case]:
@@ -138,7 +149,7 @@ def check_cases(d: int, n_layers: int) -> list[Case]:
         a.token_set("t", ids=[7, 14, 21])
         a.token_set("o", ids=[7])
         a.token_set("c", ids=[21])
-        a.write("add", vector=vec(d, 1), scale=scale).layers([layer]).submodule(site).cond(cond)
+        a.write("add", vector=vec(d, 1), scale=scale).layers([layer]).at(site).cond(cond)
         cases.append(Case(name, a, mode))
 
     add_case("add_all", None)
@@ -149,87 +160,183 @@ def check_cases(d: int, n_layers: int) -> list[Case]:
     add_case("add_in_span", "in_span(o, c)")
 
     a = App("ablate_all_layers")
-    a.write("ablate", direction=vec(d, 2)).layers("all").submodule("residual.pre")
+    a.write("ablate", direction=vec(d, 2)).layers("all").at("residual.pre")
     cases.append(Case(a.name, a))
     a = App("clamp_not_last")
-    a.write("clamp", direction=vec(d, 3), min=-0.01, max=0.01).layers([mid]).submodule(
-        "mlp.post"
-    ).cond("not last_token")
+    a.write("clamp", direction=vec(d, 3), min=-0.01, max=0.01).layers([mid]).at("mlp.post").cond(
+        "not last_token"
+    )
     cases.append(Case(a.name, a))
     a = App("affine_last")
     g = torch.Generator().manual_seed(4)
     A = torch.eye(d) + torch.randn(d, d, generator=g) / (4 * math.sqrt(d))
-    a.write("affine", matrix=A, mu_s=vec(d, 5) * 0.1, mu_t=vec(d, 6) * 0.1).layers([mid]).submodule(
+    a.write("affine", matrix=A, mu_s=vec(d, 5) * 0.1, mu_t=vec(d, 6) * 0.1).layers([mid]).at(
         "residual.pre"
     ).cond("last_token")
     cases.append(Case(a.name, a))
 
     a = App("probe_reads")
-    a.read("probe", weight=vec(d, 7) / math.sqrt(d), bias=0.1).layers(sorted({l1, mid})).submodule(
+    a.read("probe", weight=vec(d, 7) / math.sqrt(d), bias=0.1).layers(sorted({l1, mid})).at(
         "residual.pre"
     ).named("p")
     cases.append(Case(a.name, a, reads=True))
     a = App("capture_last")
-    a.read("capture", dims=(0, 16)).layers([mid]).submodule("mlp.post").named("cap").cond(
-        "last_token"
-    )
+    a.read("capture", dims=(0, 16)).layers([mid]).at("mlp.post").named("cap").cond("last_token")
     cases.append(Case(a.name, a, reads=True))
     a = App("distance_read")
     a.read(
         "distance", centroids=torch.randn(4, d, generator=torch.Generator().manual_seed(8)) * 8
-    ).layers([mid]).submodule("attention.post").named("dist")
+    ).layers([mid]).at("attention.post").named("dist")
     cases.append(Case(a.name, a, reads=True))
     a = App("cosine_prompt")
-    a.read("cosine", vector=vec(d, 9)).layers([l2]).submodule("residual.pre").named("cast")
+    a.read("cosine", vector=vec(d, 9)).layers([l2]).at("residual.pre").named("cast")
     cases.append(Case(a.name, a, reads=True))
 
     # Gates read a probe at layer l1's residual.pre, upstream of the gated write: the probe
     # values of the gate-false pass are those of the gate-true pass.
     a = App("gated_write")
     a.param("theta", 0.5)
-    a.read("probe", weight=vec(d, 10) / math.sqrt(d), bias=0.0).layers([l1]).submodule(
+    a.read("probe", weight=vec(d, 10) / math.sqrt(d), bias=0.0).layers([l1]).at(
         "residual.pre"
     ).named("p")
-    a.write("add", vector=vec(d, 11), scale=4.0).layers([mid]).submodule("mlp.post").cond(
-        "p >= theta"
-    )
+    a.write("add", vector=vec(d, 11), scale=4.0).layers([mid]).at("mlp.post").cond("p >= theta")
     cases.append(Case(a.name, a, reads=True, gate_param="theta", some_not_all=True))
     a = App("latched_ablate")
     a.param("theta", 0.5)
-    a.read("probe", weight=vec(d, 12) / math.sqrt(d), bias=0.0).layers([l1]).submodule(
+    a.read("probe", weight=vec(d, 12) / math.sqrt(d), bias=0.0).layers([l1]).at(
         "residual.pre"
     ).named("p")
-    a.write("ablate", direction=vec(d, 13)).layers([mid]).submodule("mlp.post").cond(
+    a.write("ablate", direction=vec(d, 13)).layers([mid]).at("mlp.post").cond(
         "prompt_last(p) >= theta or p >= theta"
     )
     cases.append(Case(a.name, a, reads=True, gate_param="theta"))
 
     a = App("three_ops_one_site")
-    a.read("probe", weight=vec(d, 14) / math.sqrt(d), bias=0.0).layers([mid]).submodule(
+    a.read("probe", weight=vec(d, 14) / math.sqrt(d), bias=0.0).layers([mid]).at(
         "attention.post"
     ).named("q")
-    a.write("add", vector=vec(d, 15), scale=2.0).layers([mid]).submodule("attention.post")
-    a.write("ablate", direction=vec(d, 16)).layers([mid]).submodule("attention.post").cond(
-        "q >= 0.5"
-    )
+    a.write("add", vector=vec(d, 15), scale=2.0).layers([mid]).at("attention.post")
+    a.write("ablate", direction=vec(d, 16)).layers([mid]).at("attention.post").cond("q >= 0.5")
     cases.append(Case(a.name, a, reads=True))
+
+    lib = custom_library()
+    if lib is not None:
+        a = App("custom_write")
+        a.write(
+            "custom",
+            cpu_library=lib,
+            cpu_symbol="gc_custom_add",
+            cuda_source=CUSTOM_CUDA,
+            cuda_symbol="gc_custom_add",
+            artifact=vec(5, 17),
+            params={"k": 0.5},
+        ).layers([mid]).at("mlp.post").cond("generated")
+        cases.append(Case(a.name, a, anchors_run_it=False))
     return cases
+
+
+# A user kernel (csrc/include/xmix/custom.h) for the check's custom-kernel case: on the rows it
+# is given, h[t][i] += k * artifact[i % n], k the op's parameter for the row's request. Products
+# and sums rounded separately (no FMA), as gpu_check_reference computes them.
+CUSTOM_CPU = r"""
+#include "xmix/custom.h"
+
+// The CPU check's decoder is fp32: rows of other dtypes are not this kernel's to change.
+extern "C" void gc_custom_add(const xmix_custom_args* a) {
+  if (a->dtype != 0) return;
+  float* h = (float*)a->h;
+  for (int t = 0; t < a->n_rows; ++t) {
+    if (!a->select[t]) continue;
+    const float k = a->slot_params[a->tok_slot[t] * a->n_params + a->param_base];
+    for (int i = 0; i < a->d; ++i) {
+      const float add = k * a->artifact[i % a->artifact_numel];
+      h[t * a->stride_h + i] = h[t * a->stride_h + i] + add;
+    }
+  }
+}
+"""
+
+CUSTOM_CUDA = r"""
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include "xmix/custom.h"
+
+extern "C" __global__ void gc_custom_add(xmix_custom_args a) {
+  const int t = blockIdx.x;
+  if (t >= a.n_rows || !a.select[t]) return;
+  const float k = a.slot_params[a.tok_slot[t] * a.n_params + a.param_base];
+  for (int i = threadIdx.x; i < a.d; i += blockDim.x) {
+    const float add = __fmul_rn(k, a.artifact[i % a.artifact_numel]);
+    if (a.dtype == 1) {
+      __nv_bfloat16* h = (__nv_bfloat16*)a.h + t * a.stride_h;
+      h[i] = __float2bfloat16(__fadd_rn(__bfloat162float(h[i]), add));
+    } else if (a.dtype == 2) {
+      __half* h = (__half*)a.h + t * a.stride_h;
+      h[i] = __float2half(__fadd_rn(__half2float(h[i]), add));
+    } else {
+      float* h = (float*)a.h + t * a.stride_h;
+      h[i] = __fadd_rn(h[i], add);
+    }
+  }
+}
+"""
+
+_CUSTOM_LIB: dict[str, str | None] = {}
+
+
+def custom_library() -> str | None:
+    """The shared library of CUSTOM_CPU, built once with the system's C++ compiler; None (and
+    the custom-kernel case left out, said) where there is none."""
+    if "lib" in _CUSTOM_LIB:
+        return _CUSTOM_LIB["lib"]
+    from xmix import custom_include_dir
+
+    cxx = shutil.which("c++") or shutil.which("g++")
+    lib = None
+    if cxx is None:
+        say("  SKIP  custom_write: no C++ compiler here to build its CPU kernel")
+    else:
+        d = Path(tempfile.mkdtemp(prefix="xmix-gpu-check-"))
+        (d / "custom.cpp").write_text(CUSTOM_CPU)
+        out = d / "libgc_custom.so"
+        r = subprocess.run(
+            [
+                cxx,
+                "-O2",
+                "-ffp-contract=off",
+                "-shared",
+                "-fPIC",
+                "-I",
+                str(custom_include_dir()),
+                "-o",
+                str(out),
+                str(d / "custom.cpp"),
+            ],
+            capture_output=True,
+            text=True,
+        )
+        if check(r.returncode == 0, "custom_write: its CPU kernel builds"):
+            lib = str(out)
+        else:
+            say(r.stderr[-1000:])
+    _CUSTOM_LIB["lib"] = lib
+    return lib
 
 
 def bench_apps(d: int, n_layers: int) -> dict[str, App]:
     add = App("bench_add")
-    add.write("add", vector=vec(d, 20), scale=2.0).layers([n_layers // 2]).submodule("residual.pre")
+    add.write("add", vector=vec(d, 20), scale=2.0).layers([n_layers // 2]).at("residual.pre")
     abl = App("bench_ablate")
     for s in SITES:
-        abl.write("ablate", direction=vec(d, 21)).layers("all").submodule(s)
+        abl.write("ablate", direction=vec(d, 21)).layers("all").at(s)
     gate = App("bench_gated")
     gate.param("theta", 2.0)
     gate.read("probe", weight=vec(d, 22) / math.sqrt(d), bias=0.0).layers(
         [min(1, n_layers - 1)]
-    ).submodule("residual.pre").named("p")
-    gate.write("add", vector=vec(d, 23), scale=2.0).layers([n_layers // 2]).submodule(
-        "mlp.post"
-    ).cond("p >= theta")
+    ).at("residual.pre").named("p")
+    gate.write("add", vector=vec(d, 23), scale=2.0).layers([n_layers // 2]).at("mlp.post").cond(
+        "p >= theta"
+    )
     return {"add": add, "ablate": abl, "gated": gate}
 
 
@@ -336,13 +443,31 @@ class Decoder:
                 )
             )
         self.lnf = torch.ones(d, device=device, dtype=dtype)
+        # What runs at a hook site: xmix's op (None), or a function (h, r, site, layer) that
+        # changes h in place: the PyTorch reference of gpu_check_reference, or a test's
+        # deliberately broken kernel.
+        self.site_impl: Callable | None = None
 
     def sid(self, name, i):
         return site_id(name, i, self.L)
 
+    def site(self, h, r, name, i):
+        if self.site_impl is None:
+            torch.ops.xmix.site(h, r, self.sid(name, i))
+        else:
+            self.site_impl(h, r, name, i)
+
+    @contextlib.contextmanager
+    def using(self, impl: Callable | None):
+        old, self.site_impl = self.site_impl, impl
+        try:
+            yield self
+        finally:
+            self.site_impl = old
+
     def pre(self, i, h, r, sites):
         if sites:
-            torch.ops.xmix.site(h, r, self.sid("residual.pre", i))
+            self.site(h, r, "residual.pre", i)
         r = h + r
         q = (rmsnorm(r, self.layers[i]["ln1"]) @ self.layers[i]["wqkv"])[:, : self.d]
         return r, q
@@ -358,12 +483,12 @@ class Decoder:
         p = self.layers[i]
         o = a @ p["wo"]
         if sites:
-            torch.ops.xmix.site(o, None, self.sid("attention.post", i))
+            self.site(o, None, "attention.post", i)
         r = o + r
         g, u = (rmsnorm(r, p["ln2"]) @ p["wgu"]).chunk(2, dim=-1)
         h = (torch.nn.functional.silu(g) * u) @ p["wd"]
         if sites:
-            torch.ops.xmix.site(h, None, self.sid("mlp.post", i))
+            self.site(h, None, "mlp.post", i)
         return h, r
 
     def __call__(self, x, sites=True):
@@ -426,6 +551,20 @@ class Runner:
         for k, v in snap.items():
             self.cb.dev[k].copy_(v)
 
+    def reads(self, app: str) -> dict[int, dict[str, tuple[list[int], np.ndarray]]]:
+        """The step's reads of one app as the drain reports them: {request index: {read:
+        (positions, values)}}."""
+        out: dict[int, dict[str, tuple[list[int], np.ndarray]]] = {}
+        index = {rid: i for i, rid in enumerate(self.live)}
+        for rid, by_app in self.cb.drain().items():
+            if rid not in index or app not in by_app:
+                continue
+            out[index[rid]] = {
+                k: ([int(p) for p in rr["positions"]], np.asarray(rr["values"], dtype=np.float32))
+                for k, rr in by_app[app].items()
+            }
+        return out
+
     def outputs(self, y, B):
         R = self.cb.cap.max_channels
         return (
@@ -435,12 +574,29 @@ class Runner:
         )
 
 
+# One group of 8 tokens: a whole prompt in one chunk (its last prompt token is sampled), the
+# first chunk of a longer prompt (a partial prefill: no token of it is sampled), and decode
+# rows (one generated token each): (n_tokens, start_pos, prompt_len).
+_GROUP = ((3, 0, 3), (2, 0, 5), (1, 9, 4), (1, 5, 2), (1, 3, 3))
+
+
 def mixed_rows(B: int, apps: tuple[str, ...]):
-    """B tokens: a prompt chunk with its last token, a partial prefill, decode tokens; the
-    first three requests use `apps`, the rest do not."""
-    if B == 8:
-        return [(3, 0, 3, apps), (2, 0, 5, apps), (1, 9, 4, apps), (1, 5, 2, ()), (1, 3, 3, ())]
-    return [(1, 10 + i, 4, apps if i % 2 == 0 else ()) for i in range(B)]
+    """B tokens as vLLM batches them, for every B the check runs (B >= 8): groups of 8 tokens
+    holding a prompt chunk with its last token, a partial prefill and decode rows; in even
+    groups the first three requests use ``apps``, in odd ones the partial prefill and the last
+    two do; tokens past the last whole group are decode rows without apps. Every batch size
+    therefore exercises the prompt, generated, last-token and partial-prefill conditions, with
+    requests that use the apps beside requests that do not."""
+    if B < 8:
+        raise ValueError(f"mixed_rows needs B >= 8 (got {B}): one group of 8 tokens")
+    rows = []
+    for g in range(B // 8):
+        users = (0, 1, 2) if g % 2 == 0 else (1, 3, 4)
+        for i, (n, start, plen) in enumerate(_GROUP):
+            shift = 0 if n > 1 else g  # decode rows at varied positions
+            rows.append((n, start + shift, plen + shift, apps if i in users else ()))
+    rows += [(1, 10 + k, 4, ()) for k in range(B % 8)]
+    return rows
 
 
 def rel(a, b) -> float:
@@ -453,6 +609,32 @@ def sync(device) -> None:
 
 
 # ---------------------------------------------------------------- correctness orchestration
+def compare_reads(got, want, tol: float) -> str | None:
+    """None when the drained reads ``got`` ({request: {read: (positions, values)}}) are the
+    reference's ``want`` ({read: {request: {position: value or vector}}}), else the first
+    difference."""
+    want_by_req: dict[int, dict[str, dict[int, object]]] = {}
+    for key, by_req in want.items():
+        for q, vals in by_req.items():
+            want_by_req.setdefault(q, {})[key] = vals
+    for q in sorted(set(got) | set(want_by_req)):
+        g, w = got.get(q, {}), want_by_req.get(q, {})
+        if set(g) != set(w):
+            return f"request {q}: reads {sorted(g)} reported, the reference has {sorted(w)}"
+        for key, vals in w.items():
+            pos, values = g[key]
+            if pos != sorted(vals):
+                return f"request {q} {key}: positions {pos}, the reference has {sorted(vals)}"
+            ref = torch.stack([torch.as_tensor(vals[p], dtype=torch.float32) for p in pos])
+            try:
+                torch.testing.assert_close(
+                    torch.from_numpy(values).reshape(ref.shape), ref, rtol=tol, atol=tol
+                )
+            except AssertionError as e:
+                return f"request {q} {key}: {str(e).splitlines()[0]}"
+    return None
+
+
 def check_correctness(
     cb,
     run: Runner,
@@ -466,52 +648,67 @@ def check_correctness(
     replan=graphs.on_apps_changed,
     set_mode=graphs.set_mode,
     tol_eager: float = 5e-2,
+    reference: Callable[[int, Callable], torch.Tensor] | None = None,
+    tol_ref: float | None = None,
 ) -> None:
     """Every case, enabled and disabled, per batch: each kind of run from the same control
-    state. kinds: "eager" (the reference), "base" (the model without sites), and the graph
-    runs to compare (each must equal "anchors" when present, else eager, and eager within
-    tol_eager). The gated cases run with the gate false for every token (theta 2 > any
-    sigmoid), then true for some: theta = the median of the probe values that the gate-false
-    pass read."""
+    state. kinds: "eager", "base" (the model without sites), and the graph runs to compare
+    (each must equal "anchors" when present, else eager, and eager within tol_eager).
+    ``reference(B, site_impl)`` runs the eager model with a function at its hook sites: with
+    it, eager execution itself is checked against gpu_check_reference's PyTorch oracle of the
+    case (output within tol_ref, default tol_eager, and every read of every request). The
+    gated cases run with the gate false for every token (theta 2 > any sigmoid), then true for
+    some: theta between the two middle probe values that the gate-false pass read."""
     base_snap = run.snapshot()
     graph_kinds = [k for k in kinds if k not in ("eager", "base")]
-    ref_kind = "anchors" if "anchors" in kinds else "eager"
+    tol_ref = tol_eager if tol_ref is None else tol_ref
     for case in cases:
         cb.install(lower(case.app, shape), mode="request" if case.mode == "request" else "all")
         summary = replan(cb)
         if summary and (summary.get("errors") or summary.get("fallback")):
             check(False, f"{case.name}: re-plan {summary}")
+        oracle = gref.build(case.name, case.app, shape.n_layers) if reference else None
+        ref_kind = "anchors" if "anchors" in kinds and case.anchors_run_it else "eager"
         for B in batches:
             apps = (case.name,) if case.mode == "request" else ()
             rows = mixed_rows(B, apps)
             n_real = sum(r[0] for r in rows)
             probe_rows = None
             gate_off_y = None
+            current = dict(case.app.app_params)  # the app's parameters as the block has them
             for mode in ("on", "off"):
                 set_mode(
                     cb,
                     case.name,
                     ("request" if case.mode == "request" else "all") if mode == "on" else "off",
                 )
-                thetas = [2.0, "median"] if case.gate_param and mode == "on" else [None]
+                thetas = [2.0, "threshold"] if case.gate_param and mode == "on" else [None]
                 for theta in thetas:
+                    params: dict[str, float] = {}
                     if theta == 2.0:
-                        cb.set_params(case.name, {case.gate_param: 2.0})
-                    elif theta == "median":
+                        params[case.gate_param] = 2.0
+                    elif theta == "threshold":
                         ch = cb.apps[case.name].channels["p"]
-                        t = probe_median(probe_rows, ch) if probe_rows is not None else None
+                        t = gate_threshold(probe_rows, ch) if probe_rows is not None else None
                         if not check(
                             t is not None, f"{case.name} B={B}: probe values to set the gate from"
                         ):
                             continue
-                        cb.set_params(case.name, {case.gate_param: t})
-                    out = {}
+                        params[case.gate_param] = t
+                    if params:
+                        cb.set_params(case.name, params)
+                        current.update(params)
+                    out, failed, drained = {}, {}, {}
                     for kind, fn in kinds.items():
                         run.restore(base_snap)
                         run.step(rows, ids[B])
+                        cb.take_failed()
                         y = fn(B)
                         sync(device)
                         out[kind] = run.outputs(y, B)
+                        failed[kind] = cb.take_failed()
+                        if kind == "eager" and reference is not None:
+                            drained = run.reads(case.name)
                     ye, re_, ce = out["eager"]
                     yb = out["base"][0]
                     tag = f"{case.name} B={B} {mode}" + (
@@ -519,11 +716,46 @@ def check_correctness(
                     )
                     if theta == 2.0:
                         probe_rows, gate_off_y = re_, ye
+                    if oracle is not None:
+                        st = gref.Step(
+                            gref.tokens(
+                                rows, ids[B].cpu(), case.mode if mode == "on" else "off", case.name
+                            ),
+                            dict(current),
+                        )
+                        y_ref = reference(
+                            B,
+                            lambda h, r, site, layer, o=oracle, st=st: o.run(st, site, layer, h, r),
+                        ).float()
+                        sync(device)
+                        vs_ref = rel(ye, y_ref)
+                        why = compare_reads(drained, st.reads, tol_ref)
+                        n_vals = sum(len(v) for by_q in st.reads.values() for v in by_q.values())
+                        check(
+                            vs_ref < tol_ref and why is None and not failed["eager"],
+                            f"{tag} [eager vs reference]: rel err {vs_ref:.1e}, "
+                            f"{n_vals} read values"
+                            + (f"; {why}" if why else "")
+                            + (f"; failed requests {failed['eager']}" if failed["eager"] else ""),
+                        )
                     for kind in graph_kinds:
                         yk, rk, ck = out[kind]
+                        if kind == "anchors" and not case.anchors_run_it:
+                            # a user kernel cannot run in a graph without its splice: the
+                            # requests that use it must be failed, saying so, in mode "on"
+                            uses = any(apps or case.mode == "all" for *_, apps in rows)
+                            named = bool(failed[kind]) and all(
+                                case.name in m for m in failed[kind].values()
+                            )
+                            check(
+                                named if mode == "on" and uses else not failed[kind],
+                                f"{tag} [{kind}]: {len(failed[kind])} request(s) failed "
+                                f"(a graph without the splice cannot run the user kernel)",
+                            )
+                            continue
                         yr, rr, cr = out[ref_kind]
                         vs_ref, vs_eager = rel(yk, yr), rel(yk, ye)
-                        ok = vs_ref < 1e-3 and vs_eager < tol_eager
+                        ok = vs_ref < 1e-3 and vs_eager < tol_eager and not failed[kind]
                         if case.reads and mode == "on":
                             try:
                                 torch.testing.assert_close(
@@ -555,7 +787,7 @@ def check_correctness(
                             # a write that changes nothing would prove nothing
                             ok = ok and effect > 0
                             extra = f", effect {effect:.1e}"
-                        if theta == "median" and gate_off_y is not None:
+                        if theta == "threshold" and gate_off_y is not None:
                             n = int(changed_rows(yk[:n_real], gate_off_y[:n_real]).sum())
                             some = n > 0 and (n < n_real or not case.some_not_all)
                             ok = ok and some
@@ -563,38 +795,77 @@ def check_correctness(
                         check(
                             ok,
                             f"{tag} [{kind}]: rel err vs {ref_kind} {vs_ref:.1e} "
-                            f"(bitwise {torch.equal(yk, yr)}), vs eager {vs_eager:.1e}{extra}",
+                            f"(bitwise {torch.equal(yk, yr)}), vs eager {vs_eager:.1e}{extra}"
+                            + (f"; failed requests {failed[kind]}" if failed[kind] else ""),
                         )
         cb.remove(case.name)
     replan(cb)
 
 
-def cpu_orchestration(args) -> None:
-    """The correctness orchestration above on a tiny CPU decoder, every graph kind being
-    the eager model: what a CPU can check of this script's GPU path."""
-    say("== without a GPU: correctness orchestration on a tiny CPU decoder (graphs = eager)")
+# The batch sizes whose correctness the GPU stages check (bench/gpu_check.sh: quick 8 and 256,
+# full 8, 64 and 256; B = 1 is timed, not checked): the CPU part runs the orchestration at
+# every one of them (tests/unit/test_gpu_check.py holds the script to this list).
+CHECKED_BATCHES = (8, 64, 256)
+# (layers, hidden size) of the GPU stages: full, and quick at the hidden size whose shared
+# memory needs the opt-in; the CPU part lowers and plans the check's apps for each.
+GPU_STAGE_SHAPES = ((32, 4096), (2, 5120))
+
+
+def checked_batches(batches) -> list[int]:
+    """The batches of a run whose correctness is checked: those mixed_rows can fill."""
+    return [b for b in batches if b >= 8]
+
+
+def with_sites(model: Decoder, x: dict) -> Callable[[int, Callable], torch.Tensor]:
+    """check_correctness' ``reference``: the eager model at batch B with ``impl`` at its sites."""
+
+    def go(B: int, impl: Callable) -> torch.Tensor:
+        with model.using(impl):
+            return model(x[B])
+
+    return go
+
+
+def cpu_orchestration(
+    args,
+    batches=CHECKED_BATCHES,
+    cases: list[Case] | None = None,
+    kernel: Callable | None = None,
+) -> None:
+    """The correctness orchestration above on a tiny CPU decoder, every graph kind being the
+    eager model, at every batch size the GPU stages check and for every case they run: what a
+    CPU can check of this script's GPU path, with eager execution held to the PyTorch
+    reference (gpu_check_reference). ``kernel``: what runs at the sites instead of xmix's op
+    (tests/unit/test_gpu_check.py: deliberately broken kernels the check must catch)."""
+    say(
+        "== without a GPU: correctness orchestration on a tiny CPU decoder (graphs = eager), "
+        f"batches {list(batches)}"
+    )
     shape = ModelShape(n_layers=3, hidden_size=64, vocab_size=64)
-    model = Decoder(3, 64, 128, 4, 8, 8, device="cpu", dtype=torch.float32)
+    top = max(batches)
+    model = Decoder(3, 64, 128, 4, 8, top, device="cpu", dtype=torch.float32)
+    model.site_impl = kernel
     cap = Capacity(
-        max_tokens=16,
-        max_slots=16,
+        max_tokens=top,
+        max_slots=top,
         max_apps=8,
         max_params=64,
         max_channels=16,
         max_ops=64,
         max_cond=128,
-        capture_floats=1 << 12,
+        capture_floats=1 << 14,
     )
     cb = ControlBlock(shape, "cpu", cap)
     run = Runner(cb)
-    x = {8: torch.randn(8, 64, generator=torch.Generator().manual_seed(1))}
-    ids = {8: ((torch.arange(8) * 7) % 50).to(torch.int32)}
+    g = torch.Generator().manual_seed(1)
+    x = {B: torch.randn(B, 64, generator=g) for B in batches}
+    ids = {B: ((torch.arange(B) * 7) % 50).to(torch.int32) for B in batches}
     kinds = {
         "eager": lambda B: model(x[B]),
         "patched": lambda B: model(x[B]),
         "base": lambda B: model(x[B], sites=False),
     }
-    run.step(mixed_rows(8, ()), ids[8])
+    run.step(mixed_rows(min(batches), ()), ids[min(batches)])
     n0 = len(FAILURES)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matrices: threads only contend (CI machines are shared)
@@ -605,13 +876,15 @@ def cpu_orchestration(args) -> None:
             kinds,
             x,
             ids,
-            check_cases(64, 3),
-            [8],
+            check_cases(64, 3) if cases is None else cases,
+            list(batches),
             shape,
             "cpu",
             replan=lambda c: None,
             set_mode=lambda c, n, m: c.set_mode(n, m),
             tol_eager=1e-5,
+            reference=with_sites(model, x),
+            tol_ref=1e-4,
         )
     finally:
         torch.set_num_threads(threads)
@@ -836,7 +1109,7 @@ def gpu_part(args, shape: ModelShape, table: Table) -> None:
     for B in args.batches:
         xs[B] = torch.randn(B, d, device="cuda", dtype=torch.bfloat16)
         ids[B] = ((torch.arange(B) * 7) % 50).to(torch.int32).cuda()
-        run.step(mixed_rows(B, ()), ids[B])
+        run.step(mixed_rows(B, ()) if B >= 8 else [(1, 10 + k, 4, ()) for k in range(B)], ids[B])
         g_base[B] = capture(torch.cuda.CUDAGraph, model, xs[B], sites=False)
         g_anchor[B] = capture(cls, model, xs[B], patch="0")
         g_patch[B] = capture(cls, model, xs[B])
@@ -867,7 +1140,7 @@ def gpu_part(args, shape: ModelShape, table: Table) -> None:
     say(
         "== correctness: patched full and piecewise graphs vs anchors and eager, enabled and disabled"
     )
-    check_batches = [b for b in (8, 256) if b in args.batches] or args.batches[:1]
+    check_batches = checked_batches(args.batches)
     kinds = {
         "eager": lambda B: model(xs[B]),
         "anchors": lambda B: (g_anchor[B][0].replay(), g_anchor[B][1])[1],
@@ -877,7 +1150,16 @@ def gpu_part(args, shape: ModelShape, table: Table) -> None:
         kinds["piecewise"] = lambda B: pw_patch[B].replay()
     kinds["base"] = lambda B: (g_base[B][0].replay(), g_base[B][1])[1]
     check_correctness(
-        cb, run, kinds, xs, ids, check_cases(d, shape.n_layers), check_batches, shape, "cuda"
+        cb,
+        run,
+        kinds,
+        xs,
+        ids,
+        check_cases(d, shape.n_layers),
+        check_batches,
+        shape,
+        "cuda",
+        reference=with_sites(model, xs),
     )
 
     apps = bench_apps(d, shape.n_layers)
@@ -1086,7 +1368,7 @@ def first_replay_check_section(cls, model, cb, run, xs, ids, B, apps, shape, arg
         graphs.on_apps_changed(cb)
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--d", type=int, default=4096)
@@ -1102,7 +1384,11 @@ def main() -> int:
     ap.add_argument("--table", type=Path, default=None, help="markdown file for the timing table")
     ap.add_argument("--tag", default="full", help="the table's section in --table")
     ap.add_argument("--cpu-only", action="store_true", help="only the part that needs no GPU")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> int:
+    args = parser().parse_args()
     args.batches = sorted(int(b) for b in args.batches.split(","))
     # every patch is read back and compared with its plan
     os.environ.setdefault("XMIX_GRAPH_VERIFY", "1")
@@ -1112,7 +1398,12 @@ def main() -> int:
         f"_C: {_C.cuda_status()}"
     )
     t = time.time()
-    cpu_part(shape)
+    if args.cpu_only or not torch.cuda.is_available():
+        # every shape the GPU stages run, this run's own included
+        for n_layers, d in sorted({*GPU_STAGE_SHAPES, (args.layers, args.d)}):
+            cpu_part(ModelShape(n_layers=n_layers, hidden_size=d, vocab_size=32000))
+    else:
+        cpu_part(shape)
     cpu_orchestration(args)
     if args.cpu_only or not torch.cuda.is_available():
         why = "--cpu-only" if args.cpu_only else "no GPU"

@@ -11,6 +11,7 @@
 #include "xmix/control.h"
 #include "xmix/custom.h"
 #include "xmix/site.h"
+#include "xmix/smem.h"
 
 #if defined(XMIX_WITH_CUDA)
 #include <cuda_runtime.h>
@@ -299,6 +300,19 @@ py::dict constants() {
   d["LATCH_FROM_GENERATED"] = int(kLatchFromGenerated);
   d["MAX_COND_STACK"] = kMaxCondStack;
   d["READ_STATE_WIDTH"] = kReadStateWidth;
+  d["SAE_RELU"] = int(SAE_RELU);
+  d["SAE_JUMPRELU"] = int(SAE_JUMPRELU);
+  d["SAE_TOPK"] = int(SAE_TOPK);
+  d["SAE_NORM_NONE"] = int(SAE_NORM_NONE);
+  d["SAE_NORM_RESCALE"] = int(SAE_NORM_RESCALE);
+  d["SAE_NORM_LAYER"] = int(SAE_NORM_LAYER);
+  d["SAE_ARCH_MASK"] = int(SAE_ARCH_MASK);
+  d["SAE_NORM_SHIFT"] = int(SAE_NORM_SHIFT);
+  d["SAE_B_DEC_IN"] = int(SAE_B_DEC_IN);
+  d["SAE_FEATURES"] = int(SAE_FEATURES);
+  d["SAE_MAX_TOP_K"] = kSaeMaxTopK;
+  d["SAE_MAX_FEATURES"] = kSaeMaxFeatures;
+  d["SAE_LN_EPS"] = kSaeLnEps;
   d["MODE_OFF"] = int(MODE_OFF);
   d["MODE_REQUEST"] = int(MODE_REQUEST);
   d["MODE_ALL"] = int(MODE_ALL);
@@ -321,6 +335,33 @@ PYBIND11_MODULE(_C, m) {
         "What CUDA xmix._C can use; with a GPU it also loads every xmix kernel once");
   m.def("preload_kernels", &load_kernels_now,
         "Load every xmix kernel on the current device now; returns how many (0 without a GPU)");
+  m.def(
+      "smem_plan",
+      [](size_t static_bytes, int32_t d, size_t optin_limit) {
+        const SmemPlan p = plan_smem(static_bytes, site_dynamic_smem(d), optin_limit);
+        py::dict out;
+        out["static"] = p.static_bytes;
+        out["dynamic"] = p.dynamic_bytes;
+        out["opt_in"] = p.opt_in;
+        out["fits"] = p.fits;
+        out["refusal"] = smem_refusal(d, p, optin_limit);
+        return out;
+      },
+      "The site kernels' shared memory at hidden size d with static_bytes of static shared "
+      "memory on a device whose opt-in limit is optin_limit (xmix/smem.h)");
+  m.def(
+      "site_smem_check",
+      [](int32_t d) -> std::string {
+#if defined(XMIX_WITH_CUDA)
+        std::string why;
+        check(site_smem_check(d, &why), "reading the site kernels' shared memory");
+        return why;
+#else
+        (void)d;
+        return "";
+#endif
+      },
+      "Empty when the site kernels can launch at hidden size d on this GPU, else why not");
   m.def("control_layout", &control_layout);
   m.def("op_layout", &op_layout);
   m.def("constants", &constants);

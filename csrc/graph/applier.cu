@@ -62,7 +62,6 @@ struct NvtxRange {
 };
 
 constexpr uint32_t kThreads = 256;
-constexpr unsigned kDefaultSmemLimit = 48 * 1024;
 
 // Our kernels in every form the runtime may report for a kernel node (kernel_match.h): the
 // host stub, its cudaFunction_t and cudaKernel_t, and the mangled name for a handle that
@@ -363,6 +362,8 @@ bool conditionals_supported() {
 
 struct GraphPatch::Impl {
   cudaGraph_t graph = nullptr;
+  cudaGraphExec_t own = nullptr;  // instantiate_own()
+  bool own_is_torchs = false;     // the same address as torch's stale handle
   int32_t next_id = 0;
   std::unordered_map<cudaGraphNode_t, int32_t> ids;
   std::unordered_map<int32_t, cudaGraphNode_t> handles;
@@ -567,10 +568,10 @@ struct GraphPatch::Impl {
     return it == ifs.end() ? 0 : it->second.handle;
   }
 
+  // An op node launches the op kernel with the anchor's dynamic shared memory (two rows of d
+  // floats): opted in by static + dynamic size (xmix/smem.h), as a launch does.
   static void prepare_smem(Role role, const AnchorArgs& a) {
-    if (role == Role::Op && a.smem > kDefaultSmemLimit)
-      XG_CHECK(cudaFuncSetAttribute(op_kernel_symbol(), cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    static_cast<int>(a.smem)));
+    if (role == Role::Op) XG_CHECK(static_cast<cudaError_t>(prepare_op_kernel_smem(a.d)));
   }
 
   bool apply(const Plan& plan, uint64_t exec_u) {
@@ -712,7 +713,49 @@ GraphPatch::GraphPatch(uint64_t graph) : impl_(new Impl) {
   impl_->graph = reinterpret_cast<cudaGraph_t>(static_cast<uintptr_t>(graph));
 }
 
-GraphPatch::~GraphPatch() = default;
+GraphPatch::~GraphPatch() {
+  if (impl_ && impl_->own && !impl_->own_is_torchs) {
+    if (cudaGraphExecDestroy(impl_->own) != cudaSuccess) cudaGetLastError();
+  }
+}
+
+namespace {
+// What torch's CUDAGraph::instantiate() passes (aten/src/ATen/cuda/CUDAGraph.cpp).
+constexpr unsigned long long kTorchInstantiateFlags =
+    cudaGraphInstantiateFlagAutoFreeOnLaunch | cudaGraphInstantiateFlagUseNodePriority;
+}  // namespace
+
+std::string GraphPatch::try_instantiate() {
+  NvtxRange r("xmix.graph.try_instantiate");
+  cudaGraphExec_t exec = nullptr;
+  const cudaError_t e = cudaGraphInstantiateWithFlags(&exec, impl_->graph, kTorchInstantiateFlags);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return std::string(cudaGetErrorName(e)) + " (" + cudaGetErrorString(e) + ")";
+  }
+  XG_CHECK(cudaGraphExecDestroy(exec));
+  return "";
+}
+
+uint64_t GraphPatch::instantiate_own(uint64_t stale) {
+  NvtxRange r("xmix.graph.instantiate_own");
+  if (impl_->own && !impl_->own_is_torchs) XG_CHECK(cudaGraphExecDestroy(impl_->own));
+  impl_->own = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  XG_CHECK(cudaGraphInstantiateWithFlags(&exec, impl_->graph, kTorchInstantiateFlags));
+  impl_->own = exec;
+  impl_->own_is_torchs = reinterpret_cast<uint64_t>(exec) == stale;
+  bind(reinterpret_cast<uint64_t>(exec));
+  return reinterpret_cast<uint64_t>(exec);
+}
+
+void GraphPatch::launch_own(uint64_t stream) {
+  if (!impl_->own) throw std::logic_error("xmix graph patch: no executable graph of its own");
+  XG_CHECK(
+      cudaGraphLaunch(impl_->own, reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(stream))));
+}
+
+uint64_t GraphPatch::own_exec() const { return reinterpret_cast<uint64_t>(impl_->own); }
 
 uint64_t GraphPatch::graph() const { return reinterpret_cast<uint64_t>(impl_->graph); }
 
@@ -805,14 +848,9 @@ void GraphPatch::set_anchor_config(uint64_t exec_u, bool anchors) {
   }
   cudaGraphExec_t exec = reinterpret_cast<cudaGraphExec_t>(static_cast<uintptr_t>(exec_u));
   if (!exec) throw std::invalid_argument("xmix graph patch: null cudaGraphExec_t");
-  for (const auto& [id, inf] : impl_->info) {
-    if (inf.parent != -1 || !impl_->handles.count(id)) continue;
-    if (inf.role == Role::Anchor)
-      XG_CHECK(cudaGraphNodeSetEnabled(exec, impl_->handle(id), 1u));
-    else if (inf.role == Role::Op || inf.role == Role::Gate || inf.role == Role::CustomSelect ||
-             inf.role == Role::CustomUser || inf.role == Role::CustomFinish)
-      XG_CHECK(cudaGraphNodeSetEnabled(exec, impl_->handle(id), 0u));
-  }
+  for (const Toggle& t : anchor_config(impl_->read()))
+    if (impl_->handles.count(t.node))
+      XG_CHECK(cudaGraphNodeSetEnabled(exec, impl_->handle(t.node), t.enabled ? 1u : 0u));
 }
 
 std::map<std::string, int> GraphPatch::anchor_forms() const {

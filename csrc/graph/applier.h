@@ -4,9 +4,11 @@
 //
 // Ownership: the cudaGraph_t and every cudaGraphExec_t belong to torch.cuda.CUDAGraph (the
 // caller); every node and conditional handle xmix adds belongs to that graph and dies with
-// it. A GraphPatch therefore owns no CUDA object and its destructor makes no CUDA call; it
-// holds the bookkeeping (node handles per (graph, anchor, op)) and must not outlive the
-// graph's use. Compiled only with a CUDA toolkit (XMIX_WITH_CUDA).
+// it. A GraphPatch holds the bookkeeping (node handles per (graph, anchor, op)) and must not
+// outlive the graph's use. The one CUDA object it may own is the executable graph of
+// instantiate_own(), the last resort after torch's instantiate() failed (torch then keeps a
+// destroyed handle as its own); the destructor destroys that, and nothing else. Compiled only
+// with a CUDA toolkit (XMIX_WITH_CUDA).
 #pragma once
 #include <cstdint>
 #include <map>
@@ -53,9 +55,10 @@ class GraphPatch {
   int refresh_app_params(uint64_t exec, int32_t app);
 
   // The first-replay check (python/xmix/graphs.py): anchors = true switches `exec` to the
-  // captured configuration (every anchor on, every top-level spliced node off; IF bodies
-  // stay skipped since their gates are off) without changing the recorded states; false
-  // pushes the recorded states back (as bind()).
+  // anchor configuration (planner.h anchor_config: every anchor on, built-in ops' top-level
+  // nodes off, so their IF bodies stay skipped; user kernels' nodes as recorded, since the
+  // anchor cannot run those) without changing the recorded states; false pushes the recorded
+  // states back (as bind()).
   void set_anchor_config(uint64_t exec, bool anchors);
 
   // How the anchor nodes read so far were recognised: form name ("stub", "function",
@@ -65,6 +68,20 @@ class GraphPatch {
   // Empty when read() matches `expected` structurally (planner.h describe()), else both
   // descriptions.
   std::string verify(const Graph& expected);
+
+  // Instantiates the template with torch's flags (cudaGraphInstantiateFlagAutoFreeOnLaunch |
+  // UseNodePriority) and destroys the result: empty when the driver accepts the template, else
+  // the error. torch's instantiate() destroys the old executable graph before it tries, so a
+  // template goes to torch only once the driver has accepted it here.
+  std::string try_instantiate();
+
+  // The last resort when torch's instantiate() failed on a template the driver had accepted
+  // (torch's handle is then stale): an executable graph of the template owned by this object,
+  // launched with launch_own(). `stale` is torch's handle: if the driver gave the new graph
+  // the same address, torch's reset() will destroy it, and the destructor leaves it alone.
+  uint64_t instantiate_own(uint64_t stale);
+  void launch_own(uint64_t stream);
+  uint64_t own_exec() const;
 
   int32_t n_segments() const;
   int32_t n_parked() const;  // IF nodes kept with an empty body (see applier.cu)

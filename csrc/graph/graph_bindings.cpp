@@ -264,6 +264,9 @@ void register_graph_bindings(py::module_& m) {
   g.def("plan", &plan, py::arg("graph"), py::arg("program"),
         "Decide the splice edits for a graph against the control block's site program");
   g.def("fallback_plan", &fallback_plan, py::arg("graph"), py::arg("reason"));
+  g.def("anchor_config", &anchor_config, py::arg("graph"),
+        "Exec states of the anchor configuration (first-replay check): anchors on, built-in "
+        "op nodes off, user kernels' nodes as recorded");
   g.def("apply", &apply, py::arg("graph"), py::arg("plan"),
         "Perform a plan on the IR (what the applier does to a cudaGraph_t)");
   g.def("describe", &describe);
@@ -289,6 +292,10 @@ void register_graph_bindings(py::module_& m) {
       .def("verify", &GraphPatch::verify, py::arg("expected"))
       .def("set_anchor_config", &GraphPatch::set_anchor_config, py::arg("exec"), py::arg("anchors"))
       .def_property_readonly("anchor_forms", &GraphPatch::anchor_forms)
+      .def("try_instantiate", &GraphPatch::try_instantiate)
+      .def("instantiate_own", &GraphPatch::instantiate_own, py::arg("stale"))
+      .def("launch_own", &GraphPatch::launch_own, py::arg("stream"))
+      .def_property_readonly("own_exec", &GraphPatch::own_exec)
       .def(
           "update",
           [](GraphPatch& self, const Program& prog, uint64_t exec, bool verify) {

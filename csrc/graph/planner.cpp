@@ -145,6 +145,23 @@ Plan fallback_plan(const Graph& g, const std::string& reason) {
   return out;
 }
 
+std::vector<Toggle> anchor_config(const Graph& g) {
+  std::unordered_map<int32_t, const Node*> by_id;
+  for (const Node& n : g.nodes) by_id.emplace(n.id, &n);
+  std::vector<Toggle> out;
+  for (const Node& n : g.nodes)
+    if (n.role == Role::Anchor && n.parent == -1) out.push_back({n.id, true});
+  for (const Splice& sp : g.splices)
+    for (const Segment& s : sp.segments)
+      for (int32_t id : switch_nodes(s)) {
+        auto it = by_id.find(id);
+        if (it == by_id.end() || it->second->parent != -1) continue;
+        // built-in ops: the anchor runs them; user kernels: only their nodes can
+        out.push_back({id, s.custom ? it->second->enabled : false});
+      }
+  return out;
+}
+
 Plan plan(const Graph& g, const Program& p) {
   // ---- the program (a bad program is a caller bug, not a graph the planner can't handle)
   std::map<int32_t, std::vector<const OpSpec*>> by_site;
@@ -330,6 +347,7 @@ Plan plan(const Graph& g, const Program& p) {
     const std::vector<std::pair<int32_t, EdgeData>> preds = adj[a].in, succs = adj[a].out;
     int32_t prev_last = -1;
     bool last_is_kernel = true;
+    bool after_anchor = false;  // the first custom segment waits for the anchor too
     for (size_t i = 0; i < segs.size(); ++i) {
       Segment& s = segs[i];
       const int32_t si = static_cast<int32_t>(i);
@@ -371,6 +389,14 @@ Plan plan(const Graph& g, const Program& p) {
           if (seen.insert(from).second) add_edge(from, first, {}, true);
       } else {
         add_edge(prev_last, first, {}, true);
+      }
+      if (s.custom && !after_anchor) {
+        // The anchor runs a site's built-in ops only: in the anchor configuration (the
+        // first-replay check) user kernels run from their own nodes, after it, as they run
+        // after the anchor kernel eagerly. Disabled, the anchor is an empty node whose
+        // dependencies the chain already waits for: the edge costs nothing.
+        add_edge(a, first, {}, true);
+        after_anchor = true;
       }
       prev_last = last;
     }

@@ -7,7 +7,8 @@
 //   nothing deployed at the site the chain is empty and the site launches nothing.
 // - Chain order is the anchor's: built-in ops in site order, then custom ops in site order.
 //   A gated op is gate -> IF{op}; a custom op is select -> user -> finish (inside the IF when
-//   gated).
+//   gated). The first custom op of a site also waits for the anchor node itself (an empty
+//   node while disabled), so that user kernels run after the anchor when the anchor runs.
 // - Edges into the chain are plain full dependencies: our kernels never wait on a
 //   programmatic (PDL) edge, so letting them start early would race. Edges out of the chain
 //   copy the anchor's edge data (a PDL successor keeps its early launch) when the chain ends
@@ -33,6 +34,12 @@ Plan plan(const Graph& g, const Program& p);
 
 // The plan that puts the graph back as captured: spliced nodes removed, anchors enabled.
 Plan fallback_plan(const Graph& g, const std::string& reason);
+
+// The exec states of the anchor configuration, what the first-replay check compares a patched
+// graph with: every anchor on, the switch nodes of built-in ops off (the anchor runs them),
+// user kernels' nodes as they are (the anchor cannot run those; their chain waits for the
+// anchor, see the rules above). The recorded states are not changed.
+std::vector<Toggle> anchor_config(const Graph& g);
 
 // Performs a plan on the IR itself (what the applier does to a cudaGraph_t): the result is
 // the graph the applier should read back. Fresh nodes get ids from g.next_id() on, in order.

@@ -14,6 +14,7 @@
 #include "xmix/control.h"
 #include "xmix/custom.h"
 #include "xmix/site.h"
+#include "xmix/smem.h"
 
 namespace xmix {
 namespace {
@@ -645,13 +646,59 @@ __global__ void xmix_custom_guard(const ControlBlock* __restrict__ cbp, int32_t 
   if (refused) atomicAdd(ptr<int32_t>(cb.app_nonfinite) + op.app, refused);
 }
 
-size_t smem_bytes(int32_t d) { return static_cast<size_t>(2 * d) * sizeof(float); }
+// Static shared memory of a kernel and this device's opt-in limit, read once (smem.h).
+struct KernelSmem {
+  const void* kernel = nullptr;
+  size_t static_bytes = 0;
+  size_t opted_in = kDefaultSmemPerBlock;  // the dynamic bytes the attribute allows so far
+};
 
+int device_optin_limit(size_t* limit) {
+  static int cached = -1;
+  if (cached < 0) {
+    int dev = 0, v = 0;
+    cudaError_t e = cudaGetDevice(&dev);
+    if (e == cudaSuccess)
+      e = cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+    if (e != cudaSuccess) return static_cast<int>(e);
+    cached = v;
+  }
+  *limit = static_cast<size_t>(cached);
+  return 0;
+}
+
+KernelSmem& smem_of(const void* kernel) {
+  static KernelSmem anchor, op;
+  KernelSmem& k = kernel == reinterpret_cast<const void*>(&xmix_site_anchor) ? anchor : op;
+  k.kernel = kernel;
+  return k;
+}
+
+int kernel_static_smem(KernelSmem& k) {
+  if (k.static_bytes) return 0;
+  cudaFuncAttributes a;
+  const cudaError_t e = cudaFuncGetAttributes(&a, k.kernel);
+  if (e != cudaSuccess) return static_cast<int>(e);
+  k.static_bytes = a.sharedSizeBytes ? a.sharedSizeBytes : 1;
+  return 0;
+}
+
+// Opts the kernel in to the launch's dynamic shared memory where static + dynamic passes the
+// default limit (once per size increase); cudaErrorInvalidValue where no opt-in can fit
+// (refused at start by site_smem_check, which names the hidden size).
 int prepare_smem(const void* kernel, int32_t d) {
-  const size_t bytes = smem_bytes(d);
-  if (bytes <= 48 * 1024) return 0;
-  return static_cast<int>(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               static_cast<int>(bytes)));
+  KernelSmem& k = smem_of(kernel);
+  if (int e = kernel_static_smem(k)) return e;
+  size_t limit = 0;
+  if (int e = device_optin_limit(&limit)) return e;
+  const SmemPlan p = plan_smem(k.static_bytes, site_dynamic_smem(d), limit);
+  if (!p.fits) return static_cast<int>(cudaErrorInvalidValue);
+  if (!p.opt_in || p.dynamic_bytes <= k.opted_in) return 0;
+  const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             static_cast<int>(p.dynamic_bytes));
+  if (e != cudaSuccess) return static_cast<int>(e);
+  k.opted_in = p.dynamic_bytes;
+  return 0;
 }
 
 }  // namespace
@@ -660,7 +707,7 @@ int launch_site_anchor(const ControlBlock* cb, int32_t site, void* h, const void
                        int32_t d, int64_t stride_h, int64_t stride_r, int32_t dtype, void* stream) {
   if (n_rows <= 0) return 0;
   if (int e = prepare_smem(reinterpret_cast<const void*>(&xmix_site_anchor), d)) return e;
-  xmix_site_anchor<<<n_rows, kThreads, smem_bytes(d), static_cast<cudaStream_t>(stream)>>>(
+  xmix_site_anchor<<<n_rows, kThreads, site_dynamic_smem(d), static_cast<cudaStream_t>(stream)>>>(
       cb, site, h, r, d, stride_h, stride_r, dtype);
   return static_cast<int>(cudaGetLastError());
 }
@@ -670,7 +717,7 @@ int launch_op(const ControlBlock* cb, int32_t site, int32_t op_index, void* h, c
               void* stream) {
   if (n_rows <= 0) return 0;
   if (int e = prepare_smem(reinterpret_cast<const void*>(&xmix_op_kernel), d)) return e;
-  xmix_op_kernel<<<n_rows, kThreads, smem_bytes(d), static_cast<cudaStream_t>(stream)>>>(
+  xmix_op_kernel<<<n_rows, kThreads, site_dynamic_smem(d), static_cast<cudaStream_t>(stream)>>>(
       cb, site, op_index, h, r, d, stride_h, stride_r, dtype);
   return static_cast<int>(cudaGetLastError());
 }
@@ -751,6 +798,28 @@ int preload_kernels(int* count) {
   }
   if (count) *count = n;
   return 0;
+}
+
+int site_smem_check(int32_t d, std::string* refusal) {
+  size_t limit = 0;
+  if (int e = device_optin_limit(&limit)) return e;
+  for (const void* kernel : {reinterpret_cast<const void*>(&xmix_site_anchor),
+                             reinterpret_cast<const void*>(&xmix_op_kernel)}) {
+    KernelSmem& k = smem_of(kernel);
+    if (int e = kernel_static_smem(k)) return e;
+    const std::string why =
+        smem_refusal(d, plan_smem(k.static_bytes, site_dynamic_smem(d), limit), limit);
+    if (!why.empty()) {
+      *refusal = why;
+      return 0;
+    }
+  }
+  refusal->clear();
+  return 0;
+}
+
+int prepare_op_kernel_smem(int32_t d) {
+  return prepare_smem(reinterpret_cast<const void*>(&xmix_op_kernel), d);
 }
 
 const void* anchor_kernel_symbol() { return reinterpret_cast<const void*>(&xmix_site_anchor); }

@@ -25,13 +25,21 @@ patched graph back and compares it with the plan.
 
 First-replay check (``XMIX_GRAPH_CHECK``, on by default until the GPU check of
 docs/cuda_graphs.md has passed on a device): the first replay of a patched graph in a step
-where one of its spliced apps runs replays it twice, patched and then with its anchors on
-and its spliced nodes off, from the same snapshot of the graph's memory pool and of the
+where one of its spliced apps runs replays it twice, patched and then in its anchor
+configuration (anchors on, built-in ops' nodes off, user kernels' nodes as they were: the
+anchor cannot run those), from the same snapshot of the graph's memory pool and of the
 control block's stateful buffers. The anchors' replay is the one served. Any difference
 puts the graph back as captured for good (``stats()["check_failed"]``, or
 ``"check_unverifiable"`` when two anchor replays differ themselves or the snapshot does not
-fit). Assumption: what the graph writes outside its pool and the control block (the KV
-cache) is the same on a second replay of the same inputs.
+fit in ``XMIX_GRAPH_CHECK_MAX_MB``). At most ``XMIX_GRAPH_CHECK_GRAPHS`` graphs are checked
+per deploy: once that many passed, the deploy's other graphs replay unchecked
+(``"check_skipped"``); after a failure, every graph of the deploy is checked. Assumption:
+what the graph writes outside its pool and the control block (the KV cache) is the same on a
+second replay of the same inputs.
+
+A graph that replays its anchors (patching off, a refused patch) cannot run user kernels: in
+a step where such a graph holds the site of an app's user kernel, the app's requests fail
+with that reason (``"custom_not_run"``) instead of being answered without the kernel.
 """
 
 from __future__ import annotations
@@ -82,6 +90,9 @@ _STATS_KEYS = (
     "anchors_by_function",  # ... by its cudaFunction_t
     "anchors_by_kernel",  # ... by its cudaKernel_t
     "anchors_by_name",  # ... by the kernel's (mangled) name only
+    "own_exec",  # graphs replaying the applier's own executable graph (torch's was lost)
+    "check_skipped",  # first-replay checks not run: enough graphs of this deploy passed
+    "custom_not_run",  # replays of a graph without its splice in a step using a user kernel
 )
 _stats = dict.fromkeys(_STATS_KEYS, 0)
 _lock = threading.RLock()
@@ -229,6 +240,8 @@ class _Recorder:
         global _warned_unhooked
         with _lock:
             cap = list(_capturing)
+            for g in cap:  # with several captures under way, every one may hold the site
+                g._xmix_sites.add(int(site))
             if len(cap) == 1:
                 cap[0]._xmix_anchors += 1
                 return
@@ -255,6 +268,7 @@ def _begin_capture(g) -> None:
 
     g._xmix_anchors = 0
     g._xmix_counted = True
+    g._xmix_sites = set()
     cb = ops.get_control()
     if cb is not None:
         cb.graph_hook = RECORDER
@@ -269,6 +283,10 @@ def _end_capture(g) -> None:
 
 
 def _exec_of(g) -> int:
+    """The executable graph a graph replays: torch's, or the applier's own (_lost)."""
+    own = g.__dict__.get("_xmix_own_exec", 0)
+    if own:
+        return int(own)
     try:
         return int(g.raw_cuda_graph_exec())
     except RuntimeError:
@@ -385,30 +403,78 @@ def _update(rec, prog, exec_: int):
 def _instantiate_or_fall_back(g, first: bool) -> bool:
     """Instantiate a patched graph (after capture, or after a re-plan changed its topology);
     if the driver refuses the spliced graph, put it back as captured and instantiate that.
-    torch's instantiate() destroys the old executable graph before making the new one, so
-    after a refusal the graph has none: the second attempt is safe, and needed. Returns
-    False when it fell back."""
-    try:
+    Returns False when it fell back.
+
+    torch's instantiate() destroys the graph's executable graph before it makes the new one
+    and, when the driver refuses the new one, keeps the destroyed handle as its own
+    (has_graph_exec_ stays true: aten/src/ATen/cuda/CUDAGraph.cpp), so a second instantiate()
+    would destroy it again and raise into the step. The applier therefore instantiates every
+    template on trial first (same flags, result destroyed); only a template the driver accepts
+    reaches torch."""
+    rec = getattr(g, "_xmix", None)
+    if rec is None:
         _instantiate(g)
         return True
-    except RuntimeError as e:
-        rec = getattr(g, "_xmix", None)
-        if rec is None:
-            raise
-        _count("errors")
-        logger.error(
-            "xmix: instantiating a patched CUDA graph %s failed (%s); its anchors stay",
-            "after capture" if first else "after a re-plan",
-            e,
-        )
-    rec.apply(G.fallback_plan(rec.read(), "instantiation of the patched graph failed"), 0)
+    why = rec.try_instantiate()
+    if not why:
+        _instantiate_checked(g, rec)
+        return True
+    _count("errors")
+    logger.error(
+        "xmix: the driver refuses the patched CUDA graph %s (%s); its anchors stay",
+        "after capture" if first else "after a re-plan",
+        why,
+    )
+    rec.apply(G.fallback_plan(rec.read(), f"instantiation of the patched graph failed: {why}"), 0)
     if first and g._xmix_state == "patched":
         _count("patched", -1)
     _count("fallback")
     g._xmix_state = "fallback"
     g._xmix_check_due = False
-    _instantiate(g)
+    _instantiate_captured(g, rec)
     return False
+
+
+def _instantiate_captured(g, rec) -> None:
+    """Instantiate a graph put back as captured (its anchors), the same careful way."""
+    why = rec.try_instantiate()
+    if why:
+        # the graph as captured: what vLLM would have instantiated without xmix
+        raise RuntimeError(f"xmix: the driver refuses the CUDA graph as it was captured: {why}")
+    _instantiate_checked(g, rec)
+
+
+def _instantiate_checked(g, rec) -> None:
+    """torch's instantiate() of a template the driver has just accepted; if it fails anyway
+    (out of memory in between), torch's handle is stale: the graph is put back as captured and
+    replays an executable graph the applier owns from then on (``stats()["own_exec"]``)."""
+    try:
+        _instantiate(g)
+    except RuntimeError as e:
+        _lost(g, rec, e)
+
+
+def _lost(g, rec, err: Exception) -> None:
+    try:
+        stale = int(g.raw_cuda_graph_exec())
+    except RuntimeError:
+        stale = 0
+    _count("errors")
+    _count("own_exec")
+    if g._xmix_state == "patched":
+        _count("patched", -1)
+        _count("fallback")
+    g._xmix_state = "fallback"
+    g._xmix_check_due = False
+    g._xmix_refused = f"torch could not instantiate it ({err})"
+    rec.apply(G.fallback_plan(rec.read(), g._xmix_refused), 0)
+    g._xmix_own_exec = rec.instantiate_own(stale)
+    logger.error(
+        "xmix: torch's instantiate() failed on a CUDA graph the driver had accepted (%s); "
+        "torch's executable graph is gone, so this graph now replays one of xmix's own, as "
+        "captured (anchors)",
+        err,
+    )
 
 
 def _bind(g) -> None:
@@ -448,11 +514,15 @@ class _TensorRegion:
         self.name, self.t, self.exact = name, t, exact
         self.nbytes = t.numel() * t.element_size()
 
-    def save(self):
-        return self.t.detach().clone()
+    def save_into(self, buf) -> None:
+        """Copy into ``buf`` (uint8, nbytes, preallocated: nothing is allocated here)."""
+        buf.view(self.t.dtype).copy_(self.t.detach().reshape(-1))
 
-    def load(self, saved) -> None:
-        self.t.copy_(saved)
+    def load_from(self, buf) -> None:
+        self.t.copy_(buf.view(self.t.dtype).view(self.t.shape))
+
+    def view(self, buf):
+        return buf.view(self.t.dtype)
 
 
 class _RawRegion:
@@ -464,21 +534,22 @@ class _RawRegion:
     def __init__(self, name: str, addr: int, nbytes: int):
         self.name, self.addr, self.nbytes = name, addr, nbytes
 
-    def save(self):
-        import torch
-
-        out = torch.empty(self.nbytes, dtype=torch.uint8, device="cuda")
-        G.copy_device(
-            out.data_ptr(), self.addr, self.nbytes, torch.cuda.current_stream().cuda_stream
-        )
-        return out
-
-    def load(self, saved) -> None:
+    def save_into(self, buf) -> None:
         import torch
 
         G.copy_device(
-            self.addr, saved.data_ptr(), self.nbytes, torch.cuda.current_stream().cuda_stream
+            buf.data_ptr(), self.addr, self.nbytes, torch.cuda.current_stream().cuda_stream
         )
+
+    def load_from(self, buf) -> None:
+        import torch
+
+        G.copy_device(
+            self.addr, buf.data_ptr(), self.nbytes, torch.cuda.current_stream().cuda_stream
+        )
+
+    def view(self, buf):
+        return buf
 
 
 _CB_STATE = (
@@ -492,12 +563,22 @@ _CB_STATE = (
 
 
 def _check_limit_bytes() -> int:
-    return int(float(os.environ.get("XMIX_GRAPH_CHECK_MAX_MB", "4096")) * 2**20)
+    return int(float(os.environ.get("XMIX_GRAPH_CHECK_MAX_MB", "1024")) * 2**20)
+
+
+def _check_graphs() -> int:
+    """Graphs checked per control block and deploy (ops_generation): once that many passed,
+    the others of the same deploy replay unchecked (``check_skipped``); a failure checks
+    every graph of the deploy."""
+    return int(os.environ.get("XMIX_GRAPH_CHECK_GRAPHS", "8"))
 
 
 def _pool_regions(g) -> list:
     """Every segment of the graph's memory pool: its outputs and intermediates, and the
-    outputs of other graphs sharing the pool that it reads (vLLM's piecewise graphs)."""
+    outputs of other graphs sharing the pool that it reads (vLLM's piecewise graphs). The
+    whole pool, not only the graph's outputs: vLLM's piecewise graphs update their inputs in
+    place (the fused add + RMSNorm on the residual), so a second replay from the same state
+    needs everything the graph may read restored."""
     import torch
 
     pool = tuple(g.pool())
@@ -524,39 +605,65 @@ def _check_regions(g, cb) -> list:
     if not pool:
         # its outputs are somewhere the check cannot see, or restore
         raise _Unverifiable("no segment of its memory pool was found")
-    total = sum(r.nbytes for r in pool)
-    if total > _check_limit_bytes():
+    total = sum(r.nbytes for r in regions + pool)
+    if 3 * total > _check_limit_bytes():
         raise _Unverifiable(
-            f"its memory pool ({total / 2**20:.0f} MiB) exceeds XMIX_GRAPH_CHECK_MAX_MB"
+            f"three snapshots of its memory pool and the control block's state "
+            f"({3 * total / 2**20:.0f} MiB) exceed XMIX_GRAPH_CHECK_MAX_MB"
         )
     return regions + pool
 
 
-def first_difference(regions, saved) -> str | None:
-    """None when every region holds what ``saved`` holds (per the region's rule), else a
-    description of the first difference."""
-    import torch
+class _Snapshots:
+    """The check's device memory, allocated at once before any replay (an allocation that
+    fails then leaves nothing half done): three sets of the regions (before, patched,
+    anchors), one flat uint8 buffer each."""
 
-    for r, want in zip(regions, saved):
-        got = r.save()
-        if r.exact:
-            a, b = got.reshape(-1), want.reshape(-1)
-            if a.dtype.is_floating_point:
-                a, b = a.view(torch.int32), b.view(torch.int32)
-            if not torch.equal(a, b):
-                n = int((a != b).sum())
-                return f"{r.name}: {n} of {a.numel()} elements differ bit for bit"
-            continue
-        if not torch.allclose(got, want, rtol=1e-4, atol=1e-6, equal_nan=True):
-            d = (got - want).abs().nan_to_num(nan=float("inf"))
-            both_nan = got.isnan() & want.isnan()
-            d[both_nan] = 0
-            i = int(d.argmax())
-            return (
-                f"{r.name}: element {i} is {float(got.reshape(-1)[i])!r}, the anchors "
-                f"give {float(want.reshape(-1)[i])!r}"
-            )
-    return None
+    def __init__(self, regions: list, device):
+        import torch
+
+        self.regions = regions
+        self.offsets = []
+        off = 0
+        for r in regions:  # 16-byte aligned, so every part can be viewed as its dtype
+            self.offsets.append(off)
+            off += (r.nbytes + 15) // 16 * 16
+        self.sets = [torch.empty(off, dtype=torch.uint8, device=device) for _ in range(3)]
+
+    def _parts(self, k: int):
+        for r, off in zip(self.regions, self.offsets):
+            yield r, self.sets[k][off : off + r.nbytes]
+
+    def save(self, k: int) -> None:
+        for r, buf in self._parts(k):
+            r.save_into(buf)
+
+    def load(self, k: int) -> None:
+        for r, buf in self._parts(k):
+            r.load_from(buf)
+
+    def first_difference(self, a: int, b: int) -> str | None:
+        """None when set a holds what set b holds (per region's rule), else the first
+        difference. Compares the saved copies: nothing is allocated but small temporaries for
+        the control block's float regions."""
+        import torch
+
+        for (r, x), (_, y) in zip(self._parts(a), self._parts(b)):
+            if r.exact:
+                if not torch.equal(x, y):
+                    n = int((x != y).sum())
+                    return f"{r.name}: {n} of {x.numel()} bytes differ"
+                continue
+            got, want = r.view(x), r.view(y)
+            if not torch.allclose(got, want, rtol=1e-4, atol=1e-6, equal_nan=True):
+                d = (got - want).abs().nan_to_num(nan=float("inf"))
+                d[got.isnan() & want.isnan()] = 0
+                i = int(d.argmax())
+                return (
+                    f"{r.name}: element {i} is {float(got[i])!r}, the anchors give "
+                    f"{float(want[i])!r}"
+                )
+        return None
 
 
 def _check_due(g, cb) -> bool:
@@ -568,56 +675,97 @@ def _check_due(g, cb) -> bool:
     )
 
 
+# Per control block: (ops_generation, checks passed, a check failed) of the current deploy.
+_check_budget: weakref.WeakKeyDictionary[Any, list] = weakref.WeakKeyDictionary()
+
+
+def _budget(cb) -> list:
+    b = _check_budget.get(cb)
+    if b is None or b[0] != cb.ops_generation:
+        b = _check_budget[cb] = [cb.ops_generation, 0, False]
+    return b
+
+
 def _replay(g, base_replay) -> None:
     """XmixCUDAGraph.replay: the first replay of a patched graph in a step that runs one of
-    its spliced apps is the checked one."""
+    its spliced apps is the checked one, until enough graphs of the deploy have passed."""
     if g.__dict__.get("_xmix_check_due"):
         from xmix import ops
 
         cb = ops.get_control()
         if _check_due(g, cb):
-            if check_enabled():
+            b = _budget(cb)
+            if not check_enabled():
+                g._xmix_check_due = False
+            elif b[1] >= _check_graphs() and not b[2]:
+                g._xmix_check_due = False
+                _count("check_skipped")
+            else:
                 _first_replay_check(g, cb, base_replay)
                 return
-            g._xmix_check_due = False
     base_replay()
 
 
 def _first_replay_check(g, cb, base_replay) -> None:
+    """Replays the graph patched and then in its anchor configuration from the same state and
+    serves the anchors' result; a difference puts the graph back as captured. All the check's
+    device memory is allocated before the first replay, and a failure of the snapshot or of
+    the patched replay still serves the anchors' replay: the check never fails a step that
+    the graph without xmix would have served."""
     g._xmix_check_due = False
     _count("checks")
     rec = g._xmix
     exec_ = _exec_of(g)
     sync = _sync_fn(cb)
+    budget = _budget(cb)
+
+    def serve_anchors(restore: _Snapshots | None) -> None:
+        if restore is not None:
+            restore.load(0)
+        rec.set_anchor_config(exec_, True)
+        base_replay()
+        sync()  # _refuse replaces the executable graph
+
     with nvtx_range("xmix.graph first-replay check"):
         try:
-            regions = _check_regions(g, cb)
-            before = [r.save() for r in regions]
+            snaps = _Snapshots(_check_regions(g, cb), cb.device)
+            snaps.save(0)  # before
         except (_Unverifiable, RuntimeError) as e:  # RuntimeError: out of device memory
-            rec.set_anchor_config(exec_, True)
-            base_replay()
-            sync()  # _refuse replaces the executable graph
+            budget[2] = True
+            serve_anchors(None)
             _refuse(g, "check_unverifiable", f"the check could not snapshot the graph: {e}")
             return
-        base_replay()  # patched
-        patched = [r.save() for r in regions]
-        for r, s in zip(regions, before):
-            r.load(s)
-        rec.set_anchor_config(exec_, True)
-        base_replay()  # anchors: what is served
-        sync()
-        diff = first_difference(regions, patched)
+        try:
+            base_replay()  # patched
+        except RuntimeError as e:
+            budget[2] = True
+            serve_anchors(snaps)
+            _refuse(g, "check_failed", f"the patched graph's replay failed: {e}")
+            return
+        try:
+            snaps.save(1)
+        except RuntimeError as e:
+            budget[2] = True
+            serve_anchors(snaps)
+            _refuse(g, "check_unverifiable", f"the check could not snapshot the replay: {e}")
+            return
+        serve_anchors(snaps)  # what is served; an error here is the captured graph's own
+        snaps.save(2)
+        diff = snaps.first_difference(1, 2)
         if diff is None:
             rec.set_anchor_config(exec_, False)
+            budget[1] += 1
             _count("check_passed")
-            logger.debug("xmix: first-replay check passed (%d regions)", len(regions))
+            logger.debug("xmix: first-replay check passed (%d regions)", len(snaps.regions))
             return
-        anchors = [r.save() for r in regions]
-        for r, s in zip(regions, before):
-            r.load(s)
+        budget[2] = True
+        snaps.load(0)
         base_replay()  # anchors again: is the graph deterministic?
         sync()
-        noise = first_difference(regions, anchors)
+        snaps.save(1)
+        noise = snaps.first_difference(1, 2)
+        snaps.load(2)  # the served replay's state
+        sync()
     if noise is not None:
         _refuse(
             g,
@@ -648,8 +796,45 @@ def _refuse(g, key: str, reason: str) -> None:
     g._xmix_state = "fallback"
     rec = g._xmix
     rec.apply(G.fallback_plan(rec.read(), reason), 0)
-    _instantiate(g)
+    _instantiate_captured(g, rec)
     logger.error("xmix: CUDA graph put back as captured (anchors kept from now on): %s", reason)
+
+
+# Graph states that replay the self-dispatching anchors: they run every built-in op, never a
+# user kernel (those run only from spliced nodes).
+_ANCHORS_ONLY = ("fallback", "disabled")
+
+
+def _replay_own(g) -> None:
+    import torch
+
+    g._xmix.launch_own(torch.cuda.current_stream().cuda_stream)
+
+
+def _custom_not_run(g) -> None:
+    """A graph replaying its anchors (patching off, a refused patch) cannot run user kernels:
+    the step's requests that use an app with one at a site of this graph fail, saying so,
+    rather than get an answer without it."""
+    from xmix import ops
+
+    cb = ops.get_control()
+    if cb is None or not cb.any_active:
+        return
+    custom = getattr(cb, "_site_custom", None)
+    if not custom:
+        return
+    for site in g._xmix_sites & custom.keys():
+        hit = sorted(
+            {so.inst.index for _, so in custom[site] if (cb.step_active >> so.inst.index) & 1}
+        )
+        if not hit:
+            continue
+        _count("custom_not_run")
+        why = (
+            "its user kernel cannot run in this CUDA graph, which replays its anchors "
+            f"({'XMIX_GRAPH_PATCH=0' if g._xmix_state == 'disabled' else g._xmix_refused or 'its patch was refused, see the log'})"
+        )
+        cb.site_failed(site, [(index, why) for index in hit])
 
 
 def _make_graph_class(base: type) -> type:
@@ -671,6 +856,8 @@ def _make_graph_class(base: type) -> type:
             self._xmix_check_due = False
             self._xmix_check_apps = 0
             self._xmix_refused = None
+            self._xmix_own_exec = 0
+            self._xmix_sites: set[int] = set()
 
         def capture_begin(self, *args, **kwargs):
             _begin_capture(self)
@@ -692,15 +879,20 @@ def _make_graph_class(base: type) -> type:
             _bind(self)
 
         def replay(self):
-            if self._xmix_check_due:
+            if self._xmix_own_exec:
+                _replay_own(self)
+            elif self._xmix_check_due:
                 _replay(self, super().replay)
             else:
                 super().replay()
+            if self._xmix_state in _ANCHORS_ONLY and self._xmix_sites:
+                _custom_not_run(self)
 
         def reset(self):
             with _lock:
                 _registry.discard(self)
-            self._xmix = None
+            self._xmix = None  # destroys the applier's own executable graph, if any
+            self._xmix_own_exec = 0
             self._xmix_check_due = False
             return super().reset()
 
@@ -796,7 +988,7 @@ def on_apps_changed(cb) -> dict[str, int]:
                 out["errors"] += 1
                 g._xmix_state = "fallback"
                 g._xmix_check_due = False
-                _instantiate(g)
+                _instantiate_captured(g, g._xmix)  # the applier put it back as captured
                 continue
             if plan.fallback:
                 out["fallback"] += 1

@@ -15,10 +15,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from xmix import _C
 from xmix import conditions as C
 from xmix.api import App, AppError
 from xmix.catalog import CENTROIDS, EXPERTS, FLT_MAX, KERNELS, MAT_DD, SAE_KERNELS, VEC
-from xmix.hooks import ModelShape, site_id, site_name, site_of
+from xmix.hooks import ModelShape, site_id, site_of
 
 if TYPE_CHECKING:
     from xmix.api import Op
@@ -130,6 +131,8 @@ class LoweredApp:
 
     @property
     def sites(self) -> list[str]:
+        from xmix.hooks import site_name
+
         return sorted({site_name(o.site_id, self.shape.n_layers) for o in self.ops})
 
     @property
@@ -146,15 +149,6 @@ class LoweredApp:
     @property
     def reads_prompt(self) -> bool:
         return any(o.is_read for o in self.ops)
-
-    def param_names(self) -> set[str]:
-        names = set(self.app_params)
-        for o in self.ops:
-            for p, _ in o.params:
-                names.add(p)
-                if o.name:
-                    names.add(f"{o.name}.{p}")
-        return names
 
 
 def _fail(app: str, what: str, msg: str) -> DeployError:
@@ -632,6 +626,8 @@ def _check_since_order(
     """An op sees a since(...) term from the next site after the one deciding it: the term
     is decided across every token of the step there (on a GPU by every token's block of that
     site's kernel), so an op at that site or before it would see it one step late."""
+    from xmix.hooks import site_name
+
     for o in ops:
         for s in C.sinces(o.cond):
             d = sinces[C.to_text(s)]
@@ -645,19 +641,22 @@ def _check_since_order(
                 )
 
 
-# OpDesc.flags of the SAE kernels (csrc/include/xmix/control.h: SaeFlag).
-SAE_ARCH = {"relu": 0, "jumprelu": 1, "topk": 2}
-SAE_NORM = {"none": 0, "constant_norm_rescale": 1, "layer_norm": 2}
-SAE_B_DEC_IN = 1 << 8
-SAE_FEATURES = 1 << 9
+# OpDesc.flags of the SAE kernels (csrc/include/xmix/control.h: SaeFlag, SaeArch, SaeNorm).
+_K = _C.constants()
+SAE_ARCH = {"relu": _K["SAE_RELU"], "jumprelu": _K["SAE_JUMPRELU"], "topk": _K["SAE_TOPK"]}
+SAE_NORM = {
+    "none": _K["SAE_NORM_NONE"],
+    "constant_norm_rescale": _K["SAE_NORM_RESCALE"],
+    "layer_norm": _K["SAE_NORM_LAYER"],
+}
 
 
 def sae_flags(sae: SAE, features_read: bool) -> int:
-    return (
+    return int(
         SAE_ARCH[sae.architecture]
-        | SAE_NORM[sae.normalize_activations] << 4
-        | (SAE_B_DEC_IN if sae.apply_b_dec_to_input else 0)
-        | (SAE_FEATURES if features_read else 0)
+        | SAE_NORM[sae.normalize_activations] << _K["SAE_NORM_SHIFT"]
+        | (_K["SAE_B_DEC_IN"] if sae.apply_b_dec_to_input else 0)
+        | (_K["SAE_FEATURES"] if features_read else 0)
     )
 
 

@@ -49,53 +49,114 @@ class DeviceQueue:
         raise NotImplementedError
 
 
-class CudaQueue(DeviceQueue):
-    """The current CUDA stream of the thread that runs the model (vLLM runs copies, prologue,
-    forward or replay and sampling on one stream: ``v1/worker/gpu/model_runner.py:
-    GPUModelRunner.main_stream`` is the current stream), plus one side stream for result
-    copies, as vLLM's own ``v1/worker/gpu/async_utils.py:AsyncOutput`` does."""
+class Streams:
+    """The device's streams as a StreamQueue uses them: on a GPU torch.cuda's (CudaStreams);
+    in tests a fake whose streams run late and in an order the test chooses
+    (tests/fake_device.py), so that the ordering logic of StreamQueue itself is what runs."""
 
-    def __init__(self, device: torch.device):
-        self.device = device
-        self._side: torch.cuda.Stream | None = None
+    def current(self) -> Any:
+        """The stream of the thread that runs the model."""
+        raise NotImplementedError
 
-    def _stream(self) -> torch.cuda.Stream:
-        return torch.cuda.current_stream(self.device)
+    def new_stream(self) -> Any:
+        raise NotImplementedError
+
+    def event(self) -> Any:
+        """An event: record(stream), query(), synchronize()."""
+        raise NotImplementedError
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
+        """Queue a copy on ``stream`` (it reads src when the stream gets to it)."""
+        raise NotImplementedError
+
+    def launch(self, fn: Callable[[], Any], stream: Any) -> None:
+        raise NotImplementedError
+
+    def pinned(self, n: int, dtype: torch.dtype) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class StreamQueue(DeviceQueue):
+    """The control block's device work on the model's stream, and result copies on one side
+    stream, as vLLM's own ``v1/worker/gpu/async_utils.py:AsyncOutput`` does: which stream waits
+    for which is decided here, whatever the streams are."""
+
+    def __init__(self, streams: Streams):
+        self.streams = streams
+        self._side: Any = None
 
     def copy(self, dst, src) -> None:
-        dst.copy_(src, non_blocking=True)
+        self.streams.copy(dst, src, self.streams.current())
 
     def launch(self, fn) -> None:
-        fn()  # CUDA work queues itself on the current stream
+        self.streams.launch(fn, self.streams.current())
 
     def record(self):
-        # blocking=True: a host wait sleeps instead of spinning on the driver lock (as vLLM's
-        # AsyncOutput.copy_event)
-        ev = torch.cuda.Event(blocking=True)
-        ev.record(self._stream())
+        ev = self.streams.event()
+        ev.record(self.streams.current())
         return ev
 
     def wait(self, event) -> None:
-        self._stream().wait_event(event)
+        self.streams.current().wait_event(event)
 
     def side_copy(self, pairs):
-        main = self._stream()
+        main = self.streams.current()
         if self._side is None:
-            self._side = torch.cuda.Stream(self.device)
+            self._side = self.streams.new_stream()
         side = self._side
-        with torch.cuda.stream(side):
-            side.wait_stream(main)
-            for dst, src in pairs:
-                dst.copy_(src, non_blocking=True)
-            ev = torch.cuda.Event(blocking=True)
-            ev.record(side)
+        # the copies read what the work queued so far on the model's stream writes (the
+        # step's forward): they may start only after it
+        side.wait_stream(main)
+        for dst, src in pairs:
+            self.streams.copy(dst, src, side)
+        ev = self.streams.event()
+        ev.record(side)
         return ev
 
     def synchronize(self) -> None:
-        self._stream().synchronize()
+        self.streams.current().synchronize()
+
+    def pinned(self, n, dtype) -> torch.Tensor:
+        return self.streams.pinned(n, dtype)
+
+
+class CudaStreams(Streams):
+    """torch.cuda's: the current stream of the thread that runs the model (vLLM runs copies,
+    prologue, forward or replay and sampling on one stream: ``v1/worker/gpu/model_runner.py:
+    GPUModelRunner.main_stream`` is the current stream)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def current(self):
+        return torch.cuda.current_stream(self.device)
+
+    def new_stream(self):
+        return torch.cuda.Stream(self.device)
+
+    def event(self):
+        # blocking=True: a host wait sleeps instead of spinning on the driver lock (as vLLM's
+        # AsyncOutput.copy_event)
+        return torch.cuda.Event(blocking=True)
+
+    def copy(self, dst, src, stream) -> None:
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+
+    def launch(self, fn, stream) -> None:
+        with torch.cuda.stream(stream):
+            fn()  # CUDA work queues itself on the current stream
 
     def pinned(self, n, dtype) -> torch.Tensor:
         return torch.zeros(n, dtype=dtype, pin_memory=True)
+
+
+class CudaQueue(StreamQueue):
+    """The StreamQueue of a GPU engine."""
+
+    def __init__(self, device: torch.device):
+        super().__init__(CudaStreams(device))
+        self.device = device
 
 
 class PinnedSet:

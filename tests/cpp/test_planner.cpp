@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <map>
 #include <set>
 #include <stdexcept>
 #include <string>
@@ -168,7 +169,8 @@ TEST(Planner, SeveralAppsAtOneSiteRunInSiteOrderCustomLast) {
   EXPECT_EQ(apps, (std::vector<int32_t>{2, 0, 3, 1}));
   EXPECT_EQ(edges(g), (std::set<std::string>{
                           "n0->n1", "n1->n2", "n0->op@1.0", "op@1.0->op@1.1", "op@1.1->op@1.2",
-                          "op@1.2->sel@1.3", "sel@1.3->user@1.3", "user@1.3->fin@1.3", "fin@1.3->n2"}));
+                          "op@1.2->sel@1.3", "sel@1.3->user@1.3", "user@1.3->fin@1.3", "fin@1.3->n2",
+                          "n1->sel@1.3"}));  // user kernels also wait for the anchor
   EXPECT_EQ(enabled_spliced_kernels(g), 6);
 }
 
@@ -181,6 +183,7 @@ TEST(Planner, GatedWritesSitInsideIfBodies) {
                           "n0->n1", "n1->n2",
                           "n0->op@1.0", "op@1.0->gate@1.1", "gate@1.1->if@1.1",
                           "if@1.1->gate@1.2", "gate@1.2->if@1.2", "if@1.2->n2",
+                          "n1->gate@1.2",  // a user kernel's segment waits for the anchor
                           "sel@1.2->user@1.2", "user@1.2->fin@1.2"}));  // body of if@1.2
   const Segment& plain_gated = g.splices[0].segments[1];
   const Segment& custom_gated = g.splices[0].segments[2];
@@ -204,6 +207,28 @@ TEST(Planner, GatedWritesSitInsideIfBodies) {
   const Graph plain = apply(l.b.g, plan(l.b.g, off));
   EXPECT_EQ(edges(plain), (std::set<std::string>{"n0->n1", "n1->n2", "n0->op@1.0",
                                                  "op@1.0->op@1.1", "op@1.1->n2"}));
+}
+
+TEST(Planner, AnchorConfigKeepsUserKernelsAfterTheAnchor) {
+  // The first-replay check compares a patched graph with its anchor configuration. The anchor
+  // kernel runs a site's built-in ops but not user kernels, so the configuration keeps the
+  // user kernels' nodes as recorded; they run after the anchor (its edge), as eagerly.
+  Line l;
+  const Graph g = apply(l.b.g, plan(l.b.g, program({op(5, 0, 0), op(5, 1, 1, true, true),
+                                                    op(5, 2, 2, true, false, true),
+                                                    op(5, 3, 3, false, false, true)})));
+  const std::vector<Segment>& segs = g.splices[0].segments;
+  std::map<int32_t, bool> want = {{l.a, true}, {segs[0].op, false}, {segs[1].gate, false}};
+  for (int32_t id : {segs[2].sel, segs[2].user, segs[2].fin}) want[id] = true;
+  for (int32_t id : {segs[3].sel, segs[3].user, segs[3].fin}) want[id] = false;  // app off
+  std::map<int32_t, bool> got;
+  for (const Toggle& t : anchor_config(g)) got[t.node] = t.enabled;
+  EXPECT_EQ(got, want);
+  EXPECT_TRUE(edges(g).count("n1->sel@1.2")) << describe(g);
+  // at a site with built-in ops only, nothing waits for the anchor
+  Line l2;
+  EXPECT_EQ(edges(apply(l2.b.g, plan(l2.b.g, program({op(5, 0, 0)})))),
+            (std::set<std::string>{"n0->n1", "n1->n2", "n0->op@1.0", "op@1.0->n2"}));
 }
 
 TEST(Planner, DisableAllLaunchesNothingAtTheSite) {

@@ -33,13 +33,15 @@ def _no_failures():
     gc.FAILURES.clear()
 
 
-def test_probe_median_reads_the_rows_that_hold_a_value():
-    res = torch.tensor([[NAN, 0.2], [NAN, 0.9], [NAN, 0.4], [NAN, NAN]])
-    assert gc.probe_median(res, 1) == pytest.approx(0.4)
+def test_gate_threshold_lies_between_two_values_that_were_read():
+    res = torch.tensor([[NAN, 0.2], [NAN, 0.9], [NAN, 0.4], [NAN, NAN], [NAN, 0.6]])
+    # values 0.2 0.4 0.6 0.9: between the middle two, so no read lies on the threshold
+    assert gc.gate_threshold(res, 1) == pytest.approx(0.5)
+    assert gc.gate_threshold(torch.tensor([[0.3], [0.3], [0.7]]), 0) == pytest.approx(0.5)
     # results restored from the snapshot taken before any step: all NaN, no threshold (what
     # the gate-true pass used to read, so that case was never run and counted as a FAIL)
-    assert gc.probe_median(torch.full((4, 2), NAN), 1) is None
-    assert gc.probe_median(torch.tensor([[0.3], [NAN]]), 0) is None
+    assert gc.gate_threshold(torch.full((4, 2), NAN), 1) is None
+    assert gc.gate_threshold(torch.tensor([[0.3], [NAN], [0.3]]), 0) is None
 
 
 def test_gated_cases_get_their_threshold_from_the_gate_false_pass(capsys):
@@ -83,7 +85,7 @@ def test_gated_cases_get_their_threshold_from_the_gate_false_pass(capsys):
     )
     out = capsys.readouterr().out
     assert gc.FAILURES == [], out
-    gate_lines = [l for l in out.splitlines() if "theta=median" in l]
+    gate_lines = [l for l in out.splitlines() if "theta=threshold" in l and "[patched]" in l]
     assert len(gate_lines) == 2
     for line in gate_lines:
         k, n = line.split("gate true for ")[1].split(" rows")[0].split("/")
@@ -263,3 +265,132 @@ def test_piecewise_segments_compose_to_the_full_decoder():
         assert not torch.equal(full, model(x, sites=False)), "the sites must have run"
     finally:
         ops.set_control(prev)
+
+
+# ---------------------------------------------------------------- every size the GPU stages check
+def _row_kinds(rows) -> set[tuple[str, bool]]:
+    kinds = set()
+    for n, start, plen, apps in rows:
+        if start + n == plen and n > 1:
+            kinds.add(("prompt chunk with its last token", bool(apps)))
+        elif start + n < plen:
+            kinds.add(("partial prefill", bool(apps)))
+        elif start >= plen and n == 1:
+            kinds.add(("decode row", bool(apps)))
+    return kinds
+
+
+@pytest.mark.parametrize("B", gc.CHECKED_BATCHES)
+def test_every_checked_batch_holds_every_kind_of_row(B):
+    """At B = 64 and 256 the batch was all decode rows: the prompt, clamp-not-last and CAST
+    cases selected nothing there and failed their "effect > 0" checks on correct code."""
+    rows = gc.mixed_rows(B, ("a",))
+    assert sum(n for n, *_ in rows) == B
+    kinds = _row_kinds(rows)
+    for k in ("prompt chunk with its last token", "partial prefill", "decode row"):
+        assert (k, True) in kinds, (k, B)
+    assert ("decode row", False) in kinds
+    if B >= 16:
+        assert ("prompt chunk with its last token", False) in kinds
+    with pytest.raises(ValueError):
+        gc.mixed_rows(4, ())
+
+
+def _stage_runs() -> dict[str, list[str]]:
+    """The gpu_check.py arguments of each GPU stage in bench/gpu_check.sh."""
+    import shlex
+
+    text = (ROOT / "bench/gpu_check.sh").read_text().replace("\\\n", " ")
+    runs = {}
+    for line in text.splitlines():
+        words = line.split()
+        if words[:1] == ["stage"] and "bench/gpu_check.py" in line and "--cpu-only" not in line:
+            argv = shlex.split(
+                line.split("bench/gpu_check.py", 1)[1].replace("${GPU_CHECK_ARGS:-}", "")
+            )
+            runs[words[1]] = argv
+    return runs
+
+
+def test_the_cpu_part_covers_every_batch_and_shape_the_gpu_stages_check():
+    runs = _stage_runs()
+    assert set(runs) == {"quick", "full"}
+    for name, argv in runs.items():
+        args = gc.parser().parse_args(argv)
+        batches = gc.checked_batches(sorted(int(b) for b in args.batches.split(",")))
+        assert batches and set(batches) <= set(gc.CHECKED_BATCHES), (name, batches)
+        assert (args.layers, args.d) in gc.GPU_STAGE_SHAPES, (name, args.layers, args.d)
+    assert gc.parser().parse_args(runs["quick"]).d == 5120
+
+
+def test_cpu_orchestration_passes_every_case_at_every_checked_batch(capsys):
+    gc.cpu_orchestration(None)
+    out = capsys.readouterr().out
+    assert gc.FAILURES == [], [l for l in out.splitlines() if "FAIL" in l]
+    names = [c.name for c in gc.check_cases(64, 3)]
+    assert "custom_write" in names
+    for name in names:
+        for B in gc.CHECKED_BATCHES:
+            assert f"PASS  {name} B={B} on" in out and f"{name} B={B} on" in out
+            assert any(
+                l.startswith(f"  PASS  {name} B={B} on") and "[eager vs reference]" in l
+                for l in out.splitlines()
+            ), (name, B)
+
+
+def _broken_kernel(how: str):
+    """xmix's site op, then one deliberate mistake of a kind a kernel could make."""
+    from xmix import ops
+    from xmix.hooks import site_id
+
+    def impl(h, r, site, layer):
+        cb = ops.get_control()
+        h0, res0, cap0 = h.clone(), cb.dev["results"].clone(), cb.dev["capture"].clone()
+        torch.ops.xmix.site(h, r, site_id(site, layer, 3))
+        changed = (h != h0).any(dim=1)
+        if how == "write 1 % too strong":
+            h[changed] += 1e-2 * (h - h0)[changed]
+        elif how == "condition selects one row too many":
+            if changed.any() and not changed.all():
+                i, j = int(changed.nonzero()[0]), int((~changed).nonzero()[0])
+                h[j] += (h - h0)[i]
+        elif how == "read value off by 1 %":
+            res = cb.dev["results"]
+            moved = (res != res0) & ~torch.isnan(res)
+            res[moved] += 1e-2 * (1 + res[moved].abs())
+        elif how == "captured vector off by 1 %":
+            cap = cb.dev["capture"]
+            moved = cap != cap0
+            cap[moved] += 1e-2 * (1 + cap[moved].abs())
+
+    return impl
+
+
+@pytest.mark.parametrize(
+    "case,how",
+    [
+        ("add_all", "write 1 % too strong"),
+        ("ablate_all_layers", "write 1 % too strong"),
+        ("clamp_not_last", "write 1 % too strong"),
+        ("affine_last", "write 1 % too strong"),
+        ("custom_write", "write 1 % too strong"),
+        ("add_last_token", "condition selects one row too many"),
+        ("add_in_span", "condition selects one row too many"),
+        ("add_token_in", "condition selects one row too many"),
+        ("gated_write", "condition selects one row too many"),
+        ("latched_ablate", "condition selects one row too many"),
+        ("probe_reads", "read value off by 1 %"),
+        ("distance_read", "read value off by 1 %"),
+        ("cosine_prompt", "read value off by 1 %"),
+        ("capture_last", "captured vector off by 1 %"),
+    ],
+)
+def test_a_broken_kernel_fails_the_check(case, how, capsys):
+    """Every graph kind runs xmix's kernels, so a kernel wrong the same way everywhere passes
+    every comparison between kinds: the PyTorch reference must catch it."""
+    cases = [c for c in gc.check_cases(64, 3) if c.name == case]
+    assert cases, case
+    gc.cpu_orchestration(None, batches=(8,), cases=cases, kernel=_broken_kernel(how))
+    out = capsys.readouterr().out
+    caught = [f for f in gc.FAILURES if f.startswith(f"{case} B=8") and "vs reference" in f]
+    assert caught, out

@@ -80,6 +80,7 @@ def test_planner_gated_custom_op_goes_inside_an_if_body():
         "n0->n1",
         "n1->n2",
         "n0->gate@1.0",
+        "n1->gate@1.0",  # a user kernel also waits for the anchor (anchor_config)
         "gate@1.0->if@1.0",
         "if@1.0->n2",
         "sel@1.0->user@1.0",
@@ -292,17 +293,38 @@ def test_redirect_swaps_cudagraph_in_vllm_capture_modules_only():
 
 
 # ---------------------------------------------------------------- orchestration, simulated
+class SimDriver:
+    """What the CUDA driver accepts: ``refuses(ir)`` decides whether a template instantiates
+    (the same answer for the applier's trial and for torch, as a real driver gives);
+    ``torch_fail_at`` numbers torch instantiate() calls that fail anyway (out of memory
+    between the trial and torch)."""
+
+    refuses = staticmethod(lambda ir: False)
+    torch_fail_at: set[int] = set()
+
+
+def patched_template(ir) -> bool:
+    """A template with its anchors switched off: what a patch leaves."""
+    return any(n.role == G.Role.Anchor and not n.enabled for n in ir.nodes)
+
+
 class SimPatch:
     """Stands in for _C.graph.GraphPatch: the graph is IR and edits are the planner's own
     apply(), so xmix.graphs' capture/re-plan/toggle logic runs without a GPU."""
 
     graphs: dict[int, object] = {}
+    live: dict[int, SimPatch] = {}
     mismatch = ""
     forms: dict[str, int] = {}  # what GraphPatch.anchor_forms reports
 
     def __init__(self, graph_ptr):
         self.ir = SimPatch.graphs[graph_ptr]
+        SimPatch.live[graph_ptr] = self
         self.bound = []
+        self.anchors_on = False
+        self.config = None
+        self.own = 0
+        self.own_launches = 0
 
     def read(self):
         return self.ir
@@ -319,12 +341,31 @@ class SimPatch:
     def bind(self, exec_):
         self.bound.append(exec_)
         self.anchors_on = False
+        self.config = None
 
     def set_app_enabled(self, exec_, app, on):
         return sum(1 for sp in self.ir.splices for s in sp.segments if s.app == app)
 
     def set_anchor_config(self, exec_, anchors):
+        # the applier switches exec states by the planner's anchor_config
         self.anchors_on = anchors
+        self.config = {t.node: t.enabled for t in G.anchor_config(self.ir)} if anchors else None
+
+    def try_instantiate(self):
+        return "cudaErrorInvalidValue (simulated)" if SimDriver.refuses(self.ir) else ""
+
+    def instantiate_own(self, stale):
+        assert not SimDriver.refuses(self.ir)
+        self.own = 777000 + len(self.bound)
+        self.bind(self.own)
+        return self.own
+
+    def launch_own(self, stream):
+        self.own_launches += 1
+
+    @property
+    def own_exec(self):
+        return self.own
 
     @property
     def anchor_forms(self):
@@ -332,31 +373,43 @@ class SimPatch:
 
 
 class SimGraph:
-    """The parts of torch.cuda.CUDAGraph(keep_graph=True) that xmix.graphs uses. The driver
-    refuses the first `fail_instantiate` instantiations, and those numbered in `fail_at`
-    (1-based). Like torch's, a refused instantiate() leaves the graph with no exec."""
+    """The parts of torch.cuda.CUDAGraph(keep_graph=True) that xmix.graphs uses, with torch's
+    instantiate() as it is (aten/src/ATen/cuda/CUDAGraph.cpp): it destroys the executable
+    graph it has, then instantiates; when that fails, has_graph_exec_ stays true with the
+    destroyed handle, which the next instantiate() destroys again (the driver's error)."""
 
-    def __init__(self, ptr, fail_instantiate=0, fail_at=()):
-        self.ptr, self.execs, self.fail, self.fail_at = ptr, 0, fail_instantiate, set(fail_at)
+    def __init__(self, ptr):
+        self.ptr, self.execs = ptr, 0
         self.calls = 0
         self.has_exec = False
+        self.stale = False
+        self.replays = 0
 
     def raw_cuda_graph(self):
         return self.ptr
 
     def raw_cuda_graph_exec(self):
         if not self.has_exec:
-            raise RuntimeError("no exec")
+            raise RuntimeError("You cannot access the raw cudaGraphExec_t instance until ...")
         return 1000 * self.ptr + self.execs
 
     def instantiate(self):
         self.calls += 1
-        self.has_exec = False  # torch destroys the old exec first
-        if self.fail or self.calls in self.fail_at:
-            self.fail = max(0, self.fail - 1)
-            raise RuntimeError("cudaGraphInstantiate: invalid value")
+        if self.has_exec and self.stale:
+            raise RuntimeError("cudaGraphExecDestroy: invalid resource handle (destroyed twice)")
+        # the old executable graph is destroyed here; has_exec stays as it was
+        patch = SimPatch.live.get(self.ptr)
+        template = patch.ir if patch is not None else SimPatch.graphs[self.ptr]
+        if SimDriver.refuses(template) or self.calls in SimDriver.torch_fail_at:
+            self.stale = self.has_exec
+            raise RuntimeError("cudaGraphInstantiateWithFlags: invalid value")
         self.execs += 1
-        self.has_exec = True
+        self.has_exec, self.stale = True, False
+
+    def replay(self):
+        if self.stale:
+            raise RuntimeError("cudaGraphLaunch: invalid resource handle")
+        self.replays += 1
 
 
 @pytest.fixture
@@ -370,15 +423,18 @@ def sim(monkeypatch):
     graphs.reset_stats()
     SimPatch.mismatch = ""
     SimPatch.forms = {}
+    SimDriver.refuses = staticmethod(lambda ir: False)
+    SimDriver.torch_fail_at = set()
     yield hs
     ops.set_control(prev)
     with graphs._lock:
         graphs._registry.clear()
+    graphs._check_budget.clear()
 
 
-def _sim_capture(hs, ptr, sites, fail_instantiate=0, fail_at=()):
+def _sim_capture(hs, ptr, sites):
     SimPatch.graphs[ptr] = line(*sites, cb=hs.cb.ptr)
-    g = SimGraph(ptr, fail_instantiate, fail_at)
+    g = SimGraph(ptr)
     graphs._begin_capture(g)
     for s in sites:
         hs.cb.graph_hook.note_anchor(s, None, None, 8, 16, 16, 0, 0)
@@ -435,9 +491,11 @@ def test_orchestration_fallbacks(sim, monkeypatch):
     assert all(t.enabled for t in G.plan(g._xmix.ir, graphs.program_for(hs.cb, 1)).enable)
 
     # the driver refuses the patched graph: put back as captured, instantiated again
-    g2 = _sim_capture(hs, 4, [pre0], fail_instantiate=1)
-    assert g2._xmix_state == "fallback" and g2.execs == 1
+    SimDriver.refuses = staticmethod(patched_template)
+    g2 = _sim_capture(hs, 4, [pre0])
+    assert g2._xmix_state == "fallback" and g2.execs == 1 and g2.calls == 1
     assert graphs.stats()["errors"] == 1
+    SimDriver.refuses = staticmethod(lambda ir: False)
 
     # read-back mismatch under XMIX_GRAPH_VERIFY: put back as captured
     monkeypatch.setenv("XMIX_GRAPH_VERIFY", "1")
@@ -483,27 +541,57 @@ def test_ensure_current_replans_when_the_op_list_changes_at_a_reused_address(mon
 
 
 def test_reinstantiation_refused_after_a_replan_falls_back_to_anchors(sim):
-    """The driver may refuse a graph first at a re-plan (its IF nodes appear only then);
-    torch has destroyed the old exec by then: the graph is put back as captured and
-    instantiated again, logged and counted, and the re-plan reports it."""
+    """The driver may refuse a graph first at a re-plan (its IF nodes appear only then).
+    torch's instantiate() would destroy the graph's executable graph before trying and keep
+    the destroyed handle: a second instantiate() of the graph as captured then raised out of
+    on_apps_changed into the step. The applier's trial instantiation refuses it first: torch
+    never sees the refused template, the graph is put back as captured and instantiated,
+    logged and counted, and the re-plan reports it."""
     from xmix.lowering import lower
 
     hs = sim
     pre0, pre1 = site_id("residual.pre", 0, 2), site_id("residual.pre", 1, 2)
-    g = _sim_capture(hs, 11, [pre0, pre1], fail_at={2})
+    g = _sim_capture(hs, 11, [pre0, pre1])
     assert g._xmix_state == "patched" and g.execs == 1
+    SimDriver.refuses = staticmethod(lambda ir: bool(ir.splices))  # spliced nodes: refused
     hs.cb.install(lower(_apps()[0], SHAPE))
     out = graphs.on_apps_changed(hs.cb)
     assert out["fallback"] == 1 and out["reinstantiated"] == 0 and out["errors"] == 1
-    assert g.has_exec and g.execs == 2, "the fallback graph must have an exec"
+    assert g.has_exec and not g.stale and g.execs == 2, "the fallback graph must have an exec"
+    assert g.calls == 2, "torch instantiates the captured form only"
     assert g._xmix_state == "fallback" and not g._xmix.ir.splices
     assert all(n.enabled for n in g._xmix.ir.nodes if n.role == G.Role.Anchor)
+    g.replay()
     st = graphs.stats()
     assert st["fallback"] == 1 and st["errors"] == 1
     # the next deploy tries again and, accepted this time, patches
+    SimDriver.refuses = staticmethod(lambda ir: False)
     hs.cb.install(lower(_apps()[1], SHAPE))
     out = graphs.on_apps_changed(hs.cb)
     assert out["reinstantiated"] == 1 and g._xmix_state == "patched" and g.execs == 3
+
+
+def test_torch_failing_after_the_trial_leaves_a_graph_on_the_appliers_own_exec(sim):
+    """torch's instantiate() failing on a template the driver accepted a moment before (out of
+    memory in between) leaves torch with a destroyed handle: the graph is put back as
+    captured and replays an executable graph the applier owns, logged and counted; later
+    re-plans leave it alone, and the step goes on."""
+    from xmix.lowering import lower
+
+    hs = sim
+    pre0, pre1 = site_id("residual.pre", 0, 2), site_id("residual.pre", 1, 2)
+    g = _sim_capture(hs, 12, [pre0, pre1])
+    SimDriver.torch_fail_at = {g.calls + 1}
+    hs.cb.install(lower(_apps()[0], SHAPE))
+    out = graphs.on_apps_changed(hs.cb)
+    assert out["graphs"] == 1 and g.stale, "torch's handle is the destroyed one"
+    rec = g._xmix
+    assert rec.own and graphs._exec_of(g) == rec.own and rec.bound[-1] == rec.own
+    assert g._xmix_state == "fallback" and not rec.ir.splices
+    assert all(n.enabled for n in rec.ir.nodes if n.role == G.Role.Anchor)
+    assert graphs.stats()["own_exec"] == 1
+    hs.cb.install(lower(_apps()[1], SHAPE))
+    assert graphs.on_apps_changed(hs.cb)["graphs"] == 0, "a lost graph is not re-planned"
 
 
 def test_anchor_recognition_forms_are_counted_and_logged_once(sim, monkeypatch, caplog):
@@ -542,8 +630,15 @@ class SimReplay:
 
     def __call__(self):
         self.n += 1
-        ops_ = sum(len(sp.segments) for sp in self.g._xmix.ir.splices)
-        effect = float(ops_) + (0.0 if self.g._xmix.anchors_on else self.patched_error)
+        rec = self.g._xmix
+        effect = 0.0
+        for sp in rec.ir.splices:
+            for seg in sp.segments:
+                if rec.config is None or not seg.custom:
+                    effect += 1.0  # its op node runs, or the anchor runs the built-in op
+                else:  # a user kernel runs only from its own nodes
+                    effect += 1.0 if rec.config.get(seg.gate if seg.gated else seg.sel) else 0.0
+        effect += 0.0 if rec.anchors_on else self.patched_error
         if self.noise:
             effect += 1e-3 * self.n
         self.pool.copy_(self.x + effect)
@@ -658,6 +753,156 @@ def test_first_replay_check_switches(sim, monkeypatch):
     graphs._replay(g3, rp3)
     assert rp3.n == 1 and torch.equal(rp3.pool, rp3.x + 2.0)
     assert graphs.stats()["check_unverifiable"] == 2 and "no segment" in g3._xmix_refused
+
+
+USER_KERNEL = r"""
+#include "xmix/custom.h"
+extern "C" void leave_alone(const xmix_custom_args* a) { (void)a; }
+"""
+
+
+def _user_app(lib, name="user", layer=0):
+    app = App(name)
+    app.write("custom", cpu_library=lib, cpu_symbol="leave_alone").layers([layer]).at(
+        "residual.pre"
+    )
+    return app
+
+
+def test_first_replay_check_compares_user_kernels_like_with_like(sim, monkeypatch, tmp_path):
+    """The anchor kernel runs a site's built-in ops, not user kernels: the anchor configuration
+    keeps the user kernels' nodes (planner anchor_config), so a correct graph with a user
+    kernel passes the check instead of falling back for good."""
+    from harness import build_user_kernels
+    from xmix.lowering import lower
+
+    monkeypatch.delenv("XMIX_GRAPH_CHECK", raising=False)
+    hs = sim
+    hs.cb.install(lower(_user_app(build_user_kernels(tmp_path, USER_KERNEL)), SHAPE), mode="all")
+    g, rp = _checked_graph(hs, monkeypatch, 41)
+    assert any(seg.custom for sp in g._xmix.ir.splices for seg in sp.segments)
+    hs.step(ONE)
+    graphs._replay(g, rp)
+    st = graphs.stats()
+    assert st["check_passed"] == 1 and st["check_failed"] == 0, st
+    assert g._xmix_state == "patched" and torch.equal(rp.pool, rp.x + 3.0)
+
+
+def test_a_graph_on_its_anchors_fails_the_requests_of_a_user_kernel(sim, monkeypatch, tmp_path):
+    """A graph that replays its anchors cannot run user kernels: the step's requests that use
+    an app with one at a site of the graph fail, saying why; others are untouched."""
+    from harness import build_user_kernels
+    from xmix.lowering import lower
+
+    hs = sim
+    lib = build_user_kernels(tmp_path, USER_KERNEL)
+    hs.cb.install(lower(_user_app(lib), SHAPE))
+    hs.cb.install(lower(_apps()[0], SHAPE))
+    hs.cb.install(lower(_user_app(lib, "user1", layer=1), SHAPE))
+    pre0 = site_id("residual.pre", 0, 2)
+    SimDriver.refuses = staticmethod(patched_template)
+    g = _sim_capture(hs, 42, [pre0])  # holds layer 0's site only
+    assert g._xmix_state == "fallback" and g._xmix_sites == {pre0}
+    reqs = {
+        "a": Req(2, 0, 2, ("user",)),
+        "b": Req(1, 0, 1, ("steer",)),
+        "c": Req(1, 0, 1, ("user1",)),
+        "d": Req(1, 0, 1, ()),
+    }
+    hs.step(reqs)
+    cls = graphs._make_graph_class(_BaseGraph)
+    xg = cls(False)
+    xg._xmix_state, xg._xmix_sites, xg._xmix_refused = "fallback", {pre0}, "a reason"
+    xg.replay()
+    failed = hs.cb.take_failed()
+    assert list(failed) == ["a"] and "user kernel cannot run" in failed["a"], failed
+    assert graphs.stats()["custom_not_run"] == 1
+    xg._xmix_state = "patched"  # spliced: the user kernel runs from its nodes
+    hs.step(reqs)
+    xg.replay()
+    assert hs.cb.take_failed() == {}
+
+
+class _BaseGraph:
+    """A stand-in for torch.cuda.CUDAGraph under XmixCUDAGraph."""
+
+    def __new__(cls, keep_graph=False):
+        return object.__new__(cls)
+
+    def __init__(self, keep_graph=False):
+        self.keep = keep_graph
+        self.replays = 0
+
+    def replay(self):
+        self.replays += 1
+
+
+def test_the_check_runs_on_a_bounded_number_of_graphs_per_deploy(sim, monkeypatch):
+    """vLLM captures hundreds to thousands of piecewise graphs: once XMIX_GRAPH_CHECK_GRAPHS
+    of a deploy passed, the deploy's other graphs replay unchecked; after a failure every
+    graph of the deploy is checked; a new deploy starts over."""
+    from xmix.lowering import lower
+
+    monkeypatch.delenv("XMIX_GRAPH_CHECK", raising=False)
+    monkeypatch.setenv("XMIX_GRAPH_CHECK_GRAPHS", "2")
+    hs = sim
+    made = [_checked_graph(hs, monkeypatch, 50 + i) for i in range(4)]
+    hs.step(ONE)
+    for g, rp in made:
+        monkeypatch.setattr(graphs, "_pool_regions", rp.regions)
+        graphs._replay(g, rp)
+    st = graphs.stats()
+    assert st["checks"] == 2 and st["check_passed"] == 2 and st["check_skipped"] == 2, st
+    assert [rp.n for _, rp in made] == [2, 2, 1, 1]
+    # a new deploy: every graph re-planned and due again; the first check fails, so the rest
+    # of this deploy's graphs are checked too
+    hs.cb.install(lower(_apps()[1], SHAPE), mode="all")
+    graphs.on_apps_changed(hs.cb)
+    made[0][1].patched_error = 0.5
+    hs.step(ONE)
+    for g, rp in made:
+        monkeypatch.setattr(graphs, "_pool_regions", rp.regions)
+        graphs._replay(g, rp)
+    st = graphs.stats()
+    assert st["checks"] == 6 and st["check_failed"] == 1 and st["check_skipped"] == 2, st
+
+
+class _FlakyRegion(graphs._TensorRegion):
+    """A region whose k-th copy out fails as an allocation out of device memory would."""
+
+    def __init__(self, t, fail_at: int):
+        super().__init__("pool", t, exact=True)
+        self.copies, self.fail_at = 0, fail_at
+
+    def _copy(self):
+        self.copies += 1
+        if self.copies == self.fail_at:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    def save(self):  # the API before the check allocated its memory up front
+        self._copy()
+        return self.t.detach().clone()
+
+    def save_into(self, buf):
+        self._copy()
+        super().save_into(buf)
+
+
+@pytest.mark.parametrize("fail_at", [1, 2])
+def test_the_check_never_fails_the_step_for_want_of_memory(sim, monkeypatch, fail_at):
+    """The snapshot before the replays (1) or after the patched replay (2) running out of
+    device memory: the anchors' replay is served, the graph falls back unverified, and the
+    step goes on (the patched snapshot was outside the check's guard and killed the step)."""
+    monkeypatch.delenv("XMIX_GRAPH_CHECK", raising=False)
+    hs = sim
+    g, rp = _checked_graph(hs, monkeypatch, 60, patched_error=0.5)
+    monkeypatch.setattr(graphs, "_pool_regions", lambda g_: [_FlakyRegion(rp.pool, fail_at)])
+    hs.step(ONE)
+    graphs._replay(g, rp)
+    assert torch.equal(rp.pool, rp.x + 2.0), "the anchors' result is served"
+    assert rp.n == fail_at
+    st = graphs.stats()
+    assert st["check_unverifiable"] == 1 and g._xmix_state == "fallback", st
 
 
 def test_replan_that_changes_the_splices_arms_the_check_again(sim, monkeypatch):

@@ -278,3 +278,35 @@ def test_mode_all_off_and_request_params(backend):
     h.zero_()
     hs.run("residual.pre", 0, h, None)
     assert torch.all(h == 0)
+
+
+WIDE = ModelShape(n_layers=1, hidden_size=5120, vocab_size=100)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_affine_and_probe_at_hidden_size_5120(backend):
+    """Hidden size 5 120 (Qwen2.5-14B/32B, Llama-2-13B, Phi-4): on a GPU the site kernel's static
+    and dynamic shared memory pass 48 KB together there, so the launch needs the opt-in
+    (xmix/smem.h); both twins against the reference, with the affine op that uses the two rows
+    of dynamic shared memory."""
+    d = WIDE.hidden_size
+    g = torch.Generator().manual_seed(5)
+    A = torch.eye(d) + torch.randn(d, d, generator=g) / (8 * math.sqrt(d))
+    mus, mut = torch.randn(d, generator=g) * 0.1, torch.randn(d, generator=g) * 0.1
+    w = torch.randn(d, generator=g) / math.sqrt(d)
+    app = App("k")
+    app.write("affine", matrix=A, mu_s=mus, mu_t=mut).layers([0]).at("residual.post").cond(
+        "last_token"
+    )
+    app.read("probe", weight=w, bias=0.0).layers([0]).at("residual.post").named("p")
+    hs = Harness(WIDE, [app], backend)
+    hs.step(STEP, IDS)
+    h, r = make(backend, torch.bfloat16, width=d)
+    h0 = h.clone()
+    hs.run("residual.post", 0, h, r)
+    mask = APP_ROWS & LAST
+    check_write(h0, h, R.affine(h0.cpu(), r.cpu(), mask, A, mus, mut), mask, torch.bfloat16)
+    got = hs.drain()["a"]["k"]["p"]
+    want = R.probe(R.stream(h.cpu(), r.cpu())[:5], w, 0.0)  # the read runs after the write
+    assert got["positions"] == [0, 1, 2, 3, 4]
+    torch.testing.assert_close(torch.tensor(got["values"]), want, rtol=1e-3, atol=1e-3)

@@ -32,6 +32,7 @@ from xmix.integrations.vllm.worker import (
     patch_model_runner,
 )
 from xmix.lowering import lower
+from xmix.staging import StreamQueue
 
 D = 8
 SHAPE = ModelShape(n_layers=2, hidden_size=D, vocab_size=32)
@@ -54,8 +55,10 @@ def read_app() -> xmix.App:
     return app
 
 
-def make_rank(rank0: bool, capacity: Capacity = SMALL) -> tuple[WorkerXmix, FakeDevice]:
-    dev = FakeDevice()
+def make_rank(
+    rank0: bool, capacity: Capacity = SMALL, order: str = "main"
+) -> tuple[WorkerXmix, FakeDevice]:
+    dev = FakeDevice(order)
     cb = ControlBlock(SHAPE, "cpu", capacity, queue=dev)
     for app in (write_app(), read_app()):
         cb.install(lower(app, SHAPE))
@@ -150,12 +153,14 @@ def results_of(out) -> dict:
     return getattr(out.get_output(), RESULTS_ATTR, {})
 
 
+@pytest.mark.parametrize("order", ["main", "side"])
 @pytest.mark.parametrize("catch_up", ["end", "next_begin", "after_step", "eager"])
-def test_steps_in_flight_see_their_own_maps_on_every_rank(catch_up):
+def test_steps_in_flight_see_their_own_maps_on_every_rank(catch_up, order):
     """Issue 20.1 / 10.6: with two steps in flight every step sees its own header and maps,
     on every tensor-parallel rank (rank 0 drains reads, rank 1 does not), and the step path
-    never makes the host wait for the device."""
-    ranks = [make_rank(True), make_rank(False)]
+    never makes the host wait for the device; whichever of the model's stream and the
+    read-back stream the device runs first (``order``), each step's reads are its own."""
+    ranks = [make_rank(True, order=order), make_rank(False, order=order)]
     runs = []
     for x, dev in ranks:
         hs, outs = run_steps(x, dev, catch_up)
@@ -174,6 +179,44 @@ def test_steps_in_flight_see_their_own_maps_on_every_rank(catch_up):
         assert results_of(runs[0][1][k]) == expected(k)[1], f"rank 0, step {k + 1}"
     waits = [w for _, _, w in runs]
     assert waits == [0, 0], f"host waits for the device in the step path, per rank: {waits}"
+
+
+def _reads_of_each_step(x: WorkerXmix, dev: FakeDevice) -> list[dict]:
+    _, outs = run_steps(x, dev, "end")
+    dev.run()
+    return [results_of(out) for out in outs]
+
+
+def test_a_read_back_that_does_not_wait_for_the_forward_is_caught(monkeypatch):
+    """The read-back stream must wait for the forward that writes the results
+    (StreamQueue.side_copy: side.wait_stream(main)); without that wait, a device that runs the
+    side stream first copies results the step has not written yet, and the test above fails."""
+    want = [expected(k)[1] for k in range(len(STEPS))]
+    assert _reads_of_each_step(*make_rank(True, order="side")) == want
+
+    def side_copy_without_the_wait(self, pairs):
+        if self._side is None:
+            self._side = self.streams.new_stream()
+        for dst, src in pairs:
+            self.streams.copy(dst, src, self._side)
+        ev = self.streams.event()
+        ev.record(self._side)
+        return ev
+
+    monkeypatch.setattr(StreamQueue, "side_copy", side_copy_without_the_wait)
+    assert _reads_of_each_step(*make_rank(True, order="side")) != want
+
+
+def test_a_forward_that_does_not_wait_for_the_read_back_is_caught(monkeypatch):
+    """The next step's forward rewrites the results buffer: it must wait for the previous
+    step's read-back (control/stage.py: x.wait(after)). Without that wait, a device that runs
+    the model's stream first overwrites step 1's results before they are copied."""
+    want = [expected(k)[1] for k in range(len(STEPS))]
+    x, dev = make_rank(True, order="main")
+    assert _reads_of_each_step(x, dev) == want
+    x, dev = make_rank(True, order="main")
+    monkeypatch.setattr(dev, "wait", lambda event: None)
+    assert _reads_of_each_step(x, dev) != want
 
 
 def test_ring_waits_only_when_more_steps_are_queued_than_staging_sets():

@@ -78,6 +78,12 @@ const void* op_kernel_symbol();
 const void* gate_kernel_symbol();
 // cudaFuncGetAttributes on every xmix kernel (loads their module); *count = kernels loaded.
 int preload_kernels(int* count);
+// Whether the site kernels can launch at hidden size d on this device (smem.h): *refusal is
+// empty when they can, else the reason, naming d. Returns a CUDA error (0 = the query ran).
+int site_smem_check(int32_t d, std::string* refusal);
+// The op kernel's shared-memory opt-in for rows of d (what a launch does before it; the
+// graph applier calls it before adding op nodes, whose launches the graph makes).
+int prepare_op_kernel_smem(int32_t d);
 #endif
 
 }  // namespace xmix

@@ -96,6 +96,12 @@ class ControlBlock:
         self.vocab_words = (shape.vocab_size + 31) // 32
         self.lock = threading.RLock()
         self.on_gpu = self.device.type == "cuda"
+        if self.on_gpu:
+            # a hidden size whose site kernels cannot launch would fail the first capture and
+            # take the engine down with a launch error: refuse it now, naming it
+            why = _C.site_smem_check(shape.hidden_size)
+            if why:
+                raise ValueError(why)
         # Staged: host mirrors apart from the device buffers, everything sent through a device
         # queue (always on a GPU; on a CPU only with a queue given, which tests use to stand
         # in for a GPU stream).
@@ -543,11 +549,6 @@ class ControlBlock:
         for i, c in enumerate(inst.param_cols):
             row[inst.param_base + i] = overrides.get(i, c.default)
 
-    def _rebuild(self) -> None:
-        """Rebuild the live tables from the deployed apps (a new op list goes live)."""
-        with self.lock:
-            self._swap(dict(self.apps), self._build_tables(self.apps))
-
     def _build_tables(self, apps: dict[str, InstalledApp]) -> Tables:
         return build_tables(
             apps, self.n_sites, self.cap.max_ops, self.cap.max_cond, self.vocab_words
@@ -826,10 +827,6 @@ class ControlBlock:
             self.host["slot_apps"][slot] = 0
             self._mark_row(slot)
             return st
-
-    def effective_apps(self, slot: int) -> list[InstalledApp]:
-        st = self.slot_req[slot]
-        return [a for a in self.apps.values() if st.uses(a)]
 
     # ------------------------------------------------------------------ per step
     def begin_step(

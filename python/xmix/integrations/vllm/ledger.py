@@ -13,21 +13,30 @@ ledger survives the loss of none of them in particular.
 
 Memory: a deploy entry keeps the app's bytes until the app is undeployed (then only its name
 stays), i.e. what the control block holds anyway, once more.
+
+With a state directory (state_dir.py) the worker that holds the ledger everyone reads also
+writes the changes to disk: ``save`` before the engines apply a change, under the same lease,
+so there is one writer whatever the number of API servers and engines; ``state`` hands a
+restarting server what the directory held (restore.py).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .state_dir import StateDir
 
 LEASE_S = 60.0  # a server that died holding the lease blocks others at most this long
 
 
 class Ledger:
-    def __init__(self) -> None:
+    def __init__(self, state: StateDir | None = None) -> None:
         self.entries: list[dict] = []
         self.holder: str | None = None
         self.until = 0.0
+        self.state = state  # the state directory, on the one worker that writes it
 
     def call(self, op: str, owner: str = "", since: int = 0, entry: dict | None = None) -> Any:
         now = time.monotonic()
@@ -42,11 +51,15 @@ class Ledger:
             if self.holder == owner:
                 self.holder = None
             return True
+        if op in ("append", "save") and self.holder != owner:
+            raise RuntimeError(
+                f"xmix ledger: {op} by {owner!r} without the lease (held by {self.holder!r})"
+            )
+        if op == "save":  # before the engines apply the change (frontend.Controller._save)
+            return self.state.save(dict(entry or {})) if self.state is not None else None
+        if op == "state":
+            return self.state.plan() if self.state is not None else None
         if op == "append":
-            if self.holder != owner:
-                raise RuntimeError(
-                    f"xmix ledger: append by {owner!r} without the lease (held by {self.holder!r})"
-                )
             entry = dict(entry or {})
             entry["rev"] = len(self.entries) + 1
             if entry.get("kind") == "undeploy":
@@ -54,6 +67,8 @@ class Ledger:
                     if e.get("kind") == "deploy" and e.get("name") == entry.get("name"):
                         e["data"] = None
             self.entries.append(entry)
+            if self.state is not None:  # every engine applied it; the answer is on its way
+                self.state.point(str(entry.get("kind")), "applied")
             return entry["rev"]
         if op == "since":
             return {"rev": len(self.entries), "entries": self.entries[since:]}

@@ -19,8 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from xmix import ops
-from xmix._C import constants as _C_constants
+from xmix import _C, ops
 from xmix.api import App
 from xmix.architectures import Family, architecture_of, require_family
 from xmix.control import Capacity, ControlBlock, PendingReads
@@ -34,7 +33,7 @@ from .model_wrap import place_sites
 logger = logging.getLogger("vllm.xmix")  # vLLM's handlers and format apply
 
 RESULTS_ATTR = "xmix_results"
-K_STOP_BITS = _C_constants()["STOP_POSITION_BITS"]
+K_STOP_BITS = _C.constants()["STOP_POSITION_BITS"]
 # ERROR_KEY in a request's results: the worker could not serve it; the frontend ends it
 
 
@@ -598,6 +597,8 @@ def patch_load_model(cls) -> None:
         _key_compile_cache(self.vllm_config)
         t0 = time.perf_counter()
         self._xmix = WorkerXmix(self, family)
+        # A state directory is read now: a corrupt one stops the engine's start.
+        _ledger(self._xmix, self.vllm_config)
         logger.info(
             "xmix: attached to %s (%s) in %.2fs",
             type(self).__name__,
@@ -698,13 +699,36 @@ def xmix_describe(self) -> dict:
 def xmix_ledger(self, op: str, owner: str = "", since: int = 0, entry: dict | None = None):
     """The engine-side record of control changes and the lease that serialises them across
     API servers (ledger.py)."""
-    x = _wx(self)
+    return _ledger(_wx(self), getattr(self, "vllm_config", None)).call(op, owner, since, entry)
+
+
+def _ledger(x: WorkerXmix, vllm_config):
     led = x.__dict__.get("ledger")
     if led is None:
         from .ledger import Ledger
+        from .state_dir import for_worker
 
-        led = x.__dict__["ledger"] = Ledger()
-    return led.call(op, owner, since, entry)
+        led = x.__dict__["ledger"] = Ledger(for_worker(vllm_config))
+    return led
+
+
+def xmix_deployment_secret(self) -> bytes:
+    """The deployment's secret (keyed.py): the operator's XMIX_DEPLOYMENT_SECRET, else the one
+    kept in the state directory (drawn there once), else random bytes drawn on first use and
+    kept for the engine's life. Every API server keys cache salts, audit fingerprints and
+    hidden metric labels with the first worker's."""
+    x = _wx(self)
+    s = x.__dict__.get("deployment_secret")
+    if s is None:
+        from .keyed import engine_secret, secret_from_env
+
+        state = _ledger(x, getattr(self, "vllm_config", None)).state
+        if secret_from_env() is None and state is not None:
+            s = state.secret()
+        else:
+            s = engine_secret()
+        x.__dict__["deployment_secret"] = s
+    return s
 
 
 def xmix_call(self, method: str, args: list | tuple = ()) -> tuple[str, Any]:
@@ -732,6 +756,7 @@ WORKER_METHODS = {
     for f in (
         xmix_call,
         xmix_ledger,
+        xmix_deployment_secret,
         xmix_capacity,
         xmix_deploy,
         xmix_deploy_prepare,
