@@ -297,16 +297,19 @@ def test_app_names_hidden_on_metrics_and_named_again_for_those_who_may_see_them(
     reg.admit({"apps": ["a"]})
     u.admitted("r1", {"apps": ["a"], "params": {"a": {"theta": 0.8}}})
     u.output("r1", {"a": {"g": {"positions": [0, 1, 2, 3], "values": G[:4]}}}, 1, False)
-    u.output("r1", None, 1, True)
+    u.output("r1", {"!stopped": {"app": "a", "read": "g", "position": 3, "value": 0.9}}, 0, True)
     text = generate_latest(m["app_requests"]).decode() + "".join(
-        generate_latest(m[k]).decode() for k in ("gate_tokens", "gate_fired", "app_ttft")
+        generate_latest(m[k]).decode()
+        for k in ("gate_tokens", "gate_fired", "app_ttft", "stopped")
     )
     assert 'app="a"' not in text and "theta" not in text and "g >=" not in text
+    assert 'read="g"' not in text and f'read="{keys.label("a/g")}"' in text
     assert f'app="{keys.label("a")}"' in text and keys.label("a") != keys.label("b")
     gates = {"a": [g.label for g in gates_of(reg.apps["a"].lowered, reg.apps["a"].defaults, {})]}
-    apps = [{"name": "a", "mode": "request"}]
+    apps = [{"name": "a", "mode": "request", "reads": ["c", "g"]}]
     row = live.snapshot(m, "m", apps, metrics.shown, gates)["apps"][0]
     assert row["name"] == "a" and row["requests_admitted"] == 1
+    assert row["monitors"] == [{"action": "stopped", "read": "g", "requests": 1.0}]
     assert {g["gate"] for g in row["gates"]} == {"g <= 0.1", "g >= theta"}
     # a caller who may not see "a": the snapshot is given the apps it may see, nothing of a
     assert live.snapshot(m, "m", [], metrics.shown, {})["apps"] == []
