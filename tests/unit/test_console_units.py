@@ -299,8 +299,7 @@ def test_app_names_hidden_on_metrics_and_named_again_for_those_who_may_see_them(
     u.output("r1", {"a": {"g": {"positions": [0, 1, 2, 3], "values": G[:4]}}}, 1, False)
     u.output("r1", {"!stopped": {"app": "a", "read": "g", "position": 3, "value": 0.9}}, 0, True)
     text = generate_latest(m["app_requests"]).decode() + "".join(
-        generate_latest(m[k]).decode()
-        for k in ("gate_tokens", "gate_fired", "app_ttft", "stopped")
+        generate_latest(m[k]).decode() for k in ("gate_tokens", "gate_fired", "app_ttft", "stopped")
     )
     assert 'app="a"' not in text and "theta" not in text and "g >=" not in text
     assert 'read="g"' not in text and f'read="{keys.label("a/g")}"' in text
