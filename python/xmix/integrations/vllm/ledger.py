@@ -13,14 +13,25 @@ ledger survives the loss of none of them in particular.
 
 Memory: a deploy entry keeps the app's bytes until the app is undeployed (then only its name
 stays), i.e. what the control block holds anyway, once more.
+
+Acknowledgements: every ``since`` read is an API server saying "I have applied everything up to
+``since``" (servers read in order and apply what they read before the next read). A change
+returns only once every other server heard from in the last ``LIVE_S`` has said so for its
+revision (``lagging``; frontend.Controller._await_followers), and a server that has not read
+for longer syncs before it admits a request (frontend.Registry.stale): so a client that got a
+change's answer never has a later request admitted against the state before it, through any
+server.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from typing import Any
 
 LEASE_S = 60.0  # a server that died holding the lease blocks others at most this long
+LIVE_S = 5.0  # a server not heard from for this long is not waited for (it syncs first)
 
 
 class Ledger:
@@ -28,6 +39,7 @@ class Ledger:
         self.entries: list[dict] = []
         self.holder: str | None = None
         self.until = 0.0
+        self.seen: dict[str, tuple[int, float]] = {}  # server -> (revision applied, when)
 
     def call(self, op: str, owner: str = "", since: int = 0, entry: dict | None = None) -> Any:
         now = time.monotonic()
@@ -56,5 +68,22 @@ class Ledger:
             self.entries.append(entry)
             return entry["rev"]
         if op == "since":
+            self.seen[owner] = (since, now)
             return {"rev": len(self.entries), "entries": self.entries[since:]}
+        if op == "lagging":  # the servers (other than owner) still to apply revision `since`
+            for o in [o for o, (_, t) in self.seen.items() if now - t > LIVE_S]:
+                del self.seen[o]  # gone, or stuck: it syncs before it admits (Registry.stale)
+            return sorted(o for o, (rev, _) in self.seen.items() if o != owner and rev < since)
         raise ValueError(f"xmix ledger: unknown op {op!r}")
+
+    def summary(self) -> dict:
+        """What a status shows of this copy of the ledger: its revision, the lease holder and
+        a digest of the entries (the same on every worker that applied the same changes)."""
+        h = hashlib.sha256()
+        for e in self.entries:
+            h.update(
+                json.dumps(
+                    {k: v for k, v in e.items() if k != "data"}, sort_keys=True, default=str
+                ).encode()
+            )
+        return {"rev": len(self.entries), "holder": self.holder, "digest": h.hexdigest()[:16]}
