@@ -27,11 +27,15 @@ HF = LlamaConfig(
 
 
 class Engine:
-    def __init__(self):
+    def __init__(self, index: int = 0):
         shape = ModelShape.from_hf_config(HF, "tiny")
         x = W.WorkerXmix.for_control_block(ControlBlock(shape, "cpu", SMALL))
         x.placed = set(range(10_000))  # every site placed (no model here)
-        self.worker = NS(model_runner=NS(_xmix=x))
+        self.worker = NS(
+            model_runner=NS(_xmix=x),
+            rank=0,
+            vllm_config=NS(parallel_config=NS(data_parallel_index=index)),
+        )
         self.refuse: set[str] = set()  # worker methods this engine fails (a fault on it)
 
     @property
@@ -80,7 +84,7 @@ def app(name, scale=1.0):
 
 @pytest.fixture
 def fleet():
-    engines = [Engine(), Engine()]
+    engines = [Engine(0), Engine(1)]
     return engines, server(engines), server(engines)
 
 
@@ -312,7 +316,7 @@ class Cut:
 
 @pytest.fixture
 def cut():
-    engines = [Engine(), Engine()]
+    engines = [Engine(0), Engine(1)]
     c = Cut(engines)
     return engines, c, server(engines, c.rpc)
 
@@ -429,3 +433,16 @@ def test_fan_out_names_an_engine_that_does_not_answer_and_does_not_wait_on_it_ag
     assert out["read"] == [("ok", {"engine": 0})]
     assert out["write"] == [("ok", {"engine": 0})] and out["write_s"] < 0.1
     assert out["back"] == out["both"]
+
+
+def test_ledger_copies_follow_the_first_engine_in_whatever_order_leases_arrive(fleet):
+    """The lease is the first engine's; another engine's copy of the ledger takes every
+    entry. Before, each copy kept a lease of its own: when two API servers' acquires reached
+    the engines in different orders (both deploy the --app files at start; seen across
+    hosts), the second engine refused an append made under the first engine's lease."""
+    engines, s1, s2 = fleet
+    W.WORKER_METHODS["xmix_ledger"](engines[1].worker, "acquire", s2._owner)  # s2's came first
+    s1.deploy(app("a"))
+    l0, l1 = _ledgers(engines)
+    assert l0["rev"] == l1["rev"] == 1 and l0["digest"] == l1["digest"]
+    assert [held(e) for e in engines] == [{"a": (1, "request", {"#0.scale": 1.0})}] * 2

@@ -684,6 +684,13 @@ def xmix_describe(self) -> dict:
     }
 
 
+def _first_worker(worker) -> bool:
+    """The first worker of the first engine: the one whose ledger every server reads
+    (``results[0]`` of a fan-out)."""
+    par = getattr(getattr(worker, "vllm_config", None), "parallel_config", None)
+    return not getattr(par, "data_parallel_index", 0) and not getattr(worker, "rank", 0)
+
+
 def _where(worker) -> dict:
     """Which host, process and ranks a worker is (with several hosts, the status says where
     each answer came from)."""
@@ -724,7 +731,7 @@ def xmix_ledger(self, op: str, owner: str = "", since: int = 0, entry: dict | No
     if led is None:
         from .ledger import Ledger
 
-        led = x.__dict__["ledger"] = Ledger()
+        led = x.__dict__["ledger"] = Ledger(replica=not _first_worker(self))
     return led.call(op, owner, since, entry)
 
 
