@@ -1,7 +1,9 @@
-"""Soak: ``xmix serve`` over HTTP under concurrent requests and continuous control changes.
+"""Soak: ``xmix serve`` over HTTP under concurrent requests and continuous control changes,
+then the same under ``kill -9`` of the whole server and restarts from its state directory.
 
     python bench/soak.py --requests 2000 --changes 1000 [--concurrency 16] [--url URL
         --key KEY --admin-key KEY] [--seed 0] [--json out.json]
+        [--restarts 3 --restart-requests 300 --restart-changes 100 | --kill-points P,P,...]
 
 Without --url it starts ``xmix serve`` on the embedded tiny Llama itself (its log is read
 for server errors afterwards). Requests: chat and completions, streamed and not, with and
@@ -23,6 +25,18 @@ Checked per request:
                  have; no request slot stays taken once everything finished
 A refusal documented for a race (an app named just as it went away: 400 "unknown app" /
 "switched off") is counted apart, not as a failure.
+
+Restart phase (``--restarts N``, on a server of its own with ``--xmix-state-dir``; not with
+--url): requests and changes (deploys, PATCHes of mode, parameters and locks, alone and
+together, undeploys) run on while the whole server is killed with SIGKILL N times, each time
+at a random moment with a change on its way, and restarted from its state directory; requests
+not yet sent wait for it. After each restart: every acknowledged change (HTTP 2xx) must be
+there (lost: must be 0), the change that was in flight must be there whole or absent (half:
+must be 0), and requests of apps no change touches must answer as before the first kill
+(pinned). Requests in flight at a kill are counted as cut, apart from failures. At the end
+every completed request is checked against the same request alone (oracle), as above.
+``--kill-points`` kills at the test-only crash points instead (state_dir.py, e.g.
+``deploy:app.renamed,patch:applied``; an empty entry: from outside).
 
 Prints: requests sent / completed / refused / disconnected / failed / hung, oracle checks
 (equal / wrong), changes applied (and refused as intended), p50 / p99 latency of a
@@ -127,6 +141,10 @@ def start_server(
     admin: str,
     timeout: float = 900,
     eager: bool = False,
+    port: int | None = None,
+    env: dict | None = None,
+    log_name: str = "serve.log",
+    extra: list[str] | None = None,
 ):
     from xmix.models.tiny import tiny_model_path
 
@@ -135,7 +153,7 @@ def start_server(
         p = tmp / f"{name}.xmix"
         p.write_bytes(apps[name])
         paths += ["--app", str(p)]
-    port = _free_port()
+    port = port or _free_port()
     cmd = [
         sys.executable,
         "-m",
@@ -158,14 +176,19 @@ def start_server(
         "32",
         *(["--enforce-eager"] if eager else []),
         *paths,
+        *(extra or []),
     ]
-    log = tmp / "serve.log"
+    log = tmp / log_name
     proc = subprocess.Popen(
         cmd,
         stdout=open(log, "w"),
         stderr=subprocess.STDOUT,
         start_new_session=True,
-        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")},
+        env={
+            **os.environ,
+            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+            **(env or {}),
+        },
     )
     base = f"http://127.0.0.1:{port}"
     t0 = time.time()
@@ -761,6 +784,458 @@ async def soak(args, base: str, apps: dict[str, bytes]) -> dict:
     }
 
 
+# ---------------------------------------------------------------------- restarts
+class Restartable:
+    """One ``xmix serve`` on a state directory (``--xmix-state-dir``): killed with SIGKILL to
+    its process group (API server, engine core, workers: ``kill -9`` of the whole server)
+    and started again from that directory. ``trigger``: the file that arms the test-only
+    crash points (``XMIX_TEST_STATE_CRASH``, state_dir.py); each start has a log of its own."""
+
+    def __init__(self, tmp: Path, apps, key: str, admin: str, eager: bool, trigger: Path | None):
+        self.tmp, self.apps, self.key, self.admin, self.eager = tmp, apps, key, admin, eager
+        self.state_dir = tmp / "state"
+        self.trigger = trigger
+        self.proc = None
+        self.base = ""
+        self.logs: list[Path] = []
+        self.start_s: list[float] = []
+
+    def start(self) -> str:
+        t0 = time.time()
+        env = {"XMIX_TEST_STATE_CRASH": str(self.trigger)} if self.trigger else {}
+        self.proc, self.base, log = start_server(
+            self.tmp,
+            self.apps,
+            self.key,
+            self.admin,
+            eager=self.eager,
+            env=env,
+            log_name=f"serve-{len(self.logs)}.log",
+            extra=["--xmix-state-dir", str(self.state_dir)],
+        )
+        self.logs.append(log)
+        self.start_s.append(round(time.time() - t0, 1))
+        return self.base
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+    def dead(self, timeout: float = 60) -> bool:
+        """Whether the server died (an armed crash point kills it from inside); whatever is
+        left of its group is killed too."""
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return False
+        finally:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return True
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop_server(self.proc)
+
+
+def _state_of(doc: dict) -> dict:
+    return {
+        a["name"]: {k: a[k] for k in ("version", "mode", "params", "locked")}
+        for a in doc.get("apps", [])
+    }
+
+
+_CONNECTION_LOST = ("ConnectError", "ReadError", "WriteError", "RemoteProtocolError", "CloseError")
+
+
+def _cut(res: Result, windows: list[tuple[float, float]]) -> bool:
+    """A request the kill cut off: no answer, or a stream that stopped, while the server was
+    down (from the kill, or the arming of a crash point, until it answered again)."""
+    if res.outcome not in ("failed", "hung"):
+        return False
+    conn = res.why.startswith(_CONNECTION_LOST) or res.why == "stream ended without [DONE]"
+    return conn and any(a - 1 <= res.t1 and res.t0 <= b for a, b in windows)
+
+
+async def restart_soak(args, srv: Restartable, apps: dict[str, bytes], points: list) -> dict:
+    """Requests and control changes before, during and after each ``kill -9`` of the whole
+    server and its restart from the state directory; one kill per entry of ``points``
+    (None: a SIGKILL from outside at a random moment while a change is in flight;
+    "kind:point": the next change of that kind dies at that crash point, from inside).
+
+    Counted: changes acknowledged (HTTP 2xx) and lost after a restart (must be 0); the change
+    in flight at each kill (in doubt), found whole or absent after the restart, or half
+    (must be 0); requests cut by a kill (apart), failed otherwise (must be 0); wrong answers
+    (must be 0): the same requests before the first kill and after every restart (pinned,
+    tokens exact and reads to 1e-5), and every completed request against the same request
+    alone (``run_oracle``); server errors in each start's log."""
+    n_req = args.restart_requests * len(points)
+    specs = make_specs(n_req, args.seed + 100)
+    rng = random.Random(args.seed + 101)
+    limits = httpx.Limits(
+        max_connections=args.concurrency + 8, max_keepalive_connections=args.concurrency + 8
+    )
+
+    class Conn:  # the clients of the server that runs now (new ones after each restart)
+        client: httpx.AsyncClient
+        admin: httpx.AsyncClient
+
+    conn = Conn()
+
+    async def connect() -> None:
+        for c in (getattr(conn, "client", None), getattr(conn, "admin", None)):
+            if c is not None:
+                await c.aclose()
+        conn.client = httpx.AsyncClient(
+            base_url=srv.base,
+            headers={"Authorization": f"Bearer {args.key}"},
+            timeout=httpx.Timeout(args.deadline),
+            limits=limits,
+        )
+        conn.admin = httpx.AsyncClient(
+            base_url=srv.base,
+            headers={"Authorization": f"Bearer {args.admin_key}"},
+            timeout=httpx.Timeout(args.deadline),
+        )
+
+    await asyncio.to_thread(srv.start)
+    await connect()
+    acked = _state_of((await conn.admin.get("/xmix/v1/apps")).json())  # what was acknowledged
+    ch = Changes()  # the live churn apps the requests name (as in soak)
+    fig = {
+        "kills": 0,
+        "acked_changes": 0,
+        "acked_lost": 0,
+        "in_doubt": 0,
+        "in_doubt_present": 0,
+        "in_doubt_absent": 0,
+        "in_doubt_half": 0,
+        "kill_points_missed": 0,
+        "changes_unexpected": 0,
+        "pinned_equal": 0,
+        "pinned_wrong": 0,
+    }
+    examples: dict[str, list[str]] = {"lost": [], "half": [], "pinned": [], "changes": []}
+    windows: list[tuple[float, float]] = []
+    up = asyncio.Event()
+    up.set()
+    defaults: dict[str, dict] = {}  # template -> its parameters at deploy
+
+    def sync_live() -> None:
+        ch.deployed = {n: a["mode"] for n, a in acked.items() if n in CHURN}
+
+    async def answer(method: str, path: str, **kw) -> httpx.Response | None:
+        """A change; None when the server died under it (no answer: in doubt)."""
+        try:
+            return await conn.admin.request(method, path, **kw)
+        except httpx.HTTPError:
+            return None
+
+    def ack(r: httpx.Response, name: str) -> None:
+        fig["acked_changes"] += 1
+        if r.request.method == "DELETE":
+            acked.pop(name, None)
+        else:
+            info = r.json()
+            acked[name] = {k: info[k] for k in ("version", "mode", "params", "locked")}
+            if r.status_code == 201:
+                defaults.setdefault(name, info["params"])
+        sync_live()
+
+    def make_change(kind: str | None = None) -> tuple[str, str, dict, str]:
+        """(method, path, request kwargs, app) of a change of ``kind`` (any when None)."""
+        live = [n for n in CHURN if n in acked]
+        gone = [n for n in CHURN if n not in acked]
+        if kind is None:
+            kind = "deploy" if gone and (not live or rng.random() < 0.3) else None
+            kind = kind or rng.choice(["patch", "patch", "patch", "undeploy"])
+        if kind == "deploy":
+            # no mode "all" here: it would reach the pinned requests (soak() runs it)
+            name = rng.choice(gone)
+            return "POST", "/xmix/v1/apps?mode=request", {"content": apps[name]}, name
+        name = rng.choice(live)
+        if kind == "undeploy":
+            return "DELETE", f"/xmix/v1/apps/{name}", {}, name
+        cur = acked[name]
+        body: dict = {}
+        roll = rng.random()
+        if roll < 0.3 or kind == "patch!":  # mode and parameters in one change: never half
+            body["mode"] = "off" if cur["mode"] != "off" else "request"
+        if roll >= 0.15 or kind == "patch!":
+            scale = rng.choice([v for v in (0.5, 1.0, -2.0, 3.0) if v != cur["params"]["w.scale"]])
+            body["params"] = {"w.scale": scale}
+        if kind == "patch!" or rng.random() < 0.1:
+            body["locked"] = [] if cur["locked"] else ["w.scale"]
+        return "PATCH", f"/xmix/v1/apps/{name}", {"json": body}, name
+
+    def after(method: str, kw: dict, name: str) -> dict | None:
+        """The acknowledged state with a change applied whole (versions of a deploy aside)."""
+        if method == "DELETE":
+            return None
+        if method == "POST":
+            return {"version": None, "mode": "request", "params": defaults.get(name), "locked": []}
+        body = kw["json"]
+        a = json.loads(json.dumps(acked[name]))
+        if "mode" in body:
+            a["mode"] = body["mode"]
+        a["params"].update(body.get("params", {}))
+        if "locked" in body:
+            a["locked"] = sorted(body["locked"])
+        return a
+
+    async def pinned() -> dict:
+        """Requests of the apps no change touches, run alone: their answers must not move."""
+        out = {}
+        for i, (app_names, params) in enumerate(
+            [(["steer"], {"steer": {"scale": 2.0}}), (["probe"], {}), (["steer", "probe"], {})]
+        ):
+            spec = Spec(
+                -1 - i,
+                "cmpl" if i != 2 else "chat",
+                False,
+                app_names,
+                params,
+                1,
+                12,
+                PROMPTS[i],
+                None,
+            )
+            res = await run_one(
+                conn.client, spec, app_names, params, args.deadline, salt=f"pinned-{i}"
+            )
+            out[i] = (res.outcome, res.tokens, res.reads)
+        return out
+
+    pinned_ref = await pinned()
+    # every churn template deployed once: each one's parameters at deploy are known
+    for name in CHURN:
+        r = await answer("POST", "/xmix/v1/apps?mode=request", content=apps[name])
+        if r is None or r.status_code != 201:
+            raise RuntimeError(f"deploying {name}: {r and r.status_code} {r and r.text[:200]}")
+        ack(r, name)
+
+    async def kill_and_restart(point: str | None) -> None:
+        fig["kills"] += 1
+        t_wait = time.monotonic()  # under load: requests in flight when the server dies
+        while inflight < max(1, args.concurrency // 2) and time.monotonic() - t_wait < 20:
+            await asyncio.sleep(0.05)
+        up.clear()  # requests not yet sent wait for the restarted server
+        t_kill = time.monotonic()
+        in_doubt = None
+        if point is None:  # from outside, while a change is on its way
+            method, path, kw, name = make_change()
+            task = asyncio.create_task(answer(method, path, **kw))
+            await asyncio.sleep(rng.uniform(0.0, 0.05))
+            t_kill = time.monotonic()
+            await asyncio.to_thread(srv.kill)
+            r = await task
+        else:  # from inside: the next change of that kind dies at the point
+            kind = point.split(":")[0]
+            if kind != "deploy" and not any(n in acked for n in CHURN):
+                r = await answer("POST", "/xmix/v1/apps?mode=request", content=apps[CHURN[0]])
+                ack(r, CHURN[0])
+            srv.trigger.write_text(point)
+            if kind == "deploy":
+                # an app never deployed: its file is new (the points of writing one are on
+                # its way; a churn template's file may still be there from an earlier deploy)
+                name = f"fresh{fig['kills']}"
+                defaults[name] = defaults[CHURN[0]]
+                method, path = "POST", "/xmix/v1/apps?mode=request"
+                kw = {"content": renamed(apps[CHURN[0]], name)}
+            else:
+                method, path, kw, name = make_change("patch!" if kind == "patch" else kind)
+            r = await answer(method, path, **kw)
+            if r is not None:  # answered: the point was not on its way
+                fig["kill_points_missed"] += 1
+                examples["changes"].append(f"{point}: {method} {path} answered {r.status_code}")
+            if not await asyncio.to_thread(srv.dead, 30):
+                await asyncio.to_thread(srv.kill)
+            srv.trigger.unlink(missing_ok=True)
+        if r is not None and r.status_code < 300:
+            ack(r, name)
+        elif r is None:
+            in_doubt = (method, {**kw, "_path": path}, name)
+        await asyncio.to_thread(srv.start)
+        await connect()
+        got = _state_of((await conn.admin.get("/xmix/v1/apps")).json())
+        doubt_name = in_doubt[2] if in_doubt else None
+        for n in set(got) | set(acked):
+            if n == doubt_name:
+                continue
+            if got.get(n) != acked.get(n):
+                fig["acked_lost"] += 1
+                examples["lost"].append(f"kill {fig['kills']}: {n} {acked.get(n)} -> {got.get(n)}")
+        if in_doubt is not None:
+            fig["in_doubt"] += 1
+            method, kw, n = in_doubt
+            whole = after(method, kw, n)
+            now = got.get(n)
+            if method == "POST" and now is not None:
+                top = max((a["version"] for a in acked.values()), default=0)
+                ok = now["version"] > top and {**now, "version": None} == whole
+            else:
+                ok = now == whole
+            if ok:
+                fig["in_doubt_present"] += 1
+            elif now == acked.get(n):
+                fig["in_doubt_absent"] += 1
+            else:
+                fig["in_doubt_half"] += 1
+                examples["half"].append(
+                    f"kill {fig['kills']}: {method} {kw.get('_path')} {kw.get('json', '')}: "
+                    f"before {acked.get(n)}, whole {whole}, after the restart {now}"
+                )
+            if now is None:
+                acked.pop(n, None)
+            else:
+                acked[n] = now
+        sync_live()
+        again = await pinned()
+        for i, ref in pinned_ref.items():
+            g = again[i]
+            same = g[0] == ref[0] == "ok" and g[1] == ref[1]
+            same = same and all(
+                sorted(g[2].get(c, {})) == sorted(ref[2].get(c, {}))
+                and all(
+                    g[2][c][a][k][0] == ref[2][c][a][k][0]
+                    and _close(g[2][c][a][k][1], ref[2][c][a][k][1])
+                    for a in ref[2].get(c, {})
+                    for k in ref[2][c][a]
+                )
+                for c in ref[2]
+            )
+            fig["pinned_equal" if same else "pinned_wrong"] += 1
+            if not same:
+                examples["pinned"].append(f"kill {fig['kills']}: pinned #{i}: {g} != {ref}")
+        windows.append((t_kill, time.monotonic()))
+        up.set()
+
+    done_n = inflight = 0
+    target = args.restart_changes * len(points)
+    applied = 0
+
+    async def driver() -> None:
+        nonlocal applied
+        kills = 0
+        while True:
+            progress = done_n / max(1, n_req)
+            if kills < len(points) and progress >= (kills + 0.5) / len(points):
+                await kill_and_restart(points[kills])
+                kills += 1
+                continue
+            if kills == len(points) and applied >= target and done_n >= n_req:
+                return
+            if applied >= target * progress + 2 and done_n < n_req:
+                await asyncio.sleep(0.01)
+                continue
+            method, path, kw, name = make_change()
+            r = await answer(method, path, **kw)
+            if r is None or r.status_code >= 300:
+                fig["changes_unexpected"] += 1
+                examples["changes"].append(
+                    f"{method} {path} answered {r.status_code if r else 'nothing'}: "
+                    f"{r.text[:200] if r else ''}"
+                )
+            else:
+                ack(r, name)
+            applied += 1
+            await asyncio.sleep(rng.random() * 0.01)
+
+    sem = asyncio.Semaphore(args.concurrency)
+
+    async def one(spec: Spec) -> Result:
+        nonlocal done_n, inflight
+        # Requests keep pace with the changes (as in soak), a window of ``concurrency``
+        # requests ahead, so that changes run among requests and requests are in flight
+        # when a kill comes.
+        while not drive.done() and applied < target * (spec.i - args.concurrency) / n_req - 2:
+            await asyncio.sleep(0.01)
+        async with sem:
+            await up.wait()
+            names = []
+            for a in spec.apps:
+                if a == "churn":
+                    a = rng.choice([n for n, m in ch.deployed.items() if m != "off"] or CHURN)
+                names.append(a)
+            spec.apps = names
+            inflight += 1
+            try:
+                res = await run_one(conn.client, spec, names, spec.params, args.deadline)
+            finally:
+                inflight -= 1
+            done_n += 1
+            if args.progress and done_n % args.progress == 0:
+                print(f"[restart] {done_n}/{n_req} requests, {applied} changes", flush=True)
+            return res
+
+    t0 = time.monotonic()
+    drive = asyncio.create_task(driver())
+    results = await asyncio.gather(*(one(sp) for sp in specs))
+    await drive
+    cut = [r for r in results if _cut(r, windows)]
+    for r in cut:
+        r.outcome = "cut"
+    run_s = time.monotonic() - t0
+    leaks = [f"#{r.spec.i}: {why}" for r in results if r.outcome == "ok" and (why := reads_ok(r))]
+    equal, wrong, distinct = await run_oracle(
+        conn.client, conn.admin, apps, results, ch, args.deadline
+    )
+    for c in (conn.client, conn.admin):
+        await c.aclose()
+    by = {
+        k: [r for r in results if r.outcome == k]
+        for k in ("ok", "refused", "disconnected", "cut", "failed", "hung")
+    }
+    fig.update(
+        {
+            "requests": n_req,
+            "completed": len(by["ok"]),
+            "refused_by_race": len(by["refused"]),
+            "disconnected": len(by["disconnected"]),
+            "cut_by_kill": len(by["cut"]),
+            "failed": len(by["failed"]),
+            "hung": len(by["hung"]),
+            "changed_in_flight": len([r for r in by["ok"] if r.applied.get("changed")]),
+            "oracle_equal": equal,
+            "oracle_wrong": len(wrong),
+            "oracle_distinct_runs": distinct,
+            "leaked": len(leaks),
+            "restart_s": srv.start_s[1:],
+            "run_s": round(run_s, 1),
+        }
+    )
+    examples.update(
+        failed=[f"#{r.spec.i}: {r.why}" for r in by["failed"][:5]],
+        wrong=wrong[:5],
+        leaked=leaks[:5],
+    )
+    fig["examples"] = {k: v[:5] for k, v in examples.items()}
+    return fig
+
+
+def restart_bad(fig: dict) -> int:
+    """What must be 0 after the restart phase."""
+    return sum(
+        fig[k]
+        for k in (
+            "acked_lost",
+            "in_doubt_half",
+            "failed",
+            "hung",
+            "oracle_wrong",
+            "pinned_wrong",
+            "leaked",
+            "changes_unexpected",
+            "kill_points_missed",
+        )
+    )
+
+
 def server_errors(log: Path | None) -> dict | None:
     if log is None:
         return None
@@ -778,11 +1253,60 @@ def server_errors(log: Path | None) -> dict | None:
     }
 
 
+def run_restarts(args, apps: dict[str, bytes], tmp: Path, eager: bool = False) -> dict:
+    """The restart phase on a server of its own (``restart_soak``); the kill points of
+    ``args.kill_points`` (None entries: from outside), the figures and each start's log."""
+    points = [p or None for p in args.kill_points] if args.kill_points else [None] * args.restarts
+    trigger = tmp / "crash-point" if any(points) else None
+    srv = Restartable(tmp, apps, args.key, args.admin_key, eager, trigger)
+    try:
+        fig = asyncio.run(restart_soak(args, srv, apps, points))
+    finally:
+        srv.stop()
+    logs = [server_errors(p) for p in srv.logs]
+    fig["server_log"] = {
+        "starts": len(logs),
+        "start_s": srv.start_s,
+        "error_lines": sum(x["error_lines"] for x in logs),
+        "tracebacks": sum(x["tracebacks"] for x in logs),
+        "examples": [e for x in logs for e in x["examples"]][:5],
+    }
+    return fig
+
+
+def print_restarts(fig: dict) -> None:
+    print(
+        f"[restart] {fig['kills']} kill -9 of the whole server, each restarted from its state "
+        f"directory (starts {fig['server_log']['start_s']} s); run {fig['run_s']} s"
+    )
+    print(
+        f"[restart] changes acknowledged {fig['acked_changes']}, lost after a restart "
+        f"{fig['acked_lost']}; in flight at a kill {fig['in_doubt']}: whole after the restart "
+        f"{fig['in_doubt_present']}, absent {fig['in_doubt_absent']}, half {fig['in_doubt_half']}"
+        f"; crash points missed {fig['kill_points_missed']}; unexpected answers "
+        f"{fig['changes_unexpected']}"
+    )
+    print(
+        f"[restart] requests {fig['requests']}: completed {fig['completed']}, cut by a kill "
+        f"{fig['cut_by_kill']}, refused by a race {fig['refused_by_race']}, disconnected by the "
+        f"client {fig['disconnected']}, failed "
+        f"{fig['failed']}, hung {fig['hung']}; wrong answers: oracle {fig['oracle_wrong']} "
+        f"(of {fig['oracle_equal'] + fig['oracle_wrong']}), pinned across restarts "
+        f"{fig['pinned_wrong']} (of {fig['pinned_equal'] + fig['pinned_wrong']}); leaked "
+        f"{fig['leaked']}"
+    )
+    sl = fig["server_log"]
+    print(f"[restart] server logs: {sl['error_lines']} ERROR lines, {sl['tracebacks']} tracebacks")
+    for k, v in fig["examples"].items():
+        for line in v:
+            print(f"[restart]   {k}: {line}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--requests", type=int, default=2000)
+    ap.add_argument("--requests", type=int, default=2000, help="0: no live-change phase")
     ap.add_argument("--changes", type=int, default=1000)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--deadline", type=float, default=600.0, help="seconds one request may take")
@@ -794,23 +1318,56 @@ def main(argv=None) -> int:
     ap.add_argument("--admin-key", default="soak-admin-key")
     ap.add_argument("--json", help="write the figures here")
     ap.add_argument("--progress", type=int, default=0, help="print progress every N requests")
+    ap.add_argument(
+        "--restarts",
+        type=int,
+        default=3,
+        help="kill -9 and restart cycles on a server of their own (0: none; not with --url)",
+    )
+    ap.add_argument("--restart-requests", type=int, default=300, help="requests per restart")
+    ap.add_argument("--restart-changes", type=int, default=100, help="changes per restart")
+    ap.add_argument(
+        "--kill-points",
+        type=lambda v: v.split(","),
+        help="kill at these crash points instead (test-only XMIX_TEST_STATE_CRASH, e.g. "
+        "deploy:app.renamed,patch:applied; an empty entry: from outside)",
+    )
     args = ap.parse_args(argv)
     apps = build_apps(args.seed)
     proc = log = None
     t0 = time.time()
+    fig: dict = {}
+    bad = 0
     with tempfile.TemporaryDirectory() as tmp:
-        if args.url:
-            base = args.url
-        else:
-            proc, base, log = start_server(Path(tmp), apps, args.key, args.admin_key)
-            print(f"[soak] xmix serve up in {time.time() - t0:.0f} s at {base}", flush=True)
-        try:
-            fig = asyncio.run(soak(args, base, apps))
-        finally:
-            if proc is not None:
-                stop_server(proc)
-        fig["server_log"] = server_errors(log)
-    fig["wall_s"] = round(time.time() - t0, 1)
+        if args.requests:
+            if args.url:
+                base = args.url
+            else:
+                proc, base, log = start_server(Path(tmp), apps, args.key, args.admin_key)
+                print(f"[soak] xmix serve up in {time.time() - t0:.0f} s at {base}", flush=True)
+            try:
+                fig = asyncio.run(soak(args, base, apps))
+            finally:
+                if proc is not None:
+                    stop_server(proc)
+            fig["server_log"] = server_errors(log)
+            fig["wall_s"] = round(time.time() - t0, 1)
+            bad += report(fig)
+        if (args.restarts or args.kill_points) and not args.url:
+            t1 = time.time()
+            rdir = Path(tmp) / "restarts"
+            rdir.mkdir()
+            fig["restarts"] = run_restarts(args, apps, rdir)
+            fig["restarts"]["wall_s"] = round(time.time() - t1, 1)
+            print_restarts(fig["restarts"])
+            bad += restart_bad(fig["restarts"]) + fig["restarts"]["server_log"]["tracebacks"]
+    if args.json:
+        Path(args.json).write_text(json.dumps(fig, indent=2))
+    return 1 if bad else 0
+
+
+def report(fig: dict) -> int:
+    """Print the live-change phase's figures; what must be 0, summed."""
     lat = fig["change_latency_ms"]
     print(
         f"[soak] requests sent {fig['requests']}: completed {fig['completed']}, refused by a race "
@@ -837,8 +1394,6 @@ def main(argv=None) -> int:
     for k, v in fig["examples"].items():
         for line in v:
             print(f"[soak]   {k}: {line}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(fig, indent=2))
     bad = (
         fig["failed"]
         + fig["hung"]
@@ -847,7 +1402,7 @@ def main(argv=None) -> int:
         + fig["changes_unexpected"]
     )
     bad += sl["tracebacks"] if sl else 0
-    return 1 if bad else 0
+    return bad
 
 
 if __name__ == "__main__":

@@ -35,10 +35,12 @@ architecture without an entry is refused when xmix is asked for, with the suppor
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
-from xmix.hooks import LAYER_SITES, MODEL_SITES
 from xmix.lowering import DeployError
+
+logger = logging.getLogger("vllm.xmix")
 
 HIDDEN = (0, "hidden_states")
 
@@ -94,10 +96,6 @@ class Family:
     @property
     def moe(self) -> bool:
         return "router.logits" in self.vllm.sites
-
-    @property
-    def site_names(self) -> tuple[str, ...]:
-        return tuple(s for s in LAYER_SITES if s in self.vllm.sites) + MODEL_SITES
 
 
 # --- building blocks ----------------------------------------------------------------------
@@ -378,3 +376,21 @@ __all__ = [
     "resolve",
     "supported_architectures",
 ]
+
+
+def check_architecture(model: str, **kwargs) -> None:
+    """Refuse a model family without a site table before any engine process starts (the
+    workers check again: this is only the early, readable error). A config that cannot be
+    read here (a format only vLLM reads) is left to the workers."""
+    try:
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.from_pretrained(
+            model,
+            trust_remote_code=bool(kwargs.get("trust_remote_code")),
+            revision=kwargs.get("revision"),
+        )
+    except Exception as e:  # noqa: BLE001 - any failure: the workers decide
+        logger.debug("xmix: config of %s not read here (%s); the workers check it", model, e)
+        return
+    require_family(architecture_of(cfg), model)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from xmix import _C
+
 FLT_MAX = 3.4028234663852886e38
 
 # Artifact shape kinds, checked against the model at deploy.
@@ -18,8 +20,10 @@ EXPERTS = "mask[experts]"  # [n_experts] in {-1, 0, 1}, or [n_layers, n_experts]
 
 # SAE kernels take an xmix.SAE (``sae=``), shared by the app's ops, instead of tensors.
 SAE_KERNELS = ("sae", "sae_steer", "sae_clamp")
-MAX_TOP_K = 128  # top_k of an "sae" read (ids + activations per token)
-MAX_SAE_FEATURES = 64  # features=[...] of an "sae" read, feature=[...] of a clamp
+# The kernels' bounds (csrc/include/xmix/control.h): top_k of an "sae" read (ids + activations
+# per token); features=[...] of an "sae" read, feature=[...] of a clamp.
+MAX_TOP_K: int = _C.constants()["SAE_MAX_TOP_K"]
+MAX_SAE_FEATURES: int = _C.constants()["SAE_MAX_FEATURES"]
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from xmix import _C
 from xmix import conditions as C
 from xmix.api import App, AppError
 from xmix.catalog import CENTROIDS, EXPERTS, FLT_MAX, KERNELS, MAT_DD, SAE_KERNELS, VEC
@@ -133,15 +134,6 @@ class LoweredApp:
     @property
     def reads_prompt(self) -> bool:
         return any(o.is_read for o in self.ops)
-
-    def param_names(self) -> set[str]:
-        names = set(self.app_params)
-        for o in self.ops:
-            for p, _ in o.params:
-                names.add(p)
-                if o.name:
-                    names.add(f"{o.name}.{p}")
-        return names
 
 
 def _fail(app: str, what: str, msg: str) -> DeployError:
@@ -551,19 +543,22 @@ def lower(
     return lowered
 
 
-# OpDesc.flags of the SAE kernels (csrc/include/xmix/control.h: SaeFlag).
-SAE_ARCH = {"relu": 0, "jumprelu": 1, "topk": 2}
-SAE_NORM = {"none": 0, "constant_norm_rescale": 1, "layer_norm": 2}
-SAE_B_DEC_IN = 1 << 8
-SAE_FEATURES = 1 << 9
+# OpDesc.flags of the SAE kernels (csrc/include/xmix/control.h: SaeFlag, SaeArch, SaeNorm).
+_K = _C.constants()
+SAE_ARCH = {"relu": _K["SAE_RELU"], "jumprelu": _K["SAE_JUMPRELU"], "topk": _K["SAE_TOPK"]}
+SAE_NORM = {
+    "none": _K["SAE_NORM_NONE"],
+    "constant_norm_rescale": _K["SAE_NORM_RESCALE"],
+    "layer_norm": _K["SAE_NORM_LAYER"],
+}
 
 
 def sae_flags(sae: SAE, features_read: bool) -> int:
-    return (
+    return int(
         SAE_ARCH[sae.architecture]
-        | SAE_NORM[sae.normalize_activations] << 4
-        | (SAE_B_DEC_IN if sae.apply_b_dec_to_input else 0)
-        | (SAE_FEATURES if features_read else 0)
+        | SAE_NORM[sae.normalize_activations] << _K["SAE_NORM_SHIFT"]
+        | (_K["SAE_B_DEC_IN"] if sae.apply_b_dec_to_input else 0)
+        | (_K["SAE_FEATURES"] if features_read else 0)
     )
 
 

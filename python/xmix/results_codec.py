@@ -60,6 +60,12 @@ def max_result_bytes() -> int:
     return int(os.environ.get("XMIX_MAX_RESULT_BYTES", str(16 << 20)))
 
 
+def max_response_bytes() -> int:
+    """The server's cap on the read results of one HTTP response, all its prompts and choices
+    together (``XMIX_MAX_RESPONSE_BYTES``; a key's policy may set its own)."""
+    return int(os.environ.get("XMIX_MAX_RESPONSE_BYTES", str(64 << 20)))
+
+
 # ---------------------------------------------------------------------- dtypes
 def to_dtype(values: np.ndarray, dtype: str) -> np.ndarray:
     """float32 values in the storage form of ``dtype``: float32, float16, or bfloat16 as
@@ -78,12 +84,6 @@ def to_float32(values: np.ndarray, dtype: str) -> np.ndarray:
     if dtype == "bfloat16":
         return (values.astype(np.uint32) << 16).view(np.float32)
     return values.astype(np.float32, copy=False)
-
-
-def _torch_dtype(dtype: str):
-    import torch
-
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
 
 
 def to_tensor(values: np.ndarray, dtype: str):

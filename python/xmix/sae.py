@@ -43,7 +43,6 @@ NORMALIZATIONS = ("none", "constant_norm_rescale", "layer_norm")
 FORMAT = "xmix.sae/1"
 TENSORS = ("W_enc", "b_enc", "W_dec", "b_dec", "threshold")
 MAX_FEATURES = 1 << 24  # feature ids travel as fp32 in the capture buffer: exact below 2^24
-LN_EPS = 1e-5  # SAELens's layer_norm epsilon
 _HOOK = re.compile(
     r"^(?:layers\.(\d+)\.(residual\.pre|attention\.post|residual\.mid|mlp\.post|residual\.post)|final\.post)$"
 )

@@ -47,6 +47,7 @@ def test_json_form_and_no_control_pass_through():
     # other extensions' keys are not xmix's business
     assert flat({"session_id": "abc", "xmixer": 1, "kv_transfer_params": {}}) is None
     assert has_control({"xmix_apps": "a"}) and has_control({"xmix": "{}"})
+    assert has_control({"XMIX_APPS": "a"})  # refused as a control, not passed by
     assert not has_control({"xmixer": 1}) and not has_control(None)
 
 
@@ -64,6 +65,17 @@ def test_json_form_and_no_control_pass_through():
         ({"xmix_apps": [1, 2]}, ["as strings"]),
         ({"xmix_apps": 3}, ["list of app names"]),
         ({"xmix_apps": "steer,,probe"}, ["empty app name"]),
+        # xmix's keys in another spelling were silently ignored (issue 33 item 5): refused,
+        # naming the right one
+        ({"XMIX_APPS": "steer"}, ["'XMIX_APPS'", "did you mean 'xmix_apps'?"]),
+        ({"Xmix_apps": "steer"}, ["'Xmix_apps'", "did you mean 'xmix_apps'?"]),
+        ({"xmix-apps": "steer"}, ["did you mean 'xmix_apps'?"]),
+        ({"xmix_APPS": "steer"}, ["unknown flat control", "did you mean 'xmix_apps'?"]),
+        ({"XMIX": "{}"}, ["did you mean 'xmix'?"]),
+        ({"Xmix.steer.scale": 1.0}, ["did you mean 'xmix.steer.scale'?"]),
+        ({"XMIX_DTYPE": "float16"}, ["did you mean 'xmix_dtype'?"]),
+        ({"XMIX_STEER": 1}, ["'XMIX_STEER'", "in lower case"]),
+        ({"xmix": "{}", "XMIX_APPS": "steer"}, ["did you mean 'xmix_apps'?"]),
     ],
 )
 def test_bad_flat_controls_are_refused_by_name(args, words):

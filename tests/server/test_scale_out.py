@@ -22,6 +22,7 @@ import torch
 
 import xmix
 from serve_util import xmix_server
+from xmix.integrations.vllm.state_dir import StateDir
 
 pytestmark = pytest.mark.engine
 
@@ -204,7 +205,17 @@ def runs(tmp_path_factory):
     with (
         env(XMIX_SYNC_S="1.0"),
         xmix_server(
-            tmp, files, "--host", "127.0.0.1", "--api-server-count", "2", "--max-num-seqs", "8"
+            tmp,
+            files,
+            "--host",
+            "127.0.0.1",
+            "--api-server-count",
+            "2",
+            "--max-num-seqs",
+            "8",
+            "--enable-prompt-tokens-details",
+            "--xmix-state-dir",
+            str(tmp / "state-api"),
         ) as s,
     ):
         ids = set()
@@ -215,6 +226,15 @@ def runs(tmp_path_factory):
         rec["api_ids"] = sorted(ids)
         rec["api_ref"] = [outcome(complete(s, p, CONTROL)[0]) for p in PROMPTS]
         other = {rec["api_ids"][0]: rec["api_ids"][1], rec["api_ids"][1]: rec["api_ids"][0]}
+        # a steered prompt through one server, then through the other: the same cache salt
+        # (keyed with the engine's secret, fetched by both), so its blocks are reused
+        long = "Cache shared across servers: " + " ".join(f"w{i % 17} x{i % 5}" for i in range(90))
+        r, x = complete(s, long, {"xmix_apps": ["steer"]}, max_tokens=1)
+        r, _ = through(s, other[x], lambda: complete(s, long, {"xmix_apps": ["steer"]}, 1))
+        rec["salt_across"] = (
+            r.json()["usage"]["prompt_tokens"],
+            (r.json()["usage"].get("prompt_tokens_details") or {}).get("cached_tokens"),
+        )
         # a deploy through one server (whichever the connection reached: a POST is not
         # repeated to pick one), used at once through the other
         r, a = fresh(s, "POST", "/xmix/v1/apps?mode=request", content=late.read_bytes())
@@ -242,7 +262,9 @@ def runs(tmp_path_factory):
         rec["gone_via_b"] = [(x.status_code, x.json(), sid) for x, sid in seen]
         rec["api_stream"] = changes_while_streaming(s, late)
         rec["api_ack"] = acknowledged_off(s, "steer")
+        rec["api_apps"] = fresh(s, "GET", "/xmix/v1/apps")[0].json()["apps"]
         rec["api_log"] = s["log"].read_text()
+    rec["api_state"] = StateDir.check(tmp / "state-api")
     rec["t_api"] = time.time() - t0
     t0 = time.time()
     # --- two data-parallel engines behind one API server; on the CPU engine each engine binds
@@ -260,6 +282,8 @@ def runs(tmp_path_factory):
             "1",
             "--max-num-seqs",
             "8",
+            "--xmix-state-dir",
+            str(tmp / "state-dp"),
         ) as s:
             rec["dp_out"] = [outcome(complete(s, p, CONTROL)[0]) for p in PROMPTS * 2]
             r, _ = fresh(s, "GET", "/xmix/v1/status")
@@ -267,13 +291,22 @@ def runs(tmp_path_factory):
             rec["dp_stream"] = changes_while_streaming(s, late)
             r, _ = fresh(s, "GET", "/xmix/v1/status")
             rec["dp_status_after"] = r.json()
+            rec["dp_apps"] = fresh(s, "GET", "/xmix/v1/apps")[0].json()["apps"]
             rec["dp_log"] = s["log"].read_text()
+    rec["dp_state"] = StateDir.check(tmp / "state-dp")
     rec["t_dp"] = time.time() - t0
     return rec
 
 
 def test_two_api_servers_both_answer(runs):
     assert len(runs["api_ids"]) == 2, runs["api_ids"]
+
+
+def test_both_api_servers_salt_a_configuration_alike(runs):
+    """Issue 33 item 1: cache salts are keyed with a per-deployment secret; every API server
+    fetches the engine's, so a steered prompt cached through one is reused through the other."""
+    prompt, cached = runs["salt_across"]
+    assert prompt >= 256 and cached >= 256, runs["salt_across"]
 
 
 def test_deploy_through_one_server_is_used_through_the_other(runs):
@@ -356,3 +389,20 @@ def test_an_acknowledged_change_is_seen_by_every_later_request_two_api_servers(r
     got = [(c, m) for c, _, m in ack["requests"]]
     assert all(c == 400 and "switched off" in m for c, m in got), got
     assert len({sid for _, sid, _ in ack["requests"]}) == 2  # both servers admitted some
+
+
+@pytest.mark.parametrize("which", ["api", "dp"])
+def test_one_worker_writes_the_state_directory(runs, which):
+    """docs/serving.md, State directory: changes through either API server, with one or two
+    engines, are written by one process (the first worker of the first engine) into one
+    directory, which holds what the servers answered."""
+    log = runs[f"{which}_log"]
+    assert log.count("(this worker writes it)") == 1, which  # a second writer could not lock it
+    st = runs[f"{which}_state"]
+    want = {a["name"]: (a["version"], a["mode"], a["params"]) for a in runs[f"{which}_apps"]}
+    got = {
+        n: (a.version, a.mode, {**want[n][2], **a.params} if n in want else a.params)
+        for n, a in st.apps.items()
+    }
+    assert got == want
+    assert st.apps["steer"].params == {"#0.scale": 4.0}  # the last PATCH, by its canonical name

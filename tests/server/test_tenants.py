@@ -19,7 +19,7 @@ import torch
 import xmix
 from harness import SMALL
 from xmix.hooks import ModelShape
-from xmix.integrations.vllm import tenants
+from xmix.integrations.vllm import keyed, tenants
 from xmix.integrations.vllm.frontend import Needs, Registry, provenance
 from xmix.lowering import lower
 
@@ -90,29 +90,157 @@ def test_admin_key_is_apart_from_inference_keys():
     assert tenants.Auth([], []).check_change(None)[0] == 403
 
 
-def test_audit_lines_carry_a_fingerprint_never_the_key(tmp_path, caplog):
+def test_audit_lines_carry_a_keyed_fingerprint_never_the_key(tmp_path, caplog):
+    """Issue 33 item 6: the fingerprint was the first 12 hex digits of the key's SHA-256, so
+    anyone with the log could test guesses of a weak key offline (and match the policy file's
+    digests). Now a MAC keyed with the deployment's secret: the same key gives the same
+    fingerprint under one secret, another under another, and no SHA-256 of the key shows.
+    The log file is created 0600."""
     path = tmp_path / "audit.jsonl"
     audit = tenants.Audit(str(path))
+    auth = tenants.Auth(["weak"], ["secret-admin-key"])
+    auth.keys = keyed.Keys(b"deployment secret one")
     with caplog.at_level("INFO", logger="vllm.xmix.audit"):
         audit.record(
-            tenants.fingerprint("secret-admin-key"), "deploy", "steer", 201, "deployed", mode="all"
+            auth.fingerprint("Bearer secret-admin-key"),
+            "deploy",
+            "steer",
+            201,
+            "deployed",
+            mode="all",
         )
-        audit.record(tenants.fingerprint(None), "patch", "steer", 401, "refused")
+        audit.record(auth.fingerprint(None), "patch", "steer", 401, "refused")
+        audit.record(auth.caller("Bearer weak").key, "patch", "steer", 403, "refused")
     lines = [json.loads(l) for l in path.read_text().splitlines()]
-    assert [l["action"] for l in lines] == ["deploy", "patch"]
-    assert lines[0]["key"] == sha("secret-admin-key")[:12] and lines[1]["key"] == "none"
+    assert [l["action"] for l in lines] == ["deploy", "patch", "patch"]
+    fp, weak = lines[0]["key"], lines[2]["key"]
+    assert lines[1]["key"] == "none" and len(fp) == len(weak) == 16 and fp != weak
+    for key, shown in (("secret-admin-key", fp), ("weak", weak)):
+        digest = sha(key)
+        assert shown not in digest and digest[:12] not in path.read_text()
+    assert auth.fingerprint("Bearer weak") == weak  # stable under one secret
+    other = tenants.Auth(["weak"], [])
+    other.keys = keyed.Keys(b"deployment secret two")
+    assert other.fingerprint("Bearer weak") != weak
     assert (
         lines[0]["mode"] == "all" and lines[0]["status"] == 201 and lines[0]["time"].endswith("Z")
     )
     assert "secret-admin-key" not in path.read_text() + caplog.text
-    assert caplog.text.count("xmix audit") == 2
+    assert caplog.text.count("xmix audit") == 3
+    assert path.stat().st_mode & 0o777 == 0o600
+
+
+def test_an_audit_log_others_can_read_is_named_at_start(tmp_path, caplog):
+    path = tmp_path / "audit.jsonl"
+    path.write_text("")
+    path.chmod(0o644)
+    with caplog.at_level("WARNING", logger="vllm.xmix"):
+        tenants.Audit(str(path))
+    assert "can be read by other users (mode 644)" in caplog.text
+
+
+# ------------------------------------------------------------------ response cap (issue 33 item 2)
+def test_one_response_shares_one_byte_budget(monkeypatch):
+    """The 16 MiB cap was per prompt: 24 prompts in one request returned 240 MB. A response's
+    budget (XMIX_MAX_RESPONSE_BYTES, default 64 MiB, or the key's policy) is shared by its
+    prompts and choices: each sequence gets its reads over its prompt (known in advance,
+    refused by the server above the cap) plus an even share of what is left, taken from one
+    budget, so the sequences' caps never add up to more than it."""
+    import contextvars
+
+    from xmix.integrations.vllm import frontend
+    from xmix.results_codec import max_response_bytes
+
+    monkeypatch.delenv("XMIX_MAX_RESPONSE_BYTES", raising=False)
+    assert max_response_bytes() == 64 << 20
+    monkeypatch.setenv("XMIX_MAX_RESPONSE_BYTES", "5000")
+    assert max_response_bytes() == 5000
+    reg = _registry()
+    per_pos = 2 * 26  # one scalar per position as JSON (results_codec.position_bytes)
+    known = 4 * per_pos  # a 4-token prompt
+    # 3 prompts x 2 choices: 6 sequences share 3000 bytes
+    budget = frontend.ResponseBudget(3000, (3000 - 6 * known) // 6, "test")
+
+    def served():
+        frontend.set_response_budget(budget)
+        return [reg.admit({"apps": ["probe"]}, 4, 16, n=2) for _ in range(4)]
+
+    adms = contextvars.copy_context().run(served)
+    caps = [a.control["results"]["max_bytes"] for a in adms]
+    assert adms[0].prompt_bytes == 2 * known
+    assert caps[:3] == [known + (3000 - 6 * known) // 6] * 3  # 500 each
+    assert caps[3] == 0 and sum(c * 2 for c in caps) <= 3000  # a 4th finds nothing left
+    # outside a served request (offline) there is no response budget
+    assert (
+        reg.admit({"apps": ["probe"]}, 4, 16, n=2).control["results"]["max_bytes"]
+        == (16 << 20) // 2
+    )
+    # the policy's per-key override
+    pol = tenants.Policy.parse(
+        {
+            "tenants": {"big": {"keys_sha256": [sha("k")], "max_response_bytes": 1 << 30}},
+            "default": {"max_response_bytes": 1000},
+        }
+    )
+    assert pol.tenant("k").max_response_bytes == 1 << 30
+    assert pol.default.max_response_bytes == 1000
+    for bad in (0, -1, "1000", True, 1.5):
+        with pytest.raises(tenants.PolicyError, match="max_response_bytes"):
+            tenants.Policy.parse({"default": {"max_response_bytes": bad}})
+
+
+# ------------------------------------------------------------------ cache salts (issue 33 item 1)
+def _steered(reg: Registry, client_salt=None, **kw) -> str | None:
+    """The cache_salt a request naming 'steer' runs with (frontend.process_inputs)."""
+    adm = reg.admit({"apps": ["steer"], **kw})
+    return reg.cache_salt(client_salt, adm)
+
+
+def test_no_client_salt_equals_a_salt_xmix_derives():
+    """Before: a request whose apps write got ``"xmix:" + sha256(epoch, apps, versions,
+    parameters)[:32]``, computable from public facts, and a client's own ``cache_salt`` was
+    used as given. A key that may not use 'steer' set that value itself and read (or filled
+    with unsteered KV) the blocks of requests steered by it. Now every salt is a MAC keyed
+    with the deployment's secret over (client salt, configuration), so no value a client
+    sends, the derived salt itself included, ends up equal to a derived salt."""
+    reg = _registry(safety=False)  # control epoch 0, as on a server with --app files only
+    reg.keys = keyed.Keys(b"a deployment secret of 32 bytes.")
+    derived = _steered(reg)
+    assert derived is not None and derived.startswith("xmix:")
+    # the old, public formula no longer gives it
+    d = reg.get("steer")
+    public = json.dumps([0, [["steer", d.version, [c.default for c in d.cols]]]])
+    assert derived != "xmix:" + hashlib.sha256(public.encode()).hexdigest()[:32]
+    # a request without apps that sends the derived salt (attack a) or a request naming
+    # another app's configuration with it: neither runs with it
+    plain = reg.admit(None)
+    assert reg.cache_salt(derived, plain) != derived
+    assert _steered(reg, derived) != derived
+    for client in ("", "x", derived, derived + "|x"):
+        assert reg.cache_salt(client, plain) not in (derived, None)
+    # the client's own salt is mixed in, not replaced: clients that share a salt share
+    # blocks, others do not; a request without a salt and without writes stays unsalted
+    assert _steered(reg, "team-a") == _steered(reg, "team-a") != _steered(reg, "team-b")
+    assert _steered(reg, "team-a") != derived
+    assert reg.cache_salt(None, plain) is None
+    assert reg.cache_salt("team-a", plain) == reg.cache_salt("team-a", reg.admit({}))
+    # every parameter value is part of it
+    assert _steered(reg, params={"steer": {"scale": 2.0}}) != derived
+    # the same configuration under the same secret gives the same salt (another API server
+    # of the deployment); under another secret another one
+    twin = _registry(safety=False)
+    twin.keys = keyed.Keys(b"a deployment secret of 32 bytes.")
+    assert _steered(twin) == derived
+    twin.keys = keyed.Keys(b"another deployment's secret, 32b")
+    assert _steered(twin) != derived
 
 
 # ------------------------------------------------------------------ admission under a policy
-def _registry() -> Registry:
+def _registry(safety: bool = True) -> Registry:
     reg = Registry(SHAPE)
     g = torch.Generator().manual_seed(3)
-    for name, mode in (("steer", "request"), ("probe", "request"), ("safety", "all")):
+    apps = (("steer", "request"), ("probe", "request"), ("safety", "all"))
+    for name, mode in apps if safety else apps[:2]:
         app = xmix.App(name)
         if name == "probe":
             app.read("probe", weight=torch.randn(D, generator=g)).layers([1]).submodule(
@@ -324,6 +452,8 @@ def test_a_request_opted_out_of_a_mode_all_app_is_left_alone(backend):
 # ------------------------------------------------------------------ over HTTP: two tenants
 ADMIN, RESEARCH, PRODUCT, OTHER = "admin-key-1", "research-key-2", "product-key-3", "other-key-4"
 DS = 256  # the tiny Llama's hidden size
+SECRET = "tenants-test deployment secret 4f0c"  # XMIX_DEPLOYMENT_SECRET of the server
+RESPONSE_CAP = 3000  # the policy's max_response_bytes for keys in no tenant (OTHER)
 
 
 @pytest.fixture(scope="module")
@@ -349,7 +479,7 @@ def srv(tmp_path_factory):
             "research": {"keys_sha256": [sha(RESEARCH)], "apps": "*", "forced": []},
             "product": {"keys_sha256": [sha(PRODUCT)], "apps": ["steer"], "forced": "*"},
         },
-        "default": {"apps": ["probe"], "forced": "*"},
+        "default": {"apps": ["probe"], "forced": "*", "max_response_bytes": RESPONSE_CAP},
     }
     (tmp / "policy.json").write_text(json.dumps(policy))
     args = [
@@ -367,8 +497,13 @@ def srv(tmp_path_factory):
         str(steer.save(tmp / "steer.xmix")),
         "--app",
         str(probe.save(tmp / "probe.xmix")),
+        "--xmix-metrics-app-labels",
+        "hashed",
+        "--enable-prompt-tokens-details",  # cached_tokens in usage (the cache-salt attacks)
+        "--enable-scale-out",  # /inference/v1/generate: a route that takes a control
     ]
-    with xmix_serve(tmp, *args, env={"VLLM_SERVER_DEV_MODE": "1"}) as s:
+    env = {"VLLM_SERVER_DEV_MODE": "1", "XMIX_DEPLOYMENT_SECRET": SECRET}
+    with xmix_serve(tmp, *args, env=env) as s:
         clients = {k: s.client(k) for k in (ADMIN, RESEARCH, PRODUCT, OTHER)}
         yield dict(server=s, c=clients, safety=safety, audit=tmp / "audit.jsonl", tmp=tmp)
         for c in clients.values():
@@ -437,6 +572,234 @@ def test_a_key_that_may_generate_may_not_change_apps(srv):
     }
     # the admin key is not an inference key
     assert _complete(c[ADMIN]).status_code == 401
+
+
+def _cached(resp) -> int:
+    assert resp.status_code == 200, resp.text
+    return (resp.json()["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+
+
+def _long_prompt(tag: str) -> str:
+    words = "river stone cloud lamp field winter harbor glass copper meadow".split()
+    return f"{tag}: " + " ".join(words[(i * 7) % 10] + str(i % 13) for i in range(90))
+
+
+@pytest.mark.engine
+def test_a_key_cannot_read_or_poison_another_configurations_cache(srv):
+    """Issue 33 item 1, the issue's two attacks (the control epoch is 0 here: apps from
+    --app files only). The salt of a request steered by 'steer' was
+    "xmix:" + sha256([epoch, [[app, version, parameter values]]])[:32], public facts; the
+    key OTHER may not name 'steer'.
+    (a) OTHER sends no app and that salt as its own cache_salt after PRODUCT's steered
+        request: it got PRODUCT's steered KV (cached tokens). Now: none.
+    (b) OTHER first fills that salt with unsteered KV; PRODUCT's steered request then reused
+        it and answered wrong. Now: it computes its prompt and answers as a request steered
+        from scratch."""
+    c = srv["c"]
+    steer = next(a for a in c[ADMIN].get("/xmix/v1/apps").json()["apps"] if a["name"] == "steer")
+    params = list(steer["params"].values())
+    public = [  # the epoch is a small counter: an attacker tries a few
+        "xmix:"
+        + hashlib.sha256(
+            json.dumps([e, [["steer", steer["version"], params]]]).encode()
+        ).hexdigest()[:32]
+        for e in range(3)
+    ]
+    # (a)
+    prompt = _long_prompt("victim a")
+    first = _complete(c[PRODUCT], {"apps": ["steer"]}, prompt=prompt, max_tokens=2)
+    assert first.json()["usage"]["prompt_tokens"] >= 256
+    again = _complete(c[PRODUCT], {"apps": ["steer"]}, prompt=prompt, max_tokens=2)
+    assert _cached(again) >= 256  # the same configuration shares its blocks
+    stolen = [
+        _cached(_complete(c[OTHER], prompt=prompt, max_tokens=2, cache_salt=salt))
+        for salt in public
+    ]
+    # (b)
+    prompt = _long_prompt("victim b")
+    reference = _complete(
+        c[PRODUCT], {"apps": ["steer"]}, prompt=prompt, cache_salt="own-b", max_tokens=8, logprobs=1
+    )
+    assert _cached(reference) == 0
+    for salt in public:
+        _complete(c[OTHER], prompt=prompt, max_tokens=1, cache_salt=salt)
+    victim = _complete(c[PRODUCT], {"apps": ["steer"]}, prompt=prompt, max_tokens=8, logprobs=1)
+
+    def answer(r):  # tokens and their logprobs (one request at a time: the same arithmetic)
+        return _tokens(r), r.json()["choices"][0]["logprobs"]["token_logprobs"]
+
+    poisoned = (_cached(victim), answer(victim) != answer(reference))
+    assert (stolen, poisoned) == ([0] * len(public), (0, False))
+
+
+def _route_bodies(xargs: dict, stream: bool) -> dict[str, dict]:
+    """A small request to every route of vLLM 0.32 that takes an xmix control (found by
+    reading vLLM's entrypoints for vllm_xargs / extra_args), carrying ``xargs``."""
+    user = [{"role": "user", "content": "hi"}]
+    out = {
+        "/v1/completions": {"prompt": "hi", "max_tokens": 4},
+        "/v1/chat/completions": {"messages": user, "max_tokens": 4},
+        "/v1/responses": {"input": "hi", "max_output_tokens": 4},
+        "/v1/messages": {"messages": user, "max_tokens": 4},
+        "/invocations": {"prompt": "hi", "max_tokens": 4},  # SageMaker: completions or chat
+    }
+    out = {k: {"model": "tiny", **v, "stream": stream, "vllm_xargs": xargs} for k, v in out.items()}
+    out["/inference/v1/generate"] = {
+        "model": "tiny",
+        "token_ids": [1, 2, 3],
+        "stream": stream,
+        "sampling_params": {"max_tokens": 4, "extra_args": xargs},
+    }
+    if not stream:  # vLLM's batch chat does not stream
+        out["/v1/chat/completions/batch"] = {
+            "model": "tiny",
+            "messages": [user, user],
+            "max_tokens": 4,
+            "vllm_xargs": xargs,
+        }
+    return out
+
+
+def _answer(client, path: str, body: dict) -> tuple[int, str, str]:
+    """Status, the error message (if any) and the body, read as a stream: a refusal must be
+    the status itself, before any event."""
+    with client.stream("POST", path, json=body) as r:
+        text = r.read().decode()
+    msg = ""
+    if r.status_code != 200:
+        err = json.loads(text).get("error")
+        msg = err.get("message", "") if isinstance(err, dict) else str(err)
+    return r.status_code, msg, text
+
+
+NO_RESULTS = (
+    "/v1/responses",
+    "/v1/messages",
+    "/inference/v1/generate",
+    "/v1/chat/completions/batch",
+)
+
+
+@pytest.mark.engine
+def test_every_route_that_takes_a_control_refuses_before_its_stream(srv):
+    """Issue 33 items 3-5. /v1/responses streamed a refusal as HTTP 200, then dropped the
+    connection with two tracebacks; /inference/v1/generate streamed it as an error event.
+    Every route vLLM 0.32 has that takes an xmix control (completions, chat, responses,
+    messages, batch chat, tokens in/out, /invocations; vLLM's transcription routes exist only
+    for speech models, which xmix refuses at start) now refuses before its stream: a
+    forbidden app (403), a misspelt key (400 naming the right spelling; was ignored), an
+    unknown key in the control (400). Routes whose responses have no place for reads refuse apps that read
+    (they were computed and dropped); beam search with apps is refused (it dropped them)."""
+    c = srv["c"]
+    tracebacks = srv["server"].tracebacks()
+    cases = [
+        ({"xmix": json.dumps({"apps": ["steer"]})}, 403, "'steer' is not allowed for this key"),
+        ({"XMIX_APPS": "probe"}, 400, "did you mean 'xmix_apps'?"),
+        ({"Xmix_apps": "probe"}, 400, "did you mean 'xmix_apps'?"),
+        ({"xmix": json.dumps({"apps": ["probe"], "bogus": 1})}, 400, "unknown key(s) ['bogus']"),
+    ]
+    seen = set()
+    for stream in (False, True):
+        for xargs, status, words in cases:
+            for path, body in _route_bodies(xargs, stream).items():
+                got = _answer(c[OTHER], path, body)
+                assert got[0] == status and words in got[1], (path, stream, got)
+                seen.add(path)
+        for path, body in _route_bodies({"xmix_apps": "probe"}, stream).items():
+            got = _answer(c[OTHER], path, body)
+            if path in NO_RESULTS:
+                assert got[0] == 400 and "do not carry xmix read results" in got[1], (path, got)
+            else:
+                assert got[0] == 200 and '"xmix"' in got[2], (path, stream, got)
+    assert len(seen) == 7
+    # a writing app on those routes runs as asked (streamed too)
+    for stream in (False, True):
+        for path in NO_RESULTS:
+            body = _route_bodies({"xmix_apps": "steer"}, stream).get(path)
+            if body is not None:
+                got = _answer(c[PRODUCT], path, body)
+                assert got[0] == 200 and '"error"' not in got[2], (path, stream, got)
+    # beam search ran as if the request named no app; refused now (research: no app forced)
+    beam = {"use_beam_search": True, "n": 2, "max_tokens": 3}
+    for path, body in (
+        ("/v1/completions", {"prompt": "hi"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ):
+        body = {"model": "tiny", **body, **beam}
+        r = c[RESEARCH].post(path, json={**body, "vllm_xargs": {"xmix_apps": "steer"}})
+        assert r.status_code == 400 and "beam search" in r.json()["error"]["message"], r.text
+        assert "steer" in r.json()["error"]["message"]
+        assert c[RESEARCH].post(path, json=body).status_code == 200  # without apps: vLLM's
+    assert srv["server"].tracebacks() == tracebacks
+
+
+@pytest.mark.engine
+def test_one_response_has_one_byte_cap_for_all_its_prompts(srv):
+    """Issue 33 item 2: the result cap applied per prompt, so 24 prompts returned 24 caps. The
+    policy gives keys in no tenant (OTHER) max_response_bytes=3000 for a whole response:
+    prompts whose reads alone exceed it are refused before anything is scheduled (the
+    server default, 64 MiB, lets the same request through for RESEARCH); reads of generated
+    tokens are cut with the truncation marker where each sequence's share ends (its prompt
+    reads plus an even share of the rest), all within 3000 bytes."""
+    c = srv["c"]
+    per_pos = 2 * 26  # one probe scalar per position, as JSON (results_codec.position_bytes)
+    prompts = ["The river runs", "A stone lies in the field", "Clouds over the harbor glass"]
+    r = _complete(c[OTHER], {"apps": ["probe"]}, prompt=prompts, max_tokens=24)
+    assert r.status_code == 200, r.text
+    choices, res = r.json()["choices"], r.json()["xmix"]
+    lens = [len(ch["prompt_token_ids"]) for ch in choices]
+    known = sum(lens) * per_pos
+    spare = (RESPONSE_CAP - known) // len(prompts)
+    total = 0
+    for n_prompt, got in zip(lens, res):
+        positions = got["probe"]["p"]["positions"]
+        assert positions[:n_prompt] == list(range(n_prompt))  # the prompt's reads are all there
+        assert got["!truncated"].startswith(f"truncated at {n_prompt * per_pos + spare} bytes")
+        total += len(positions) * per_pos
+    assert total <= RESPONSE_CAP
+    many = [prompts[1]] * (RESPONSE_CAP // (lens[1] * per_pos) + 1)
+    r = _complete(c[OTHER], {"apps": ["probe"]}, prompt=many, max_tokens=2)
+    assert r.status_code == 400, r.text
+    msg = r.json()["error"]["message"]
+    assert f"may carry {RESPONSE_CAP} bytes (max_response_bytes of tenant 'default'" in msg
+    r = _complete(c[RESEARCH], {"apps": ["probe"]}, prompt=many, max_tokens=2)
+    assert r.status_code == 200 and "!truncated" not in json.dumps(r.json()["xmix"])
+
+
+@pytest.mark.engine
+def test_apps_a_key_may_not_see_do_not_leak(srv):
+    """Issue 33 item 5: a key limited to 'steer' saw every app in console/live, console/
+    decisions answered for apps it may not name, and the unauthenticated /metrics carried
+    app names. Now the console answers within the caller's policy (another app is "not
+    deployed") and /metrics shows keyed hashes (--xmix-metrics-app-labels hashed); the
+    admin's listing gives each app's label."""
+    c = srv["c"]
+    _complete(c[PRODUCT], {"apps": ["steer"]}, cache_salt="leak")
+    _complete(c[OTHER], {"apps": ["probe"]}, cache_salt="leak")
+    live = {k: [a["name"] for a in c[k].get("/xmix/v1/console/live").json()["apps"]] for k in c}
+    assert live == {
+        ADMIN: ["steer", "probe"],
+        RESEARCH: ["steer", "probe"],
+        PRODUCT: ["steer"],
+        OTHER: ["probe"],
+    }
+    ask = {"ids": [1, 2, 3], "prompt_len": 2}
+    r = c[PRODUCT].post("/xmix/v1/console/decisions", json={**ask, "app": "probe"})
+    assert r.status_code == 404 and "is not deployed" in r.json()["error"]["message"]
+    assert (
+        c[PRODUCT].post("/xmix/v1/console/decisions", json={**ask, "app": "steer"}).status_code
+        == 200
+    )
+    assert (
+        c[OTHER].post("/xmix/v1/console/decisions", json={**ask, "app": "steer"}).status_code == 404
+    )
+    import httpx
+
+    text = httpx.get(srv["server"].base + "/metrics", timeout=30).text
+    labels = {a["name"]: a["metrics_label"] for a in c[ADMIN].get("/xmix/v1/apps").json()["apps"]}
+    for name, label in labels.items():
+        assert f'app="{name}"' not in text and f'app="{label}"' in text
+    assert labels == {n: keyed.Keys(SECRET.encode()).label(n) for n in ("steer", "probe")}
 
 
 @pytest.mark.engine
@@ -526,15 +889,25 @@ def test_provenance_in_streams_and_per_prompt(srv):
 
 @pytest.mark.engine
 def test_every_change_is_one_audit_line_with_a_fingerprint(srv):
+    """Fingerprints are keyed with the deployment's secret (here the operator's
+    XMIX_DEPLOYMENT_SECRET, which the engine holds and the API server fetched): no SHA-256 of
+    a key shows, and the secret itself is in no log. The file is created 0600."""
     lines = [json.loads(l) for l in srv["audit"].read_text().splitlines()]
     text = srv["audit"].read_text() + srv["server"].log_text()
-    for k in (ADMIN, RESEARCH, PRODUCT, OTHER):
+    for k in (ADMIN, RESEARCH, PRODUCT, OTHER, SECRET):
         assert k not in text
-    admin_fp = sha(ADMIN)[:12]
+    assert srv["audit"].stat().st_mode & 0o777 == 0o600
+    import httpx  # dev mode's /server_info (on here) shows configuration and environment
+
+    assert SECRET not in httpx.get(srv["server"].base + "/server_info", timeout=60).text
+    keys = keyed.Keys(SECRET.encode())
+    admin_fp = keys.fingerprint(ADMIN)
+    for k in (ADMIN, PRODUCT):
+        assert sha(k)[:12] not in text
     ours = [(l["action"], l["app"], l["status"]) for l in lines if l["key"] == admin_fp]
     assert ("deploy", "safety", 201) in ours and ("patch", "safety", 200) in ours
     assert ("undeploy", "safety", 200) in ours
-    refused = [l for l in lines if l["key"] == sha(PRODUCT)[:12]]
+    refused = [l for l in lines if l["key"] == keys.fingerprint(PRODUCT)]
     assert {(l["action"], l["status"]) for l in refused} >= {
         ("deploy", 403),
         ("patch", 403),

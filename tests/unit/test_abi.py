@@ -87,3 +87,32 @@ def test_packed_header_reads_back_at_the_headers_offsets():
     off = _C.control_layout()
     assert buf[off["n_rows"] : off["n_rows"] + 4].tolist() == [4, 3, 2, 1]
     assert buf[off["capture_size"] : off["capture_size"] + 8].view(np.int64)[0] == -2
+
+
+def test_sae_flags_decode_as_the_kernels_read_them():
+    """lowering packs an SAE op's flags with _C's numbers; the kernels' accessors (control.h
+    sae_arch, sae_norm, SAE_B_DEC_IN, SAE_FEATURES) must read back what was packed."""
+    from types import SimpleNamespace
+
+    from xmix import catalog, lowering
+
+    for arch, norm, b_dec_in, feats in (
+        ("relu", "none", False, False),
+        ("jumprelu", "constant_norm_rescale", True, False),
+        ("topk", "layer_norm", False, True),
+    ):
+        sae = SimpleNamespace(
+            architecture=arch, normalize_activations=norm, apply_b_dec_to_input=b_dec_in
+        )
+        f = lowering.sae_flags(sae, features_read=feats)
+        assert f & K["SAE_ARCH_MASK"] == {"relu": 0, "jumprelu": 1, "topk": 2}[arch]
+        assert (f >> K["SAE_NORM_SHIFT"]) & 0xF == {
+            "none": 0,
+            "constant_norm_rescale": 1,
+            "layer_norm": 2,
+        }[norm]
+        assert bool(f & K["SAE_B_DEC_IN"]) is b_dec_in and bool(f & K["SAE_FEATURES"]) is feats
+    # the bounds the app language checks are the kernels' own
+    assert (catalog.MAX_TOP_K, catalog.MAX_SAE_FEATURES) == (128, 64)
+    assert (K["SAE_MAX_TOP_K"], K["SAE_MAX_FEATURES"]) == (128, 64)
+    assert abs(K["SAE_LN_EPS"] - 1e-5) < 1e-12  # SAELens's layer_norm epsilon (as float32)

@@ -239,6 +239,53 @@ def test_usage_counts_gates_and_latency_per_app_and_live_reads_them_back():
     assert a["requests_admitted"] == 0
 
 
+def test_app_names_hidden_on_metrics_and_named_again_for_those_who_may_see_them(monkeypatch):
+    """Issue 33 item 5: the unauthenticated /metrics carried every app's name (and its
+    gates' conditions). With XMIX_METRICS_APP_LABELS=hashed they are keyed hashes there; the
+    console's Live view (authenticated) names them again, for the apps the caller may see
+    only."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from xmix.integrations.vllm import keyed, metrics
+    from xmix.integrations.vllm.usage import Usage, gates_of
+
+    monkeypatch.setenv("XMIX_METRICS_APP_LABELS", "hashed")
+    monkeypatch.setattr(metrics, "_label_keys", None)
+    keys = keyed.Keys(b"metrics test secret")
+    metrics.set_app_labels(keys)
+    m = metrics._make(CollectorRegistry())
+    from xmix.integrations.vllm.frontend import Needs, Registry
+
+    reg = Registry(SHAPE)  # the frontend's: it counts admissions under the app's label
+    reg.metrics = m
+    lw = lower(_app(), SHAPE)
+    reg.add(_app(), lw, "request", 1, Needs.of(lw))
+    u = Usage(reg, m, Clock())
+    reg.admit({"apps": ["a"]})
+    u.admitted("r1", {"apps": ["a"], "params": {"a": {"theta": 0.8}}})
+    u.output("r1", {"a": {"g": {"positions": [0, 1, 2, 3], "values": G[:4]}}}, 1, False)
+    u.output("r1", None, 1, True)
+    text = generate_latest(m["app_requests"]).decode() + "".join(
+        generate_latest(m[k]).decode() for k in ("gate_tokens", "gate_fired", "app_ttft")
+    )
+    assert 'app="a"' not in text and "theta" not in text and "g >=" not in text
+    assert f'app="{keys.label("a")}"' in text and keys.label("a") != keys.label("b")
+    gates = {"a": [g.label for g in gates_of(reg.apps["a"].lowered, reg.apps["a"].defaults, {})]}
+    apps = [{"name": "a", "mode": "request"}]
+    row = live.snapshot(m, "m", apps, metrics.shown, gates)["apps"][0]
+    assert row["name"] == "a" and row["requests_admitted"] == 1
+    assert {g["gate"] for g in row["gates"]} == {"g <= 0.1", "g >= theta"}
+    # a caller who may not see "a": the snapshot is given the apps it may see, nothing of a
+    assert live.snapshot(m, "m", [], metrics.shown, {})["apps"] == []
+    metrics.set_app_labels(None)
+    monkeypatch.setenv("XMIX_METRICS_APP_LABELS", "names")
+    metrics.set_app_labels(keys)
+    assert metrics.app_label("a") == "a"
+    monkeypatch.setenv("XMIX_METRICS_APP_LABELS", "hidden")
+    with pytest.raises(ValueError, match="must be one of"):
+        metrics.app_labels_mode()
+
+
 def test_console_url_follows_the_server_arguments():
     ns = SimpleNamespace
     assert console_url(ns(host=None, port=8000)) == "http://localhost:8000/xmix/ui/"

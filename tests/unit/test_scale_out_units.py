@@ -112,6 +112,39 @@ def test_deploy_refused_by_one_engine_is_rolled_back_on_all(fleet):
     ] * 2
 
 
+def test_every_api_server_keys_cache_salts_with_the_first_engines_secret(fleet, monkeypatch):
+    """Issue 33 item 1: cache salts are keyed with one secret per deployment. Each API server
+    fetches it from the first worker of the first engine when it first follows the ledger
+    (before a server serves), so both servers give a configuration the same salt (prefix
+    caching across them keeps working) and neither gives a client's salt that value. An
+    operator's XMIX_DEPLOYMENT_SECRET is used where set (the engines read it)."""
+    engines, s1, s2 = fleet
+    s1.deploy(app("a"))
+    s2.sync()
+
+    def salt(s, client=None):
+        return s.registry.cache_salt(client, s.registry.admit({"apps": ["a"]}, 3, 4))
+
+    assert salt(s1) == salt(s2) and salt(s1, "c") == salt(s2, "c") != salt(s1)
+    assert salt(s1, salt(s1)) != salt(s1)
+    held = [e.worker.model_runner._xmix.deployment_secret for e in engines]
+    assert len(held[0]) == 32 and held[0] != held[1]  # random per engine; the first one's rules
+    # a fresh deployment whose operator set a secret: its engines hold it, salts follow it
+    monkeypatch.setenv("XMIX_DEPLOYMENT_SECRET", "operator-chosen secret 0123456789")
+    fresh = [Engine(), Engine()]
+    f1, f2 = server(fresh), server(fresh)
+    f1.deploy(app("a"))
+    f2.sync()
+    for e in fresh:
+        assert e.worker.model_runner._xmix.deployment_secret == (
+            b"operator-chosen secret 0123456789"
+        )
+    assert salt(f1) == salt(f2) != salt(s1)
+    monkeypatch.setenv("XMIX_DEPLOYMENT_SECRET", "short")
+    with pytest.raises(Exception, match="needs at least 16"):
+        server([Engine()]).sync()
+
+
 def test_changes_through_one_server_are_seen_by_the_other(fleet):
     engines, s1, s2 = fleet
     a = s1.deploy(app("a"))
@@ -208,6 +241,62 @@ def test_a_request_finishing_while_a_change_is_on_its_way_names_it(fleet):
     with pytest.raises(DeployError):
         s1.patch("other", mode="x")
     assert provenance(fresh)["changed"] == []
+
+
+@pytest.mark.parametrize("change", ["mode off", "undeploy"])
+def test_an_admission_never_sees_a_change_without_its_revision(fleet, change):
+    """A streamed request is checked before its HTTP 200 (``_precheck``) and admitted after
+    it; an app switched off or undeployed in between is left out, because the registry's
+    revision moved (``admit``'s ``gone_ok``). The registry applied a change and moved its
+    revision in two holds of its lock: an admission in between saw the app off (or gone) at
+    the revision of its check and refused it inside a stream that had answered 200. Found by
+    bench/soak.py's restart phase (2 of 900 streams: an error event after HTTP 200)."""
+    import contextvars
+    import threading
+
+    from xmix.integrations.vllm import frontend
+
+    _, s1, _ = fleet
+    s1.deploy(app("c0"))
+    reg = s1.registry
+    raw = {"apps": ["c0"]}
+    got: dict = {}
+    real_patch, real_remove, real_changed = reg.patch, reg.remove, reg.changed
+
+    def check_first(fn):
+        def wrapped(*a, **kw):
+            # the pre-stream check, while the change is on its way (announced, not applied)
+            got["since"] = reg.admit(raw, 3, 4, count=False).control["applied"]["_rev"]
+            return fn(*a, **kw)
+
+        return wrapped
+
+    def admission():
+        def run():
+            frontend.mark_prechecked(got["since"])
+            try:
+                got["applied"] = reg.admit(raw, 3, 4).control["applied"]
+            except ValueError as e:
+                got["refused"] = str(e)
+
+        contextvars.copy_context().run(run)
+
+    def changed(kind, name=None):
+        if "since" in got and "thread" not in got:
+            # the admission comes now, from the server's event loop (another thread)
+            got["thread"] = t = threading.Thread(target=admission)
+            t.start()
+            t.join(timeout=0.5)  # with the fix it waits for the lock this change holds
+        return real_changed(kind, name)
+
+    reg.patch, reg.remove, reg.changed = check_first(real_patch), check_first(real_remove), changed
+    if change == "mode off":
+        s1.patch("c0", mode="off")
+    else:
+        s1.undeploy("c0")
+    got["thread"].join(timeout=10)
+    assert "refused" not in got, got["refused"]
+    assert got["applied"]["apps"] == [] and got["applied"]["_dropped"] == ["c0"]
 
 
 # ---------------------------------------------------------------- acknowledged changes

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 
@@ -32,26 +32,55 @@ def _mean(acc: list[float] | None) -> float | None:
     return acc[0] / acc[1] if acc and acc[1] else None
 
 
-def snapshot(metrics: dict, model: str, apps: list[dict]) -> dict[str, Any]:
+def snapshot(
+    metrics: dict,
+    model: str,
+    apps: list[dict],
+    shown: Callable[[dict], dict] | None = None,
+    gate_names: dict[str, list[str]] | None = None,
+) -> dict[str, Any]:
     """Per deployed app: requests admitted that named it, finished requests that used it,
     mean TTFT and TPOT of those and their difference to requests that used no app, and each
-    gate's positions, fires and rate. ``apps`` is the control plane's list."""
+    gate's positions, fires and rate. ``apps`` is the control plane's list, as far as the
+    caller may see it: nothing of another app is returned. ``shown`` maps labels to what
+    /metrics shows (app names hidden: keyed hashes; metrics.shown), ``gate_names`` each app's
+    gates, so that hidden labels are named again here."""
+    shown = shown or (lambda labels: labels)
+    names = {shown({"app": a["name"]})["app"]: a["name"] for a in apps}
+    gate_of = {
+        (app, shown({"app": app, "gate": g})["gate"]): g
+        for app, gs in (gate_names or {}).items()
+        for g in gs
+    }
+
+    def app_of(labels: dict) -> str | None:
+        return names.get(labels.get("app"))
+
     admitted: dict[str, float] = {}
     for name, labels, value in _samples(metrics["app_requests"]):
-        if name.endswith("_total") and labels.get("model_name") == model:
-            admitted[labels["app"]] = admitted.get(labels["app"], 0) + value
-    ttft = _sum_count(metrics["app_ttft"], model)
-    tpot = _sum_count(metrics["app_tpot"], model)
+        app = app_of(labels)
+        if name.endswith("_total") and labels.get("model_name") == model and app is not None:
+            admitted[app] = admitted.get(app, 0) + value
+    ttft = {
+        (("app", names[dict(k)["app"]]),): v
+        for k, v in _sum_count(metrics["app_ttft"], model).items()
+        if dict(k).get("app") in names
+    }
+    tpot = {
+        (("app", names[dict(k)["app"]]),): v
+        for k, v in _sum_count(metrics["app_tpot"], model).items()
+        if dict(k).get("app") in names
+    }
     base_ttft = _mean(_sum_count(metrics["plain_ttft"], model).get(()))
     base_tpot = _mean(_sum_count(metrics["plain_tpot"], model).get(()))
     base_n = (_sum_count(metrics["plain_ttft"], model).get(()) or [0, 0])[1]
     gates: dict[str, dict[str, dict[str, float]]] = {}
     for key, field in (("gate_tokens", "tokens"), ("gate_fired", "fired")):
         for name, labels, value in _samples(metrics[key]):
-            if name.endswith("_total") and labels.get("model_name") == model:
-                g = gates.setdefault(labels["app"], {}).setdefault(
-                    labels["gate"], {"tokens": 0, "fired": 0}
-                )
+            app = app_of(labels)
+            if name.endswith("_total") and labels.get("model_name") == model and app is not None:
+                gate = gate_of.get((app, labels["gate"]), labels["gate"])
+                g = gates.setdefault(app, {}).setdefault(gate, {"tokens": 0, "fired": 0})
                 g[field] += value
 
     def added(mean: float | None, base: float | None) -> float | None:

@@ -89,7 +89,9 @@ def _ids(value: Any, vocab: int) -> list[int] | str:
 
 def console_router(guard: Guard) -> APIRouter:
     """``guard(request)`` -> (server state with ``.ctl``, None) or (None, error response): the
-    control plane's authentication."""
+    control plane's authentication. What the helpers return about apps is limited to the apps
+    the caller's policy lets it see (``tenants.may_see``): another app is answered as one that
+    is not deployed."""
     router = APIRouter()
 
     @router.get("/xmix/ui", include_in_schema=False)
@@ -152,6 +154,8 @@ def console_router(guard: Guard) -> APIRouter:
         if err:
             return err
         reg = st.ctl.registry
+        from xmix.integrations.vllm.tenants import may_see
+
         if (
             not isinstance(body, dict)
             or not {"app", "ids", "prompt_len"} <= set(body)
@@ -177,7 +181,8 @@ def console_router(guard: Guard) -> APIRouter:
             return _error(400, '"params" must map names to finite numbers')
         with reg.lock:
             d = reg.apps.get(body["app"]) if isinstance(body["app"], str) else None
-            if d is None:
+            if d is None or not may_see(d.app.name, d.mode, reg.policy):
+                # an app the caller's policy hides is answered as one that is not deployed
                 return _error(404, f"app {str(body['app'])[:80]!r} is not deployed")
             lowered, defaults = d.lowered, dict(d.defaults)
         ops = D.decisions(lowered, ids, p, results, {**defaults, **params})
@@ -189,13 +194,26 @@ def console_router(guard: Guard) -> APIRouter:
         if err:
             return err
         from xmix.integrations.vllm import metrics
+        from xmix.integrations.vllm.tenants import may_see
+        from xmix.integrations.vllm.usage import gates_of
 
         m = metrics.get()
         if m is None or "gate_tokens" not in m:
             return _error(503, "prometheus_client is not available: no counters")
         # apps() follows the engines' ledger through an RPC that waits on this event loop:
         # called on the loop itself it would block the whole server, so it runs in a thread
-        apps = await asyncio.to_thread(st.ctl.apps)
-        return live.snapshot(m, st.ctl.registry.shape.model_name, apps)
+        reg = st.ctl.registry
+        apps = [
+            a
+            for a in await asyncio.to_thread(st.ctl.apps)
+            if may_see(a["name"], a["mode"], reg.policy)
+        ]
+        with reg.lock:
+            gates = {
+                a["name"]: [g.label for g in gates_of(d.lowered, d.defaults, {})]
+                for a in apps
+                if (d := reg.apps.get(a["name"])) is not None
+            }
+        return live.snapshot(m, reg.shape.model_name, apps, metrics.shown, gates)
 
     return router

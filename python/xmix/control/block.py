@@ -527,11 +527,6 @@ class ControlBlock:
         for i, c in enumerate(inst.param_cols):
             row[inst.param_base + i] = overrides.get(i, c.default)
 
-    def _rebuild(self) -> None:
-        """Rebuild the live tables from the deployed apps (a new op list goes live)."""
-        with self.lock:
-            self._swap(dict(self.apps), self._build_tables(self.apps))
-
     def _build_tables(self, apps: dict[str, InstalledApp]) -> Tables:
         return build_tables(
             apps, self.n_sites, self.cap.max_ops, self.cap.max_cond, self.vocab_words
@@ -751,10 +746,6 @@ class ControlBlock:
             self.host["slot_apps"][slot] = 0
             self._mark_row(slot)
             return st
-
-    def effective_apps(self, slot: int) -> list[InstalledApp]:
-        st = self.slot_req[slot]
-        return [a for a in self.apps.values() if st.uses(a)]
 
     # ------------------------------------------------------------------ per step
     def begin_step(

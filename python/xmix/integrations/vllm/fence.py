@@ -63,6 +63,13 @@ _WB = "vllm.v1.worker.worker_base:WorkerBase"
 _CHAT = "vllm.entrypoints.openai.chat_completion.serving:OpenAIServingChat"
 _CMPL = "vllm.entrypoints.openai.completion.serving:OpenAIServingCompletion"
 _LLM = "vllm.entrypoints.llm:LLM"
+_RESP = "vllm.entrypoints.openai.responses.serving:OpenAIServingResponses"
+_BATCH = "vllm.entrypoints.openai.chat_completion.batch_serving:OpenAIServingChatBatch"
+_TOKENS = "vllm.entrypoints.scale_out.token_in_token_out.serving:ServingTokens"
+_PRECHECK = (
+    "vLLM admits a request inside its stream, after the HTTP 200: xmix's check runs where "
+    "the route has rendered the prompts and no generator exists yet"
+)
 
 _RUNNER = "no hook around a runner step; scheduler_cls/worker_cls would replace vLLM's classes"
 _RESULTS = "no extension point carries per-request data from the workers to the outputs"
@@ -339,6 +346,15 @@ PATCHES: tuple[Patch, ...] = (
         "server",
         _HTTP,
     ),
+    Patch(
+        _RESP,
+        "_render_resolved_response_inputs",
+        ("self", "request", "prev_response", "skip_mm_cache"),
+        "server",
+        _PRECHECK,
+    ),
+    Patch(_BATCH, "render_batch_chat_request", ("self", "request"), "server", _PRECHECK),
+    Patch(_TOKENS, "serve_tokens", ("self", "request", "raw_request"), "server", _PRECHECK),
     Patch(_LLM, "xmix", None, "plugin", "llm.xmix on any vllm.LLM: vLLM has no attribute hook"),
     *(
         Patch(_WB, name, None, "worker", _RPC)
@@ -356,6 +372,7 @@ PATCHES: tuple[Patch, ...] = (
             "xmix_set_params",
             "xmix_describe",
             "xmix_ledger",
+            "xmix_deployment_secret",
         )
     ),
 )

@@ -11,9 +11,12 @@ Per request, in ``InputProcessor.process_inputs`` (before the request reaches th
   - its result options (encoding, dtype, window of positions, byte cap) are checked, and a
     request whose reads over its prompt would exceed its byte cap is refused; reads of
     generated tokens are cut at the cap by the worker, with a marker (``results_codec``);
-  - requests whose effective apps write get a ``cache_salt`` describing everything that
-    shapes their KV (apps, deployment versions, every parameter value, defaults included,
-    and the control epoch), so their prompt KV is never shared with another configuration;
+  - requests whose effective apps write get a ``cache_salt`` from everything that shapes
+    their KV (apps, deployment versions, every parameter value, defaults included, and the
+    control epoch), so their prompt KV is never shared with another configuration. The salt
+    is a MAC keyed with the deployment's secret over that and the client's own
+    ``cache_salt``, and every client salt goes through the same MAC, so no client can send
+    the salt of a configuration it may not use (keyed.py);
   - requests whose apps read, or keep per-request state over the prompt, skip reading the
     prefix cache, so every prompt token is computed and read.
 
@@ -31,7 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import hashlib
+import dataclasses
 import itertools
 import json
 import logging
@@ -63,7 +66,7 @@ from xmix.results_codec import (
     unpack_results,
 )
 
-from . import fence, tenants
+from . import fence, keyed, tenants
 from .ledger import LEASE_S
 from .request_controls import control_from_args
 
@@ -166,6 +169,12 @@ class EngineUnreachable(EngineGone):
     engine leaves the others serving and its requests waiting). Messages to an engine are
     delivered in order, so what the change sends after it (its rollback) reaches that engine
     after the change itself, if it ever answers again."""
+
+
+class NotSaved(EngineGone):
+    """A change refused because the state directory could not record it (state_dir.py): it
+    is written before any engine applies it, so nothing changed. Answered as a change the
+    server could not complete (HTTP 503)."""
 
 
 class WorkerError(RuntimeError):
@@ -290,8 +299,36 @@ SALTED_CONNECTORS = frozenset({"OffloadingConnector"})
 @dataclass
 class Admission:
     control: dict | None  # canonical control for the workers (None: the request has none)
-    salt: str | None  # cache-salt suffix
+    # What shapes the request's KV besides its tokens (the control epoch, its writing apps,
+    # their versions and parameter values), None when nothing does; the cache salt is a
+    # keyed MAC of this and the client's own cache_salt (Registry.cache_salt, keyed.py).
+    salt: Any
     skip_cache: bool  # skip reading the prefix cache
+    # Bytes its reads return over the prompt, all sequences together (known in advance).
+    prompt_bytes: int = 0
+
+
+class ResponseBudget:
+    """What the read results of one HTTP response (all its prompts and choices) may take
+    (``XMIX_MAX_RESPONSE_BYTES``, or the caller's policy). The server's pre-stream check
+    refuses a response whose reads over its prompts alone exceed it; what is left is shared
+    out evenly as ``spare`` bytes per sequence for the reads of generated tokens, which the
+    worker cuts at each sequence's budget with the truncation marker. Each admission takes
+    its sequences' budgets from ``remaining``, so the response stays under the cap even when
+    apps change between the check and the admissions."""
+
+    def __init__(self, total: int, spare: int, source: str):
+        self.total, self.spare, self.source = total, spare, source
+        self.remaining = total
+        self.lock = threading.Lock()
+
+    def take(self, per_seq: int, known: int, n: int) -> int:
+        """A sequence's byte budget: at most ``per_seq`` (the request's own cap), its reads
+        over the prompt (``known``) plus the spare, and an n-th of what is left."""
+        with self.lock:
+            b = max(min(per_seq, known + self.spare, self.remaining // n), 0)
+            self.remaining -= b * n
+            return b
 
 
 # The registry revision at which the server's pre-stream check admitted the request being
@@ -307,6 +344,17 @@ _PRECHECKED: contextvars.ContextVar[int | None] = contextvars.ContextVar(
 
 def mark_prechecked(revision: int) -> None:
     _PRECHECKED.set(revision)
+
+
+# The response budget of the HTTP request being served (set by the server's pre-stream check,
+# in that request's own context; none offline).
+_RESPONSE: contextvars.ContextVar[ResponseBudget | None] = contextvars.ContextVar(
+    "xmix_response_budget", default=None
+)
+
+
+def set_response_budget(budget: ResponseBudget | None) -> None:
+    _RESPONSE.set(budget)
 
 
 _REGISTRIES: weakref.WeakValueDictionary[int, Registry] = weakref.WeakValueDictionary()
@@ -354,12 +402,20 @@ class Registry:
         self.follows = False
         self.synced_at = 0.0
         self.held_until = 0.0  # while this server holds the lease nothing changes elsewhere
+        # Keyed with the deployment's secret once the Controller fetched it from the engines
+        # (before a server serves); this process's own until then.
+        self.keys = keyed.Keys.random()
 
     STALE_S = 4.0  # < ledger.LIVE_S: the margin covers the two processes' clocks and a sync
 
     def stale(self) -> bool:
         now = time.monotonic()
         return self.follows and now > self.held_until and now - self.synced_at > self.STALE_S
+
+    def cache_salt(self, client: str | None, adm: Admission) -> str | None:
+        """The cache_salt a request runs with: the client's own salt and ``adm.salt`` (what
+        xmix derives from its apps) in a keyed MAC; no client value equals a derived salt."""
+        return self.keys.cache_salt(client, adm.salt)
 
     # ------------------------------------------------------------------ deploy side
     def used(self) -> Needs:
@@ -513,11 +569,6 @@ class Registry:
             if d.lowered.writes and (cols or mode is not None):
                 self.epoch += 1
 
-    def check_params(self, name: str, params: Any) -> dict[str, float]:
-        d = self.get(name)
-        hits = resolve_params(d.cols, params, f"app {name!r}")
-        return {d.cols[i].key: v for i, v in hits.items()}
-
     def describe(self) -> list[dict]:
         with self.lock:
             return [d.describe() for d in sorted(self.apps.values(), key=lambda d: d.version)]
@@ -525,7 +576,11 @@ class Registry:
     # ------------------------------------------------------------------ request side
     def count(self, name: str, n: float = 1, **labels) -> None:
         if self.metrics:
-            self.metrics[name].labels(model_name=self.shape.model_name, **labels).inc(n)
+            from .metrics import shown as shown_labels
+
+            self.metrics[name].labels(model_name=self.shape.model_name, **shown_labels(labels)).inc(
+                n
+            )
 
     def admit(
         self,
@@ -566,7 +621,9 @@ class Registry:
                     for a, d in self.apps.items()
                     if d.mode == "all" and a not in apps and (tenant is None or tenant.may_force(a))
                 ]
-                cfg = self._result_options(cfg, effective, prompt_len, n)
+                cfg, prompt_bytes = self._result_options(
+                    cfg, effective, prompt_len, n, _RESPONSE.get() if count else None
+                )
             except ValueError:
                 self.count("rejected")
                 raise
@@ -599,7 +656,7 @@ class Registry:
                 **({"_dropped": dropped} if dropped else {}),
             }
             if not effective and not self.epoch:
-                return Admission(cfg, None, False)
+                return Admission(cfg, None, False, prompt_bytes)
             writes = sorted((d for d in effective if d.lowered.writes), key=lambda d: d.app.name)
             salt = None
             if writes or self.epoch:
@@ -617,7 +674,7 @@ class Registry:
                         for d in writes
                     ],
                 ]
-                salt = "xmix:" + hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32]
+                salt = key
             skip = any(d.lowered.reads_prompt or d.lowered.stateful for d in effective)
             if self.kv_connector is not None or remote_prefill:
                 try:
@@ -625,7 +682,7 @@ class Registry:
                 except ValueError:
                     self.count("rejected")
                     raise
-            return Admission(cfg, salt, skip)
+            return Admission(cfg, salt, skip, prompt_bytes)
 
     def check_forced_write(self, name: str, lowered: LoweredApp, mode: str) -> None:
         """A writing app in mode "all" on a connector that would make admission refuse every
@@ -678,13 +735,19 @@ class Registry:
             )
 
     def _result_options(
-        self, cfg: dict | None, effective: list[Deployed], prompt_len: int, n: int
-    ) -> dict | None:
+        self,
+        cfg: dict | None,
+        effective: list[Deployed],
+        prompt_len: int,
+        n: int,
+        budget: ResponseBudget | None = None,
+    ) -> tuple[dict | None, int]:
         """The request's result options into its canonical control (each sequence's byte
-        budget included). The bytes its reads report over the prompt are known now (prompt
-        length x window x read width): above the budget, the request is refused. Reads of
-        generated tokens depend on how long it runs: the worker cuts them at the budget and
-        marks the results (``TRUNCATED_KEY``)."""
+        budget included), and the bytes its reads return over the prompt (all sequences).
+        Those are known now (prompt length x window x read width): above the budget, the
+        request is refused. Reads of generated tokens depend on how long it runs: the worker
+        cuts them at the budget and marks the results (``TRUNCATED_KEY``). ``budget``: the
+        whole response's, which each sequence's budget is taken from."""
         raw = cfg.pop("results_raw", {}) if cfg else {}
         n = max(n, 1)
         try:
@@ -693,7 +756,7 @@ class Registry:
             raise _validation_error(str(e)) from None
         readers = [d for d in effective if d.lowered.reads]
         if not readers:
-            return cfg
+            return cfg, 0
         known = sum(d.prompt_result_bytes(prompt_len, opts) for d in readers)
         if known > opts.max_bytes:
             self.count("result_cap_refusals")
@@ -707,9 +770,11 @@ class Registry:
                 f'report fewer positions ("positions"), fewer or narrower reads, a smaller '
                 f'"dtype", "encoding": "base64", or n=1'
             )
+        if budget is not None:
+            opts = dataclasses.replace(opts, max_bytes=budget.take(opts.max_bytes or 0, known, n))
         ctl = dict(cfg) if cfg else {"apps": [], "params": {}, "pin": {}}
         ctl["results"] = opts.to_control()
-        return ctl
+        return ctl, known * n
 
     def _parse(
         self, raw: Any, tenant: tenants.Tenant | None = None, dropped: list[str] | None = None
@@ -871,6 +936,8 @@ def patch_input_processor(cls) -> None:
         reg: Registry | None = getattr(self, "_xmix_registry", None)
         sp = getattr(req, "sampling_params", None)
         if sp is None:
+            if reg is not None and getattr(req, "cache_salt", None) is not None:
+                req.cache_salt = reg.keys.cache_salt(req.cache_salt, None)  # see below
             return req
         raw = control_from_args(sp.extra_args, _validation_error)
         if reg is None:
@@ -894,8 +961,9 @@ def patch_input_processor(cls) -> None:
         if adm.control is not None:
             # A new dict on the request's own copy: the caller's SamplingParams stays as given.
             sp.extra_args = {**(sp.extra_args or {}), XMIX_KEY: adm.control}
-        if adm.salt is not None:
-            req.cache_salt = f"{req.cache_salt}|{adm.salt}" if req.cache_salt else adm.salt
+        # Every salt on an xmix engine goes through the keyed MAC, the client's own too, so
+        # no client can send the salt of another configuration (keyed.py).
+        req.cache_salt = reg.cache_salt(req.cache_salt, adm)
         if adm.skip_cache:
             sp.skip_reading_prefix_cache = True
         return req
@@ -1129,8 +1197,11 @@ class Controller:
         self.registry.sync = self.sync
         # The engine-side ledger (ledger.py) is the truth; this registry follows it.
         self.ledger_rev = 0
+        self._keyed = False
         self._owner = f"{os.uname().nodename}:{os.getpid()}:{self.registry.uid}"
         self._mine: dict[tuple[str, int], tuple[App, LoweredApp, Needs]] = {}
+        self._depth = 0  # nested changes (a restore) hold the lease once
+        self.restored = False  # the ledger holds a restore from a state directory (restore.py)
         kv = getattr(input_processor.vllm_config, "kv_transfer_config", None)
         self.registry.kv_connector = getattr(kv, "kv_connector", None) if kv is not None else None
 
@@ -1145,12 +1216,21 @@ class Controller:
         change made through any API server since the last sync. Returns the ledger revision."""
         with self.lock:
             t0 = time.monotonic()
+            self._fetch_keys()
             got = self._rpc("xmix_ledger", ("since", self._owner, self.ledger_rev))[0]
             for e in got["entries"]:
                 self._apply(e)
             self.ledger_rev = got["rev"]
             self.registry.synced_at = t0
             return self.ledger_rev
+
+    def _fetch_keys(self) -> None:
+        """The deployment's secret from the first worker of the first engine, once: every API
+        server keys cache salts and fingerprints alike (keyed.py). A server syncs before it
+        serves, so no request is salted with this process's own keys."""
+        if not self._keyed:
+            self.registry.keys = keyed.Keys(self._rpc("xmix_deployment_secret", ())[0])
+            self._keyed = True
 
     def _apply(self, e: dict) -> None:
         reg, name, kind = self.registry, e["name"], e["kind"]
@@ -1165,28 +1245,56 @@ class Controller:
                 lowered = lower(app, reg.shape, reg.tokenizer)
                 mine = (app, lowered, Needs.of(lowered))
             app, lowered, needs = mine
-            reg.add(app, lowered, e["mode"], e["version"], needs, e.get("locked", False))
+            # A change and its revision under one hold of the lock: an admission between the
+            # two would see the change with the revision its pre-stream check saw, and refuse
+            # inside a stream what it should leave out (``admit``'s ``gone_ok``).
             with reg.lock:
+                reg.add(app, lowered, e["mode"], e["version"], needs, e.get("locked", False))
                 reg._version = max(reg._version, e["version"])
-            reg.changed("deploy", name)
+                reg.changed("deploy", name)
         elif kind == "undeploy":
-            if name in reg.apps:
-                reg.remove(name)
-                reg.changed("undeploy", name)
+            with reg.lock:
+                if name in reg.apps:
+                    reg.remove(name)
+                    reg.changed("undeploy", name)
+        elif kind == "restore":
+            # A restart from a state directory: start above every epoch and version the
+            # directory's earlier runs reached (cache salts and versions are never reused).
+            with reg.lock:
+                reg.epoch = max(reg.epoch, int(e.get("epoch", 0)))
+                reg._version = max(reg._version, int(e.get("version", 0)))
+            self.restored = True
         elif kind == "patch":
             if name not in reg.apps:
                 return
             mode, params, locked = e.get("mode"), e.get("params"), e.get("locked")
-            cols, lock = reg.check_patch(name, mode, params, locked)
-            reg.patch(name, mode, cols, lock)
-            if params is not None:
-                reg.changed("params", name)
-            if mode is not None:
-                reg.changed("mode", name)
-            if lock is not None:
-                reg.changed("locked")
+            with reg.lock:
+                cols, lock = reg.check_patch(name, mode, params, locked)
+                reg.patch(name, mode, cols, lock)
+                if params is not None:
+                    reg.changed("params", name)
+                if mode is not None:
+                    reg.changed("mode", name)
+                if lock is not None:
+                    reg.changed("locked")
         else:
             logger.warning("xmix: unknown ledger entry %r ignored", kind)
+
+    def _save(self, entry: dict) -> None:
+        """Write a change to the state directory, if there is one, before any engine applies
+        it (state_dir.py): a change that is not written is not made."""
+        try:
+            self._rpc("xmix_ledger", ("save", self._owner, 0, entry))
+        except WorkerError as e:
+            raise NotSaved(f"the change was not made: {_root(e)}") from None
+
+    def _forget(self, entry: dict) -> None:
+        """A change written to the state directory that then failed on the way: write its
+        undoing, so a restart does not bring back what the engines refused."""
+        try:
+            self._save(entry)
+        except Exception:
+            logger.exception("xmix: the state directory keeps a change that failed (%s)", entry)
 
     def _record(self, entry: dict) -> None:
         """Append a change that reached every engine to the ledger, then follow the ledger
@@ -1210,11 +1318,14 @@ class Controller:
             time.sleep(0.02)
 
     @contextlib.contextmanager
-    def _change(self):
+    def _change(self, wait_s: float | None = None):
         """One control change at a time across every API server: the ledger's lease on the
-        first worker of the first engine, then a sync, so the checks see every earlier change."""
+        first worker of the first engine, then a sync, so the checks see every earlier change.
+        Nested (the changes of a restore): the inner ones renew the lease, the outer releases it."""
         with self.lock:
-            deadline = time.monotonic() + float(os.environ.get("XMIX_LEASE_WAIT_S", "30"))
+            if wait_s is None:
+                wait_s = float(os.environ.get("XMIX_LEASE_WAIT_S", "30"))
+            deadline = time.monotonic() + wait_s
             while not self._rpc("xmix_ledger", ("acquire", self._owner))[0]:
                 if time.monotonic() > deadline:
                     raise EngineGone(
@@ -1222,6 +1333,7 @@ class Controller:
                         "change in progress); try again"
                     )
                 time.sleep(0.02)
+            self._depth += 1
             try:
                 self.sync()
                 # every change takes the lease: while held, this registry is the latest state
@@ -1229,10 +1341,14 @@ class Controller:
                 yield
             finally:
                 self.registry.held_until = 0.0
-                try:
-                    self._rpc("xmix_ledger", ("release", self._owner))
-                except Exception:  # the lease lapses by itself (ledger.LEASE_S)
-                    logger.warning("xmix: releasing the control-plane lease failed", exc_info=True)
+                self._depth -= 1
+                if self._depth == 0:
+                    try:
+                        self._rpc("xmix_ledger", ("release", self._owner))
+                    except Exception:  # the lease lapses by itself (ledger.LEASE_S)
+                        logger.warning(
+                            "xmix: releasing the control-plane lease failed", exc_info=True
+                        )
 
     @contextlib.contextmanager
     def _announced(self, name: str, mode_after: str | None):
@@ -1262,21 +1378,28 @@ class Controller:
         *,
         allow_custom: bool = True,
         locked: Any = False,
+        version: int | None = None,
     ) -> dict:
-        """``locked``: true, or a list of parameter names, that requests may not override."""
+        """``locked``: true, or a list of parameter names, that requests may not override.
+        ``version``: the deployment version to keep (a restore, restore.py); else the next."""
         if mode not in MODES:
             raise DeployError(f"mode must be one of {list(MODES)}, got {shown(mode)}")
         with self._change():
             self._capacity()
             app = _load_app(app, allow_custom)
             lowered, data, needs = self.registry.prepare(app)
-            columns_named(param_columns(lowered), locked, f"app {app.name!r}")  # checked first
+            cols = param_columns(lowered)
+            # checked first; the ledger and the state directory keep the names it resolved to
+            lock_keys = sorted(
+                cols[i].key for i in columns_named(cols, locked, f"app {app.name!r}")
+            )
             if self._stages is not None:
                 from .pp import check_deploy
 
                 check_deploy(lowered, self._stages)
             self.registry.check_forced_write(app.name, lowered, mode)
-            version = self.registry.next_version()
+            if version is None:
+                version = self.registry.next_version()
             try:
                 try:
                     self._rpc("xmix_deploy_prepare", (data, mode, version))
@@ -1300,30 +1423,36 @@ class Controller:
                 if isinstance(e, EngineGone):
                     raise
                 raise _deploy_failed(app.name, e) from None
+            entry = {
+                "kind": "deploy",
+                "name": app.name,
+                "data": data,
+                "mode": mode,
+                "version": version,
+                "locked": lock_keys,
+            }
+            try:
+                self._save(entry)
+            except Exception:
+                self._undo("xmix_deploy_abort", app.name)
+                raise
             with self._announced(app.name, mode):
                 try:
                     self._rpc("xmix_deploy_commit", (app.name,))
                 except Exception as e:  # a worker lost its prepared state: take it off everywhere
                     self._undo("xmix_undeploy_if_present", app.name)
+                    self._forget({"kind": "undeploy", "name": app.name})
                     if isinstance(e, EngineGone):
                         raise
                     raise _deploy_failed(app.name, e) from None
                 self._mine[(app.name, version)] = (app, lowered, needs)
-                self._record(
-                    {
-                        "kind": "deploy",
-                        "name": app.name,
-                        "data": data,
-                        "mode": mode,
-                        "version": version,
-                        "locked": locked,
-                    }
-                )
+                self._record(entry)
             return self.registry.get(app.name).describe()
 
     def undeploy(self, name: str) -> None:
         with self._change():
             self.registry.get(name)
+            self._save({"kind": "undeploy", "name": name})
             with self._announced(name, None):
                 # Where a worker no longer has it (taken off behind the frontend's back, e.g.
                 # by vLLM's dev-mode /collective_rpc), there is nothing to take off: the
@@ -1353,27 +1482,40 @@ class Controller:
         as one change: everything is checked before anything is applied; a refusal changes
         nothing."""
         with self._change():
-            self.registry.check_patch(name, mode, params, locked)
+            d = self.registry.get(name)
+            cols, lock = self.registry.check_patch(name, mode, params, locked)
             if mode is not None:
-                self.registry.check_forced_write(name, self.registry.get(name).lowered, mode)
+                self.registry.check_forced_write(name, d.lowered, mode)
+            # The ledger and the state directory keep the names the values resolved to.
+            named = {d.cols[i].key: v for i, v in cols.items()}
             entry = {
                 "kind": "patch",
                 "name": name,
                 "mode": mode,
-                "params": params,
-                "locked": locked,
+                "params": named if params is not None else None,
+                "locked": sorted(d.cols[i].key for i in lock) if lock is not None else None,
             }
+            before = {
+                "kind": "patch",
+                "name": name,
+                "mode": d.mode,
+                "params": d.defaults,
+                "locked": sorted(d.cols[i].key for i in d.locked),
+            }
+            self._save(entry)
             if mode is not None or params is not None:
-                after = mode if mode is not None else self.registry.get(name).mode
-                d = self.registry.get(name)
-                before = (d.mode if mode is not None else None, d.defaults if params else None)
+                after = mode if mode is not None else d.mode
+                # what an engine that did not answer must be set back to, after the change
+                undo = (d.mode if mode is not None else None, d.defaults if params else None)
                 with self._announced(name, after):
                     try:
                         self._rpc("xmix_patch", (name, mode, params))
-                    except EngineUnreachable:
-                        # applied where it was answered, on its way elsewhere: set the
-                        # previous mode and defaults back everywhere, after it
-                        self._undo("xmix_patch", name, *before)
+                    except Exception as e:
+                        if isinstance(e, EngineUnreachable):
+                            # applied where it was answered, on its way elsewhere: set the
+                            # previous mode and defaults back everywhere, after it
+                            self._undo("xmix_patch", name, *undo)
+                        self._forget(before)
                         raise
                     self._record(entry)
             else:  # only which parameters are locked: nothing reaches the engines

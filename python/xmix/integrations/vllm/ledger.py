@@ -14,6 +14,11 @@ ledger survives the loss of none of them in particular.
 Memory: a deploy entry keeps the app's bytes until the app is undeployed (then only its name
 stays), i.e. what the control block holds anyway, once more.
 
+With a state directory (state_dir.py) the worker that holds the ledger everyone reads also
+writes the changes to disk: ``save`` before the engines apply a change, under the same lease,
+so there is one writer whatever the number of API servers and engines; ``state`` hands a
+restarting server what the directory held (restore.py).
+
 Acknowledgements: every ``since`` read is an API server saying "I have applied everything up to
 ``since``" (servers read in order and apply what they read before the next read). A change
 returns only once every other server heard from in the last ``LIVE_S`` has said so for its
@@ -28,14 +33,17 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .state_dir import StateDir
 
 LEASE_S = 60.0  # a server that died holding the lease blocks others at most this long
 LIVE_S = 5.0  # a server not heard from for this long is not waited for (it syncs first)
 
 
 class Ledger:
-    def __init__(self, replica: bool = False) -> None:
+    def __init__(self, state: StateDir | None = None, replica: bool = False) -> None:
         # A copy on any worker but the first of the first engine: nobody reads its lease, so
         # it keeps none and takes every entry in the order it arrives (the first engine's
         # lease serialised them). Enforcing a lease here too failed appends when two API
@@ -45,6 +53,7 @@ class Ledger:
         self.entries: list[dict] = []
         self.holder: str | None = None
         self.until = 0.0
+        self.state = state  # the state directory, on the one worker that writes it
         self.seen: dict[str, tuple[int, float]] = {}  # server -> (revision applied, when)
 
     def call(self, op: str, owner: str = "", since: int = 0, entry: dict | None = None) -> Any:
@@ -62,11 +71,15 @@ class Ledger:
             if self.holder == owner:
                 self.holder = None
             return True
+        if op in ("append", "save") and self.holder != owner and not self.replica:
+            raise RuntimeError(
+                f"xmix ledger: {op} by {owner!r} without the lease (held by {self.holder!r})"
+            )
+        if op == "save":  # before the engines apply the change (frontend.Controller._save)
+            return self.state.save(dict(entry or {})) if self.state is not None else None
+        if op == "state":
+            return self.state.plan() if self.state is not None else None
         if op == "append":
-            if self.holder != owner and not self.replica:
-                raise RuntimeError(
-                    f"xmix ledger: append by {owner!r} without the lease (held by {self.holder!r})"
-                )
             entry = dict(entry or {})
             entry["rev"] = len(self.entries) + 1
             if entry.get("kind") == "undeploy":
@@ -74,6 +87,8 @@ class Ledger:
                     if e.get("kind") == "deploy" and e.get("name") == entry.get("name"):
                         e["data"] = None
             self.entries.append(entry)
+            if self.state is not None:  # every engine applied it; the answer is on its way
+                self.state.point(str(entry.get("kind")), "applied")
             return entry["rev"]
         if op == "since":
             self.seen[owner] = (since, now)

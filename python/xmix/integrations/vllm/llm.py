@@ -3,34 +3,47 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 from typing import Any
 
+from xmix.architectures import check_architecture
+from xmix.lowering import DeployError
+
 from . import enable, fence
+from .frontend import _load_app
 from .offline import controller  # noqa: F401  (kept importable from here)
 from .plugin import register
+from .restore import log_app_kept
+from .state_dir import STATE_DIR_ENV, StateDir, StateError
 
 logger = logging.getLogger("vllm.xmix")
 
 
-def check_architecture(model: str, **kwargs) -> None:
-    """Refuse a model family without a site table before any engine process starts (the
-    workers check again: this is only the early, readable error). A config that cannot be
-    read here (a format only vLLM reads) is left to the workers."""
-    from xmix.architectures import architecture_of, require_family
-
-    try:
-        from transformers import AutoConfig
-
-        cfg = AutoConfig.from_pretrained(
-            model,
-            trust_remote_code=bool(kwargs.get("trust_remote_code")),
-            revision=kwargs.get("revision"),
-        )
-    except Exception as e:  # noqa: BLE001 - any failure: the workers decide
-        logger.debug("xmix: config of %s not read here (%s); the workers check it", model, e)
+@contextlib.contextmanager
+def _state_dir_env(path):
+    """``XMIX_STATE_DIR`` while the engine starts (its processes inherit it; the writer reads
+    it at load_model) and the state is restored; the process's own value afterwards."""
+    if path is None:
+        yield
         return
-    require_family(architecture_of(cfg), model)
+    path = os.path.abspath(os.fspath(path))
+    try:
+        StateDir.check(path)  # before any engine process: a corrupt state stops here, named
+    except StateError as e:
+        raise StateError(
+            f"{e}. To start clean, move the directory away (its apps/ keeps every app file)"
+        ) from None
+    old = os.environ.get(STATE_DIR_ENV)
+    os.environ[STATE_DIR_ENV] = path
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(STATE_DIR_ENV, None)
+        else:
+            os.environ[STATE_DIR_ENV] = old
 
 
 def _make_llm_class():
@@ -39,14 +52,36 @@ def _make_llm_class():
 
     class LLM(vllm.LLM):
         """``vllm.LLM`` with xmix asked for (``additional_config["xmix"]``, options kept) plus
-        ``apps=[App | path, ...]`` deployed at start (mode "request")."""
+        ``apps=[App | path, ...]`` deployed at start (mode "request").
 
-        def __init__(self, model: str, apps: list[Any] | None = None, **kwargs):
+        ``xmix_state_dir=DIR`` keeps the control plane's changes in DIR and restores them at
+        the next start, as ``xmix serve --xmix-state-dir`` does (state_dir.py,
+        docs/serving.md "State directory"); an app of ``apps`` whose name DIR holds is not
+        deployed again."""
+
+        def __init__(
+            self,
+            model: str,
+            apps: list[Any] | None = None,
+            xmix_state_dir: str | os.PathLike | None = None,
+            **kwargs,
+        ):
             kwargs["additional_config"] = enable.with_xmix(kwargs.get("additional_config"))
             fence.check()  # a vLLM xmix does not match stops here, before any engine process
             check_architecture(model, **kwargs)
-            super().__init__(model=model, **kwargs)
+            with _state_dir_env(xmix_state_dir):
+                super().__init__(model=model, **kwargs)
+                self.xmix  # noqa: B018  (made now: the state directory is restored first)
+            restored = self.__dict__.get("_xmix_restored")
             for app in apps or []:
-                self.xmix.deploy(app)
+                try:
+                    self.xmix.deploy(app)
+                except DeployError as e:
+                    loaded = _load_app(app, True)
+                    if restored is None or loaded.name not in restored["apps"]:
+                        raise
+                    if "already deployed" not in str(e):
+                        raise
+                    log_app_kept(self.xmix, loaded, str(app), restored["dir"])
 
     return LLM

@@ -3,6 +3,7 @@ in vLLM's convention (``vllm:`` prefix, ``_total`` counters, ``model_name`` labe
 
 from __future__ import annotations
 
+import os
 import threading
 
 _lock = threading.Lock()
@@ -112,6 +113,47 @@ def _make(registry=None):
             **kw,
         ),
     }
+
+
+# /metrics is not authenticated (vLLM serves it to anyone who reaches the port), and app
+# names, and the names of their gates, can say what an operator steers or watches for. With
+# XMIX_METRICS_APP_LABELS=hashed (``xmix serve --xmix-metrics-app-labels hashed``) they are
+# shown as keyed hashes (keyed.Keys.label: "h" + 12 hex digits, the same on every API server
+# of the deployment); the admin's GET /xmix/v1/apps gives each app's label.
+APP_LABELS_ENV = "XMIX_METRICS_APP_LABELS"
+APP_LABEL_MODES = ("names", "hashed")
+_label_keys = None  # keyed.Keys while names are hidden
+
+
+def app_labels_mode() -> str:
+    mode = os.environ.get(APP_LABELS_ENV) or "names"
+    if mode not in APP_LABEL_MODES:
+        raise ValueError(f"{APP_LABELS_ENV}={mode!r}: must be one of {list(APP_LABEL_MODES)}")
+    return mode
+
+
+def set_app_labels(keys) -> None:
+    """Called by the server once it has the deployment's keys: hide names if asked to."""
+    global _label_keys
+    _label_keys = keys if app_labels_mode() == "hashed" else None
+
+
+def app_label(app: str) -> str:
+    """The value of the ``app`` label for an app."""
+    return app if _label_keys is None else _label_keys.label(app)
+
+
+def shown(labels: dict) -> dict:
+    """Labels with ``app`` (and ``gate``, which names an op of that app) as /metrics shows
+    them."""
+    keys = _label_keys
+    if keys is None or "app" not in labels:
+        return labels
+    out = dict(labels)
+    out["app"] = keys.label(labels["app"])
+    if "gate" in out:
+        out["gate"] = keys.label(labels["app"] + "/" + out["gate"])
+    return out
 
 
 def get():
@@ -249,7 +291,7 @@ class GraphStatsCollector:
         for key, doc in APP_COUNTERS.items():
             c = CounterMetricFamily(f"vllm:xmix_{key}", doc, labels=labels + ["app"])
             for app, v in sorted(per_app.get(key, {}).items()):
-                c.add_metric([self.model_name, app], v)
+                c.add_metric([self.model_name, app_label(app)], v)
             yield c
         w = GaugeMetricFamily(
             "vllm:xmix_graph_stats_workers",

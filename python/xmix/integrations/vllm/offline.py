@@ -4,7 +4,7 @@ each other."""
 
 from __future__ import annotations
 
-from . import enable
+from . import enable, restore
 from .frontend import Controller
 
 
@@ -24,5 +24,8 @@ def controller(llm) -> Controller:
             return engine.collective_rpc(method, None, args, {})
 
         ctl = Controller(engine.input_processor, rpc)
+        ctl.sync()
+        # A state directory (XMIX_STATE_DIR; xmix.LLM(xmix_state_dir=...)): its apps first.
+        llm.__dict__["_xmix_restored"] = restore.restore(ctl)
         llm.__dict__["_xmix_controller"] = ctl
     return ctl

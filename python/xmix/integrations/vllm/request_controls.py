@@ -19,7 +19,9 @@ App names are letters, digits and '_' (``xmix.api``), so the first dot after ``x
 the app name. The same keys work in offline ``SamplingParams.extra_args``. A request carries
 either the JSON form or the flat form: both at once is refused, naming the keys of each.
 Every other key that starts with ``xmix_`` or ``xmix.`` is refused too (a misspelt control
-must not be silently ignored); keys that do not are other extensions' business.
+must not be silently ignored), and so is "xmix" spelt in another case or with "-"
+("XMIX_APPS", "Xmix_apps", "xmix-apps"), naming the right spelling; keys that do not start
+with "xmix" are other extensions' business.
 """
 
 from __future__ import annotations
@@ -39,9 +41,40 @@ def is_flat_key(key: Any) -> bool:
     return isinstance(key, str) and key.startswith(FLAT_PREFIXES)
 
 
+def looks_like_xmix(key: Any) -> bool:
+    """A key meant for xmix whatever its spelling: "xmix" in any case, alone or followed by
+    "_", "." or "-" ("XMIX_APPS", "Xmix_apps", "xmix-apps", "XMIX.steer.scale")."""
+    return (
+        isinstance(key, str) and key[:4].lower() == JSON_KEY and (len(key) == 4 or key[4] in "_.-")
+    )
+
+
+def _known_flat() -> tuple[str, ...]:
+    return (APPS_KEY, *(OPTION_PREFIX + o for o in OPTION_NAMES))
+
+
+def misspelt(key: Any) -> bool:
+    """An xmix-looking key not spelt as xmix's keys start (lower-case "xmix_" / "xmix.");
+    those that are, but name nothing xmix knows, are refused where the flat form is read."""
+    return looks_like_xmix(key) and key != JSON_KEY and not is_flat_key(key)
+
+
+def right_spelling(key: str) -> str | None:
+    """The key xmix knows that a misspelt xmix-looking key stands for, or None."""
+    if len(key) == 4:
+        return JSON_KEY
+    if key[4] == ".":
+        return PARAM_PREFIX + key[5:]  # app and parameter names are case-sensitive: kept
+    flat = OPTION_PREFIX + key[5:].lower().replace("-", "_")
+    return flat if flat in _known_flat() else None
+
+
 def has_control(extra_args: Mapping | None) -> bool:
-    """Whether a request's extra args carry an xmix control in either form."""
-    return bool(extra_args) and any(k == JSON_KEY or is_flat_key(k) for k in extra_args)
+    """Whether a request's extra args carry an xmix control in either form (a misspelt one
+    too: it is refused, with the right spelling)."""
+    return bool(extra_args) and any(
+        k == JSON_KEY or is_flat_key(k) or looks_like_xmix(k) for k in extra_args
+    )
 
 
 def _short(v: Any, limit: int = 60) -> str:
@@ -74,6 +107,19 @@ def control_from_args(
     has neither. ``error(message)`` makes the exception raised for a malformed flat form."""
     if not extra_args:
         return None
+    for k in extra_args:
+        if misspelt(k):
+            right = right_spelling(k)
+            raise error(
+                f"unknown xmix key {_short(k)} in vllm_xargs; "
+                + (
+                    f"did you mean {right!r}?"
+                    if right is not None
+                    else f"xmix's keys are {JSON_KEY!r} (the JSON form), {APPS_KEY!r}, "
+                    f"'{PARAM_PREFIX}<app>.<parameter>' and "
+                    f"{', '.join(repr(OPTION_PREFIX + o) for o in OPTION_NAMES)}, in lower case"
+                )
+            )
     flat = sorted(k for k in extra_args if is_flat_key(k))
     if JSON_KEY in extra_args:
         if flat:
@@ -105,8 +151,11 @@ def control_from_args(
             options[option] = value  # checked by admission with the JSON form's options
             continue
         if not key.startswith(PARAM_PREFIX):
+            right = right_spelling(key)
             raise error(
-                f"unknown flat control {key!r}; the flat form has {APPS_KEY!r}, "
+                f"unknown flat control {key!r}; "
+                + (f"did you mean {right!r}? " if right is not None and right != key else "")
+                + f"the flat form has {APPS_KEY!r}, "
                 f"'{PARAM_PREFIX}<app>.<parameter>' and "
                 f"{', '.join(repr(OPTION_PREFIX + o) for o in OPTION_NAMES)} keys"
             )

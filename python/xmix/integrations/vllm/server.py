@@ -3,6 +3,8 @@
 - ``xmix serve MODEL --app PATH [--app PATH ...] [--app-mode MODE] [any vllm serve argument]``
   runs ``vllm serve`` with the xmix general plugin (engine side) and the xmix endpoint plugin
   (HTTP side), then deploys the given apps before the server takes requests.
+  ``--xmix-state-dir DIR``: the control plane's changes are kept in DIR and restored at the
+  next start, before the first request (state_dir.py, restore.py).
 - Per request: ``"vllm_xargs": {"xmix": "<JSON control>"}``, checked before the request is
   scheduled (a refusal is a 400 before any stream starts). Non-streaming responses carry the
   request's read results under a top-level ``"xmix"`` key (with ``n > 1`` each choice carries
@@ -47,9 +49,15 @@ from xmix.console import console_url
 from xmix.console.router import console_router
 from xmix.control import MODES, RequestError
 from xmix.lowering import DeployError
-from xmix.results_codec import DEFAULT_OPTIONS, ResultOptions, encode_results, options_of_control
+from xmix.results_codec import (
+    DEFAULT_OPTIONS,
+    ResultOptions,
+    encode_results,
+    max_response_bytes,
+    options_of_control,
+)
 
-from . import frontend, metrics, tenants, usage
+from . import frontend, metrics, restore, tenants, usage
 from .frontend import (
     XMIX_KEY,
     CapacityError,
@@ -84,6 +92,7 @@ def serve_main(argv: list[str]) -> int:
     apps: list[str] = []
     mode = "request"
     locked = False
+    state_dir: str | None = None
     rest: list[str] = []
     flags: dict[str, list[str]] = {}
     it = iter(argv)
@@ -95,6 +104,11 @@ def serve_main(argv: list[str]) -> int:
             mode = val if eq else next(it, "")
         elif a == "--app-locked":
             locked = True
+        elif name == "--xmix-state-dir":
+            if state_dir is not None:
+                print("xmix serve: --xmix-state-dir given twice", file=sys.stderr)
+                return 2
+            state_dir = val if eq else next(it, "")
         elif name in tenants.SERVE_FLAGS:
             flags.setdefault(name, []).append(val if eq else next(it, ""))
         else:
@@ -121,12 +135,33 @@ def serve_main(argv: list[str]) -> int:
         if not p or not os.path.isfile(p):
             print(f"xmix serve: app file {p!r} not found", file=sys.stderr)
             return 2
+    from .state_dir import STATE_DIR_ENV, StateDir, StateError
+
+    state_dir = state_dir if state_dir is not None else os.environ.get(STATE_DIR_ENV)
+    if state_dir is not None:
+        if not state_dir or state_dir.startswith("--"):
+            print("xmix serve: --xmix-state-dir needs a directory", file=sys.stderr)
+            return 2
+        try:  # before any engine starts: a corrupt or unsafe state stops here, named
+            st = StateDir.check(state_dir)
+        except StateError as e:
+            print(
+                f"xmix serve: {e}\nNothing was started. To start clean, move the directory "
+                "away (its apps/ keeps every app file) and start again (docs/serving.md, "
+                "State directory).",
+                file=sys.stderr,
+            )
+            return 2
+        print(f"xmix serve: state directory {st.path}: {st.summary()}", file=sys.stderr)
+        os.environ[STATE_DIR_ENV] = os.path.abspath(state_dir)
     if not rest or rest[0].startswith("-"):
         print(
             "usage: xmix serve MODEL [--app PATH ...] [--app-mode off|request|all] [--app-locked] "
             "[--xmix-admin-key KEY] [--xmix-policy FILE] [--xmix-audit-log FILE] "
-            "[--xmix-max-apps N] [--xmix-max-ops N] [--xmix-max-request-apps N] "
-            "[--xmix-max-request-params N] [--xmix-max-result-bytes N] [vllm serve arguments]",
+            "[--xmix-state-dir DIR] [--xmix-max-apps N] [--xmix-max-ops N] "
+            "[--xmix-max-request-apps N] [--xmix-max-request-params N] [--xmix-max-result-bytes N] "
+            "[--xmix-max-response-bytes N] [--xmix-metrics-app-labels names|hashed] "
+            "[vllm serve arguments]",
             file=sys.stderr,
         )
         return 2
@@ -135,8 +170,9 @@ def serve_main(argv: list[str]) -> int:
     except ValueError as e:
         print(f"xmix serve: {e}", file=sys.stderr)
         return 2
+    from xmix.architectures import check_architecture
+
     from . import fence
-    from .llm import check_architecture
 
     try:
         fence.check()
@@ -295,7 +331,24 @@ class XmixEndpointPlugin:
             (logger.warning if "OPEN" in line else logger.info)(line)
         # The workers' CUDA graph counters (first-replay checks, fallbacks) on /metrics.
         metrics.watch_graph_stats(lambda: ctl.status(), ctl.registry.shape.model_name)
-        await asyncio.to_thread(ctl.sync)
+        await asyncio.to_thread(ctl.sync)  # also fetches the deployment's secret (keyed.py)
+        auth.keys = ctl.registry.keys
+        metrics.set_app_labels(ctl.registry.keys)
+        # A state directory first (restore.py): its apps, with the changes made to them,
+        # are what this server held before it stopped.
+        restored = await asyncio.to_thread(restore.restore, ctl)
+        if restored is not None and not restored["by_other"]:
+            for name in restored["apps"]:
+                d = ctl.registry.apps[name]
+                state.xmix.audit.record(
+                    "local",
+                    "restore",
+                    name,
+                    200,
+                    f"restored from the state directory {restored['dir']}",
+                    mode=d.mode,
+                    version=d.version,
+                )
         for entry in json.loads(os.environ.get(APPS_ENV, "[]")):
             path, mode, locked = (entry + [False])[:3]
             try:
@@ -303,10 +356,13 @@ class XmixEndpointPlugin:
             except DeployError as e:
                 # With several API servers every one deploys the --app files at start; the
                 # first does, the others find the app in the engines' ledger.
-                name = frontend._load_app(path, True).name
-                if "already deployed" not in str(e) or name not in ctl.registry.apps:
+                app = frontend._load_app(path, True)
+                if "already deployed" not in str(e) or app.name not in ctl.registry.apps:
                     raise
-                logger.info("xmix: app %s deployed at start by another API server", name)
+                if restored is not None and app.name in restored["apps"]:
+                    restore.log_app_kept(ctl, app, path, restored["dir"])
+                else:
+                    logger.info("xmix: app %s deployed at start by another API server", app.name)
                 continue
             logger.info(
                 "xmix: app %s  mode=%s  sites=%s%s",
@@ -489,7 +545,15 @@ def _replica_answered(task, index: int, op: str) -> None:
 
 # Routes whose answers xmix adds to: a request whose key's policy forbids an app, or that sets
 # a parameter the operator locked, is a 403 there.
-XMIX_STATUSES = {"/v1/completions": "post", "/v1/chat/completions": "post", "/invocations": "post"}
+XMIX_STATUSES = {
+    "/v1/completions": "post",
+    "/v1/chat/completions": "post",
+    "/invocations": "post",
+    "/v1/responses": "post",
+    "/v1/messages": "post",
+    "/v1/chat/completions/batch": "post",
+    "/inference/v1/generate": "post",
+}
 
 
 def _document_statuses(app) -> None:
@@ -795,7 +859,7 @@ def build_router() -> APIRouter:
             status, msg = refused
             if write:
                 st.audit.record(
-                    tenants.fingerprint(tenants.bearer(header)),
+                    st.auth.fingerprint(header),
                     action,
                     app,
                     status,
@@ -816,7 +880,7 @@ def build_router() -> APIRouter:
         **details,
     ) -> None:
         st.audit.record(
-            tenants.fingerprint(tenants.bearer(request.headers.get("Authorization"))),
+            st.auth.fingerprint(request.headers.get("Authorization")),
             action,
             app,
             status,
@@ -842,14 +906,11 @@ def build_router() -> APIRouter:
             apps = await asyncio.to_thread(st.ctl.apps)
         except EngineGone as e:
             return error(503, str(e))
-        caller = tenants.current()
-        t = caller.tenant if caller is not None and not caller.admin else None
-        if t is not None:
-            apps = [
-                a
-                for a in apps
-                if t.may_name(a["name"]) or (a["mode"] == "all" and t.may_force(a["name"]))
-            ]
+        policy = st.ctl.registry.policy
+        apps = [a for a in apps if tenants.may_see(a["name"], a["mode"], policy)]
+        if metrics.app_labels_mode() == "hashed":
+            for a in apps:  # what /metrics shows for each app (names hidden there)
+                a["metrics_label"] = metrics.app_label(a["name"])
         return {"apps": apps}
 
     @router.get(
@@ -874,6 +935,14 @@ def build_router() -> APIRouter:
         caller = tenants.current()
         if st.auth.has_admin and not (caller is not None and caller.admin):
             return error(403, "forbidden: the status takes the admin key (--xmix-admin-key)")
+        t = caller.tenant if caller is not None and not caller.admin else None
+        if t is not None and t.apps is not None:
+            # it names every deployed app, and this key's policy hides some of them
+            return error(
+                403,
+                "forbidden: the status names every app; this key's policy "
+                f"(tenant {t.name!r}) does not let it see every app",
+            )
         try:
             workers = await asyncio.to_thread(st.status)
         except EngineGone as e:
@@ -1185,26 +1254,27 @@ async def _with_results(stream, sink: list, applied: dict, n_choices: int, opts:
             yield f"data: {json.dumps(body, allow_nan=False)}\n\n"
 
 
-def _precheck(serving, request, engine_inputs, max_tokens_field: str):
+# Routes that can carry an xmix control but whose responses xmix does not add read results
+# to (their formats have no place for them): a request naming an app that reads is refused
+# there, rather than computing reads nobody receives.
+RESULT_ROUTES = "/v1/completions or /v1/chat/completions"
+
+
+def _precheck(serving, request, engine_inputs, max_tokens_field: str, route: str | None = None):
     """The xmix admission of a request, run once its prompts are rendered and before any
-    generator exists: a refusal is an HTTP 400 before a stream starts (vLLM admits requests
+    generator exists: a refusal is an HTTP 4xx before a stream starts (vLLM admits requests
     lazily, inside the stream, where a refusal could only be an error event after an
-    HTTP 200). The engine's own admission still runs and decides."""
+    HTTP 200). The engine's own admission still runs and decides. ``route``: a route whose
+    responses carry no read results (named in the refusal of apps that read)."""
     reg = getattr(getattr(serving.engine_client, "input_processor", None), "_xmix_registry", None)
-    xargs = getattr(request, "vllm_xargs", None) or {}
     if reg is None or not isinstance(engine_inputs, list):
         return None
     from vllm.entrypoints.serve.utils.api_utils import get_max_tokens
 
-    try:
-        raw = control_from_args(xargs, _validation_error)
-    except ValueError as e:
-        logger.info("xmix: request refused at admission: %s", e)
-        return serving.create_error_response(str(e), param="vllm_xargs.xmix")
-    checked_at = None
     asked = getattr(request, max_tokens_field, None)
     if asked is None:
         asked = getattr(request, "max_tokens", None)
+    prompts = []
     for ei in engine_inputs:
         n_prompt = serving._extract_prompt_len(ei)
         try:
@@ -1218,33 +1288,115 @@ def _precheck(serving, request, engine_inputs, max_tokens_field: str):
             )
         except Exception:  # vLLM refuses it itself, with its own message
             return None
+        prompts.append((n_prompt, max_tokens))
+    return _check_ahead(
+        serving,
+        reg,
+        getattr(request, "vllm_xargs", None) or {},
+        prompts,
+        getattr(request, "n", None) or 1,
+        getattr(request, "kv_transfer_params", None),
+        beam=bool(getattr(request, "use_beam_search", False)),
+        route=route,
+    )
+
+
+def _check_ahead(
+    serving,
+    reg,
+    xargs: dict,
+    prompts: list[tuple[int, int]],
+    n: int,
+    kv_transfer_params: Any = None,
+    beam: bool = False,
+    route: str | None = None,
+):
+    """Admit every prompt of one request ahead of vLLM (``count=False``): None when it may
+    go on (the response budget and the pre-stream mark set in the request's context), else
+    the error response. ``prompts``: (prompt length, max tokens) per prompt."""
+    from http import HTTPStatus
+
+    def refuse(msg: str, status: HTTPStatus = HTTPStatus.BAD_REQUEST):
+        logger.info("xmix: request refused at admission: %s", msg)
+        if status == HTTPStatus.FORBIDDEN:
+            return serving.create_error_response(
+                msg, err_type="PermissionDeniedError", status_code=status, param="vllm_xargs.xmix"
+            )
+        return serving.create_error_response(msg, param="vllm_xargs.xmix")
+
+    try:
+        raw = control_from_args(xargs, _validation_error)
+    except ValueError as e:
+        return refuse(str(e))
+    checked_at = None
+    known = 0  # bytes the reads of the whole response return over its prompts
+    applied: list[str] = []
+    named: list[str] = []
+    for n_prompt, max_tokens in prompts:
         try:
             adm = reg.admit(
                 raw,
                 n_prompt,
                 max_tokens,
-                getattr(request, "n", None) or 1,
+                n,
                 count=False,
-                remote_prefill=frontend._remote_prefill(
-                    getattr(request, "kv_transfer_params", None)
-                ),
+                remote_prefill=frontend._remote_prefill(kv_transfer_params),
             )
-            checked_at = adm.control["applied"]["_rev"]
         except ValueError as e:
-            logger.info("xmix: request refused at admission: %s", e)
-            if tenants.is_forbidden(e):
-                from http import HTTPStatus
-
-                return serving.create_error_response(
-                    str(e),
-                    err_type="PermissionDeniedError",
-                    status_code=HTTPStatus.FORBIDDEN,
-                    param="vllm_xargs.xmix",
-                )
-            return serving.create_error_response(str(e), param="vllm_xargs.xmix")
+            return refuse(
+                str(e), HTTPStatus.FORBIDDEN if tenants.is_forbidden(e) else HTTPStatus.BAD_REQUEST
+            )
+        checked_at = adm.control["applied"]["_rev"]
+        known += adm.prompt_bytes
+        applied = [a["name"] for a in adm.control["applied"]["apps"]]
+        named = adm.control.get("apps") or []
+    if beam and applied:
+        # vLLM's beam search sends every step as a new request of one token whose prompt is
+        # the beam so far: the apps would take generated tokens for prompt tokens (conditions
+        # on generated tokens, latches and spans would not hold as when sampling), their
+        # reads and provenance would not come back, and the steps would not carry the
+        # request's parameters. Refused rather than run differently from what was asked.
+        return refuse(
+            f"xmix: beam search (use_beam_search) cannot run with apps; this request would use "
+            f"{', '.join(applied)}. vLLM runs each beam step as a new one-token request whose "
+            "prompt is the beam so far, so the apps would see generated tokens as prompt "
+            "tokens (conditions on generated tokens, latches and spans would not hold as when "
+            "sampling) and return no reads or provenance: sample instead (n, temperature), or "
+            "send the request without apps"
+        )
+    if route is not None and prompts:
+        with reg.lock:
+            readers = [a for a in named if a in reg.apps and reg.apps[a].lowered.reads]
+        if readers:
+            return refuse(
+                f"xmix: app(s) {', '.join(readers)} read, and {route} responses do not carry "
+                f"xmix read results: use {RESULT_ROUTES} for apps that read"
+            )
+    cap, source = response_cap(reg)
+    if known > cap:
+        reg.count("result_cap_refusals")
+        return refuse(
+            f"xmix: the reads of this request return {known} bytes over the prompts of its "
+            f"{len(prompts)} prompt(s){f' x {n} choices' if n > 1 else ''}; one response may "
+            f"carry {cap} bytes ({source}): send fewer or shorter prompts, or report fewer "
+            f'positions ("positions"), fewer or narrower reads, "encoding": "base64"'
+        )
+    slots = max(len(prompts) * n, 1)
+    frontend.set_response_budget(frontend.ResponseBudget(cap, (cap - known) // slots, source))
     if raw is not None and checked_at is not None:
         frontend.mark_prechecked(checked_at)
     return None
+
+
+def response_cap(reg) -> tuple[int, str]:
+    """The cap on the read results of one response for the caller of the request being
+    served, and where it comes from: its policy's ``max_response_bytes``, else the server's
+    ``XMIX_MAX_RESPONSE_BYTES``."""
+    caller = tenants.current()
+    t = caller.tenant if caller is not None else (reg.policy.default if reg.policy else None)
+    if t is not None and t.max_response_bytes is not None:
+        return t.max_response_bytes, f"max_response_bytes of tenant {t.name!r} in the policy"
+    return max_response_bytes(), "XMIX_MAX_RESPONSE_BYTES"
 
 
 def _named_apps(raw: Any) -> list[str]:
@@ -1306,11 +1458,19 @@ def patch_openai_serving() -> None:
     cstream = fence.current(OpenAIServingCompletion, "completion_stream_generator")
     render_cmpl = fence.current(OpenAIServingCompletion, "render_completion_request")
 
+    no_results = _routes_without_results()
+
     async def render_chat_request(self, request, *args, **kwargs):
         await _catch_up(self, request)
         result = await render_chat(self, request, *args, **kwargs)
         if isinstance(result, tuple) and len(result) == 2:
-            refused = _precheck(self, request, result[1], "max_completion_tokens")
+            refused = _precheck(
+                self,
+                request,
+                result[1],
+                "max_completion_tokens",
+                route=next((r for c, r in no_results if isinstance(self, c)), None),
+            )
             if refused is not None:
                 return refused
         return result
@@ -1418,3 +1578,108 @@ def patch_openai_serving() -> None:
     fence.replace(
         OpenAIServingCompletion, "completion_stream_generator", completion_stream, by="server"
     )
+    _patch_other_routes()
+
+
+def _routes_without_results() -> list[tuple[type, str]]:
+    """Subclasses of vLLM's chat serving whose responses carry no xmix read results."""
+    try:
+        from vllm.entrypoints.anthropic.serving import AnthropicServingMessages
+    except ImportError:  # pragma: no cover - a vLLM without the Messages API
+        return []
+    return [(AnthropicServingMessages, "/v1/messages")]
+
+
+def _patch_other_routes() -> None:
+    """The other routes of vLLM 0.32 that take an xmix control (``vllm_xargs``, or
+    ``sampling_params.extra_args`` on the tokens route) get the same check before any
+    generator exists, so a refusal is an HTTP error before a stream starts: /v1/responses,
+    /v1/chat/completions/batch, /inference/v1/generate (``--enable-scale-out`` /
+    ``--tokens-only``). /v1/messages goes through the chat route's check, /invocations through
+    the completions and chat routes. Their responses have no place for read results: apps
+    that read are refused there, naming the routes that return them."""
+    from . import fence
+
+    try:
+        from vllm.entrypoints.openai.responses.serving import OpenAIServingResponses
+    except ImportError:  # pragma: no cover
+        OpenAIServingResponses = None
+    if OpenAIServingResponses is not None:
+        render_resp = fence.current(OpenAIServingResponses, "_render_resolved_response_inputs")
+
+        async def render_responses(self, request, *args, **kwargs):
+            await _catch_up(self, request)
+            result = await render_resp(self, request, *args, **kwargs)
+            ei = getattr(result, "engine_input", None)
+            if ei is not None:
+                refused = _precheck(self, request, [ei], "max_output_tokens", "/v1/responses")
+                if refused is not None:
+                    return refused
+            return result
+
+        fence.replace(
+            OpenAIServingResponses,
+            "_render_resolved_response_inputs",
+            render_responses,
+            by="server",
+        )
+    try:
+        from vllm.entrypoints.openai.chat_completion.batch_serving import (
+            OpenAIServingChatBatch,
+        )
+    except ImportError:  # pragma: no cover
+        OpenAIServingChatBatch = None
+    if OpenAIServingChatBatch is not None:
+        render_batch = fence.current(OpenAIServingChatBatch, "render_batch_chat_request")
+
+        async def render_batch_chat_request(self, request, *args, **kwargs):
+            await _catch_up(self, request)
+            result = await render_batch(self, request, *args, **kwargs)
+            if isinstance(result, tuple) and len(result) == 3:
+                refused = _precheck(
+                    self, request, result[2], "max_completion_tokens", "/v1/chat/completions/batch"
+                )
+                if refused is not None:
+                    return refused
+            return result
+
+        fence.replace(
+            OpenAIServingChatBatch,
+            "render_batch_chat_request",
+            render_batch_chat_request,
+            by="server",
+        )
+    try:
+        from vllm.entrypoints.scale_out.token_in_token_out.serving import ServingTokens
+    except ImportError:  # pragma: no cover
+        ServingTokens = None
+    if ServingTokens is not None:
+        serve_tokens = fence.current(ServingTokens, "serve_tokens")
+
+        async def serve_tokens_checked(self, request, *args, **kwargs):
+            reg = getattr(
+                getattr(self.engine_client, "input_processor", None), "_xmix_registry", None
+            )
+            sp = getattr(request, "sampling_params", None)
+            ids = getattr(request, "token_ids", None)
+            if reg is not None and sp is not None and isinstance(ids, list):
+                n_prompt = len(ids)
+                max_tokens = (
+                    sp.max_tokens
+                    if request.is_sampling_param_provided("max_tokens")
+                    else max(self.model_config.max_model_len - n_prompt, 0)
+                )
+                refused = _check_ahead(
+                    self,
+                    reg,
+                    sp.extra_args or {},
+                    [(n_prompt, max_tokens or 0)],
+                    sp.n or 1,
+                    getattr(request, "kv_transfer_params", None),
+                    route="/inference/v1/generate",
+                )
+                if refused is not None:
+                    return refused
+            return await serve_tokens(self, request, *args, **kwargs)
+
+        fence.replace(ServingTokens, "serve_tokens", serve_tokens_checked, by="server")

@@ -8,8 +8,8 @@
 - A policy file (``--xmix-policy`` or ``XMIX_POLICY``) says, per inference key, which apps its
   requests may name and which apps deployed in mode ``all`` apply to them.
 - Every control-plane change is one audit line (logger ``vllm.xmix.audit``, and
-  ``XMIX_AUDIT_LOG`` as JSON lines): which key (a fingerprint, never the key), what, when,
-  the result.
+  ``XMIX_AUDIT_LOG`` as JSON lines, the file created 0600): which key (a fingerprint keyed
+  with the deployment's secret, keyed.py; never the key), what, when, the result.
 - Limits per request and per server, from the environment (``xmix serve`` flags set it).
 
 The caller of the HTTP request being served is kept in a context variable set by the
@@ -30,6 +30,8 @@ import threading
 import time
 from dataclasses import dataclass
 from typing import Any
+
+from . import keyed
 
 logger = logging.getLogger("vllm.xmix")
 audit_logger = logging.getLogger("vllm.xmix.audit")
@@ -61,6 +63,8 @@ SERVE_FLAGS = {
     "--xmix-max-request-apps": "XMIX_MAX_REQUEST_APPS",
     "--xmix-max-request-params": "XMIX_MAX_REQUEST_PARAMS",
     "--xmix-max-result-bytes": "XMIX_MAX_RESULT_BYTES",
+    "--xmix-max-response-bytes": "XMIX_MAX_RESPONSE_BYTES",
+    "--xmix-metrics-app-labels": "XMIX_METRICS_APP_LABELS",
 }
 
 
@@ -82,10 +86,19 @@ def check_limits() -> None:
     """Every limit variable parses (called at start, so a typo stops the server)."""
     for name in LIMITS:
         limit(name)
-    for name in ("XMIX_MAX_RESULT_BYTES", "XMIX_MAX_CONTROL_BYTES", "XMIX_MAX_APP_BYTES"):
+    for name in (
+        "XMIX_MAX_RESULT_BYTES",
+        "XMIX_MAX_RESPONSE_BYTES",
+        "XMIX_MAX_CONTROL_BYTES",
+        "XMIX_MAX_APP_BYTES",
+    ):
         raw = os.environ.get(name)
         if raw is not None and not raw.isdigit():
             raise ValueError(f"{name}={raw!r} is not a non-negative integer")
+    from .metrics import app_labels_mode
+
+    app_labels_mode()
+    keyed.secret_from_env()
 
 
 def _truthy(v: str | None) -> bool:
@@ -94,11 +107,6 @@ def _truthy(v: str | None) -> bool:
 
 def digest(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8")).digest()
-
-
-def fingerprint(key: str | None) -> str:
-    """What the audit log shows of a key: the first 12 hex digits of its SHA-256."""
-    return "none" if not key else hashlib.sha256(key.encode("utf-8")).hexdigest()[:12]
 
 
 def bearer(header: str | None) -> str | None:
@@ -150,7 +158,8 @@ def is_forbidden(e: BaseException) -> bool:
 
 # ---------------------------------------------------------------------- policy
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
-_TENANT_KEYS = {"keys_sha256", "apps", "forced"}
+_TENANT_KEYS = {"keys_sha256", "apps", "forced", "max_response_bytes"}
+_DEFAULT_KEYS = {"apps", "forced", "max_response_bytes"}
 
 
 @dataclass(frozen=True)
@@ -162,6 +171,8 @@ class Tenant:
     name: str
     apps: frozenset[str] | None = None
     forced: frozenset[str] | None = None
+    # the cap on the read results of one response (None: the server's XMIX_MAX_RESPONSE_BYTES)
+    max_response_bytes: int | None = None
 
     def may_name(self, app: str) -> bool:
         return self.apps is None or app in self.apps
@@ -173,11 +184,22 @@ class Tenant:
         def names(s):
             return "*" if s is None else sorted(s)
 
-        return {"tenant": self.name, "apps": names(self.apps), "forced": names(self.forced)}
+        out = {"tenant": self.name, "apps": names(self.apps), "forced": names(self.forced)}
+        if self.max_response_bytes is not None:
+            out["max_response_bytes"] = self.max_response_bytes
+        return out
 
 
 class PolicyError(ValueError):
     pass
+
+
+def _cap(v: Any, where: str) -> int | None:
+    if v is None:
+        return None
+    if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+        raise PolicyError(f"{where} must be a positive integer (bytes), got {v!r}"[:200])
+    return v
 
 
 def _names(v: Any, where: str) -> frozenset[str] | None:
@@ -192,9 +214,13 @@ class Policy:
     """The per-key policy file (JSON):
 
         {"tenants": {"research": {"keys_sha256": ["<sha256 hex of the key>"],
-                                  "apps": "*", "forced": []},
+                                  "apps": "*", "forced": [],
+                                  "max_response_bytes": 268435456},
                      "product":  {"keys_sha256": ["..."], "apps": ["steer"], "forced": "*"}},
          "default": {"apps": [], "forced": "*"}}
+
+    ``max_response_bytes`` (optional): the cap on the read results of one response for the
+    tenant's keys, in place of the server's ``XMIX_MAX_RESPONSE_BYTES``.
 
     ``default`` covers requests whose key is in no tenant (and requests without a key on a
     server without ``--api-key``); without it such requests may name no app and get every
@@ -233,6 +259,7 @@ class Policy:
                 name,
                 _names(rules.get("apps", []), f'{where}: "apps"'),
                 _names(rules.get("forced", "*"), f'{where}: "forced"'),
+                _cap(rules.get("max_response_bytes"), f'{where}: "max_response_bytes"'),
             )
             for k in keys:
                 d = bytes.fromhex(k.lower())
@@ -242,12 +269,15 @@ class Policy:
                     )
                 by_digest[d] = t
         dflt = doc.get("default", {})
-        if not isinstance(dflt, dict) or set(dflt) - {"apps", "forced"}:
-            raise PolicyError(f'{source}: "default" is an object with "apps" and "forced"')
+        if not isinstance(dflt, dict) or set(dflt) - _DEFAULT_KEYS:
+            raise PolicyError(
+                f'{source}: "default" is an object with "apps", "forced" and "max_response_bytes"'
+            )
         default = Tenant(
             "default",
             _names(dflt.get("apps", []), f'{source}: default "apps"'),
             _names(dflt.get("forced", "*"), f'{source}: default "forced"'),
+            _cap(dflt.get("max_response_bytes"), f'{source}: default "max_response_bytes"'),
         )
         return Policy(by_digest, default, source)
 
@@ -298,6 +328,19 @@ def reset_caller(tok: contextvars.Token) -> None:
     _CALLER.reset(tok)
 
 
+def may_see(app: str, mode: str, policy: Policy | None = None) -> bool:
+    """Whether the caller of the request being served may know of an app: one its policy
+    lets it name, or one in mode "all" that applies to its requests. Admin keys, and servers
+    without a policy, see every app; a request whose caller is unknown gets the policy's
+    default (fails closed)."""
+    caller = current()
+    if caller is not None:
+        t = None if caller.admin else caller.tenant
+    else:
+        t = policy.default if policy is not None else None
+    return t is None or t.may_name(app) or (mode == "all" and t.may_force(app))
+
+
 # ---------------------------------------------------------------------- server credentials
 class Auth:
     """The server's credentials: inference keys (vLLM's ``--api-key``), admin keys, whether an
@@ -314,6 +357,9 @@ class Auth:
         self._admin = [digest(k) for k in admin_keys if k]
         self.open_control = open_control
         self.policy = policy
+        # Audit fingerprints are keyed with the deployment's secret (keyed.py); the server
+        # puts the deployment's keys here once it fetched them, before it serves.
+        self.keys = keyed.Keys.random()
         if set(self._api) & set(self._admin):
             logger.warning(
                 "xmix: an admin key is also an inference key (--api-key): clients "
@@ -335,10 +381,6 @@ class Auth:
         return bool(self._api)
 
     @property
-    def control_on(self) -> bool:
-        return bool(self._admin) or self.open_control
-
-    @property
     def has_admin(self) -> bool:
         return bool(self._admin)
 
@@ -348,10 +390,14 @@ class Auth:
     def may_generate(self, token: str | None) -> bool:
         return not self._api or _matches(token, self._api)
 
+    def fingerprint(self, header: str | None) -> str:
+        """What the audit log shows of the caller's key (keyed.Keys.fingerprint)."""
+        return self.keys.fingerprint(bearer(header))
+
     def caller(self, header: str | None) -> Caller:
         token = bearer(header)
         tenant = self.policy.tenant(token) if self.policy is not None else None
-        return Caller(fingerprint(token), tenant, self.is_admin(token))
+        return Caller(self.keys.fingerprint(token), tenant, self.is_admin(token))
 
     def check_change(self, header: str | None) -> tuple[int, str] | None:
         """None when this caller may change apps; else (status, message)."""
@@ -421,6 +467,19 @@ class Audit:
     def __init__(self, path: str | None = None):
         self.path = path if path is not None else os.environ.get(AUDIT_ENV) or None
         self._lock = threading.Lock()
+        if self.path:
+            try:
+                mode = os.stat(self.path).st_mode & 0o777
+            except OSError:
+                mode = 0
+            if mode & 0o077:
+                # an existing file keeps the mode its owner gave it; say that others can read it
+                logger.warning(
+                    "xmix: the audit log %s can be read by other users (mode %o); xmix "
+                    "creates it 0600",
+                    self.path,
+                    mode,
+                )
 
     def record(
         self, key: str, action: str, app: str | None, status: int, result: str, **details: Any
@@ -441,7 +500,9 @@ class Audit:
         if self.path:
             with self._lock:
                 try:
-                    with open(self.path, "a", encoding="utf-8") as f:
+                    # created owner-only: the log names apps, keys' fingerprints and refusals
+                    fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+                    with os.fdopen(fd, "a", encoding="utf-8") as f:
                         f.write(line + "\n")
                 except OSError as e:
                     logger.error("xmix: cannot write the audit log %s: %s", self.path, e.strerror)

@@ -34,6 +34,7 @@ from xmix.console.decisions import read_scalar
 from xmix.results_codec import ReadResult
 
 from .frontend import RESULTS_KEY, XMIX_KEY
+from .metrics import shown
 
 logger = logging.getLogger("vllm.xmix")
 
@@ -188,10 +189,10 @@ class Usage:
                 self._observe("app_tpot", tpot, app=a)
 
     def _inc(self, name: str, n: float, **labels) -> None:
-        self.metrics[name].labels(model_name=self.model, **labels).inc(n)
+        self.metrics[name].labels(model_name=self.model, **shown(labels)).inc(n)
 
     def _observe(self, name: str, v: float, **labels) -> None:
-        self.metrics[name].labels(model_name=self.model, **labels).observe(v)
+        self.metrics[name].labels(model_name=self.model, **shown(labels)).observe(v)
 
 
 _usage: Usage | None = None

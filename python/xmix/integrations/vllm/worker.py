@@ -585,6 +585,8 @@ def patch_load_model(cls) -> None:
         _key_compile_cache(self.vllm_config)
         t0 = time.perf_counter()
         self._xmix = WorkerXmix(self, family)
+        # A state directory is read now: a corrupt one stops the engine's start.
+        _ledger(self._xmix, self.vllm_config)
         logger.info(
             "xmix: attached to %s (%s) in %.2fs",
             type(self).__name__,
@@ -684,11 +686,16 @@ def xmix_describe(self) -> dict:
     }
 
 
-def _first_worker(worker) -> bool:
+def _first_worker(vllm_config) -> bool:
     """The first worker of the first engine: the one whose ledger every server reads
-    (``results[0]`` of a fan-out)."""
-    par = getattr(getattr(worker, "vllm_config", None), "parallel_config", None)
-    return not getattr(par, "data_parallel_index", 0) and not getattr(worker, "rank", 0)
+    (``results[0]`` of a fan-out), as state_dir.for_worker decides it."""
+    from .state_dir import _model_parallel_rank
+
+    par = getattr(vllm_config, "parallel_config", None)
+    dp = getattr(par, "data_parallel_index", None)
+    if dp is None:
+        dp = getattr(par, "data_parallel_rank", 0)
+    return int(dp or 0) == 0 and _model_parallel_rank() == 0
 
 
 def _where(worker) -> dict:
@@ -726,13 +733,38 @@ def _ledger_summary(x: WorkerXmix) -> dict | None:
 def xmix_ledger(self, op: str, owner: str = "", since: int = 0, entry: dict | None = None):
     """The engine-side record of control changes and the lease that serialises them across
     API servers (ledger.py)."""
-    x = _wx(self)
+    return _ledger(_wx(self), getattr(self, "vllm_config", None)).call(op, owner, since, entry)
+
+
+def _ledger(x: WorkerXmix, vllm_config):
     led = x.__dict__.get("ledger")
     if led is None:
         from .ledger import Ledger
+        from .state_dir import for_worker
 
-        led = x.__dict__["ledger"] = Ledger(replica=not _first_worker(self))
-    return led.call(op, owner, since, entry)
+        led = x.__dict__["ledger"] = Ledger(
+            for_worker(vllm_config), replica=not _first_worker(vllm_config)
+        )
+    return led
+
+
+def xmix_deployment_secret(self) -> bytes:
+    """The deployment's secret (keyed.py): the operator's XMIX_DEPLOYMENT_SECRET, else the one
+    kept in the state directory (drawn there once), else random bytes drawn on first use and
+    kept for the engine's life. Every API server keys cache salts, audit fingerprints and
+    hidden metric labels with the first worker's."""
+    x = _wx(self)
+    s = x.__dict__.get("deployment_secret")
+    if s is None:
+        from .keyed import engine_secret, secret_from_env
+
+        state = _ledger(x, getattr(self, "vllm_config", None)).state
+        if secret_from_env() is None and state is not None:
+            s = state.secret()
+        else:
+            s = engine_secret()
+        x.__dict__["deployment_secret"] = s
+    return s
 
 
 def xmix_call(self, method: str, args: list | tuple = ()) -> tuple[str, Any]:
@@ -760,6 +792,7 @@ WORKER_METHODS = {
     for f in (
         xmix_call,
         xmix_ledger,
+        xmix_deployment_secret,
         xmix_capacity,
         xmix_deploy,
         xmix_deploy_prepare,
