@@ -15,7 +15,9 @@ and route and its packets are dropped on the way, as with a pulled cable (TCP re
 
 Everything made here carries one tag (``xm<pid>``): ``down()`` ends every process started on
 a host (its process group, then any pid still in the namespace), deletes the namespaces and
-the client's veth, and is safe to call twice or after a failed ``up()``. The fixture in
+the client's veth, and is safe to call twice or after a failed ``up()``. A run killed before
+its ``down()`` leaves its hosts behind; ``up()`` first removes those of processes that no
+longer exist (``sweep``). The fixture in
 tests/server/test_multi_node.py and ``scripts/netns_hosts.py`` use this module.
 
 Needs root, iproute2 (``ip netns``, veth, bridge) and util-linux's ``unshare``; ``reason()``
@@ -28,6 +30,7 @@ import contextlib
 import ipaddress
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -94,6 +97,41 @@ def _pick_subnet() -> ipaddress.IPv4Network:
     raise RuntimeError("no free /24 under 10.231.0.0/16 for the test hosts")
 
 
+_TAGGED = re.compile(r"^xm(\d+)(?:-sw|-h\d+|c)$")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep() -> list[str]:
+    """Remove the namespaces and client veths a killed run of this module left behind (their
+    tag's pid is gone), with every process still in them. Returns what it removed."""
+    gone = []
+    for line in _ip("netns", "list", check=False).stdout.splitlines():
+        ns = line.split(" ", 1)[0]
+        m = _TAGGED.match(ns)
+        if m and not _alive(int(m.group(1))):
+            for pid in Hosts.pids(ns):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            _ip("netns", "del", ns, check=False)
+            gone.append(ns)
+    for line in _ip("-o", "link", "show", check=False).stdout.splitlines():
+        name = line.split(":", 2)[1].strip().split("@", 1)[0] if ":" in line else ""
+        m = _TAGGED.match(name)
+        if m and name.endswith("c") and not _alive(int(m.group(1))):
+            _ip("link", "del", name, check=False)
+            gone.append(name)
+    return gone
+
+
 class Hosts:
     """``n`` hosts: ``addrs[i]`` is host i's address, ``client`` the address of this process
     on their network."""
@@ -122,6 +160,7 @@ class Hosts:
         return self
 
     def _up(self) -> None:
+        sweep()
         self.net = _pick_subnet()
         hosts = list(self.net.hosts())
         self.addrs = [str(hosts[i]) for i in range(self.n)]
