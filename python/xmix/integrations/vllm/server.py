@@ -405,6 +405,8 @@ async def _follow(ctl: Controller, gone) -> None:
                 # a read says what was applied before it (ledger.py): read again at once, so
                 # the change that waits for this server hears from it without another interval
                 await asyncio.to_thread(ctl.sync)
+        except EngineUnreachable as e:  # the first engine's host out of reach: keep trying
+            logger.warning("xmix: following the engines' ledger: %s", e)
         except EngineGone:
             return
         except Exception:
