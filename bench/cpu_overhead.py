@@ -11,6 +11,9 @@ d = 512 Llama that bench/serve_overhead.py and bench/serve_paired.py serve):
                  attention.post and mlp.post of every layer
   cast           xmix, every request uses CAST (cosine read over the prompt at one layer, a
                  latch, an add at the second half of the layers; xmix.apps.cast)
+  monitor-idle   xmix, every request uses probe-1layer's probe as a monitor that never fires:
+                 a stop on it and an add under since(...) on it, thresholds out of reach
+                 (what a monitor costs beyond its read: compare with probe-1layer)
 
 Rounds are interleaved (vanilla, unused, steer, probe, vanilla, ...) so that machine noise
 hits every configuration alike; the table gives the median tokens/s per configuration and the
@@ -19,6 +22,7 @@ round's vanilla. This is a benchmark, not a test: nothing here asserts.
 
     python bench/cpu_overhead.py [--prompts 64] [--tokens 64] [--rounds 5] [--model llama-8x512]
     python bench/cpu_overhead.py --profile DIR   # py-spy on xmix's processes, per configuration
+    python bench/cpu_overhead.py --only probe-1layer,monitor-idle   # some (vanilla always)
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--only", help="comma-separated configurations to run (vanilla always runs)")
     ap.add_argument(
         "--profile",
         type=Path,
@@ -83,9 +88,14 @@ def main() -> None:
         "residual.post"
     )
     probe = xmix.App("probe")
-    probe.read("probe", weight=torch.randn(d, generator=g) / 16).layers([2]).submodule(
+    w_probe = torch.randn(d, generator=g) / 16
+    probe.read("probe", weight=w_probe).layers([2]).submodule("residual.post")
+    monitor = xmix.App("monitor")  # the same probe, acting on nothing (a sigmoid never hits 2)
+    monitor.read("probe", weight=w_probe).layers([2]).submodule("residual.post").named("p")
+    monitor.write("add", vector=torch.randn(d, generator=g), scale=1.0).layers([3]).submodule(
         "residual.post"
-    )
+    ).cond(when="since(p > 2.0)")
+    monitor.stop(when="p > 2.0")
     ablate = xmix.App("ablate")
     r = torch.randn(d, generator=g)
     for site in ("residual.pre", "attention.post", "mlp.post"):
@@ -99,7 +109,7 @@ def main() -> None:
         threshold=-1.0,
         name="cast",
     )
-    for a in (steer, probe, ablate, cast_app):
+    for a in (steer, probe, ablate, cast_app, monitor):
         llm.xmix.deploy(a)
 
     prompts = [
@@ -122,7 +132,11 @@ def main() -> None:
         "probe-1layer": (llm, sp(["probe"])),
         "ablate-all": (llm, sp(["ablate"])),
         "cast": (llm, sp(["cast"])),
+        "monitor-idle": (llm, sp(["monitor"])),
     }
+    if args.only:
+        keep = {"vanilla", *args.only.split(",")}
+        configs = {k: v for k, v in configs.items() if k in keep}
     # warm-up (compilation, allocator) once per configuration
     for eng, p in configs.values():
         eng.generate(prompts[:8], p, use_tqdm=False)

@@ -9,7 +9,9 @@ forward leaves the caches in a real step).
 
 Configurations: ``none`` (no app deployed), ``unused`` (apps deployed, no request uses
 them), ``steer`` (one add at one layer), ``ablate`` (3 sites x every layer), ``probe`` (one
-read, drained every step). The serving runs' counters (``bench/serve_paired.py``: xmix
+read, drained every step), ``monitor`` (the probe's read as a monitor that never fires: a
+stop on it and an add under ``since(...)`` on it, thresholds out of reach; its cost beyond the
+probe's is a monitor's). The serving runs' counters (``bench/serve_paired.py``: xmix
 bookkeeping and site programs per step) are measured inside the engine, where every step is
 cold; this shows how much of them is the cold caches rather than the work. Medians over
 --steps steps, one torch thread (vLLM's CPU worker runs one). Nothing here asserts.
@@ -25,7 +27,7 @@ import time
 import numpy as np
 import torch
 
-CONFIGS = ("none", "unused", "steer", "ablate", "probe")
+CONFIGS = ("none", "unused", "steer", "ablate", "probe", "monitor")
 SITES = ("residual.pre", "attention.post", "mlp.post", "residual.post")
 
 
@@ -49,9 +51,15 @@ def build(config: str, d: int, n_layers: int, rows: int):
     for s in SITES[:3]:
         apps["ablate"].write("ablate", direction=r).layers("all").submodule(s)
     apps["probe"] = xmix.App("probe")
-    apps["probe"].read("probe", weight=torch.randn(d, generator=g) / d**0.5).layers(
-        [min(n_layers // 2 + 1, n_layers - 1)]
-    ).submodule("residual.post").named("p")
+    w_probe = torch.randn(d, generator=g) / d**0.5
+    at = min(n_layers // 2 + 1, n_layers - 1)
+    apps["probe"].read("probe", weight=w_probe).layers([at]).submodule("residual.post").named("p")
+    apps["monitor"] = xmix.App("monitor")  # a sigmoid never reaches 2: nothing fires
+    apps["monitor"].read("probe", weight=w_probe).layers([at]).submodule("residual.post").named("p")
+    apps["monitor"].write("add", vector=torch.randn(d, generator=g), scale=1.0).submodule(
+        "final.post"
+    ).cond(when="since(p > 2.0)")
+    apps["monitor"].stop(when="p > 2.0")
     if config != "none":
         for a in apps.values():
             cb.install(lower(a, shape))
@@ -59,8 +67,9 @@ def build(config: str, d: int, n_layers: int, rows: int):
     rids = [f"r{i}" for i in range(rows)]
     for rid in rids:
         cb.admit(rid, [config] if config in apps else [], {}, 128)
-    # every site a Llama layer has, as the compiled graph calls them each step
+    # every site a Llama layer has, and final.post, as the compiled graph calls them each step
     sites = [site_id(s, layer, n_layers) for layer in range(n_layers) for s in SITES]
+    sites.append(site_id("final.post", None, n_layers))
     return x, rids, sites
 
 
@@ -112,7 +121,7 @@ def main(argv=None) -> None:
     torch.set_num_threads(1)
     print(
         f"# xmix host work per decode step: d={args.d}, {args.layers} layers "
-        f"({args.layers * len(SITES)} sites), {args.rows} requests; torch {torch.__version__}, "
+        f"({args.layers * len(SITES) + 1} sites, final.post included), {args.rows} requests; torch {torch.__version__}, "
         f"1 thread, {platform.machine()}; cold: {args.evict_mib} MiB evicted before each step"
     )
     print("| configuration | caches | begin µs | sites µs | after µs | total µs |")

@@ -140,6 +140,10 @@ py::dict control_layout() {
   FIELD(ControlBlock, capture);
   FIELD(ControlBlock, capture_size);
   FIELD(ControlBlock, result_valid);
+  FIELD(ControlBlock, slot_sticky);
+  FIELD(ControlBlock, slot_floor);
+  FIELD(ControlBlock, row_stop);
+  FIELD(ControlBlock, row_switched);
   d["__size__"] = sizeof(ControlBlock);
   return d;
 }
@@ -211,6 +215,10 @@ py::dict control_field_sizes() {
   SIZE(ControlBlock, capture);
   SIZE(ControlBlock, capture_size);
   SIZE(ControlBlock, result_valid);
+  SIZE(ControlBlock, slot_sticky);
+  SIZE(ControlBlock, slot_floor);
+  SIZE(ControlBlock, row_stop);
+  SIZE(ControlBlock, row_switched);
   return d;
 }
 
@@ -260,6 +268,12 @@ py::dict constants() {
   d["OP_CUSTOM"] = int(OP_CUSTOM);
   d["OP_SAE_READ"] = int(OP_SAE_READ);
   d["OP_SAE_CLAMP"] = int(OP_SAE_CLAMP);
+  d["OP_STOP"] = int(OP_STOP);
+  d["OP_SINCE"] = int(OP_SINCE);
+  d["C_SINCE"] = int(C_SINCE);
+  d["MAX_STICKY"] = kMaxSticky;
+  d["NO_POSITION"] = kNoPosition;
+  d["STOP_POSITION_BITS"] = kStopPositionBits;
   d["TF_VALID"] = int(TF_VALID);
   d["TF_PROMPT"] = int(TF_PROMPT);
   d["TF_GENERATED"] = int(TF_GENERATED);

@@ -499,6 +499,10 @@ __device__ void run_op_row(const ControlBlock& cb, const OpDesc& op, int32_t t, 
     }
     case OP_SAE_READ:
     case OP_SAE_CLAMP: sae_row(cb, op, t, sel, slot, row, flags, p, d, red, xs); break;
+    case OP_STOP:
+    case OP_SINCE:
+      if (sel && threadIdx.x == 0) monitor_token(cb, op, t, slot);
+      break;
     default: break;  // OP_CUSTOM runs as its own launch (launch_custom)
   }
   if (row.refused) atomicAdd(ptr<int32_t>(cb.app_nonfinite) + op.app, row.refused);

@@ -513,6 +513,13 @@ void run_op_cpu(const ControlBlock& cb, const OpDesc& op, void* h, const void* r
     run_sae_cpu(cb, op, h, r, n_rows, d, stride_h, stride_r, dtype);
     return;
   }
+  if (op.kind == OP_STOP || op.kind == OP_SINCE) {
+    for (int32_t t = 0; t < n_rows; ++t) {
+      int32_t slot;
+      if (op_selects(cb, op, t, &slot)) monitor_token(cb, op, t, slot);
+    }
+    return;
+  }
   if (op.kind == OP_CUSTOM) {
     std::vector<uint8_t> select(static_cast<size_t>(n_rows), 0);
     for (int32_t t = 0; t < n_rows; ++t) {

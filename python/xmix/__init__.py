@@ -21,6 +21,7 @@ __all__ = [
     "capture",
     "custom_include_dir",
     "decode_results",
+    "monitors",
     "results",
     "__version__",
 ]
@@ -35,6 +36,18 @@ def results(output, as_tensors: bool = False) -> dict:
 
     res = getattr(output, "xmix", None) or {}
     return tensors_of(res) if as_tensors else as_lists(res)
+
+
+def monitors(output) -> dict:
+    """What an app's monitors did to one sequence (a ``CompletionOutput``, or a
+    ``RequestOutput``: its first sequence), once it finished: ``{"stopped": {app, read,
+    position, value}, "switched": [{app, read, position, condition}, ...]}``, each key only
+    when it happened (``App.stop``, ``since(...)``); {} otherwise. The request's provenance
+    (``xmix_applied``) names the same for a request of one sequence."""
+    outs = getattr(output, "outputs", None)
+    if isinstance(outs, list):
+        output = outs[0] if outs else None
+    return dict(getattr(output, "xmix_monitors", None) or {})
 
 
 def decode_results(payload) -> dict:

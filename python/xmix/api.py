@@ -514,8 +514,23 @@ class App:
                 f"kernels are {', '.join(sorted(KERNELS))}"
             )
         spec = KERNELS[kernel]
+        if kernel == "since":
+            raise AppError(
+                f"app {self.name!r}, {what}: since is a condition, not an op: write "
+                f"since(...) in a .cond(...) or app.stop(when=...)"
+            )
+        if spec.primitive == "control" and primitive != "control":
+            raise AppError(
+                f"app {self.name!r}, {what}: {kernel!r} is not a {primitive}; use "
+                f"app.{kernel}(when=...)"
+            )
         if spec.primitive not in (primitive, "either"):
             raise AppError(f"app {self.name!r}, {what}: {kernel!r} is a {spec.primitive} kernel")
+        if kernel == "stop" and any(o.kernel == "stop" for o in self.ops):
+            raise AppError(
+                f"app {self.name!r}: one stop condition per app; combine conditions with "
+                f"'or' (app.stop(when=\"a or b\"))"
+            )
         kwargs = dict(kwargs)
         custom = None
         artifacts: dict[str, torch.Tensor] = {}
@@ -612,6 +627,26 @@ class App:
         """Change the activation at a site: add, ablate, affine, clamp, router, sae_steer,
         sae_clamp (or custom)."""
         return self._op("write", kernel, kwargs)
+
+    def stop(self, when: str) -> Op:
+        """End a request at the first token where ``when`` holds: a read at position t is
+        computed while the model reads token t, so the request ends with token t and nothing
+        sampled after it is emitted (a trigger in the prompt: no token at all). The response
+        finishes with ``finish_reason "stop"`` and names the trigger in its provenance
+        (``xmix_applied.stopped``: app, read, position, value of the first read ``when``
+        names). ``when`` is any condition (gates, latches, token sets, ``since(...)``,
+        and/or/not; thresholds may be parameters). The check runs at ``final.post`` by
+        default; ``.at(site).layers([l])`` on the returned op moves it (it must come after
+        the reads it names). One stop per app."""
+        if not isinstance(when, str):
+            raise AppError(f"app {self.name!r}: stop(when=...) needs a condition, got {when!r}")
+        op = self._op("control", "stop", {})
+        try:
+            op.cond(when=when)
+        except AppError:
+            self.ops.remove(op)
+            raise
+        return op
 
     def token_set(
         self, name: str, ids: Any = None, strings: Any = None, contains: Any = None

@@ -37,7 +37,7 @@ class Param:
 @dataclass(frozen=True)
 class Kernel:
     name: str
-    primitive: str  # "read" or "write"
+    primitive: str  # "read", "write", "either" (custom) or "control" (monitors)
     code: str  # OP_* constant name in control.h
     artifacts: dict[str, str] = field(default_factory=dict)
     params: dict[str, Param] = field(default_factory=dict)
@@ -145,6 +145,22 @@ KERNELS: dict[str, Kernel] = {
             doc="x += sum_f (c - a_f(x)) W_dec[f]: features set to c, the SAE's error kept",
         ),
         Kernel(
+            "stop",
+            "control",
+            "OP_STOP",
+            {},
+            doc="App.stop(when=...): the request ends with the first token where the "
+            "condition holds (nothing sampled after it is emitted)",
+        ),
+        Kernel(
+            "since",
+            "control",
+            "OP_SINCE",
+            {},
+            doc="the state of a since(...) condition: decided after its reads' site, never "
+            "declared by an app (lowering places one per distinct since(...) term)",
+        ),
+        Kernel(
             "custom",
             "either",
             "OP_CUSTOM",
@@ -156,3 +172,4 @@ KERNELS: dict[str, Kernel] = {
 
 READ_KERNELS = tuple(k for k, v in KERNELS.items() if v.primitive == "read")
 WRITE_KERNELS = tuple(k for k, v in KERNELS.items() if v.primitive == "write")
+CONTROL_KERNELS = tuple(k for k, v in KERNELS.items() if v.primitive == "control")

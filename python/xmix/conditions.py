@@ -11,6 +11,8 @@
              | READ CMP value                           # per-token gate on an earlier read
              | ("prompt_mean" | "prompt_last") "(" READ ")" CMP value
                                                          # request-level latch over the prompt
+             | "since(" cond ")"                         # sticky: from the first token where
+                                                         # cond held to the end of the request
     CMP     := ">=" | ">" | "<=" | "<" | "==" | "!="
     value   := NUMBER | PARAM                            # PARAM: a name declared by app.param()
 
@@ -19,7 +21,11 @@ every generated token. A latch is decided at the request's last prompt token and
 every later token; before that it is false. An op at a later site than the latch's read sees
 it from the last prompt token on; an op at the read's site or before it, from the first
 generated token on (in the last prompt token's forward it runs before the read has seen that
-token). ``READ`` names a read of the same app (``name``,
+token). ``since(cond)`` holds from the first token at which ``cond`` held (that token
+included; a prompt token too) to the end of the request, across prefill chunks and
+preemption: it is decided right after the site of the last read ``cond`` names, so an op
+using it must be at a later site (lowering says so otherwise); a ``since`` cannot contain
+another. ``READ`` names a read of the same app (``name``,
 or ``name.<layer>`` for a read placed on several layers, or ``name.f<id>`` for one feature of
 an SAE read with ``features=[...]``: ``sae18.f1234 > 2.0``, docs/saes.md).
 """
@@ -33,7 +39,8 @@ from dataclasses import dataclass
 FLAGS = ("all", "prompt", "generated", "last_token")
 CMPS = (">=", ">", "<=", "<", "==", "!=")
 REDUCES = ("prompt_mean", "prompt_last")
-RESERVED = frozenset(FLAGS + REDUCES + ("token_in", "in_span", "and", "or", "not"))
+STICKY = "since"
+RESERVED = frozenset(FLAGS + REDUCES + ("token_in", "in_span", STICKY, "and", "or", "not"))
 MAX_DEPTH = 32  # nesting of parentheses / not; deeper texts are refused, not recursed into
 MAX_TERMS = 256  # atoms in one condition; longer texts are refused before a tree is built
 MAX_TEXT = 16384  # characters of one condition text
@@ -75,6 +82,13 @@ class Latch:
 
 
 @dataclass(frozen=True)
+class Since:
+    """Sticky: holds from the first token of the request where ``a`` held, to its end."""
+
+    a: Node
+
+
+@dataclass(frozen=True)
 class And:
     a: Node
     b: Node
@@ -91,7 +105,7 @@ class Not:
     a: Node
 
 
-Node = Flag | TokenIn | InSpan | Gate | Latch | And | Or | Not
+Node = Flag | TokenIn | InSpan | Gate | Latch | Since | And | Or | Not
 
 _TOKEN = re.compile(
     r"\s*(?:(?P<num>[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)"
@@ -212,6 +226,20 @@ class _Parser:
             b = self.take("name")
             self.take("punct", ")")
             return InSpan(a, b)
+        if name == STICKY:
+            self.take("punct", "(")
+            self.depth += 1
+            if self.depth > MAX_DEPTH:
+                raise ConditionError(f"condition nested more than {MAX_DEPTH} levels deep")
+            inner = self.or_()
+            self.depth -= 1
+            self.take("punct", ")")
+            if any(isinstance(n, Since) for n in walk(inner)):
+                raise ConditionError(
+                    f"in condition {self.text!r}: since(...) inside since(...); the inner "
+                    f"one already holds to the end of the request"
+                )
+            return Since(inner)
         if name in REDUCES:
             self.take("punct", "(")
             read = self.take("name")
@@ -226,7 +254,7 @@ class _Parser:
         raise ConditionError(
             f"in condition {self.text!r}: {name!r} is not a condition; use one of "
             f"{', '.join(FLAGS)}, token_in(set), in_span(open, close), READ >= value, "
-            f"prompt_mean(READ) >= value, prompt_last(READ) >= value"
+            f"prompt_mean(READ) >= value, prompt_last(READ) >= value, since(condition)"
         )
 
 
@@ -247,9 +275,10 @@ def combine(expr: str | None, when: str | None, gate: str | None) -> Node | None
     return node
 
 
-def walk(node: Node) -> Iterator[Node]:
+def walk(node: Node, into_since: bool = True) -> Iterator[Node]:
     """Every node, parents before children (iterative: a left-deep chain of terms is as
-    deep as it is long)."""
+    deep as it is long); with ``into_since=False`` a ``since(...)`` is a leaf (its condition
+    is a program of its own, evaluated where it is decided)."""
     stack = [node]
     while stack:
         n = stack.pop()
@@ -257,14 +286,33 @@ def walk(node: Node) -> Iterator[Node]:
         if isinstance(n, (And, Or)):
             stack.append(n.b)
             stack.append(n.a)
-        elif isinstance(n, Not):
+        elif isinstance(n, Not) or (isinstance(n, Since) and into_since):
             stack.append(n.a)
+
+
+def sinces(node: Node | None) -> list[Since]:
+    """The distinct ``since(...)`` terms of a condition, in the order they appear."""
+    out: list[Since] = []
+    for n in walk(node, into_since=False) if node is not None else ():
+        if isinstance(n, Since) and n not in out:
+            out.append(n)
+    return out
+
+
+def reads_named(node: Node | None) -> list[str]:
+    """The reads a condition names (gates and latches, inside ``since`` too), first
+    appearance first: the first is the one a monitor reports."""
+    out: list[str] = []
+    for n in walk(node) if node is not None else ():
+        if isinstance(n, (Gate, Latch)) and n.read not in out:
+            out.append(n.read)
+    return out
 
 
 def n_instructions(node: Node) -> int:
     """Instructions of the postfix program of ``node`` in the control block's condition
-    code: one per node."""
-    return sum(1 for _ in walk(node))
+    code: one per node (a ``since(...)`` is one instruction: a test of its state)."""
+    return sum(1 for _ in walk(node, into_since=False))
 
 
 def to_text(node: Node) -> str:
@@ -283,6 +331,9 @@ def to_text(node: Node) -> str:
     if isinstance(node, Latch):
         v = repr(node.value) if isinstance(node.value, float) else node.value
         return f"{node.reduce}({node.read}) {node.cmp} {v}"
+    if isinstance(node, Since):
+        inner = to_text(node.a)
+        return f"since({inner[1:-1] if isinstance(node.a, (And, Or)) else inner})"
     if isinstance(node, And):
         return f"({to_text(node.a)} and {to_text(node.b)})"
     if isinstance(node, Or):

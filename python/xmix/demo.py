@@ -1,7 +1,8 @@
-"""The main job: ``xmix serve`` on the embedded tiny Llama with two demo apps, then one
-vanilla, one steered and one probed request over HTTP (flat ``vllm_xargs`` controls), the
-console's URL, and the server stopped again; with ``--keep`` the server stays up so the
-console can be opened, until ``--stop``.
+"""The main job: ``xmix serve`` on the embedded tiny Llama with three demo apps, then one
+vanilla, one steered and one probed request over HTTP (flat ``vllm_xargs`` controls), a
+monitor that stops one request beside one it lets run, the console's URL, and the server
+stopped again; with ``--keep`` the server stays up so the console can be opened, until
+``--stop``.
 
 Demo apps (the tiny model has random weights, so the apps are built from its own weights to
 have an effect one can read):
@@ -9,6 +10,9 @@ have an effect one can read):
               leaving the last layer: generation is pushed towards that token.
   lens_probe  a logit-lens probe: sigmoid(w . x + b) on the final-norm output with w the same
               unembedding row, i.e. "how much does the model lean towards that token now".
+  the_guard   a monitor on the same lens: the request stops at the first generated token where
+              the lean reaches theta (App.stop); theta is set per request, between the lean of the
+              vanilla and of the steered answer, so it stops the steered request only.
 """
 
 from __future__ import annotations
@@ -47,7 +51,17 @@ def demo_apps(model_dir: Path, out_dir: Path, word: str = " the") -> tuple[list[
     steer.write("add", vector=u, scale=12.0).layers([n_layers - 1]).at("residual.post")
     probe = xmix.App("lens_probe", metadata={"demo": f"logit lens towards {tok.decode([tid])!r}"})
     probe.read("probe", weight=u, bias=-2.0).at("final.post").named("lean")
-    paths = [steer.save(out_dir / "steer_the.xmix"), probe.save(out_dir / "lens_probe.xmix")]
+    guard = xmix.App(
+        "the_guard", metadata={"demo": f"stop once the lens leans towards {tok.decode([tid])!r}"}
+    )
+    guard.param("theta", 0.99)
+    guard.read("probe", weight=u, bias=-2.0).at("final.post").named("lean")
+    guard.stop(when="lean >= theta and generated")
+    paths = [
+        steer.save(out_dir / "steer_the.xmix"),
+        probe.save(out_dir / "lens_probe.xmix"),
+        guard.save(out_dir / "the_guard.xmix"),
+    ]
     return paths, tok.decode([tid])
 
 
@@ -149,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         log_path = Path(tmp) / "serve.log"
         log = open(log_path, "w")
         print(
-            f"[demo] starting: xmix serve {model.name} --app steer_the.xmix --app lens_probe.xmix"
+            f"[demo] starting: xmix serve {model.name} --app steer_the.xmix "
+            f"--app lens_probe.xmix --app the_guard.xmix"
         )
         proc = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
@@ -167,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"         {a['name']:11s} mode={a['mode']:8s} sites={a['sites']}  ({a['metadata'].get('demo', '')})"
                 )
 
-            def complete(apps_used: list[str]) -> dict:
+            def complete(apps_used: list[str], **xargs: float) -> dict:
                 body = {
                     "model": "tiny-llama",
                     "prompt": args.prompt,
@@ -175,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
                     "temperature": 0,
                 }
                 if apps_used:
-                    body["vllm_xargs"] = {"xmix_apps": apps_used}
+                    body["vllm_xargs"] = {"xmix_apps": apps_used, **xargs}
                 r = client.post("/v1/completions", json=body)
                 r.raise_for_status()
                 return r.json()
@@ -189,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"[demo] steered : {steered['choices'][0]['text']!r}   (steer_the pushes towards {word!r})"
             )
+            peak = {}
             for label, resp in (("probe, vanilla", probed), ("probe, steered", both)):
                 lean = resp["xmix"]["lens_probe"]["lean"]
                 gen = [
@@ -197,14 +213,45 @@ def main(argv: list[str] | None = None) -> int:
                     if p >= resp["usage"]["prompt_tokens"] - 1
                 ]
                 mean = sum(gen) / max(len(gen), 1)
+                fed = [
+                    v
+                    for p, v in zip(lean["positions"], lean["values"])
+                    if p >= resp["usage"]["prompt_tokens"]
+                ]
+                peak[label] = max(fed, default=0.0)  # over generated tokens fed back
                 print(
                     f"[demo] {label}: lean towards {word!r} per generated token = "
                     f"{', '.join(f'{v:.2f}' for v in gen[:8])}{' ...' if len(gen) > 8 else ''}  (mean {mean:.3f})"
                 )
+            # the monitor: a threshold the steered answer's lean crosses and the vanilla one's
+            # does not, so one request is stopped and the other runs to the end
+            theta = (peak["probe, vanilla"] + peak["probe, steered"]) / 2
+            guard = {"xmix.the_guard.theta": theta}
+            let_run = complete(["the_guard"], **guard)
+            stopped = complete(["steer_the", "the_guard"], **guard)
+            print(f"\n[demo] the_guard (stop once the lean reaches {theta:.3f}):")
+            for label, resp in (("vanilla", let_run), ("steered", stopped)):
+                c = resp["choices"][0]
+                stop = resp["xmix_applied"].get("stopped")
+                why = (
+                    f"stopped at position {stop['position']} (lean {stop['value']:.3f})"
+                    if stop
+                    else f"not stopped ({c['finish_reason']}, {resp['usage']['completion_tokens']} tokens)"
+                )
+                print(f"[demo]   {label:8s}: {c['text']!r}   {why}")
             assert probed["choices"][0]["text"] == vanilla["choices"][0]["text"], (
                 "a read-only app must not change the answer"
             )
             print("\n[demo] the probe-only answer equals the vanilla answer (reads never write).")
+            if peak["probe, steered"] > peak["probe, vanilla"]:
+                assert let_run["choices"][0]["text"] == vanilla["choices"][0]["text"]
+                assert "stopped" not in let_run["xmix_applied"]
+                assert stopped["choices"][0]["finish_reason"] == "stop"
+                assert stopped["xmix_applied"]["stopped"]["app"] == "the_guard"
+                print(
+                    "[demo] the guard let the vanilla answer run to its end and stopped the "
+                    "steered one at its trigger (finish_reason 'stop')."
+                )
             print(
                 f"\n[demo] console: {base}/xmix/ui/   (API key: {api_key}; admin key, to change apps: {admin_key})"
             )

@@ -19,7 +19,7 @@ from xmix import _C
 from xmix import conditions as C
 from xmix.api import App, AppError
 from xmix.catalog import CENTROIDS, EXPERTS, FLT_MAX, KERNELS, MAT_DD, SAE_KERNELS, VEC
-from xmix.hooks import ModelShape, site_id
+from xmix.hooks import ModelShape, site_id, site_of
 
 if TYPE_CHECKING:
     from xmix.api import Op
@@ -89,10 +89,19 @@ class LoweredOp:
     sae: Any = None  # xmix.SAE of an SAE kernel
     features: list[int] = field(default_factory=list)  # SAE features of the op, in order
     top_k: int = 0  # "sae" read: ids + activations per token
+    # Monitors (kernels "stop" and "since"): the read a stop or a switch is reported with
+    # (the first read the condition names; None for a condition on tokens alone), and for
+    # "since" the text of its since(...) term, which ops' conditions refer to it by.
+    monitor_read: str | None = None
+    sticky: str | None = None
 
     @property
     def is_read(self) -> bool:
         return self.primitive == "read"
+
+    @property
+    def is_control(self) -> bool:
+        return self.primitive == "control"
 
 
 @dataclass
@@ -107,6 +116,12 @@ class LoweredApp:
     reads: dict[str, LoweredOp] = field(default_factory=dict)
     # "name.f<id>": (result key, channel index) of one feature of an SAE features read
     aliases: dict[str, tuple[str, int]] = field(default_factory=dict)
+    # since(...) terms of the app's conditions by their text -> the op that decides them
+    sinces: dict[str, LoweredOp] = field(default_factory=dict)
+
+    @property
+    def stop(self) -> LoweredOp | None:
+        return next((o for o in self.ops if o.kernel == "stop"), None)
 
     def read_op(self, key: str) -> LoweredOp | None:
         """The read a condition names: a result key, or one feature of an SAE read."""
@@ -122,12 +137,12 @@ class LoweredApp:
 
     @property
     def writes(self) -> bool:
-        return any(not o.is_read for o in self.ops)
+        return any(o.primitive == "write" for o in self.ops)
 
     @property
     def stateful(self) -> bool:
         """Needs every prompt token computed by this request (no prefix-cache reads)."""
-        if self.spans or any(o.kernel == "cosine" for o in self.ops):
+        if self.spans or self.sinces or any(o.kernel in ("cosine", "stop") for o in self.ops):
             return True
         return any(isinstance(n, C.Latch) for o in self.ops if o.cond for n in C.walk(o.cond))
 
@@ -285,6 +300,11 @@ def lower(
     for idx, op in enumerate(app.ops):
         what = f"op {op.label}"
         spec = KERNELS[op.kernel]
+        if op.kernel == "stop":
+            if op.condition() is None:
+                raise _fail(name, what, "a stop needs a condition (app.stop(when=...))")
+            if op.site is None and op.layer_spec is None:
+                op.site = "final.post"  # after every read: the condition sees them all
         if op.site is None:
             raise _fail(name, what, "no site: call .at(site)")
         if spec.sites is not None and op.site not in spec.sites:
@@ -330,6 +350,8 @@ def lower(
                         name, what, f"layer {l} out of range (model has {shape.n_layers} layers)"
                     )
 
+        if op.kernel == "stop" and len(layers) != 1:
+            raise _fail(name, what, f"a stop runs at one site; give one layer, got {len(layers)}")
         for a, t in op.artifacts.items():
             if id(t) not in checked:
                 _check_finite(name, what, a, t)
@@ -471,6 +493,9 @@ def lower(
                 sae=op.sae,
                 features=features,
                 top_k=top_k,
+                monitor_read=next(iter(C.reads_named(op.condition())), None)
+                if op.kernel == "stop"
+                else None,
             )
             for p, (lo, hi) in param_bounds(lop).items():
                 v = dict(lop.params)[p]
@@ -483,7 +508,6 @@ def lower(
                     )
             ops.append(lop)
 
-    ops.sort(key=lambda o: (o.site_id, o.op_index))
     reads: dict[str, LoweredOp] = {}
     aliases: dict[str, tuple[str, int]] = {}
     for o in ops:
@@ -501,6 +525,11 @@ def lower(
                 f"op {reads[a].label}",
                 f"result name {a!r} is also a feature of the SAE read {aliases[a][0]!r}",
             )
+    sinces = _since_ops(app, ops, reads, aliases, shape)
+    ops.extend(sinces.values())
+    # At a site: the app's ops in declaration order, monitors after them (a stop placed at a
+    # read's site sees that read whatever the order the app declared them in).
+    ops.sort(key=lambda o: (o.site_id, o.is_control, o.op_index))
 
     spans: list[tuple[str, str]] = []
     for o in ops:
@@ -529,6 +558,7 @@ def lower(
                         f"(declare it with app.param)",
                     )
     _check_gate_order(name, ops, reads, aliases)
+    _check_since_order(name, ops, sinces, shape)
     lowered = LoweredApp(
         name=name,
         app=app,
@@ -539,8 +569,76 @@ def lower(
         app_params=dict(app.app_params),
         reads=reads,
         aliases=aliases,
+        sinces=sinces,
     )
     return lowered
+
+
+def _read_site(
+    key: str, reads: dict[str, LoweredOp], aliases: dict[str, tuple[str, int]]
+) -> int | None:
+    src = reads.get(aliases[key][0]) if key in aliases else reads.get(key)
+    return src.site_id if src is not None else None
+
+
+def _since_ops(
+    app: App,
+    ops: list[LoweredOp],
+    reads: dict[str, LoweredOp],
+    aliases: dict[str, tuple[str, int]],
+    shape: ModelShape,
+) -> dict[str, LoweredOp]:
+    """One op per distinct since(...) term of the app's conditions: it decides the term's
+    state right after the site of the last read the term names (the first site of layer 0
+    for a term on tokens alone), for every token of the step, in position order."""
+    out: dict[str, LoweredOp] = {}
+    for o in list(ops):
+        for s in C.sinces(o.cond):
+            text = C.to_text(s)
+            if text in out:
+                continue
+            named = C.reads_named(s.a)
+            sites = [x for x in (_read_site(r, reads, aliases) for r in named) if x is not None]
+            sid = max(sites) if sites else site_id("residual.pre", 0, shape.n_layers)
+            layer, site = site_of(sid, shape.n_layers)
+            out[text] = LoweredOp(
+                app=app.name,
+                op_index=len(app.ops) + len(out),
+                label=text,
+                primitive="control",
+                kernel="since",
+                site=site,
+                layer=layer,
+                site_id=sid,
+                result_key=None,
+                artifacts={},
+                params=[],
+                cond=s.a,
+                monitor_read=named[0] if named else None,
+                sticky=text,
+            )
+    return out
+
+
+def _check_since_order(
+    app: str, ops: list[LoweredOp], sinces: dict[str, LoweredOp], shape: ModelShape
+) -> None:
+    """An op sees a since(...) term from the next site after the one deciding it: the term
+    is decided across every token of the step there (on a GPU by every token's block of that
+    site's kernel), so an op at that site or before it would see it one step late."""
+    from xmix.hooks import site_name
+
+    for o in ops:
+        for s in C.sinces(o.cond):
+            d = sinces[C.to_text(s)]
+            if o.site_id <= d.site_id:
+                raise _fail(
+                    app,
+                    f"op {o.label}",
+                    f"{C.to_text(s)} is decided after {site_name(d.site_id, shape.n_layers)} "
+                    f"(the site of the last read it names); an op using it must be at a later "
+                    f"site",
+                )
 
 
 # OpDesc.flags of the SAE kernels (csrc/include/xmix/control.h: SaeFlag, SaeArch, SaeNorm).
@@ -594,7 +692,8 @@ def _check_gate_order(
     for i, o in enumerate(ops):
         if o.cond is None:
             continue
-        for node in C.walk(o.cond):
+        # a since(...) term's reads are the deciding op's (_since_ops), checked there
+        for node in C.walk(o.cond, into_since=False):
             if not isinstance(node, (C.Gate, C.Latch)):
                 continue
             src = reads[aliases[node.read][0]] if node.read in aliases else reads.get(node.read)
@@ -654,7 +753,11 @@ def _check_gate_order(
                     app, f"op {o.label}", f"gate on custom read {rname!r} must be at a later site"
                 )
             elif not (
-                src.site_id < o.site_id or (src.site_id == o.site_id and src.op_index < o.op_index)
+                src.site_id < o.site_id
+                or (
+                    src.site_id == o.site_id
+                    and (src.op_index < o.op_index or (o.is_control and not src.is_control))
+                )
             ):
                 raise _fail(
                     app,

@@ -173,3 +173,16 @@ def compare(v: float, cmp: str, t: float) -> bool:
     if v != v:  # the read did not run on this token
         return False
     return {">=": v >= t, ">": v > t, "<=": v <= t, "<": v < t, "==": v == t, "!=": v != t}[cmp]
+
+
+# ---------------------------------------------------------------------------- monitors
+def first_held(holds: list[bool], positions: list[int]) -> int | None:
+    """The position of the first token (in position order) at which a condition held, or
+    None: where a stop ends a request, and where a since(...) term starts to hold."""
+    return next((p for h, p in sorted(zip(holds, positions), key=lambda x: x[1]) if h), None)
+
+
+def since_holds(position: int, start: int | None) -> bool:
+    """since(cond) at a token: cond held at this token or an earlier one of the request
+    (``start``: the first position where it held, None while it never has)."""
+    return start is not None and position >= start

@@ -39,7 +39,12 @@ TRUNCATED_KEY = "!truncated"  # the request's results were cut at its byte cap
 # there (a change through another API server, or between admission and scheduling): the
 # frontend names them in the request's provenance (``xmix_applied.changed``)
 DROPPED_KEY = "!dropped"
-SPECIAL_KEYS = (ERROR_KEY, TRUNCATED_KEY, DROPPED_KEY)
+# monitors: the stop that ended the request ({app, read, position, value}) and the since(...)
+# terms that started to hold ([{app, read, position, condition}]); the frontend moves both to
+# the request's provenance (``xmix_applied.stopped`` / ``.switched``)
+STOPPED_KEY = "!stopped"
+SWITCHED_KEY = "!switched"
+SPECIAL_KEYS = (ERROR_KEY, TRUNCATED_KEY, DROPPED_KEY, STOPPED_KEY, SWITCHED_KEY)
 
 KINDS = ("scalar", "vector", "topk", "features")
 DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -277,6 +282,9 @@ def merge_results(into: dict, new: dict) -> dict:
     """Append ``new`` to ``into`` in step order (``into`` is changed; ``new``'s results are
     shared, never changed)."""
     for app, reads in new.items():
+        if app == SWITCHED_KEY:  # one entry per since(...) term, in step order
+            into[app] = [*into.get(app, ()), *reads]
+            continue
         if app in SPECIAL_KEYS:
             into.setdefault(app, reads)
             continue

@@ -34,6 +34,10 @@ struct Block {
   std::vector<float> results = std::vector<float>(T * R, NAN);
   std::vector<float> capture = std::vector<float>(64, 0.f);
   std::vector<uint8_t> result_valid = std::vector<uint8_t>(T * R, 0);
+  std::vector<int32_t> slot_sticky = std::vector<int32_t>(S * kMaxSticky, kNoPosition);
+  std::vector<int32_t> slot_floor = std::vector<int32_t>(S, 0);
+  std::vector<uint64_t> row_stop = std::vector<uint64_t>(S, kNoStop);
+  std::vector<uint32_t> row_switched = std::vector<uint32_t>(S, 0);
   ControlBlock cb{};
 
   ControlBlock& build(int n_tokens, int n_rows) {
@@ -55,6 +59,8 @@ struct Block {
     cb.n_spans = 1; cb.n_token_sets = 2;
     cb.results = u(results.data()); cb.capture = u(capture.data()); cb.capture_size = 64;
     cb.result_valid = u(result_valid.data());
+    cb.slot_sticky = u(slot_sticky.data()); cb.slot_floor = u(slot_floor.data());
+    cb.row_stop = u(row_stop.data()); cb.row_switched = u(row_switched.data());
     return cb;
   }
   // One request per row, tokens contiguous.

@@ -584,3 +584,63 @@ def test_derive_seal_kts_sake(env, tmp_path):
     din, dout = (xs - mu_s).norm(dim=1), (xu - mu_s).norm(dim=1)
     assert float((din <= t + 1e-4).double().mean() - (dout <= t + 1e-4).double().mean()) > 0
     assert any(abs(float(x) - t) < 1e-3 for x in din)  # t is one of the in-scope distances
+
+
+# ============================================================================ a monitor
+def test_derive_harm_monitor_stops_and_switches_as_the_oracle(env, tmp_path):
+    """``xmix derive harm_monitor``: a probe (logistic regression on residual.pre at the last
+    prompt token, harmful = 1) and the refusal direction, served as a monitor that steers from
+    the first flagged token on and stops what it is sure about. Its artifacts are the math of
+    the transformers model's own hidden states; served, every request matches the oracle
+    (tokens, stop, switches, reads), and with both thresholds out of reach it is vanilla."""
+    from test_engine import assert_monitors_match
+    from vllm import SamplingParams
+
+    from xmix.apps import derive as D
+    from xmix.integrations.hf import attach
+
+    llm = env["llm"]
+    out = tmp_path / "harm_monitor.xmix"
+    argv = ["harm_monitor", "--model", KIND, "--positive", str(PROMPTS / "refusal_pos.txt")]
+    argv += ["--negative", str(PROMPTS / "refusal_neg.txt"), "--out", str(out), "--quiet"]
+    assert DC.main(argv + ["--stop-threshold", "0.9"], llm=llm) == 0
+    app = xmix.App.load(out)
+    meta = app.metadata
+    assert meta["xmix_app"] == "harm_monitor" and meta["probe_layer"] == 2
+    assert meta["counts"] == {"positive": 24, "negative": 24}
+    hp = torch.stack([h[2][0, -1] for h in hf_states(env, lines("refusal_pos"))]).double()
+    hn = torch.stack([h[2][0, -1] for h in hf_states(env, lines("refusal_neg"))]).double()
+    w0, b0 = D.probe_from_sets(hp, hn)
+    probe, add = app.ops[0], app.ops[1]
+    torch.testing.assert_close(probe.artifacts["weight"], w0, rtol=1e-3, atol=1e-4)
+    assert probe.params["bias"] == pytest.approx(b0, rel=1e-3, abs=1e-4)
+    torch.testing.assert_close(
+        add.artifacts["vector"].double(), hp.mean(0) - hn.mean(0), rtol=1e-4, atol=1e-5
+    )
+    assert app.ops[2].kernel == "stop" and app.app_params == {"theta": 0.5, "stop_at": 0.9}
+
+    ids = [env["tok"].encode(p) for p in lines("refusal_pos")[:4] + lines("refusal_neg")[:4]]
+    off = {"harm_monitor": {"theta": 2.0, "stop_at": 2.0}}
+    llm.xmix.deploy(app)
+    try:
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in ids * 2],
+            [
+                SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, extra_args=x)
+                for x in [{"xmix": {"apps": ["harm_monitor"]}}] * len(ids)
+                + [{"xmix": {"apps": ["harm_monitor"], "params": off}}] * len(ids)
+            ],
+            use_tqdm=False,
+        )
+        plain = generate(llm, ids, [], 8)
+    finally:
+        llm.xmix.undeploy(app.name)
+    acted = []
+    with attach(env["hf"], [app], tokenizer=env["tok"]) as oracle:
+        for i, (p, o) in enumerate(zip(ids, outs[: len(ids)])):
+            o_toks, o_res = oracle.generate(p, 8, apps=["harm_monitor"])
+            assert_monitors_match(o.outputs[0], o_toks, o_res, f"prompt {i}")
+            acted.append(bool(xmix.monitors(o)))
+    for (toks, _), o in zip(plain, outs[len(ids) :]):
+        assert list(o.outputs[0].token_ids) == toks and xmix.monitors(o) == {}
+    assert any(acted[:4]), "the probe should act on some harmful prompt"

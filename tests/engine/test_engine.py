@@ -34,9 +34,30 @@ MODELS = ["tiny-llama", "tiny-qwen3", "tiny-mixtral"]
 # router sites under torch.compile are covered there too (Qwen3-MoE, DeepSeek-V2, gpt-oss).
 ENGINE_MODE = {"tiny-llama": COMPILED, "tiny-qwen3": {}, "tiny-mixtral": {}}
 MAX_TOKENS = 32
+N_MON = 16  # tokens per request in the monitor test (its late triggers are before 12)
 
 
-def build_apps(shape: ModelShape, tok) -> list[xmix.App]:
+def long_prompt(tok) -> list[int]:
+    """A prompt of 200 tokens: chunked (64-token budget) in every engine of these tests."""
+    return tokenize(tok, " ".join(PROMPTS[:8]) * 2)[:200]
+
+
+def first_seen_in(seq: list[int], lo: int, hi: int, avoid: set[int] = frozenset()) -> int | None:
+    """A token id whose first occurrence in seq is at an index in [lo, hi)."""
+    seen: set[int] = set()
+    for i, t in enumerate(seq):
+        if lo <= i < hi and t not in seen and t not in avoid:
+            return t
+        seen.add(t)
+    return None
+
+
+def build_apps(
+    shape: ModelShape, tok, halt_ids: list[int] = (), switch_ids: list[int] = ()
+) -> list[xmix.App]:
+    """The test apps. ``halt_ids`` / ``switch_ids``: tokens that trigger the monitors "halt"
+    (a stop) and "switch" (a since(...) write), besides one token first seen in the second
+    prefill chunk of ``long_prompt``."""
     g = torch.Generator().manual_seed(1234)
     d = shape.hidden_size
 
@@ -97,7 +118,37 @@ def build_apps(shape: ModelShape, tok) -> list[xmix.App]:
         "residual.pre"
     ).cond(gate="prompt_mean(q) >= 0.0")
 
-    apps = [steer, probe, guarded, ablate, latch, span, capture, late]
+    # monitors: a probe's gate with theta 0 holds wherever it ran (a sigmoid is never
+    # negative), so the trigger is where the token condition first holds; theta 2 never holds
+    chunk2 = first_seen_in(long_prompt(tok), 70, 120)
+    halt = xmix.App("halt")
+    halt.param("theta", 0.0)
+    halt.token_set("trig", ids=sorted({chunk2, *halt_ids}))
+    halt.read("probe", weight=unit() * 0.5, bias=0.0).layers([1]).submodule("residual.post").named(
+        "h"
+    )
+    halt.stop(when="h >= theta and token_in(trig)")
+
+    first = xmix.App("halt_first")  # stops at the first generated token
+    first.read("probe", weight=unit() * 0.5, bias=0.0).layers([2]).submodule("residual.mid").named(
+        "f"
+    )
+    first.stop(when="generated and f >= 0")
+
+    switch = xmix.App("switch")  # steers from the first trigger to the end of the request
+    switch.param("theta", 0.0)
+    switch.token_set("trig", ids=sorted({chunk2, *switch_ids}))
+    switch.read("probe", weight=unit() * 0.5, bias=0.0).layers([0]).submodule(
+        "residual.post"
+    ).named("s")
+    switch.write("add", vector=unit() * 8.0, scale=1.0).layers([2]).submodule("residual.post").cond(
+        when="since(s >= theta and token_in(trig))"
+    )
+    switch.read("capture", dims=(0, 4)).layers([3]).submodule("residual.pre").named("x").cond(
+        "since(s >= theta and token_in(trig))"
+    )
+
+    apps = [steer, probe, guarded, ablate, latch, span, capture, late, halt, first, switch]
     if shape.n_experts:
         mask = torch.zeros(shape.n_experts)
         mask[0], mask[1] = 1.0, -1.0
@@ -114,11 +165,27 @@ def env(request):
     path = str(tiny_model_path(request.param))
     tok = AutoTokenizer.from_pretrained(path)
     shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(path))
-    apps = build_apps(shape, tok)
     vanilla = make_llm(path, with_xmix=False, **ENGINE_MODE[request.param])
     van_ids = [tokenize(tok, p) for p in PROMPTS]
     van_out = [list(o.outputs[0].token_ids) for o in greedy(vanilla, van_ids, MAX_TOKENS)]
     shutdown(vanilla)
+    # monitor triggers a few tokens into two requests' own (unmonitored) continuations
+    # monitor triggers a few tokens into two requests' own (unmonitored) continuations: the
+    # first token seen there that neither the prompt nor the long prompt's trigger precedes
+    chunk2 = first_seen_in(long_prompt(tok), 70, 120)
+    late: dict[int, int] = {}
+    for i in (0, 3, 9, 10, 11, 12, 13, 14, 15):
+        seq = van_ids[i] + van_out[i]
+        if chunk2 in seq:
+            continue
+        t = first_seen_in(seq, len(van_ids[i]) + 3, len(van_ids[i]) + 12)
+        if t is not None and t not in late.values():
+            late[i] = t
+        if len(late) == 2:
+            break
+    assert len(late) == 2, "no continuation has a late first-seen token"
+    (halt_at, halt_id), (switch_at, switch_id) = late.items()
+    apps = build_apps(shape, tok, [halt_id], [switch_id])
     llm = make_llm(path, **ENGINE_MODE[request.param])
     for a in apps:
         llm.xmix.deploy(a)
@@ -136,6 +203,7 @@ def env(request):
         oracle=oracle,
         ids=van_ids,
         vanilla=van_out,
+        late=(halt_at, switch_at),
     )
     oracle.detach()
     shutdown(llm)
@@ -185,6 +253,114 @@ def test_mixed_batch_matches_oracle(env):
         assert_reads_match(xmix.results(out), o_res, f"request {i} ({ctl})")
         changed += toks != env["vanilla"][i]
     assert changed >= 3, "the writes in this batch should change several answers"
+
+
+def assert_monitors_match(co, o_toks, o_res, what):
+    """One sequence against the oracle: its tokens, its stop and switches, its reads. A stop in
+    the prompt ends the request in the engine's prefill chunk that holds it (its reads end
+    there), the oracle's in its own (the whole prompt): the engine's positions are then a
+    prefix of the oracle's, down to the trigger at least."""
+    o_res = dict(o_res)
+    want = {k: o_res.pop(f"!{k}") for k in ("stopped", "switched") if f"!{k}" in o_res}
+    got = xmix.monitors(co)
+    assert list(co.token_ids) == o_toks, f"{what}: tokens differ from the oracle"
+    assert set(got) == set(want), f"{what}: monitors {got} != {want}"
+    assert got.get("switched") == want.get("switched"), what
+    if "stopped" in want:
+        g, w = dict(got["stopped"]), dict(want["stopped"])
+        assert co.finish_reason == "stop", what
+        gv, wv = g.pop("value"), w.pop("value")
+        assert g == w, f"{what}: stopped {got['stopped']} != {want['stopped']}"
+        assert gv == pytest.approx(wv, rel=1e-4, abs=1e-5), what
+        q = w["position"]
+        res = xmix.results(co)
+        for app, reads in res.items():
+            for key, e in reads.items():
+                n = len(e["positions"])
+                o = o_res[app][key]
+                assert e["positions"] == o["positions"][:n] and e["positions"][-1] >= q, what
+                o_res[app][key] = {"positions": o["positions"][:n], "values": o["values"][:n]}
+        assert_reads_match(res, o_res, what, scaled=True)
+    else:
+        assert_reads_match(xmix.results(co), o_res, what, scaled=True)
+
+
+def test_monitors_match_oracle(env):
+    """A mixed batch with monitors: stops in the prompt (one inside the second prefill chunk
+    of a long prompt), on the first generated token, later in the generation and never;
+    since(...) writes that start in the prompt, in the generation and never; requests
+    without monitors; n = 2 sampled sequences, each with its own monitors. Each sequence
+    matches the oracle (tokens, stop, switches, reads); a monitor that never fires leaves the
+    request exactly as vanilla."""
+    from vllm import SamplingParams
+
+    llm, ids, tok, oracle = env["llm"], env["ids"], env["tok"], env["oracle"]
+    long = long_prompt(tok)
+    never = {"theta": 2.0}  # a sigmoid never reaches it
+    halt_at, switch_at = env["late"]
+    reqs = [
+        (ids[halt_at], {"apps": ["halt"]}),  # a token of its own continuation: a later stop
+        (ids[1], {"apps": ["halt"], "params": {"halt": never}}),
+        (long, {"apps": ["halt", "probe"]}),  # in the long prompt's second chunk
+        (ids[2], {"apps": ["halt_first"]}),
+        (ids[switch_at], {"apps": ["switch"]}),  # steered from a token of its continuation on
+        (ids[4], {"apps": ["switch"], "params": {"switch": never}}),
+        (long, {"apps": ["switch"]}),  # steered from the long prompt's second chunk on
+        (ids[5], None),
+        (ids[6], {"apps": ["halt", "steer"]}),
+    ]
+    sampled = (ids[7], {"apps": ["halt_first", "switch"]})
+    params = [
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=N_MON,
+            ignore_eos=True,
+            extra_args={"xmix": c} if c is not None else None,
+        )
+        for _, c in reqs
+    ]
+    outs = llm.generate([{"prompt_token_ids": p} for p, _ in reqs], params, use_tqdm=False)
+    kinds = set()
+    for i, ((p, ctl), out) in enumerate(zip(reqs, outs)):
+        if ctl is None or ctl.get("params"):
+            # no monitor, or one that never fires: vanilla, token for token
+            assert list(out.outputs[0].token_ids) == env["vanilla"][ids.index(p)][:N_MON], i
+            assert xmix.monitors(out) == {}, i
+        o_toks, o_res = oracle.generate(
+            p, N_MON, apps=(ctl or {}).get("apps", []), params=(ctl or {}).get("params")
+        )
+        assert_monitors_match(out.outputs[0], o_toks, o_res, f"request {i} ({ctl})")
+        mon = xmix.monitors(out)
+        if "stopped" in mon:
+            q, P = mon["stopped"]["position"], len(p)
+            kinds.add(
+                "chunk2" if 64 <= q < P else "prompt" if q < P else "first" if q == P else "later"
+            )
+            assert out.xmix_applied["stopped"] == mon["stopped"]
+        for sw in mon.get("switched", ()):
+            kinds.add("since-prompt" if sw["position"] < len(p) else "since-generated")
+    assert {"chunk2", "first", "later", "since-prompt", "since-generated"} <= kinds, kinds
+    # n = 2: each sampled sequence stops at its own first generated token, against the oracle
+    # fed that sequence's tokens (alone: vLLM 0.32's CPU runner fails a seeded request whose
+    # prompt is split over prefill chunks, "CPU Generator does not use offset")
+    sp = SamplingParams(
+        n=2,
+        temperature=1.0,
+        seed=5,
+        max_tokens=N_MON,
+        ignore_eos=True,
+        extra_args={"xmix": sampled[1]},
+    )
+    (out,) = llm.generate([{"prompt_token_ids": sampled[0]}], sp, use_tqdm=False)
+    assert [co.index for co in out.outputs] == [0, 1]
+    for co in out.outputs:
+        req = oracle.request(sampled[0], apps=sampled[1]["apps"])
+        req.prefill()
+        for t in co.token_ids:
+            assert req.stopped is None, f"sequence {co.index} ran past the oracle's stop"
+            req.decode(t)
+        assert_monitors_match(co, list(co.token_ids), req.report(), f"sequence {co.index}")
+        assert len(co.token_ids) == 1 and xmix.monitors(co)["stopped"]["app"] == "halt_first"
 
 
 def test_parallel_sampling_keeps_sequences_apart(env):

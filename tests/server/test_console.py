@@ -416,20 +416,33 @@ def test_live_view_shows_the_metrics_counters_and_refreshes(server, page):
     completion(server, "Refresh me", {"xmix_apps": ["lens_probe"]})
     wait(page, lambda d: shown("lens_probe") == before + 1, 15)  # no reload: the view polls
     assert shown("lens_probe") == metric(server, "vllm:xmix_app_requests_total", app="lens_probe")
+    # a monitor: the demo's guard stops a steered request; the view shows it per read
+    r = completion(
+        server,
+        "Stop me",
+        {"xmix_apps": ["steer_the", "the_guard"], "xmix.the_guard.theta": 0.5},
+    )
+    assert r["choices"][0]["finish_reason"] == "stop" and r["xmix_applied"]["stopped"]
+    stopped = metric(server, "vllm:xmix_requests_stopped_total", app="the_guard")
+    assert stopped >= 1
+    sel = "td.monitors div[data-action='stopped']"
+    wait(page, lambda d: (cell("the_guard", sel) or "").endswith(f": {int(stopped)}"), 15)
+    assert cell("the_guard", sel) == f"stopped by lean: {int(stopped)}"
     page.save_screenshot(str(SHOTS / "live.png"))
 
 
 def test_server_start_logs_each_app_and_the_console_url(server):
     log = server["log"].read_text()
     lines = [l for l in log.splitlines() if re.search(r"xmix: app \w+  mode=", l)]
-    assert len(lines) == 3
+    assert len(lines) == 4
     assert re.search(
         r"xmix: app steer_the  mode=request  sites=layers\.3\.residual\.post$", lines[0]
     )
     assert re.search(r"xmix: app lens_probe  mode=request  sites=final\.post$", lines[1])
+    assert re.search(r"xmix: app the_guard  mode=request  sites=final\.post$", lines[2])
     assert re.search(
         r"xmix: app gated  mode=request  sites=layers\.1\.residual\.post, "
         r"layers\.3\.residual\.post$",
-        lines[2],
+        lines[3],
     )
     assert f"xmix: console at http://127.0.0.1:{server['port']}/xmix/ui/" in log

@@ -931,3 +931,113 @@ def test_soak_live_changes_under_16_streams(server):
         "steer",
         "probe",
     ]
+
+
+def test_monitors_stop_and_switch_over_http(server):
+    """Monitors served: a stop ends the response with finish_reason "stop" and names its
+    trigger under xmix_applied.stopped (non-streamed and streamed: the stream's last chunk
+    carries it, nothing after); a trigger in the prompt gives no token; a since(...) write
+    names its switch; both are counted per app on /metrics."""
+    from transformers import AutoTokenizer
+
+    c = server["client"]
+    g = torch.Generator().manual_seed(31)
+    mon = xmix.App("mon")
+    mon.param("theta", 0.0)
+    mon.read("probe", weight=torch.randn(D, generator=g) / 16).layers([1]).at(
+        "residual.post"
+    ).named("m")
+    mon.stop(when="m >= theta and generated")  # the first generated token
+    sw = xmix.App("sw")
+    sw.read("probe", weight=torch.randn(D, generator=g) / 16).layers([0]).at("residual.post").named(
+        "s"
+    )
+    sw.write("add", vector=torch.randn(D, generator=g), scale=4.0).layers([2]).at(
+        "residual.post"
+    ).cond(when="since(s >= 0 and last_token)")
+    for app in (mon, sw):
+        r = c.post("/xmix/v1/apps", content=app.to_bytes())
+        assert r.status_code == 201, r.text
+    tok = AutoTokenizer.from_pretrained(server["model"])
+    try:
+        n_prompt = len(tok.encode("Once upon a time"))
+        r = complete(server, control={"apps": ["mon"]}, max_tokens=8, return_token_ids=True)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        choice = body["choices"][0]
+        assert choice["finish_reason"] == "stop" and len(choice["token_ids"]) == 1
+        stopped = body["xmix_applied"]["stopped"]
+        assert stopped["app"] == "mon" and stopped["read"] == "m"
+        assert stopped["position"] == n_prompt and 0.0 < stopped["value"] < 1.0
+        assert body["usage"]["completion_tokens"] == 1
+        # theta 2: never fires; the answer is the plain one
+        plain = complete(server, max_tokens=8).json()
+        never = complete(server, control={"apps": ["mon"], "params": {"mon": {"theta": 2.0}}})
+        assert never.json()["choices"][0]["text"] == plain["choices"][0]["text"]
+        assert "stopped" not in never.json()["xmix_applied"]
+        # a trigger in the prompt: no token at all
+        on_prompt = xmix.App("mon_prompt")
+        on_prompt.read("probe", weight=torch.ones(D) / 64).layers([0]).at("residual.post").named(
+            "q"
+        )
+        on_prompt.stop(when="q >= 0")
+        assert c.post("/xmix/v1/apps", content=on_prompt.to_bytes()).status_code == 201
+        r = complete(server, control={"apps": ["mon_prompt"]}, return_token_ids=True).json()
+        assert r["choices"][0]["token_ids"] == [] and r["choices"][0]["text"] == ""
+        assert r["choices"][0]["finish_reason"] == "stop"
+        assert r["xmix_applied"]["stopped"]["position"] == 0
+        # streamed: the chunk that finishes carries the stop; nothing comes after it
+        chat = {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "hello there"}],
+            "max_tokens": 8,
+            "temperature": 0,
+            "vllm_xargs": {"xmix": json.dumps({"apps": ["mon"]})},
+        }
+        full = c.post("/v1/chat/completions", json=chat).json()
+        assert full["choices"][0]["finish_reason"] == "stop"
+        chunks = []
+        with c.stream("POST", "/v1/chat/completions", json={**chat, "stream": True}) as s:
+            assert s.status_code == 200
+            for line in s.iter_lines():
+                if line.startswith("data: {"):
+                    chunks.append(json.loads(line[6:]))
+        fin = [
+            i for i, ch in enumerate(chunks) if (ch.get("choices") or [{}])[0].get("finish_reason")
+        ]
+        assert len(fin) == 1 and chunks[fin[0]]["choices"][0]["finish_reason"] == "stop"
+        assert chunks[fin[0]]["xmix_applied"]["stopped"] == full["xmix_applied"]["stopped"]
+        assert all(not ch.get("choices") for ch in chunks[fin[0] + 1 :])
+        text = "".join(
+            (ch.get("choices") or [{}])[0].get("delta", {}).get("content") or "" for ch in chunks
+        )
+        assert text == full["choices"][0]["message"]["content"]
+        # n = 2 sampled: each choice names its own sequence's stop
+        two = complete(server, control={"apps": ["mon"]}, n=2, temperature=1.0, seed=4).json()
+        for ch in two["choices"]:
+            assert ch["finish_reason"] == "stop"
+            assert ch["xmix_monitors"]["stopped"]["position"] == n_prompt
+        # a switch
+        r = complete(server, control={"apps": ["sw"]}).json()
+        (sw_rec,) = r["xmix_applied"]["switched"]
+        assert sw_rec["app"] == "sw" and sw_rec["read"] == "s"
+        assert sw_rec["position"] == n_prompt - 1  # the last prompt token
+        assert r["choices"][0]["text"] != plain["choices"][0]["text"]
+        metrics = c.get("/metrics").text.splitlines()
+
+        def count(name, app, read):
+            for l in metrics:
+                if (
+                    l.startswith(f"vllm:{name}_total{{")
+                    and f'app="{app}"' in l
+                    and f'read="{read}"' in l
+                ):
+                    return float(l.rsplit(" ", 1)[1])
+            return 0.0
+
+        assert count("xmix_requests_stopped", "mon", "m") == 5  # 2 completions, 1 stream, n=2
+        assert count("xmix_requests_stopped", "mon_prompt", "q") == 1
+        assert count("xmix_requests_switched", "sw", "s") == 1
+    finally:
+        for name in ("mon", "sw", "mon_prompt"):
+            c.delete(f"/xmix/v1/apps/{name}")

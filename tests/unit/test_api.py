@@ -23,7 +23,7 @@ from xmix.lowering import DeployError, latch_from_generated, lower
 
 D, L, E, V = 32, 4, 4, 100
 S = ModelShape(n_layers=L, hidden_size=D, vocab_size=V, n_experts=E, moe_layers=(0, 1, 2, 3))
-RESERVED = {"and", "or", "not", "token_in", "in_span", *C.FLAGS, *C.REDUCES}
+RESERVED = {"and", "or", "not", "token_in", "in_span", "since", *C.FLAGS, *C.REDUCES}
 SITES = [s for s in (*LAYER_SITES, "final.post") if s != "router.logits"]
 FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -90,9 +90,11 @@ def valid_apps(draw, custom=False):
     reads = []  # (key, site id, op index, kernel)
     n_ops = draw(st.integers(0, 6))
     # SAE kernels take an xmix.SAE and one layer: tests/unit/test_sae_kernels.py covers them.
-    kernels = sorted(k for k in KERNELS if k != "custom" and k not in SAE_KERNELS) + (
-        ["custom"] if custom else []
-    )
+    kernels = sorted(
+        k
+        for k in KERNELS
+        if k != "custom" and k not in SAE_KERNELS and KERNELS[k].primitive != "control"
+    ) + (["custom"] if custom else [])
     for i in range(n_ops):
         kernel = draw(st.sampled_from(kernels))
         spec = KERNELS[kernel]
@@ -828,8 +830,16 @@ trees = st.recursive(
 )
 
 
+# since(...) around any tree without one, anywhere in a tree
+sticky_trees = st.recursive(
+    atoms | trees.map(C.Since),
+    lambda c: st.builds(C.And, c, c) | st.builds(C.Or, c, c) | st.builds(C.Not, c),
+    max_leaves=6,
+)
+
+
 @settings(max_examples=300, deadline=None)
-@given(trees)
+@given(st.one_of(trees, sticky_trees))
 def test_condition_tree_to_text_and_back(node):
     text = C.to_text(node)
     assert C.parse(text) == node

@@ -24,7 +24,9 @@ def test_step_host_prints_every_configuration_hot_and_cold():
     rows = [l for l in r.stdout.splitlines() if l.startswith("| ") and "---" not in l][1:]
     got = [tuple(c.strip() for c in l.strip("|").split("|")[:2]) for l in rows]
     assert got == [
-        (c, t) for c in ("none", "unused", "steer", "ablate", "probe") for t in ("hot", "cold")
+        (c, t)
+        for c in ("none", "unused", "steer", "ablate", "probe", "monitor")
+        for t in ("hot", "cold")
     ]
     for l in rows:
         nums = [float(x) for x in re.findall(r"\d+\.\d", l)]

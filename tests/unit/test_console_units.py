@@ -237,6 +237,39 @@ def test_usage_counts_gates_and_latency_per_app_and_live_reads_them_back():
     assert p["tpot_added_s"] == pytest.approx(0.0)
     # admitted counts come from the admission counter (not touched here)
     assert a["requests_admitted"] == 0
+    assert a["monitors"] == [] and p["monitors"] == []
+
+
+def test_usage_counts_monitors_per_app_and_read_and_live_shows_them():
+    """Requests a stop ended and requests whose since(...) started to hold, counted once per
+    request (the engine reports each once) from the packed results the engine core sends."""
+    from prometheus_client import CollectorRegistry
+
+    from xmix.integrations.vllm import metrics
+    from xmix.integrations.vllm.usage import Usage
+    from xmix.results_codec import STOPPED_KEY, SWITCHED_KEY
+
+    m = metrics._make(CollectorRegistry())
+    reg = _registry({"a": (_app(), "request")})
+    u = Usage(reg, m, Clock())
+    stop = {"app": "a", "read": "g", "position": 4, "value": 0.9}
+    sw = {"app": "a", "read": "g", "position": 2, "condition": "since(g > 0.5)"}
+    tok = {"app": "a", "read": None, "position": 0, "condition": "since(last_token)"}
+    u.admitted("r1", {"apps": ["a"]})
+    u.output("r1", {SWITCHED_KEY: [sw]}, 1, False)
+    u.output("r1", {STOPPED_KEY: stop}, 0, True)
+    u.admitted("r2", {"apps": ["a"]})
+    u.output("r2", {SWITCHED_KEY: [sw, tok]}, 1, False)
+    u.output("r2", None, 1, True)
+    u.admitted("r3", {"apps": ["a"]})
+    u.output("r3", {STOPPED_KEY: {**stop, "read": None}}, 0, True)
+    snap = live.snapshot(m, "m", [{"name": "a", "mode": "request"}])
+    assert snap["apps"][0]["monitors"] == [
+        {"action": "stopped", "read": "", "requests": 1.0},
+        {"action": "stopped", "read": "g", "requests": 1.0},
+        {"action": "switched", "read": "", "requests": 1.0},
+        {"action": "switched", "read": "g", "requests": 2.0},
+    ]
 
 
 def test_app_names_hidden_on_metrics_and_named_again_for_those_who_may_see_them(monkeypatch):
@@ -264,16 +297,18 @@ def test_app_names_hidden_on_metrics_and_named_again_for_those_who_may_see_them(
     reg.admit({"apps": ["a"]})
     u.admitted("r1", {"apps": ["a"], "params": {"a": {"theta": 0.8}}})
     u.output("r1", {"a": {"g": {"positions": [0, 1, 2, 3], "values": G[:4]}}}, 1, False)
-    u.output("r1", None, 1, True)
+    u.output("r1", {"!stopped": {"app": "a", "read": "g", "position": 3, "value": 0.9}}, 0, True)
     text = generate_latest(m["app_requests"]).decode() + "".join(
-        generate_latest(m[k]).decode() for k in ("gate_tokens", "gate_fired", "app_ttft")
+        generate_latest(m[k]).decode() for k in ("gate_tokens", "gate_fired", "app_ttft", "stopped")
     )
     assert 'app="a"' not in text and "theta" not in text and "g >=" not in text
+    assert 'read="g"' not in text and f'read="{keys.label("a/g")}"' in text
     assert f'app="{keys.label("a")}"' in text and keys.label("a") != keys.label("b")
     gates = {"a": [g.label for g in gates_of(reg.apps["a"].lowered, reg.apps["a"].defaults, {})]}
-    apps = [{"name": "a", "mode": "request"}]
+    apps = [{"name": "a", "mode": "request", "reads": ["c", "g"]}]
     row = live.snapshot(m, "m", apps, metrics.shown, gates)["apps"][0]
     assert row["name"] == "a" and row["requests_admitted"] == 1
+    assert row["monitors"] == [{"action": "stopped", "read": "g", "requests": 1.0}]
     assert {g["gate"] for g in row["gates"]} == {"g <= 0.1", "g >= theta"}
     # a caller who may not see "a": the snapshot is given the apps it may see, nothing of a
     assert live.snapshot(m, "m", [], metrics.shown, {})["apps"] == []

@@ -739,3 +739,77 @@ def test_outside_a_session_the_model_is_untouched_and_says_so_once(models):
         att.detach()
     with torch.no_grad():
         assert torch.equal(model(x).logits, before)
+
+
+# ------------------------------------------------------------------------------ monitors
+def _first(seq, ids):
+    return next(j for j, x in enumerate(seq) if x in ids)
+
+
+@pytest.mark.parametrize("where", ["prompt", "last_prompt", "first_generated", "later"])
+@pytest.mark.parametrize("chunk", [None, 3])
+def test_stop_ends_the_request_with_the_trigger_token(models, where, chunk):
+    model, tok = models("tiny-llama")
+    ids = prompt(tok)
+    P = len(ids)
+    natural = plain_greedy(model, ids, 6)
+    seq = ids + natural
+    hs, _ = plain_hidden(model, seq)
+    w = torch.randn(D, generator=torch.Generator().manual_seed(11)) / 16
+    probe = torch.sigmoid(hs[1].double() @ w.double())  # residual.pre of layer 1
+    # the trigger: the first position holding the token at the chosen position
+    at = {"prompt": 2, "last_prompt": P - 1, "first_generated": P, "later": P + 2}[where]
+    q = _first(seq, {seq[at]})
+    app = App("stopper")
+    app.token_set("trig", ids=[seq[at]])
+    app.read("probe", weight=w).layers([1]).at("residual.pre").named("p")
+    app.stop(when="p >= 0 and token_in(trig)")  # a sigmoid is never below 0
+    with attach(model, [app]) as att:
+        out, res = att.generate(ids, 6, apps=["stopper"], chunk=chunk)
+        free, free_res = att.generate(ids, 6, apps=[], chunk=chunk)
+        req = att.request(ids, apps=["stopper"])
+        req.prefill(chunk)
+    # the request ends with the trigger token: what was sampled before it, nothing after
+    assert out == natural[: max(q - P + 1, 0)]
+    assert res["!stopped"]["app"] == "stopper" and res["!stopped"]["read"] == "p"
+    assert res["!stopped"]["position"] == q
+    assert res["!stopped"]["value"] == pytest.approx(float(probe[q]), abs=1e-5)
+    # the read is reported to the end of the pass holding the trigger; no pass ran after it
+    end = q + 1
+    if q < P:
+        end = P if chunk is None else min(P, (q // chunk + 1) * chunk)
+        assert req.n_done == end and req.stopped["position"] == q
+    assert res["stopper"]["p"]["positions"] == list(range(end))
+    assert free == natural and "!stopped" not in free_res
+
+
+@pytest.mark.parametrize("where", ["prompt", "first_generated"])
+@pytest.mark.parametrize("chunk", [None, 4])
+def test_since_holds_from_the_first_trigger_to_the_end(models, where, chunk):
+    model, tok = models("tiny-llama")
+    ids = prompt(tok)
+    P = len(ids)
+    natural = plain_greedy(model, ids, 5)
+    seq = ids + natural
+    hs, _ = plain_hidden(model, seq)
+    k, wk = forcing_token(model)
+    at = {"prompt": 3, "first_generated": P}[where]
+    q = _first(seq, {seq[at]})
+    app = App("switch")
+    app.token_set("trig", ids=[seq[at]])
+    app.read("probe", weight=torch.zeros(D)).layers([0]).at("residual.post").named("p")
+    cond = "since(p >= 0.5 and token_in(trig))"  # sigmoid(0) = 0.5 wherever p runs
+    app.read("capture", dims=(0, 2)).layers([1]).at("residual.pre").named("where").cond(cond)
+    app.write("add", vector=wk, scale=1000.0).at("final.post").cond(when=cond)
+    with attach(model, [app]) as att:
+        out, res = att.generate(ids, 5, apps=["switch"], chunk=chunk)
+    n_fed = P + 4  # the last generated token is not fed back
+    assert res["switch"]["where"]["positions"] == list(range(q, n_fed))
+    # the write holds from the trigger on: every token sampled at or after it is k
+    first_forced = max(q - P + 1, 0)
+    assert out == natural[:first_forced] + [k] * (5 - first_forced)
+    assert res["!switched"] == [{"app": "switch", "read": "p", "position": q, "condition": cond}]
+    # the stream before the trigger is untouched
+    for t, v in zip(res["switch"]["where"]["positions"], res["switch"]["where"]["values"]):
+        if t < P:
+            torch.testing.assert_close(torch.tensor(v), hs[1][t, :2], rtol=1e-4, atol=1e-4)

@@ -51,6 +51,9 @@ enum OpKind : int32_t {
   OP_ROUTER = 20,  // router logits: log-softmax, forced on = max + delta, off = min - delta
   OP_SAE_CLAMP = 21,  // x += sum_f (c - a_f(x)) * s(x) * W_dec[f] over n listed features
   OP_CUSTOM = 32,  // user kernel with the CustomArgs ABI (custom.h)
+  // monitors: change neither the stream nor a result channel (see monitor_token)
+  OP_STOP = 40,  // the earliest token of a request where the condition holds -> row_stop
+  OP_SINCE = 41,  // the first position where a since(...) term's condition holds -> slot_sticky
 };
 
 XMIX_HD bool op_is_read(int32_t kind) { return kind >= OP_PROBE && kind <= OP_SAE_READ; }
@@ -108,6 +111,8 @@ enum CondOp : int32_t {
   C_AND = 4,
   C_OR = 5,
   C_NOT = 6,
+  C_SINCE = 7,  // a = since index: push tok_pos[t] >= slot_sticky[slot][a] (decided at an
+                //   earlier site, by its OP_SINCE)
 };
 enum Cmp : int32_t { CMP_GE = 0, CMP_GT = 1, CMP_LE = 2, CMP_LT = 3, CMP_EQ = 4, CMP_NE = 5 };
 enum Reduce : int32_t { RED_MEAN = 0, RED_LAST = 1 };
@@ -116,6 +121,15 @@ enum Reduce : int32_t { RED_MEAN = 0, RED_LAST = 1 };
 // generated token. Set in C_LATCH's b word.
 constexpr int32_t kLatchFromGenerated = 1 << 16;
 constexpr int32_t kMaxCondStack = 16;
+
+// Monitors. A since(...) term's state per slot is the first position where its condition
+// held (kNoPosition while it never has); a stop's per-row record packs its position (26 bits),
+// the app (6 bits) and the value of the read it reports (the fp32 bits), so that the smallest
+// key is the earliest trigger, ties to the lower app index.
+constexpr int32_t kMaxSticky = 32;  // since(...) terms deployed at once (bits of row_switched)
+constexpr int32_t kNoPosition = 0x7fffffff;
+constexpr uint64_t kNoStop = ~0ull;
+constexpr int32_t kStopPositionBits = 26;  // positions below 2^26 (67M tokens)
 
 // Read-state per (slot, channel): sum and count of the read over the request's prompt
 // tokens, and its value at the last prompt token (NaN until then).
@@ -152,6 +166,8 @@ XMIX_HD int32_t capture_width(const OpDesc& op) { return op.n; }  // OP_CAPTURE:
 XMIX_HD int32_t capture_first_dim(const OpDesc& op) { return op.m; }  // OP_CAPTURE: first dim taken
 XMIX_HD int32_t custom_artifact_numel(const OpDesc& op) { return op.m; }  // OP_CUSTOM
 XMIX_HD int32_t sae_n_features(const OpDesc& op) { return op.m; }  // OP_SAE_*: F
+XMIX_HD int32_t since_index(const OpDesc& op) { return op.n; }  // OP_SINCE: its since term
+XMIX_HD int32_t stop_value_channel(const OpDesc& op) { return op.n; }  // OP_STOP: -1 = none
 // OP_SAE_READ: top-K, or the listed features; OP_SAE_CLAMP: the listed features.
 XMIX_HD int32_t sae_count(const OpDesc& op) { return op.n; }
 XMIX_HD bool sae_listed(const OpDesc& op) {
@@ -224,6 +240,13 @@ struct ControlBlock {
   uint64_t capture;  // float[capture_size]
   int64_t capture_size;
   uint64_t result_valid;  // uint8[T*R]  1 where results[t][c] is a read's output this step
+  // monitors
+  uint64_t slot_sticky;  // int32[S*kMaxSticky]  first position a since term held, kNoPosition
+  uint64_t slot_floor;  // int32[S]  positions below it were decided before a recompute
+                        //   (preemption): monitors do not decide them again
+  uint64_t row_stop;  // uint64[S]  per scheduled request, this step: earliest stop key, kNoStop
+  uint64_t row_switched;  // uint32[S]  per scheduled request, this step: since terms that
+                          //   started to hold (bit = since index)
 };
 static_assert(sizeof(ControlBlock) % 8 == 0, "ControlBlock must stay 8-byte aligned");
 
@@ -397,6 +420,10 @@ XMIX_HD bool eval_cond(const ControlBlock& cb, const OpDesc& op, int32_t t, int3
         break;
       }
       case C_NOT: st[sp - 1] = !st[sp - 1]; break;
+      case C_SINCE:
+        st[sp++] = ptr<const int32_t>(cb.tok_pos)[t] >=
+                   ptr<const int32_t>(cb.slot_sticky)[static_cast<int64_t>(slot) * kMaxSticky + a];
+        break;
       default: return false;
     }
   }
@@ -410,6 +437,60 @@ XMIX_HD bool op_selects(const ControlBlock& cb, const OpDesc& op, int32_t t, int
   if (slot < 0 || t >= cb.n_tokens) return false;
   if (!app_active(cb, op.app, slot)) return false;
   return eval_cond(cb, op, t, slot);
+}
+
+// ---------------------------------------------------------------- monitors
+// Both twins run monitor_token for every token an OP_STOP / OP_SINCE selects; the CPU twin in
+// token order, the CUDA twin with one block per token, so every update is an atomic min (an
+// or for the switched bits) and the result does not depend on the order.
+XMIX_HD int32_t min_i32(int32_t* p, int32_t v) {
+#if defined(__CUDA_ARCH__)
+  return atomicMin(p, v);
+#else
+  const int32_t old = *p;
+  if (v < old) *p = v;
+  return old;
+#endif
+}
+XMIX_HD void min_u64(uint64_t* p, uint64_t v) {
+#if defined(__CUDA_ARCH__)
+  atomicMin(reinterpret_cast<unsigned long long*>(p), static_cast<unsigned long long>(v));
+#else
+  if (v < *p) *p = v;
+#endif
+}
+XMIX_HD void or_u32(uint32_t* p, uint32_t v) {
+#if defined(__CUDA_ARCH__)
+  atomicOr(reinterpret_cast<unsigned int*>(p), static_cast<unsigned int>(v));
+#else
+  *p |= v;
+#endif
+}
+
+XMIX_HD uint64_t stop_key(int32_t pos, int32_t app, float value) {
+  return static_cast<uint64_t>(pos) << (64 - kStopPositionBits) |
+         static_cast<uint64_t>(app & 63) << 32 | float_to_bits(value);
+}
+
+// Token t (of request slot) is selected by a monitor op: a since term starts to hold at the
+// earliest such position, a stop is recorded for the token's row. Positions below the slot's
+// floor were decided before the request was preempted and are not decided again.
+XMIX_HD void monitor_token(const ControlBlock& cb, const OpDesc& op, int32_t t, int32_t slot) {
+  const int32_t pos = ptr<const int32_t>(cb.tok_pos)[t];
+  if (pos < ptr<const int32_t>(cb.slot_floor)[slot]) return;
+  const int32_t row = ptr<const int32_t>(cb.tok_row)[t];
+  if (op.kind == OP_SINCE) {
+    int32_t* start =
+        ptr<int32_t>(cb.slot_sticky) + static_cast<int64_t>(slot) * kMaxSticky + since_index(op);
+    if (min_i32(start, pos) == kNoPosition)
+      or_u32(ptr<uint32_t>(cb.row_switched) + row, 1u << since_index(op));
+    return;
+  }
+  const int32_t ch = stop_value_channel(op);
+  const float v = ch >= 0
+                      ? ptr<const float>(cb.results)[static_cast<int64_t>(t) * cb.n_channels + ch]
+                      : bits_to_float(0x7fc00000u);
+  min_u64(ptr<uint64_t>(cb.row_stop) + row, stop_key(pos, op.app, v));
 }
 
 XMIX_HD const float* slot_params_row(const ControlBlock& cb, int32_t slot) {
@@ -432,9 +513,16 @@ XMIX_HD void set_result(const ControlBlock& cb, int32_t t, int32_t c, float v, b
 // The same code runs on the host (run_prologue_cpu) and on the device (the prologue kernels).
 
 // A request that starts at position 0 this step starts with empty latch sums, spans and CAST
-// means; lanes split the work (a CUDA block's threads; one lane on the CPU).
+// means (since terms and the floor are the host's: a recompute keeps what was decided);
+// every row starts the step without a stop or a switch. Lanes split the work (a CUDA block's
+// threads; one lane on the CPU).
 XMIX_HD void prologue_reset_row(const ControlBlock& cb, int32_t row, int32_t lane, int32_t lanes) {
-  if (row >= cb.n_rows || !ptr<const int32_t>(cb.row_reset)[row]) return;
+  if (row >= cb.n_rows) return;
+  if (lane == 0) {  // monitors report per step
+    ptr<uint64_t>(cb.row_stop)[row] = kNoStop;
+    ptr<uint32_t>(cb.row_switched)[row] = 0;
+  }
+  if (!ptr<const int32_t>(cb.row_reset)[row]) return;
   const int32_t slot = ptr<const int32_t>(cb.row_slot)[row];
   if (lane == 0) ptr<uint32_t>(cb.slot_span)[slot] = 0;
   float* rs =

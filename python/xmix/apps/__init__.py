@@ -17,11 +17,15 @@ paper, the model, the sites and layers and how the artifacts were derived.
     6  kl_then_steer    conditional write  probe read + add at residual.post, prompt latch
     7  steer_moe        write              router.logits, all MoE layers
 
+and a monitor that acts (``MONITORS``): ``harm_monitor``, a probe whose score stops a request
+(``App.stop``) and switches refusal steering on for its rest (``since(...)``).
+
 Docs: docs/apps.md.
 """
 
 from xmix.apps.cast import cast
 from xmix.apps.derive import SCHEMAS, validate_artifacts
+from xmix.apps.harm_monitor import harm_monitor
 from xmix.apps.kl_then_steer import kl_then_steer
 from xmix.apps.refusal import refusal
 from xmix.apps.sake import sake
@@ -38,11 +42,14 @@ APPS = {
     "kl_then_steer": kl_then_steer,
     "steer_moe": steer_moe,
 }
+MONITORS = {"harm_monitor": harm_monitor}
 
 __all__ = [
     "APPS",
+    "MONITORS",
     "SCHEMAS",
     "cast",
+    "harm_monitor",
     "kl_then_steer",
     "refusal",
     "sake",

@@ -646,6 +646,30 @@ SCHEMAS: dict[str, AppSchema] = {
             "select_refusal_direction(candidates, bypass, induce, kl)",
         ),
         AppSchema(
+            "harm_monitor",
+            "Harm monitor (probe that stops or switches refusal steering on)",
+            {
+                "paper": "Arditi et al. 2024, Refusal in Language Models Is Mediated by a Single "
+                "Direction (the steering direction); the probe: logistic regression",
+                "arxiv": "2406.11717",
+                "repo": "https://github.com/andyrdt/refusal_direction",
+            },
+            (
+                Artifact("weight", (("d",),), "probe weight w of sigma(w.x + b), harmful = 1"),
+                Artifact("bias", ((),), "probe bias b"),
+                Artifact(
+                    "direction",
+                    (("d",),),
+                    "refusal direction r = mean(harmful) - mean(harmless), added from the "
+                    "first flagged token on",
+                    check="nonzero",
+                ),
+            ),
+            collect="residual.pre at the probe layer at the last prompt token, harmful vs "
+            "harmless instructions",
+            derive="probe_from_sets(harmful, harmless); mean_difference(harmful, harmless)",
+        ),
+        AppSchema(
             "seal",
             "SEAL reasoning calibration",
             {

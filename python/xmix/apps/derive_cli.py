@@ -9,6 +9,7 @@
     xmix derive sake        --model M --positive source.txt --negative target.txt [--unrelated other.txt]
     xmix derive steer_moe   --model M --positive with.txt --negative without.txt
     xmix derive seal        --model M --traces traces.jsonl --layer L
+    xmix derive harm_monitor --model M --positive harmful.txt --negative harmless.txt [--layer L]
 
 Activations are collected with xmix's own ``capture`` reads on a vLLM engine (``xmix.LLM``):
 every prompt is one request with ``max_tokens=1``, so the reads see exactly the prompt's
@@ -36,7 +37,16 @@ from xmix.apps import derive as D
 from xmix.hooks import LAYER_SITES
 
 POSITIONS = ("last", "mean", "all")
-DERIVABLE = ("refusal", "seal", "cast", "truth_probe", "sake", "kl_then_steer", "steer_moe")
+DERIVABLE = (
+    "refusal",
+    "seal",
+    "cast",
+    "truth_probe",
+    "sake",
+    "kl_then_steer",
+    "steer_moe",
+    "harm_monitor",
+)
 _counter = itertools.count()
 
 
@@ -547,6 +557,52 @@ def derive_truth_probe(args, llm) -> App:
     )
 
 
+def derive_harm_monitor(args, llm) -> App:
+    """A probe for harmful intent (logistic regression, harmful = 1) and the refusal direction
+    (difference of means), both on residual.pre of one layer at the last prompt token; served
+    as a monitor that switches refusal steering on from the first flagged token and stops a
+    request the probe is sure about (xmix.apps.harm_monitor)."""
+    from xmix.apps import harm_monitor
+    from xmix.apps.harm_monitor import DEFAULTS
+
+    shape = _shape(llm)
+    default = _paper_default(DEFAULTS, args.model, "layer")
+    layer = _one_layer(
+        args, default if default is not None else _relative_layer(shape.n_layers, 0.375)
+    )
+    pos, neg = read_prompts(args.positive), read_prompts(args.negative)
+    xp = _collect(args, llm, pos, "harm_monitor: harmful", layers=[layer], position=args.position)
+    xn = _collect(args, llm, neg, "harm_monitor: harmless", layers=[layer], position=args.position)
+    xp, xn = xp[:, 0], xn[:, 0]
+    w, b = D.probe_from_sets(xp, xn, C=args.C)
+    r = D.mean_difference(xp, xn)
+    acc = float(torch.cat([(xp @ w + b) > 0, (xn @ w + b) <= 0]).float().mean())
+    meta = _meta(
+        args,
+        shape,
+        f"logistic regression, L2, C={args.C}; difference of means (Arditi et al. 2024)",
+        _files(args),
+        {"positive": len(pos), "negative": len(neg)},
+        site="residual.pre",
+        probe_layer=layer,
+        position=args.position,
+        train_accuracy=acc,
+        direction_norm=float(r.norm()),
+    )
+    return harm_monitor(
+        w,
+        b,
+        r,
+        layer,
+        threshold=args.threshold,
+        stop_threshold=args.stop_threshold,
+        coeff=args.coeff,
+        model=args.model,
+        name=args.name,
+        metadata=meta,
+    )
+
+
 def derive_kl_then_steer(args, llm) -> App:
     """KTS (Stickland et al.): per-layer steering vectors at residual.post (last token) from the
     contrastive sets, and the gate = logistic probe on the prompt mean (or last token) at
@@ -888,6 +944,7 @@ DERIVERS: dict[str, Callable] = {
     "sake": derive_sake,
     "kl_then_steer": derive_kl_then_steer,
     "steer_moe": derive_steer_moe,
+    "harm_monitor": derive_harm_monitor,
 }
 
 
@@ -972,7 +1029,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--probe-positive")
     g.add_argument("--probe-negative")
     g.add_argument("--scale", choices=("norm", "unit"), default="norm")
-    g.add_argument("--threshold", type=float, default=0.5)
+    g.add_argument(
+        "--threshold",
+        type=float,
+        default=0.5,
+        help="kl_then_steer's latch; harm_monitor: the probe score that switches steering on",
+    )
+    g.add_argument(
+        "--stop-threshold",
+        type=float,
+        default=0.95,
+        help="harm_monitor: the probe score that stops a request",
+    )
     g.add_argument("--reduce", choices=("prompt_mean", "prompt_last"), default="prompt_mean")
     g = p.add_argument_group("sake")
     g.add_argument("--unrelated", help="out-of-scope prompts for the distance threshold")

@@ -41,8 +41,9 @@ def snapshot(
 ) -> dict[str, Any]:
     """Per deployed app: requests admitted that named it, finished requests that used it,
     mean TTFT and TPOT of those and their difference to requests that used no app, and each
-    gate's positions, fires and rate. ``apps`` is the control plane's list, as far as the
-    caller may see it: nothing of another app is returned. ``shown`` maps labels to what
+    gate's positions, fires and rate, and its monitors: requests its stop ended and requests in
+    which a since(...) condition started to hold, by read. ``apps`` is the control plane's
+    list, as far as the caller may see it: nothing of another app is returned. ``shown`` maps labels to what
     /metrics shows (app names hidden: keyed hashes; metrics.shown), ``gate_names`` each app's
     gates, so that hidden labels are named again here."""
     shown = shown or (lambda labels: labels)
@@ -51,6 +52,12 @@ def snapshot(
         (app, shown({"app": app, "gate": g})["gate"]): g
         for app, gs in (gate_names or {}).items()
         for g in gs
+    }
+
+    read_of = {
+        (a["name"], shown({"app": a["name"], "read": r})["read"]): r
+        for a in apps
+        for r in a.get("reads") or ()
     }
 
     def app_of(labels: dict) -> str | None:
@@ -83,6 +90,17 @@ def snapshot(
                 g = gates.setdefault(app, {}).setdefault(gate, {"tokens": 0, "fired": 0})
                 g[field] += value
 
+    monitors: dict[str, dict[str, dict[str, float]]] = {}
+    for key in ("stopped", "switched"):
+        if key not in metrics:
+            continue
+        for name, labels, value in _samples(metrics[key]):
+            app = app_of(labels)
+            if name.endswith("_total") and labels.get("model_name") == model and app is not None:
+                read = read_of.get((app, labels["read"]), labels["read"])
+                per = monitors.setdefault(app, {}).setdefault(key, {})
+                per[read] = per.get(read, 0) + value
+
     def added(mean: float | None, base: float | None) -> float | None:
         return None if mean is None or base is None else mean - base
 
@@ -109,6 +127,11 @@ def snapshot(
                         "rate": v["fired"] / v["tokens"] if v["tokens"] else None,
                     }
                     for g, v in sorted(gates.get(name, {}).items())
+                ],
+                "monitors": [
+                    {"action": action, "read": read, "requests": n}
+                    for action in ("stopped", "switched")
+                    for read, n in sorted(monitors.get(name, {}).get(action, {}).items())
                 ],
             }
         )

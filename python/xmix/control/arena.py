@@ -35,7 +35,7 @@ class Claims:
 class Arena:
     """The free lists of the control block's shared tables, by table name."""
 
-    TABLES = ("params", "channels", "token_sets", "spans", "state", "capture")
+    TABLES = ("params", "channels", "token_sets", "spans", "sinces", "state", "capture")
 
     def __init__(self, sizes: dict[str, int]):
         self.used: dict[str, Flags] = {t: np.zeros(sizes[t], dtype=bool) for t in self.TABLES}

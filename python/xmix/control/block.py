@@ -21,7 +21,17 @@ import torch
 from xmix import _C
 from xmix.control.arena import Arena, Claims
 from xmix.control.custom import load_custom
-from xmix.control.drain import PendingReads, PlannedRead, ReadBack, Results, collect, read_plan
+from xmix.control.drain import (
+    MonitorPlan,
+    PendingReads,
+    PlannedRead,
+    ReadBack,
+    Results,
+    collect,
+    collect_monitors,
+    monitor_plan,
+    read_plan,
+)
 from xmix.control.layout import (
     CTRL_DTYPE,
     CTRL_LAYOUT,
@@ -118,6 +128,8 @@ class ControlBlock:
         self.host["span_def"][:] = -1
         self.host["read_state"].reshape(-1, K["READ_STATE_WIDTH"])[:, 2] = np.nan
         self.host["results"][:] = np.nan  # and result_valid 0: nothing reported yet
+        self.host["slot_sticky"][:] = K["NO_POSITION"]
+        self.host["row_stop"][:] = -1  # kNoStop: every bit set
         self.block = torch.zeros(CTRL_SIZE, dtype=torch.uint8, device=self.device)
         self._block_host = (
             self.xfer.pinned(CTRL_SIZE, torch.uint8)
@@ -153,6 +165,7 @@ class ControlBlock:
                 "channels": cap.max_channels,
                 "token_sets": K["MAX_TOKEN_SETS"],
                 "spans": K["MAX_SPANS"],
+                "sinces": K["MAX_STICKY"],
                 "state": self.vec_width,
                 "capture": max(cap.capture_floats, 1),
             }
@@ -163,8 +176,15 @@ class ControlBlock:
         self.site_active: Arr = self._no_site  # this step
         self.any_active = False
         self._step_reads = False
+        self._step_monitors = False
         self._n_app_slots = 0
         self._all_mask = self._on_mask = self._read_mask = self._span_mask = 0
+        self._monitor_mask = 0  # apps with a stop or a since(...) term
+        self._mplan: tuple[tuple[int, int], MonitorPlan] | None = None
+        # Per slot: one past the last position a step with apps ran on; a preempted request's
+        # monitors do not decide the positions below it again when it recomputes.
+        self._extent = np.zeros(cap.max_slots, dtype=np.int64)
+        self._floor = np.zeros(cap.max_slots, dtype=np.int64)  # what the device's floor holds
         self.step_rows: tuple[Arr, int] | None = None  # (slots of the step's rows, rows)
         self.step_tokens = 0
         self.step_active = 0
@@ -368,6 +388,8 @@ class ControlBlock:
             self._seq += 1
             self._zero_counter(inst.index)
             self._swap({**self.apps, name: inst}, st.tables)
+            if inst.sinces:  # an undeployed app's since terms may have held in these columns
+                self._clear_sinces(list(inst.sinces.values()))
             self._rewrite_bits(inst)  # requests running opted out of it (mode "all")
             # Requests already running see the app's defaults in their param rows.
             for slot in self.slot_req:
@@ -692,6 +714,7 @@ class ControlBlock:
 
     def _occupy(self, st: SlotState) -> int:
         slot = self._slots.occupy(st)
+        self._extent[slot] = self._floor[slot] = st.floor
         st.apps &= set(self.apps)  # an app undeployed while the request waited
         mask = 0
         for inst in self.apps.values():
@@ -703,12 +726,20 @@ class ControlBlock:
         for inst in self.apps.values():
             self._write_slot_params(slot, inst)
         self._reset_slot_state(slot)
+        if st.floor or st.sinces is not None:
+            self._restore_monitors(slot, st)
         return slot
 
     def suspend(self, req_id: str) -> None:
         """A preempted request gives its slot back and keeps its record (apps, parameters,
         what it has reported): slots never outnumber the running requests."""
         with self.lock:
+            slot = self.slots.get(req_id)
+            if slot is not None and self._monitor_mask:
+                # what its monitors decided so far survives the recompute
+                st0 = self.slot_req[slot]
+                st0.floor = int(max(self._extent[slot], self._floor[slot]))
+                st0.sinces = self._read_sinces(slot)
             st = self.release(req_id)
             if st is not None:
                 self._slots.suspended[req_id] = st
@@ -720,11 +751,59 @@ class ControlBlock:
             st = self._slots.suspended.pop(req_id, None)
             return None if st is None else self._occupy(st)
 
+    # ------------------------------------------------------------------ monitors
+    def recompute(self, slot: int) -> None:
+        """A request that starts again at position 0 in the slot it holds: its monitors keep
+        what they decided and do not decide those positions again."""
+        if self._monitor_mask:
+            floor = int(max(self._extent[slot], self._floor[slot]))
+            self._floor[slot] = floor
+            self._launch(lambda: self.dev["slot_floor"][slot].fill_(floor))
+
+    def _read_sinces(self, slot: int) -> Arr:
+        """A slot's since terms (first positions) from the device: on a GPU this waits for
+        the steps queued before (preemption only, never per step)."""
+        M = K["MAX_STICKY"]
+        if self.xfer is not None:
+            self.xfer.synchronize()
+        row: Arr = self.dev["slot_sticky"][slot * M : (slot + 1) * M].cpu().numpy().copy()
+        return row
+
+    def _restore_monitors(self, slot: int, st: SlotState) -> None:
+        M = K["MAX_STICKY"]
+        floor = st.floor
+        sinces = (
+            torch.from_numpy(st.sinces.copy()).to(self.device) if st.sinces is not None else None
+        )
+
+        def restore() -> None:
+            self.dev["slot_floor"][slot].fill_(floor)
+            if sinces is not None:
+                self.dev["slot_sticky"][slot * M : (slot + 1) * M].copy_(sinces)
+
+        self._launch(restore)
+
+    def _clear_sinces(self, cols: list[int]) -> None:
+        """Since columns handed to a new app start unset in every slot (and in the records of
+        preempted requests)."""
+        M, S = K["MAX_STICKY"], self.cap.max_slots
+        idx = torch.tensor(cols, dtype=torch.int64)
+        for st in self._slots.suspended.values():
+            if st.sinces is not None:
+                st.sinces[cols] = K["NO_POSITION"]
+
+        def clear() -> None:
+            self.dev["slot_sticky"].view(S, M)[:, idx.to(self.device)] = K["NO_POSITION"]
+
+        self._launch(clear)
+
     def _reset_slot_state(self, slot: int) -> None:
         """A new request starts with empty latch sums, spans and CAST means, whatever the
         previous occupant of its slot left (the prologue also resets a request that restarts
         at position 0, e.g. after preemption)."""
         R, W = self.cap.max_channels, K["READ_STATE_WIDTH"]
+
+        M = K["MAX_STICKY"]
 
         def reset() -> None:
             rs = self.dev["read_state"][slot * R * W : (slot + 1) * R * W].view(R, W)
@@ -732,6 +811,8 @@ class ControlBlock:
             rs[:, 2] = float("nan")
             self.dev["vec_state"][slot * self.vec_width : (slot + 1) * self.vec_width] = 0.0
             self.dev["slot_span"][slot] = 0
+            self.dev["slot_sticky"][slot * M : (slot + 1) * M] = K["NO_POSITION"]
+            self.dev["slot_floor"][slot] = 0
 
         # in stream order: steps still in flight may use the slot's previous occupant
         self._launch(reset)
@@ -773,6 +854,7 @@ class ControlBlock:
             self.site_active = self._no_site
             self.any_active = False
             self._step_reads = False
+            self._step_monitors = False
             return False
         slots = np.ascontiguousarray(row_slots, dtype=np.int32)
         n_tok_a = np.ascontiguousarray(row_n_tok, dtype=np.int64)
@@ -823,6 +905,11 @@ class ControlBlock:
         self.step_active = active
         self.any_active = bool(active)
         self._step_reads = bool(active & self._read_mask)
+        self._step_monitors = bool(active & self._monitor_mask)
+        if self._monitor_mask:
+            # positions only grow within a request (a restart resets its floor first), so
+            # the last step's end is the extent
+            self._extent[slots] = start + n_tok_a
         return True
 
     def could_run(self) -> bool:
@@ -836,8 +923,11 @@ class ControlBlock:
         """Bitmasks of apps by mode and kind, kept current on every control change so the
         per-step path is a few integer operations."""
         self._all_mask = self._on_mask = self._read_mask = self._span_mask = 0
+        self._monitor_mask = 0
         for inst in self.apps.values():
             bit = 1 << inst.index
+            if inst.sinces or inst.lowered.stop is not None:
+                self._monitor_mask |= bit
             if inst.mode == "all":
                 self._all_mask |= bit
             if inst.mode != "off":
@@ -858,6 +948,7 @@ class ControlBlock:
         self.site_active = self._no_site
         self.any_active = False
         self._step_reads = False
+        self._step_monitors = False
 
     def prologue(self, input_ids: torch.Tensor) -> None:
         """Per-slot resets, token-set and span bits for this step (before the forward)."""
@@ -888,12 +979,38 @@ class ControlBlock:
         ``TRUNCATED_KEY`` marker in the step its byte cap was reached.
 
         Only rank 0 drains (hidden states are replicated across tensor-parallel ranks). Staged
-        (GPU), this waits for the device; the engine path uses drain_async instead."""
-        if not self._step_reads:
+        (GPU), this waits for the device; the engine path uses drain_async instead.
+        Monitors report under ``STOPPED_KEY`` / ``SWITCHED_KEY`` (drain.collect_monitors)."""
+        if not (self._step_reads or self._step_monitors):
             return {}
         if self.staged:
             p = self.drain_async()
             return p.result() if p is not None else {}
+        assert self.step_rows is not None
+        slots, n_req = self.step_rows
+        out: Results = self._drain_reads() if self._step_reads else {}
+        if self._step_monitors:
+            keys, bits = self.host["row_stop"][:n_req], self.host["row_switched"][:n_req]
+            if (keys != -1).any() or bits.any():  # most steps: nothing fired
+                mon = collect_monitors(
+                    self._monitor_plan(),
+                    keys,
+                    bits,
+                    self.host["slot_sticky"],
+                    slots[:n_req],
+                    [self.slot_req.get(int(x)) for x in slots[:n_req]],
+                )
+                for rid, got in mon.items():
+                    out.setdefault(rid, {}).update(got)
+        return out
+
+    def _monitor_plan(self) -> MonitorPlan:
+        key = (self.ops_generation, self.step_active)
+        if self._mplan is None or self._mplan[0] != key:
+            self._mplan = (key, monitor_plan(self.apps.values(), self.step_active))
+        return self._mplan[1]
+
+    def _drain_reads(self) -> Results:
         n_tok = self.step_tokens
         R, T = self.cap.max_channels, self.cap.max_tokens
         res = self.host["results"][: n_tok * R].reshape(n_tok, R)
@@ -920,7 +1037,11 @@ class ControlBlock:
         """Staged: queue this step's results (and captured rows) to pinned host memory on a
         side stream; the host waits only when the returned handle's result() is asked for,
         which the worker does where vLLM resolves its own async output (get_output)."""
-        if not self._step_reads or self._readback is None or self._stage is None:
+        if (
+            not (self._step_reads or self._step_monitors)
+            or self._readback is None
+            or self._stage is None
+        ):
             return None
         st = self._stage.step_set
         assert st is not None and self.step_rows is not None
@@ -928,7 +1049,7 @@ class ControlBlock:
         states = [self.slot_req.get(int(x)) for x in slots[:n_req]]
         return self._readback.queue(
             self.dev,
-            self._read_plan(),
+            self._read_plan() if self._step_reads else [],
             self.step_tokens,
             st,
             slots[:n_req],
@@ -936,6 +1057,7 @@ class ControlBlock:
             lambda app, pos: self._rows_to_copy(
                 app, pos, st.np["row_tok_start"], st.np["row_n_tok"], slots[:n_req], states
             ),
+            self._monitor_plan() if self._step_monitors else None,
         )
 
     def _rows_to_copy(

@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 import torch
 
-from xmix.control.layout import GATHER_ROWS, Capacity
+from xmix.control.layout import GATHER_ROWS, Capacity, K
 from xmix.lowering import LoweredOp
-from xmix.results_codec import ReadResult, read_shape, to_dtype
+from xmix.results_codec import STOPPED_KEY, SWITCHED_KEY, ReadResult, read_shape, to_dtype
 from xmix.staging import DeviceQueue, PinnedRing, PinnedSet
 
 if TYPE_CHECKING:
@@ -65,6 +65,81 @@ def read_plan(apps: Iterable[InstalledApp], step_active: int) -> list[PlannedRea
                 cap = None
             plan.append(PlannedRead(inst.name, key, ch, cap, op))
     return plan
+
+
+class MonitorPlan(NamedTuple):
+    """What a step's monitor records mean: app index -> (app, the read its stop reports), and
+    since index -> (app, the read its term reports, the term's text)."""
+
+    stops: dict[int, tuple[str, str | None]]
+    sinces: dict[int, tuple[str, str | None, str]]
+
+
+def monitor_plan(apps: Iterable[InstalledApp], step_active: int) -> MonitorPlan:
+    stops: dict[int, tuple[str, str | None]] = {}
+    sinces: dict[int, tuple[str, str | None, str]] = {}
+    for inst in apps:
+        if not (step_active >> inst.index) & 1:
+            continue
+        stop = inst.lowered.stop
+        if stop is not None:
+            stops[inst.index] = (inst.name, stop.monitor_read)
+        for text, k in inst.sinces.items():
+            sinces[k] = (inst.name, inst.lowered.sinces[text].monitor_read, text)
+    return MonitorPlan(stops, sinces)
+
+
+_NO_STOP = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
+def collect_monitors(
+    plan: MonitorPlan,
+    row_stop: Arr,
+    row_switched: Arr,
+    sticky: Arr,
+    slots: Arr,
+    states: list[SlotState | None],
+) -> Results:
+    """Per request of the step: the stop its monitors recorded (``STOPPED_KEY``: the earliest
+    trigger, control.h: stop_key) and the since terms that started to hold (``SWITCHED_KEY``,
+    at the first position their condition held: the slot's since column)."""
+    out: Results = {}
+    keys = np.asarray(row_stop).view(np.uint64)
+    bits = np.asarray(row_switched).view(np.uint32)
+    shift = np.uint64(64 - K["STOP_POSITION_BITS"])
+    M = K["MAX_STICKY"]
+    for j in np.flatnonzero((keys != _NO_STOP) | (bits != 0)).tolist():
+        st = states[j]
+        if st is None:
+            continue
+        key = keys[j]
+        if key != _NO_STOP:
+            app = int((key >> np.uint64(32)) & np.uint64(63))
+            name, read = plan.stops.get(app, (None, None))
+            if name is not None:
+                v = float(np.uint32(key & np.uint64(0xFFFFFFFF)).view(np.float32))
+                out.setdefault(st.req_id, {})[STOPPED_KEY] = {
+                    "app": name,
+                    "read": read,
+                    "position": int(key >> shift),
+                    "value": v if v == v else None,
+                }
+        b = int(bits[j])
+        while b:
+            k = (b & -b).bit_length() - 1
+            b &= b - 1
+            hit = plan.sinces.get(k)
+            if hit is None:
+                continue
+            out.setdefault(st.req_id, {}).setdefault(SWITCHED_KEY, []).append(
+                {
+                    "app": hit[0],
+                    "read": hit[1],
+                    "position": int(sticky[int(slots[j]) * M + k]),
+                    "condition": hit[2],
+                }
+            )
+    return out
 
 
 def collect(
@@ -187,10 +262,12 @@ class PendingReads:
         rows: Arr,
         states: list[SlotState | None],
         plan: list[PlannedRead],
+        monitors: tuple[MonitorPlan, Arr] | None = None,
     ):
         self.rb, self.event, self.n_tok = rb, event, n_tok
         self.set: PinnedSet | None = pinned  # None once resolved (the set is free again)
         self.pos, self.rows, self.states, self.plan = pos, rows, states, plan
+        self.monitors = monitors  # (plan, the step's row slots) when monitors ran
         self.out: Results | None = None
 
     def result(self) -> Results:
@@ -207,7 +284,7 @@ class ReadBack:
     """Staged read-back: results and capture rows to pinned host sets on a side stream."""
 
     def __init__(self, xfer: DeviceQueue, cap: Capacity, device: torch.device):
-        T, R = cap.max_tokens, cap.max_channels
+        T, R, S = cap.max_tokens, cap.max_channels, cap.max_slots
         self.xfer, self.cap, self.device = xfer, cap, device
         self.ring = PinnedRing(
             xfer,
@@ -217,6 +294,9 @@ class ReadBack:
                 "valid": (T * R, torch.uint8),
                 "capture": (cap.capture_floats, torch.float32),
                 "gather_idx": (GATHER_ROWS * T, torch.int64),
+                "row_stop": (S, torch.int64),
+                "row_switched": (S, torch.int32),
+                "sticky": (S * K["MAX_STICKY"], torch.int32),
             },
             eager=False,
         )
@@ -235,6 +315,7 @@ class ReadBack:
         slots: Arr,
         states: list[SlotState | None],
         wanted_rows: Callable[[str, Arr], Arr | None],
+        monitors: MonitorPlan | None = None,
     ) -> PendingReads:
         """Queue this step's results and capture rows; ``wanted_rows(app, pos)`` is the
         tokens whose capture rows a read of the app can report (None: every one).
@@ -249,6 +330,14 @@ class ReadBack:
             (s.buf("results")[: n_tok * R], dev["results"][: n_tok * R]),
             (s.buf("valid")[: n_tok * R], dev["result_valid"][: n_tok * R]),
         ]
+        if monitors is not None:
+            n_rows = len(slots)
+            pairs += [
+                (s.buf("row_stop")[:n_rows], dev["row_stop"][:n_rows]),
+                (s.buf("row_switched")[:n_rows], dev["row_switched"][:n_rows]),
+            ]
+            if monitors.sinces:
+                pairs.append((s.buf("sticky"), dev["slot_sticky"]))
         placed: list[PlannedRead] = []
         off, used = 0, 0
         for pr in plan:
@@ -278,7 +367,17 @@ class ReadBack:
                     used += k
             placed.append(pr._replace(capture=cap))
         ev = self.event = self.xfer.side_copy(pairs)
-        p = PendingReads(self, ev, s, n_tok, pos, rows, states, placed)
+        p = PendingReads(
+            self,
+            ev,
+            s,
+            n_tok,
+            pos,
+            rows,
+            states,
+            placed,
+            (monitors, np.asarray(slots).copy()) if monitors is not None else None,
+        )
         PinnedRing.hold(s, p)
         self.pending.append(p)
         return p
@@ -332,5 +431,18 @@ class ReadBack:
                 head.out = collect(
                     res, valid, head.pos, head.rows, head.states.__getitem__, head.plan, captured
                 )
+                if head.monitors is not None:
+                    mplan, slots = head.monitors
+                    k = len(slots)
+                    mon = collect_monitors(
+                        mplan,
+                        hs.np["row_stop"][:k],
+                        hs.np["row_switched"][:k],
+                        hs.np["sticky"] if mplan.sinces else np.zeros(0, np.int32),
+                        slots,
+                        head.states,
+                    )
+                    for rid, got in mon.items():
+                        head.out.setdefault(rid, {}).update(got)
                 head.set = None
             return p.out

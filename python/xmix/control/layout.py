@@ -85,6 +85,10 @@ CONTROL_FIELDS: tuple[tuple[str, str], ...] = (
     ("capture", "u8"),
     ("capture_size", "i8"),
     ("result_valid", "u8"),
+    ("slot_sticky", "u8"),
+    ("slot_floor", "u8"),
+    ("row_stop", "u8"),
+    ("row_switched", "u8"),
 )
 OP_FIELDS: tuple[tuple[str, str], ...] = (
     ("kind", "i4"),
@@ -182,4 +186,8 @@ def buffer_spec(
         "results": (T * R, f32),
         "result_valid": (T * R, torch.uint8),
         "capture": (max(cap.capture_floats, 1), f32),
+        "slot_sticky": (S * K["MAX_STICKY"], i32),
+        "slot_floor": (S, i32),
+        "row_stop": (S, torch.int64),  # uint64 keys, compared as such by the kernels
+        "row_switched": (S, i32),
     }

@@ -56,6 +56,7 @@ class InstalledApp:
     channels: dict[str, int]  # read key -> channel
     token_sets: dict[str, int]  # set name -> global set index
     spans: dict[tuple[str, str], int]
+    sinces: dict[str, int]  # since(...) text -> since index (slot_sticky column)
     linked: list[LinkedOp]  # by position in lowered.ops
     consts: dict[float, int]  # a condition's constant -> its column (relative)
     read_ops: dict[str, int]  # read key -> position in lowered.ops
@@ -129,6 +130,10 @@ def link_app(
         for s in lw.token_sets
     }
     spans = {sp: arena.take("spans", 1, "spans (8 in all)", name, claims) for sp in lw.spans}
+    sinces = {
+        text: arena.take("sinces", 1, f"since(...) terms ({K['MAX_STICKY']} in all)", name, claims)
+        for text in lw.sinces
+    }
     linked = [LinkedOp(o, base + off) for o, off in zip(lw.ops, op_param_offsets(lw))]
     for lo in linked:
         o = lo.op
@@ -167,6 +172,7 @@ def link_app(
         channels=channels,
         token_sets=sets,
         spans=spans,
+        sinces=sinces,
         linked=linked,
         consts=consts,
         read_ops=read_ops,
@@ -184,6 +190,8 @@ def unlink_app(inst: InstalledApp, arena: Arena, max_tokens: int) -> None:
         arena.free("token_sets", s, 1)
     for s in inst.spans.values():
         arena.free("spans", s, 1)
+    for s in inst.sinces.values():
+        arena.free("sinces", s, 1)
     for lo in inst.linked:
         if lo.state_base >= 0:
             arena.free("state", lo.state_base, lo.op.state_width)
@@ -275,7 +283,7 @@ def op_record(inst: InstalledApp, lo: LinkedOp, cond_begin: int, cond_len: int) 
         "param_base": lo.param_col,
         "channel": inst.channels.get(o.result_key, -1) if o.result_key else -1,
         "state_base": lo.state_base,
-        "n": o.n,
+        "n": _op_n(inst, o),
         "m": o.m,
         "flags": o.flags,
         "a0": lo.artifact_ptr("a0"),
@@ -286,6 +294,17 @@ def op_record(inst: InstalledApp, lo: LinkedOp, cond_begin: int, cond_len: int) 
         "a3": lo.artifact_ptr("a3"),
     }
     return tuple(vals[n] for n, _ in OP_FIELDS)
+
+
+def _op_n(inst: InstalledApp, o: LoweredOp) -> int:
+    """OpDesc.n: a since term's index for its OP_SINCE, the channel of the read a stop reports
+    (-1: none) for OP_STOP, the lowered value for every other kind."""
+    if o.kernel == "since":
+        assert o.sticky is not None
+        return inst.sinces[o.sticky]
+    if o.kernel == "stop":
+        return inst.channels.get(o.monitor_read, -1) if o.monitor_read else -1
+    return o.n
 
 
 def emit_cond(inst: InstalledApp, op: LoweredOp) -> list[int]:
@@ -323,6 +342,8 @@ def emit_cond(inst: InstalledApp, op: LoweredOp) -> list[int]:
                     param_col(n.value),
                 ]
             )
+        elif isinstance(n, C.Since):
+            code.extend([K["C_SINCE"], inst.sinces[C.to_text(n)], 0, 0])
         elif isinstance(n, C.Not):
             emit(n.a)
             code.extend([K["C_NOT"], 0, 0, 0])

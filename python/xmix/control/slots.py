@@ -38,6 +38,10 @@ class SlotState:
     options: ResultOptions = DEFAULT_OPTIONS  # encoding, window, byte budget
     spent: int = 0  # result bytes accounted so far
     truncated: bool = False
+    # Monitors of a preempted request: positions below ``floor`` were decided before, and
+    # ``sinces`` is its row of since terms (first positions) as it was (control.h)
+    floor: int = 0
+    sinces: np.ndarray[Any, np.dtype[np.int32]] | None = None
 
     def bit(self, inst: InstalledApp) -> bool:
         """This request's bit of an app in slot_apps: for mode "all" it opts the request

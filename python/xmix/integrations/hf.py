@@ -43,6 +43,15 @@ Semantics in short (one request at a time, batch size 1):
 - Latches are decided at the last prompt token (for ops at later sites than the read, in
   that same forward) and held for every generated token; false before. Ops at the read's
   site or before it see the latch from the first generated token.
+- ``since(cond)`` holds from the first position where ``cond`` held (at the site deciding it:
+  the site of the last read ``cond`` names) to the end of the request; ops using it are at
+  later sites, so within a pass they see it from that token on.
+- A stop (``App.stop``) ends the request at the first position where its condition holds: the
+  pass that saw it is the last, and its sampled token is dropped (``generate`` returns the
+  tokens before; a trigger in the prompt returns none). Results carry ``"!stopped"``
+  ({app, read, position, value}) and ``"!switched"`` (one {app, read, position, condition}
+  per since(...) term that started to hold), the engine's ``xmix_applied.stopped`` /
+  ``.switched``. In a session the stop is recorded but transformers' generate goes on.
 """
 
 from __future__ import annotations
@@ -297,6 +306,19 @@ class Request:
         self.read_stats: dict[tuple[str, str], list[float]] = {}
         self.cast_sums: dict[tuple[str, str], list] = {}  # (app, key) -> [sum (fp64), count]
         self.results: dict[str, dict[str, dict[str, list]]] = {}
+        # (app, since(...) text) -> the first position where its condition held
+        self.sticky: dict[tuple[str, str], int] = {}
+        self.stopped: dict[str, Any] | None = None  # {app, read, position, value}
+        self.switched: list[dict[str, Any]] = []  # {app, read, position, condition}
+
+    def report(self) -> dict:
+        """The results so far, with the stop and the switches under "!stopped"/"!switched"."""
+        out: dict[str, Any] = copy.deepcopy(self.results)
+        if self.stopped is not None:
+            out["!stopped"] = dict(self.stopped)
+        if self.switched:
+            out["!switched"] = [dict(x) for x in self.switched]
+        return out
 
     @property
     def prompt_len(self) -> int:
@@ -320,6 +342,8 @@ class Request:
         while self.n_done < self.prompt_len:
             end = self.prompt_len if chunk is None else min(self.prompt_len, self.n_done + chunk)
             logits = self._forward(self.prompt[self.n_done : end])
+            if self.stopped is not None:
+                break  # the request ends in this chunk: nothing more is computed
         return logits[-1]
 
     def decode(self, token: int) -> torch.Tensor:
@@ -423,6 +447,9 @@ class _Step:
             else:
                 return False
             return R.compare(v, node.cmp, self.threshold(att, node.value))
+        if isinstance(node, C.Since):
+            start = self.req.sticky.get((att.name, C.to_text(node)))
+            return R.since_holds(self.pos[t], start)
         if isinstance(node, C.And):
             return self.holds(att, op, node.a, t) and self.holds(att, op, node.b, t)
         if isinstance(node, C.Or):
@@ -446,6 +473,9 @@ class _Step:
         p = lambda name: self.req.param(att, op, name)  # noqa: E731
         if op.kernel == "custom":
             self._run_custom(att, op, rows, mask_list)
+            return
+        if op.is_control:
+            self._monitor(att, op, mask_list)
             return
         if op.is_read:
             self._read(att, op, rows, mask, mask_list, arts, p)
@@ -530,6 +560,40 @@ class _Step:
         else:
             raise DeployError(f"app {att.name!r}, op {op.label}: no oracle for read {op.kernel!r}")
         self._note_read(att, op, values, reported)
+
+    def _monitor(self, att: _Attached, op: LoweredOp, mask_list: list[bool]) -> None:
+        """A stop or a since(...) term: the first position of this pass where its condition
+        held, if none before it did."""
+        req = self.req
+        first = R.first_held(mask_list, self.pos)
+        if first is None:
+            return
+        if op.kernel == "since":
+            key = (att.name, op.sticky)
+            if key not in req.sticky:
+                req.sticky[key] = first
+                req.switched.append(
+                    {
+                        "app": att.name,
+                        "read": op.monitor_read,
+                        "position": first,
+                        "condition": op.sticky,
+                    }
+                )
+            return
+        if req.stopped is None:
+            value = None
+            if op.monitor_read is not None:
+                v = self.values.get((att.name, op.monitor_read), [NAN] * self.n)[
+                    self.pos.index(first)
+                ]
+                value = v if v == v else None
+            req.stopped = {
+                "app": att.name,
+                "read": op.monitor_read,
+                "position": first,
+                "value": value,
+            }
 
     def _note_values(self, att, key: str, values: list[float]) -> None:
         self.values[(att.name, key)] = values
@@ -831,7 +895,7 @@ class Attachment:
         """The prompt pass alone: returns (logits of the last prompt token, read results)."""
         req = self.request(prompt_ids, apps, params)
         logits = req.prefill(chunk)
-        return logits, copy.deepcopy(req.results)
+        return logits, req.report()
 
     def generate(
         self,
@@ -852,13 +916,15 @@ class Attachment:
         eos = set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
         logits = req.prefill(chunk)
         out: list[int] = []
-        while True:
+        # A stop seen while reading a token ends the request there: the token sampled in that
+        # pass is dropped (in the prompt: no token at all).
+        while req.stopped is None:
             tok = int(torch.argmax(logits))
             out.append(tok)
             if len(out) >= max_new_tokens or (stop_at_eos and tok in eos):
                 break
             logits = req.decode(tok)
-        return out, copy.deepcopy(req.results)
+        return out, req.report()
 
 
 _MISSING = object()
@@ -950,7 +1016,7 @@ class Session:
 
     @property
     def results(self) -> list[dict]:
-        return [copy.deepcopy(r.results) for r in self.requests]
+        return [r.report() for r in self.requests]
 
     def _before(self, module, args, kwargs):
         if self.attachment._own is not None:

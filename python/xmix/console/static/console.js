@@ -479,13 +479,19 @@ async function refreshLive() {
         gates.append(el("div", { dataset: { gate: g.gate }, text: `${g.gate}: ${fmtNum(g.fired)} / ${fmtNum(g.tokens)}` + (g.rate === null ? "" : ` = ${(100 * g.rate).toFixed(1)} %`) }));
       }
       if (!a.gates.length) gates.append(el("span", { class: "muted", text: "no gate fired or evaluated yet" }));
+      const mons = el("td", { class: "monitors" });
+      for (const m of a.monitors || []) {
+        const what = m.action === "stopped" ? "stopped" : "switched";
+        mons.append(el("div", { dataset: { action: m.action, read: m.read }, text: `${what} by ${m.read || "tokens"}: ${fmtNum(m.requests)}` }));
+      }
+      if (!(a.monitors || []).length) mons.append(el("span", { class: "muted", text: "none" }));
       body.append(el("tr", { dataset: { app: a.name } },
         el("td", { text: a.name }), el("td", { text: a.mode }),
         el("td", { class: "admitted", text: fmtNum(a.requests_admitted) }),
         el("td", { class: "finished", text: fmtNum(a.requests_finished) }),
         el("td", { text: fmtMs(a.ttft_mean_s) }), el("td", { text: fmtAdded(a.ttft_added_s) }),
         el("td", { text: fmtMs(a.tpot_mean_s) }), el("td", { text: fmtAdded(a.tpot_added_s) }),
-        gates));
+        gates, mons));
     }
     const b = snap.no_app;
     $("#live-baseline").textContent = `Requests that used no app: ${fmtNum(b.requests_finished)} finished · mean TTFT ${fmtMs(b.ttft_mean_s)} · mean time / token ${fmtMs(b.tpot_mean_s)}`;

@@ -25,13 +25,23 @@ third-party connector that did would be logged and left alone. They stay arrays 
 the output each read is packed as raw bytes with its dtype and shape
 (``results_codec.pack_results``), which vLLM's msgpack encoder carries as binary, where a bare
 numpy array in an untyped field would not survive decoding.
+
+Monitors that stop a request (``App.stop``): a step's results carry the stop under
+``STOPPED_KEY``. The request is finished with ``FINISHED_STOPPED`` before vLLM's own
+``update_from_output`` looks at the step, through the scheduler's ``finish_requests`` (the
+path vLLM takes for requests it ends itself, e.g. grammar errors), so its slot and KV blocks
+are freed in this update, as for a stop token, and vLLM's loop skips it as finished: the
+token sampled in the step that saw the trigger is never appended, and under async scheduling
+the output of the step already under way (it was scheduled before the trigger was seen) is
+dropped the same way. The request's last output (no new tokens, ``finish_reason`` STOP, its
+results with the stop record, prompt logprobs of this step if any) is added here.
 """
 
 from __future__ import annotations
 
 import logging
 
-from xmix.results_codec import pack_results
+from xmix.results_codec import STOPPED_KEY, pack_results
 
 from . import fence
 from .frontend import RESULTS_KEY
@@ -49,10 +59,16 @@ def patch_scheduler(cls) -> None:
     def update_from_output(self, scheduler_output, model_runner_output):
         store: dict = self.__dict__.setdefault("_xmix_results", {})
         new = getattr(model_runner_output, RESULTS_ATTR, None)
+        stopped: list = []
         if new:
             for rid, apps in new.items():
                 merge_results(store.setdefault(rid, {}), apps)
+            stops = [rid for rid, apps in new.items() if STOPPED_KEY in apps]
+            if stops:
+                stopped = _stop(self, orig_finish, stops, store, model_runner_output)
         outs = orig_update(self, scheduler_output, model_runner_output)
+        if stopped:
+            _stopped_outputs(outs, stopped)
         if store:
             for eco_batch in outs.values():
                 for o in eco_batch.outputs:
@@ -86,3 +102,45 @@ def patch_scheduler(cls) -> None:
 
     fence.replace(cls, "update_from_output", update_from_output, by="engine_core")
     fence.replace(cls, "finish_requests", finish_requests, by="engine_core")
+
+
+def _stop(sched, orig_finish, req_ids: list[str], store: dict, model_runner_output) -> list:
+    """Finish the requests a monitor stopped in this step, before vLLM's update sees it:
+    [(request, its results, its prompt logprobs of this step)]."""
+    from vllm.v1.request import RequestStatus
+
+    live = []
+    for rid in req_ids:
+        req = sched.requests.get(rid)
+        if req is None or req.is_finished():
+            continue  # finished or aborted meanwhile: nothing more is sent for it
+        live.append(rid)
+    if not live:
+        return []
+    plp = getattr(model_runner_output, "prompt_logprobs_dict", None) or {}
+    kept = {rid: (store.pop(rid, None), plp.pop(rid, None)) for rid in live}
+    done = orig_finish(sched, live, RequestStatus.FINISHED_STOPPED)
+    return [(req, *kept[req.request_id]) for req in done]
+
+
+def _stopped_outputs(outs: dict, stopped: list) -> None:
+    """The last output of each stopped request, in the outputs of its client."""
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+
+    for req, res, plp in stopped:
+        eco = EngineCoreOutput(
+            request_id=req.request_id,
+            new_token_ids=[],
+            new_prompt_logprobs_tensors=plp,
+            finish_reason=req.get_finished_reason(),
+            stop_reason=None,
+            events=req.take_events(),
+            kv_transfer_params={RESULTS_KEY: pack_results(res)} if res else None,
+            trace_headers=req.trace_headers,
+            num_nans_in_logits=req.num_nans_in_logits,
+        )
+        batch = outs.get(req.client_index)
+        if batch is None:
+            outs[req.client_index] = EngineCoreOutputs(outputs=[eco])
+        else:
+            batch.outputs.append(eco)

@@ -56,6 +56,8 @@ from xmix.lowering import DeployError, LoweredApp, lower
 from xmix.results_codec import (
     DROPPED_KEY,
     OPTION_KEYS,
+    STOPPED_KEY,
+    SWITCHED_KEY,
     TRUNCATED_KEY,
     ResultOptions,
     copy_results,
@@ -126,6 +128,7 @@ class Needs:
     channels: int = 0
     token_sets: int = 0
     spans: int = 0
+    sinces: int = 0
 
     @staticmethod
     def of(lw: LoweredApp) -> Needs:
@@ -136,6 +139,7 @@ class Needs:
             sum(o.n_channels for o in lw.reads.values()),
             len(lw.token_sets),
             len(lw.spans),
+            len(lw.sinces),
         )
 
     def __add__(self, o: Needs) -> Needs:
@@ -146,6 +150,7 @@ class Needs:
             self.channels + o.channels,
             self.token_sets + o.token_sets,
             self.spans + o.spans,
+            self.sinces + o.sinces,
         )
 
 
@@ -156,6 +161,7 @@ _NEEDS = {
     "channels": ("max_channels", "reads"),
     "token_sets": ("max_token_sets", "token sets"),
     "spans": ("max_spans", "spans"),
+    "sinces": ("max_sinces", "since(...) terms"),
 }
 
 
@@ -444,6 +450,7 @@ class Registry:
 
             cap.setdefault("max_token_sets", K["MAX_TOKEN_SETS"])
             cap.setdefault("max_spans", K["MAX_SPANS"])
+            cap.setdefault("max_sinces", K["MAX_STICKY"])
             max_ops = tenants.limit("XMIX_MAX_OPS")
             if max_ops is not None and max_ops < cap["max_ops"]:
                 cap["max_ops"] = max_ops
@@ -1008,9 +1015,18 @@ def patch_output_processor(out_cls, state_cls, request_output_cls) -> None:
                 eco.kv_transfer_params = kvp or None
                 err = res.pop(ERROR_KEY, None)
                 dropped = res.pop(DROPPED_KEY, None)
+                stopped = res.pop(STOPPED_KEY, None)
+                switched = res.pop(SWITCHED_KEY, None)
                 st = self.request_states.get(eco.request_id)
                 if st is None:
                     continue
+                if stopped is not None or switched:
+                    # monitors: named in the request's provenance when it finishes
+                    mon = st.__dict__.setdefault("_xmix_monitors", {})
+                    if stopped is not None:
+                        mon.setdefault("stopped", stopped)
+                    if switched:
+                        mon.setdefault("switched", []).extend(switched)
                 applied = st.__dict__.get("_xmix_applied")
                 if dropped and applied is not None:
                     # the engine no longer held the version admitted (a change through another
@@ -1063,6 +1079,10 @@ def patch_output_processor(out_cls, state_cls, request_output_cls) -> None:
         co = orig_new_completion(self, *args, **kwargs)
         if self.__dict__.get("_xmix_seen"):
             co.xmix = take_results(self)
+        mon = self.__dict__.get("_xmix_monitors")
+        if mon and co.finish_reason is not None:
+            # this sequence's stop and switches (with n > 1 each choice has its own)
+            co.xmix_monitors = mon
         return co
 
     def make_request_output(self, *args, **kwargs):
@@ -1083,7 +1103,10 @@ def patch_output_processor(out_cls, state_cls, request_output_cls) -> None:
         ):
             prov = self.__dict__.get("_xmix_prov")
             if prov is None:
-                prov = self.__dict__["_xmix_prov"] = provenance(applied)
+                prov = self.__dict__["_xmix_prov"] = {
+                    **provenance(applied),
+                    **self.__dict__.get("_xmix_monitors", {}),
+                }
             out.xmix_applied = prov
         if not self.__dict__.get("_xmix_seen"):
             return out

@@ -106,6 +106,20 @@ def _make(registry=None):
             ["model_name"],
             **kw,
         ),
+        # Monitors (App.stop, since(...)), counted by usage.py per request.
+        "stopped": Counter(
+            "vllm:xmix_requests_stopped",
+            "Requests an app's stop ended, by the read its condition reports",
+            ["model_name", "app", "read"],
+            **kw,
+        ),
+        "switched": Counter(
+            "vllm:xmix_requests_switched",
+            "Requests in which an app's since(...) condition started to hold, by the read it "
+            "reports",
+            ["model_name", "app", "read"],
+            **kw,
+        ),
         "results_truncated": Counter(
             "vllm:xmix_results_truncated",
             "Sequences whose read results were cut at their byte cap",
@@ -144,8 +158,8 @@ def app_label(app: str) -> str:
 
 
 def shown(labels: dict) -> dict:
-    """Labels with ``app`` (and ``gate``, which names an op of that app) as /metrics shows
-    them."""
+    """Labels with ``app`` (and ``gate`` or ``read``, which name an op of that app) as
+    /metrics shows them."""
     keys = _label_keys
     if keys is None or "app" not in labels:
         return labels
@@ -153,6 +167,8 @@ def shown(labels: dict) -> dict:
     out["app"] = keys.label(labels["app"])
     if "gate" in out:
         out["gate"] = keys.label(labels["app"] + "/" + out["gate"])
+    if out.get("read"):  # a monitor's read ("" for a condition on tokens alone)
+        out["read"] = keys.label(labels["app"] + "/" + out["read"])
     return out
 
 

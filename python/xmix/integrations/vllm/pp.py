@@ -118,8 +118,27 @@ def crossings(lowered, stages: Stages) -> list[tuple[str, int, int, object]]:
 
 
 def check_deploy(lowered, stages: Stages) -> None:
-    """Refuse an app whose op is conditioned on a read a later stage makes."""
+    """Refuse an app whose op is conditioned on a read a later stage makes, or on a
+    since(...) term another stage decides (its per-request state stays on that stage), and a
+    stop off the last stage (the stage whose output vLLM returns)."""
     from xmix.lowering import DeployError
+
+    for op in lowered.ops:
+        s_op = stages.of_site(op.site_id)
+        if op.kernel == "stop" and s_op != stages.size - 1:
+            raise DeployError(
+                f"app {lowered.name!r}: its stop runs on pipeline stage {s_op}; with pipeline "
+                f"parallelism a stop runs on the last stage (leave it at final.post)"
+            )
+        for t in C.sinces(op.cond):
+            s_dec = stages.of_site(lowered.sinces[C.to_text(t)].site_id)
+            if s_dec != s_op:
+                raise DeployError(
+                    f"app {lowered.name!r}: op {getattr(op, 'label', op)} runs on pipeline "
+                    f"stage {s_op} and uses {C.to_text(t)}, which stage {s_dec} decides; a "
+                    f"since(...) term is used on the stage that decides it (stage layer "
+                    f"ranges {list(stages.ranges)})"
+                )
 
     back = [(k, sr, so, op) for k, sr, so, op in crossings(lowered, stages) if sr > so]
     if back:

@@ -1157,6 +1157,17 @@ def _per_choice(choices: list, completions: list, opts: ResultOptions) -> bool:
     return True
 
 
+def _choice_monitors(choices: list, completions: list) -> None:
+    """With n > 1 each choice names its own sequence's stop and switches (``xmix_monitors``:
+    the request's ``xmix_applied`` can name only one sequence's)."""
+    if len(completions) <= 1 or len(choices) != len(completions):
+        return
+    for choice, co in zip(choices, completions):
+        mon = getattr(co, "xmix_monitors", None)
+        if mon:
+            choice.xmix_monitors = mon
+
+
 async def _tap(gen, sink: list, n_choices: int | None, applied: dict):
     """Collect (choice index, new reads) per output and each prompt's provenance;
     ``n_choices`` given: completions, whose items are (prompt index, output) and whose choice
@@ -1514,6 +1525,8 @@ def patch_openai_serving() -> None:
         applied = _applied_of(seen)
         if applied is not None and hasattr(resp, "choices"):
             setattr(resp, APPLIED_KEY, applied)
+            if seen:
+                _choice_monitors(resp.choices, sorted(seen[0].outputs, key=lambda co: co.index))
         return resp
 
     def chat_stream(self, request, result_generator, *args, **kwargs):
@@ -1544,6 +1557,8 @@ def patch_openai_serving() -> None:
         applied = _applied_of(final_res_batch)
         if applied is not None and hasattr(resp, "choices"):
             setattr(resp, APPLIED_KEY, applied)
+            done = [r for r in final_res_batch if r is not None]
+            _choice_monitors(resp.choices, [co for r in done for co in r.outputs])
         return resp
 
     def completion_stream(self, request, engine_inputs, result_generator, *args, **kwargs):

@@ -9,6 +9,10 @@ the frontend (new tokens, read results), so nothing is added to the engine's ste
   READ ran (reported a value) and those where the comparison held. The threshold is the
   request's parameter value or the app's default at admission. Only the gate's own comparison
   is counted, not the rest of the op's condition.
+- ``vllm:xmix_requests_stopped_total{app, read}`` / ``vllm:xmix_requests_switched_total{app,
+  read}``: requests an app's stop ended, and requests in which one of its ``since(...)``
+  conditions started to hold (once per term and request), by the read the condition reports
+  (the first it names; "" for a condition on tokens alone).
 - ``vllm:xmix_app_time_to_first_token_seconds{app}`` and
   ``vllm:xmix_app_time_per_output_token_seconds{app}``: per finished request, for every app it
   used (named, or deployed in mode ``all``); ``vllm:xmix_no_app_time_*`` for requests that
@@ -31,7 +35,7 @@ from typing import Any
 from xmix import conditions as C
 from xmix import reference as R
 from xmix.console.decisions import read_scalar
-from xmix.results_codec import ReadResult
+from xmix.results_codec import STOPPED_KEY, SWITCHED_KEY, ReadResult
 
 from .frontend import RESULTS_KEY, XMIX_KEY
 from .metrics import shown
@@ -153,6 +157,12 @@ class Usage:
             rec.t_last = now
             rec.tokens += new_tokens
         if isinstance(results, dict):
+            stop = results.get(STOPPED_KEY)
+            if isinstance(stop, dict):
+                self._inc("stopped", 1, app=str(stop.get("app")), read=str(stop.get("read") or ""))
+            for sw in results.get(SWITCHED_KEY) or ():
+                if isinstance(sw, dict):
+                    self._inc("switched", 1, app=str(sw.get("app")), read=str(sw.get("read") or ""))
             for app, gates in rec.gates.items():
                 reads = results.get(app)
                 if not isinstance(reads, dict):
@@ -206,7 +216,7 @@ def install(registry, output_processor_cls=None) -> Usage | None:
     from . import metrics
 
     m = metrics.get()
-    if m is None or "gate_tokens" not in m:
+    if m is None or "gate_tokens" not in m or "stopped" not in m:
         return None
     if _usage is not None:
         _usage.registry = registry

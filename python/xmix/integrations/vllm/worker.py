@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from xmix import ops
+from xmix import _C, ops
 from xmix.api import App
 from xmix.architectures import Family, architecture_of, require_family
 from xmix.control import Capacity, ControlBlock, PendingReads
@@ -33,6 +33,7 @@ from .model_wrap import place_sites
 logger = logging.getLogger("vllm.xmix")  # vLLM's handlers and format apply
 
 RESULTS_ATTR = "xmix_results"
+K_STOP_BITS = _C.constants()["STOP_POSITION_BITS"]
 # ERROR_KEY in a request's results: the worker could not serve it; the frontend ends it
 
 
@@ -64,6 +65,7 @@ class WorkerXmix:
             capture_floats=capture_floats(),
         )
         self._attach(ControlBlock(self.shape, runner.device, cap), _tp_rank() == 0)
+        self.max_model_len = int(getattr(cfg.model_config, "max_model_len", 0) or 0)
         self.pp = _stage_link(cfg, self.shape.n_layers)
         opts = enable.options(enable.config_value(cfg))
         self.sites, self.placed = place_sites(
@@ -88,6 +90,7 @@ class WorkerXmix:
         x.sites = {}
         x.placed = frozenset(range(n_sites(cb.shape.n_layers)))  # no model: every site id counts
         x.pp = None
+        x.max_model_len = 0
         return x
 
     def _attach(self, cb: ControlBlock, rank0: bool) -> None:
@@ -229,6 +232,8 @@ class WorkerXmix:
         again = self._started[slots] & (start == 0)
         if again.any():
             self.stats["restarts"] += int(again.sum())
+            for s in slots[again].tolist():
+                cb.recompute(s)  # its monitors keep what they decided
         self._started[slots] = True
         if cb.begin_step(slots, np.asarray(n_tok), start, np.asarray(plen), padded):
             cb.prologue(input_ids)
@@ -289,6 +294,13 @@ class WorkerXmix:
         too); ``commit`` swaps it in at once, else ``xmix_deploy_commit`` does."""
         app = App.from_bytes(data, source="deploy", allow_custom=True)
         lowered = lower(app, self.shape, None)
+        if lowered.stop is not None and self.max_model_len > 1 << K_STOP_BITS:
+            from xmix.lowering import DeployError
+
+            raise DeployError(
+                f"app {app.name!r}: a stop records positions below 2^{K_STOP_BITS}; this "
+                f"engine's max_model_len is {self.max_model_len}"
+            )
         if self.pp is not None:
             from .pp import check_deploy
 
