@@ -67,6 +67,8 @@ SCOPE_SECONDS = {
     "tests/engine/test_engine.py": 650,
     "tests/engine/test_models_engine.py": 550,
     "tests/engine/test_models_moe.py": 500,
+    # issue 32, measured alone on this machine under other sessions' load (2026-12-02): 508 s
+    "tests/server/test_multi_node.py": 500,
     "apps_oracle": 430,
     "tests/engine/test_do_no_harm.py": 420,
     "tests/server/test_bench_serve.py": 410,

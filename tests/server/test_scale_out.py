@@ -10,6 +10,7 @@ one engine): tokens exact, reads within 1e-4 relative.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -161,26 +162,62 @@ def changes_while_streaming(s, late):
     return codes, sink
 
 
+@contextlib.contextmanager
+def env(**values):
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in values.items():
+            mp.setenv(k, v)
+        yield
+
+
+def acknowledged_off(s, app: str, n: int = 24) -> dict:
+    """Issue 32 item 4: PATCH mode=off, then at once ``n`` requests naming the app, one after
+    the other, each on a new connection (so both servers admit some); then the app back on.
+    Before the fix, a server that had not followed the ledger yet admitted them with the app
+    (1 of 24 in a held-out check at the default XMIX_SYNC_S)."""
+    r, answered_by = fresh(s, "PATCH", f"/xmix/v1/apps/{app}", json={"mode": "off"})
+    answered = (r.status_code, answered_by)
+    got = []
+    for i in range(n):
+        x, sid = complete(s, PROMPTS[i % len(PROMPTS)], {"xmix_apps": [app]}, max_tokens=2)
+        body = x.json()
+        got.append(
+            (
+                x.status_code,
+                sid,
+                body["error"]["message"]
+                if x.status_code != 200
+                else [a["name"] for a in body["xmix_applied"]["apps"]],
+            )
+        )
+    back = fresh(s, "PATCH", f"/xmix/v1/apps/{app}", json={"mode": "request"})[0].status_code
+    return {"answered": answered, "requests": got, "back": back}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("scale_out")
     files, late = apps(tmp)
     rec: dict = {}
     t0 = time.time()
-    # --- two API servers in front of one engine
-    with xmix_server(
-        tmp,
-        files,
-        "--host",
-        "127.0.0.1",
-        "--api-server-count",
-        "2",
-        "--max-num-seqs",
-        "8",
-        "--enable-prompt-tokens-details",
-        "--xmix-state-dir",
-        str(tmp / "state-api"),
-    ) as s:
+    # --- two API servers in front of one engine; each follows the ledger every second (the
+    # default is 0.25 s): a wider window for a stale admission to show (acknowledged_off)
+    with (
+        env(XMIX_SYNC_S="1.0"),
+        xmix_server(
+            tmp,
+            files,
+            "--host",
+            "127.0.0.1",
+            "--api-server-count",
+            "2",
+            "--max-num-seqs",
+            "8",
+            "--enable-prompt-tokens-details",
+            "--xmix-state-dir",
+            str(tmp / "state-api"),
+        ) as s,
+    ):
         ids = set()
         for _ in range(64):
             ids.add(fresh(s, "GET", "/xmix/v1/apps")[1])
@@ -224,6 +261,7 @@ def runs(tmp_path_factory):
         r, seen = through(s, other[u], lambda: complete(s, PROMPTS[0], {"xmix_apps": ["late"]}))
         rec["gone_via_b"] = [(x.status_code, x.json(), sid) for x, sid in seen]
         rec["api_stream"] = changes_while_streaming(s, late)
+        rec["api_ack"] = acknowledged_off(s, "steer")
         rec["api_apps"] = fresh(s, "GET", "/xmix/v1/apps")[0].json()["apps"]
         rec["api_log"] = s["log"].read_text()
     rec["api_state"] = StateDir.check(tmp / "state-api")
@@ -341,6 +379,16 @@ def test_changes_while_streaming_lose_no_request_data_parallel(runs):
     _no_request_lost(runs["dp_stream"])
     assert "Traceback" not in runs["dp_log"] and "Traceback" not in runs["api_log"]
     print(f"two API servers: {runs['t_api']:.0f}s, data parallel: {runs['t_dp']:.0f}s")
+
+
+def test_an_acknowledged_change_is_seen_by_every_later_request_two_api_servers(runs):
+    """After PATCH mode=off answered 200, no request is admitted with the app, whichever
+    server admits it (tests/server/test_multi_node.py checks the same across hosts)."""
+    ack = runs["api_ack"]
+    assert ack["answered"][0] == 200 and ack["back"] == 200
+    got = [(c, m) for c, _, m in ack["requests"]]
+    assert all(c == 400 and "switched off" in m for c, m in got), got
+    assert len({sid for _, sid, _ in ack["requests"]}) == 2  # both servers admitted some
 
 
 @pytest.mark.parametrize("which", ["api", "dp"])

@@ -27,11 +27,15 @@ HF = LlamaConfig(
 
 
 class Engine:
-    def __init__(self):
+    def __init__(self, index: int = 0):
         shape = ModelShape.from_hf_config(HF, "tiny")
         x = W.WorkerXmix.for_control_block(ControlBlock(shape, "cpu", SMALL))
         x.placed = set(range(10_000))  # every site placed (no model here)
-        self.worker = NS(model_runner=NS(_xmix=x))
+        self.worker = NS(
+            model_runner=NS(_xmix=x),
+            rank=0,
+            vllm_config=NS(parallel_config=NS(data_parallel_index=index)),
+        )
         self.refuse: set[str] = set()  # worker methods this engine fails (a fault on it)
 
     @property
@@ -61,7 +65,7 @@ def fan_out(engines):
     return rpc
 
 
-def server(engines):
+def server(engines, rpc=None):
     ip = NS(
         vllm_config=NS(
             model_config=NS(hf_config=HF, model="tiny"),
@@ -69,7 +73,7 @@ def server(engines):
         ),
         tokenizer=None,
     )
-    return Controller(ip, fan_out(engines))
+    return Controller(ip, rpc or fan_out(engines))
 
 
 def app(name, scale=1.0):
@@ -80,7 +84,7 @@ def app(name, scale=1.0):
 
 @pytest.fixture
 def fleet():
-    engines = [Engine(), Engine()]
+    engines = [Engine(0), Engine(1)]
     return engines, server(engines), server(engines)
 
 
@@ -293,3 +297,241 @@ def test_an_admission_never_sees_a_change_without_its_revision(fleet, change):
     got["thread"].join(timeout=10)
     assert "refused" not in got, got["refused"]
     assert got["applied"]["apps"] == [] and got["applied"]["_dropped"] == ["c0"]
+
+
+# ---------------------------------------------------------------- acknowledged changes
+def test_a_change_answers_only_once_every_other_server_has_it(fleet):
+    """Issue 32 item 4: with several API servers, a change returns only when every other
+    server that admits requests has applied it (each confirms at its next read of the ledger),
+    so a request sent after the answer is never admitted against the state before it. Before,
+    the answer came at once and the other server kept its old state until its next poll
+    (XMIX_SYNC_S): a request naming an app just switched off was admitted with it."""
+    import threading
+    import time
+
+    engines, s1, s2 = fleet
+    s1.deploy(app("a"))
+    s2.registry.follows = True
+    s2.sync()  # s2 has read the ledger: it is a server the changes wait for
+    stop = threading.Event()
+
+    def follow():  # s2's poller (server._follow), slow on purpose
+        while not stop.wait(0.3):
+            s2.sync()
+
+    t = threading.Thread(target=follow)
+    t.start()
+    try:
+        t0 = time.monotonic()
+        s1.patch("a", mode="off")
+        waited = time.monotonic() - t0
+        # the answer came; s2 must refuse the app now, without syncing first
+        assert s2.registry.get("a").mode == "off"
+        with pytest.raises(ValueError, match="switched off"):
+            s2.registry.admit({"apps": ["a"]}, 3, 4)
+        assert waited < 2.0, waited  # two polls at most
+        s1.patch("a", params={"scale": 5.0})
+        assert [c.default for c in s2.registry.get("a").cols] == [5.0]
+    finally:
+        stop.set()
+        t.join()
+
+
+def test_a_server_not_heard_from_is_not_waited_for_and_syncs_before_admitting(fleet, monkeypatch):
+    """A server whose reads stopped (stuck, or gone) holds a change up for at most
+    ledger.LIVE_S; until it reads again it does not admit against what it holds."""
+    import time
+
+    from xmix.integrations.vllm import ledger
+
+    engines, s1, s2 = fleet
+    s1.deploy(app("a"))
+    s2.registry.follows = True
+    s2.sync()
+    monkeypatch.setattr(ledger, "LIVE_S", 0.5)
+    monkeypatch.setattr(type(s2.registry), "STALE_S", 0.3)
+    t0 = time.monotonic()
+    s1.patch("a", mode="off")  # s2 never reads: waited for until the ledger stops expecting it
+    assert 0.4 < time.monotonic() - t0 < 3.0
+    assert s2.registry.get("a").mode == "request"  # s2 still holds the old state ...
+    with pytest.raises(ValueError, match="not been able to follow"):
+        s2.registry.admit({"apps": ["a"]}, 3, 4)  # ... and refuses to admit against it
+    s2.sync()  # what server._catch_up does first for completions and chat
+    with pytest.raises(ValueError, match="switched off"):
+        s2.registry.admit({"apps": ["a"]}, 3, 4)
+
+
+# ---------------------------------------------------------------- an engine out of reach
+class Cut:
+    """Engine 1 behind a link that is down: calls to it are queued (in order) and the caller
+    hears EngineUnreachable after its deadline, as server.fan_out does; ``restore`` delivers
+    the queue. Ledger writes wait for the first engine only (server.fan_out)."""
+
+    def __init__(self, engines):
+        self.engines, self.down, self.queue = engines, False, []
+
+    def rpc(self, method, args):
+        from xmix.integrations.vllm.frontend import EngineUnreachable
+
+        op = args[1][0] if args[0] == "xmix_ledger" else None
+        targets = self.engines[:1] if op in ("since", "lagging") else self.engines
+        out, err = [], None
+        for i, e in enumerate(targets):
+            if i == 1 and self.down:
+                self.queue.append((method, args))
+                if op is None:
+                    err = err or EngineUnreachable("engine 1 did not answer")
+                continue
+            try:
+                got = e.call(method, args)
+            except Exception as ex:
+                err = err or ex
+                continue
+            if op is None or i == 0:
+                out += got
+        if err is not None:
+            raise err
+        return out
+
+    def restore(self):
+        self.down = False
+        for method, args in self.queue:
+            try:
+                self.engines[1].call(method, args)
+            except Exception:
+                pass
+        self.queue = []
+
+
+@pytest.fixture
+def cut():
+    engines = [Engine(0), Engine(1)]
+    c = Cut(engines)
+    return engines, c, server(engines, c.rpc)
+
+
+def _ledgers(engines):
+    return [e.worker.model_runner._xmix.ledger.summary() for e in engines]
+
+
+def test_changes_an_engine_did_not_answer_leave_every_engine_as_the_ledger_says(cut):
+    """Issue 32 item 5: a change that an engine does not answer (its host cut off) fails with
+    EngineUnreachable, and once the link is back every engine holds what the ledger (and
+    so every server's registry) says: a deploy rolled back, a patch set back, an undeploy
+    recorded. Before, a patch stayed applied on the engines that answered and reached the
+    other later, while the ledger kept the old values."""
+    from xmix.integrations.vllm.frontend import EngineUnreachable
+
+    engines, c, s = cut
+    s.deploy(app("a"))
+    c.down = True
+    with pytest.raises(EngineUnreachable):
+        s.deploy(app("b"))
+    with pytest.raises(EngineUnreachable):
+        s.patch("a", mode="all", params={"scale": 7.0})
+    assert held(engines[0]) == {"a": (1, "request", {"#0.scale": 1.0})}
+    c.restore()
+    for e in engines:  # the queued change, then its rollback, reached engine 1 in order
+        assert held(e) == {"a": (1, "request", {"#0.scale": 1.0})} and not e.cb._staged
+    assert [(x["name"], x["mode"], x["params"]) for x in s.apps()] == [
+        ("a", "request", {"#0.scale": 1.0})
+    ]
+    c.down = True
+    with pytest.raises(EngineUnreachable):
+        s.undeploy("a")
+    assert s.apps() == []  # recorded: off every engine that answered ...
+    c.restore()
+    assert [held(e) for e in engines] == [{}, {}]  # ... and off the other once it answered
+    l0, l1 = _ledgers(engines)
+    assert l0["rev"] == l1["rev"] and l0["digest"] == l1["digest"]
+    s.deploy(app("b"))  # nothing half-made blocks the name
+    assert [set(held(e)) for e in engines] == [{"b"}, {"b"}]
+
+
+# ---------------------------------------------------------------- server.fan_out's deadlines
+class Client:
+    """vLLM's DP client as server.fan_out uses it: ``core_engines`` and one utility call per
+    engine; engine 1 never answers while ``hung``."""
+
+    def __init__(self):
+        self.hung, self.calls = False, []
+        self.engine_core = self
+        self.core_engines = [i.to_bytes(2, "little") for i in range(2)]
+
+    async def _call_utility_async(self, method, *args, engine):
+        import asyncio
+
+        i = int.from_bytes(engine, "little")
+        self.calls.append((i, args[2]))
+        if i == 1 and self.hung:
+            await asyncio.sleep(3600)
+        return [("ok", {"engine": i})]
+
+
+def test_fan_out_names_an_engine_that_does_not_answer_and_does_not_wait_on_it_again(
+    monkeypatch,
+):
+    """Issue 32 item 5: vLLM does not notice a data-parallel engine on another host that was
+    killed (the head stays healthy, its requests and utility calls wait forever), so a
+    control change waited forever (seen on namespace hosts: a deploy sent while the remote
+    engine was killed never answered, and every later change or app list waited behind it).
+    Each engine is now waited for at most XMIX_RPC_TIMEOUT_S, then SLOW_RPC_S until it
+    answers again; ledger reads go to the first engine only and ledger writes wait for it
+    only, so following the ledger does not depend on the other hosts."""
+    import asyncio
+    import time
+
+    from xmix.integrations.vllm import server as S
+    from xmix.integrations.vllm.frontend import EngineUnreachable
+
+    monkeypatch.setenv("XMIX_RPC_TIMEOUT_S", "0.5")
+    monkeypatch.setattr(S, "SLOW_RPC_S", 0.1)
+    c = Client()
+
+    async def go():
+        out = {}
+        out["both"] = await S.fan_out(c, "xmix_call", ("xmix_describe", ()))
+        c.hung = True
+        t0 = time.monotonic()
+        with pytest.raises(EngineUnreachable, match="data-parallel rank 1 did not answer") as e:
+            await S.fan_out(c, "xmix_call", ("xmix_patch", ("a", "off", None)))
+        out["first"] = time.monotonic() - t0
+        out["msg"] = str(e.value)
+        t0 = time.monotonic()
+        with pytest.raises(EngineUnreachable):
+            await S.fan_out(c, "xmix_call", ("xmix_patch", ("a", "off", None)))
+        out["again"] = time.monotonic() - t0
+        out["partial"] = await S.fan_out(c, "xmix_call", ("xmix_describe", ()), late_ok=True)
+        c.calls.clear()
+        out["read"] = await S.fan_out(c, "xmix_call", ("xmix_ledger", ("since", "me", 0)))
+        out["read_calls"] = list(c.calls)
+        t0 = time.monotonic()
+        out["write"] = await S.fan_out(c, "xmix_call", ("xmix_ledger", ("append", "me", 0, {})))
+        out["write_s"] = time.monotonic() - t0
+        c.hung = False
+        out["back"] = await S.fan_out(c, "xmix_call", ("xmix_describe", ()))
+        return out
+
+    out = asyncio.run(go())
+    assert out["both"] == [("ok", {"engine": 0}), ("ok", {"engine": 1})]
+    assert 0.4 < out["first"] < 2.0 and "xmix_patch" in out["msg"] and "0.5 s" in out["msg"]
+    assert out["again"] < 0.4  # marked slow: not the full timeout once per RPC
+    assert out["partial"][0] == ("ok", {"engine": 0})
+    assert out["partial"][1]["engine"] == 1 and "did not answer" in out["partial"][1]["error"]
+    assert [i for i, _ in out["read_calls"]] == [0]  # a ledger read: the first engine only
+    assert out["read"] == [("ok", {"engine": 0})]
+    assert out["write"] == [("ok", {"engine": 0})] and out["write_s"] < 0.1
+    assert out["back"] == out["both"]
+
+
+def test_ledger_copies_follow_the_first_engine_in_whatever_order_leases_arrive(fleet):
+    """The lease is the first engine's; another engine's copy of the ledger takes every
+    entry. Before, each copy kept a lease of its own: when two API servers' acquires reached
+    the engines in different orders (both deploy the --app files at start; seen across
+    hosts), the second engine refused an append made under the first engine's lease."""
+    engines, s1, s2 = fleet
+    W.WORKER_METHODS["xmix_ledger"](engines[1].worker, "acquire", s2._owner)  # s2's came first
+    s1.deploy(app("a"))
+    l0, l1 = _ledgers(engines)
+    assert l0["rev"] == l1["rev"] == 1 and l0["digest"] == l1["digest"]
+    assert [held(e) for e in engines] == [{"a": (1, "request", {"#0.scale": 1.0})}] * 2

@@ -69,6 +69,7 @@ from xmix.results_codec import (
 )
 
 from . import fence, keyed, tenants
+from .ledger import LEASE_S
 from .request_controls import control_from_args
 
 logger = logging.getLogger("vllm.xmix")  # vLLM's handlers and format apply
@@ -166,6 +167,14 @@ _NEEDS = {
 
 class EngineGone(RuntimeError):
     """The engine stopped (a shutdown, or it died) while a control change waited for it."""
+
+
+class EngineUnreachable(EngineGone):
+    """An engine did not answer a control RPC in time (``XMIX_RPC_TIMEOUT_S``): its host
+    unreachable, or the engine dead without vLLM noticing (a killed remote data-parallel
+    engine leaves the others serving and its requests waiting). Messages to an engine are
+    delivered in order, so what the change sends after it (its rollback) reaches that engine
+    after the change itself, if it ever answers again."""
 
 
 class NotSaved(EngineGone):
@@ -392,9 +401,22 @@ class Registry:
         self.epoch = 0
         self.capacity: dict[str, int] | None = None  # the workers' control-block sizes
         self.sync = None  # the Controller's: follow the engines' ledger (ledger.py)
+        # With several API servers (``follow``): when this registry last started a sync that
+        # succeeded. A change made through another server waits at most ledger.LIVE_S for this
+        # one to confirm it; past STALE_S without a sync, this one syncs (or refuses) before
+        # it admits, so it never admits against a state older than a change that answered.
+        self.follows = False
+        self.synced_at = 0.0
+        self.held_until = 0.0  # while this server holds the lease nothing changes elsewhere
         # Keyed with the deployment's secret once the Controller fetched it from the engines
         # (before a server serves); this process's own until then.
         self.keys = keyed.Keys.random()
+
+    STALE_S = 4.0  # < ledger.LIVE_S: the margin covers the two processes' clocks and a sync
+
+    def stale(self) -> bool:
+        now = time.monotonic()
+        return self.follows and now > self.held_until and now - self.synced_at > self.STALE_S
 
     def cache_salt(self, client: str | None, adm: Admission) -> str | None:
         """The cache_salt a request runs with: the client's own salt and ``adm.salt`` (what
@@ -581,6 +603,15 @@ class Registry:
         runs one before a stream starts) that counts only refusals. ``remote_prefill``: the
         request's ``kv_transfer_params`` say its prompt KV was computed on another instance
         (P/D disaggregation)."""
+        if count and self.stale():
+            # the server's admission syncs first (server._catch_up); a route that does not
+            # pass there, with the engines' ledger out of reach for seconds, is refused
+            raise _validation_error(
+                f"xmix: this API server has not been able to follow the control plane's "
+                f"changes for over {self.STALE_S:g} s (the engines' ledger did not answer); "
+                "the request is refused rather than admitted against apps that may have "
+                "changed. Retry."
+            )
         caller = tenants.current()
         tenant = (
             caller.tenant if caller is not None else (self.policy.default if self.policy else None)
@@ -1207,11 +1238,13 @@ class Controller:
         """Bring the registry up to the engines' ledger: apply, in the ledger's order, every
         change made through any API server since the last sync. Returns the ledger revision."""
         with self.lock:
+            t0 = time.monotonic()
             self._fetch_keys()
             got = self._rpc("xmix_ledger", ("since", self._owner, self.ledger_rev))[0]
             for e in got["entries"]:
                 self._apply(e)
             self.ledger_rev = got["rev"]
+            self.registry.synced_at = t0
             return self.ledger_rev
 
     def _fetch_keys(self) -> None:
@@ -1291,6 +1324,21 @@ class Controller:
         (the registry changes only from it, so every server applies the same order)."""
         self._rpc("xmix_ledger", ("append", self._owner, 0, entry))
         self.sync()
+        self._await_followers(self.ledger_rev)
+
+    def _await_followers(self, rev: int) -> None:
+        """Return once every other API server has applied ledger revision ``rev`` (each says
+        so at its next read, every XMIX_SYNC_S), or has not been heard from for ledger.LIVE_S
+        (it then syncs before admitting anything: Registry.stale). Without other servers
+        nothing waits."""
+        from .ledger import LIVE_S
+
+        deadline = time.monotonic() + LIVE_S + 1.0
+        while self._rpc("xmix_ledger", ("lagging", self._owner, rev))[0]:
+            if time.monotonic() > deadline:  # the ledger's clock expires them first
+                logger.warning("xmix: API servers did not confirm change %d in time", rev)
+                return
+            time.sleep(0.02)
 
     @contextlib.contextmanager
     def _change(self, wait_s: float | None = None):
@@ -1311,8 +1359,11 @@ class Controller:
             self._depth += 1
             try:
                 self.sync()
+                # every change takes the lease: while held, this registry is the latest state
+                self.registry.held_until = time.monotonic() + LEASE_S - 10.0
                 yield
             finally:
+                self.registry.held_until = 0.0
                 self._depth -= 1
                 if self._depth == 0:
                     try:
@@ -1333,9 +1384,11 @@ class Controller:
         finally:
             self.registry.settle(name)
 
-    def _undo(self, method: str, name: str) -> None:
+    def _undo(self, method: str, name: str, *args: Any) -> None:
         try:
-            self._rpc(method, (name,))
+            self._rpc(method, (name, *args))
+        except EngineUnreachable as e:
+            logger.warning("xmix: %s(%s) sent; %s", method, name, e)
         except EngineGone:
             logger.info("xmix: %s(%s) not needed: the engine is gone", method, name)
         except Exception:
@@ -1428,7 +1481,14 @@ class Controller:
                 # by vLLM's dev-mode /collective_rpc), there is nothing to take off: the
                 # registry follows, instead of keeping an app no request can use and no
                 # DELETE can remove.
-                gone = self._rpc("xmix_undeploy_if_present", (name,))
+                try:
+                    gone = self._rpc("xmix_undeploy_if_present", (name,))
+                except EngineUnreachable:
+                    # Taken off every engine that answered, and on its way to the others
+                    # (in order): it is recorded as gone, and the caller hears which engine
+                    # did not answer. Undoing an undeploy would mean deploying it again.
+                    self._record({"kind": "undeploy", "name": name})
+                    raise
                 if not all(gone):
                     logger.warning(
                         "xmix: app %r was already gone on %d of %d workers",
@@ -1468,10 +1528,16 @@ class Controller:
             self._save(entry)
             if mode is not None or params is not None:
                 after = mode if mode is not None else d.mode
+                # what an engine that did not answer must be set back to, after the change
+                undo = (d.mode if mode is not None else None, d.defaults if params else None)
                 with self._announced(name, after):
                     try:
                         self._rpc("xmix_patch", (name, mode, params))
-                    except Exception:
+                    except Exception as e:
+                        if isinstance(e, EngineUnreachable):
+                            # applied where it was answered, on its way elsewhere: set the
+                            # previous mode and defaults back everywhere, after it
+                            self._undo("xmix_patch", name, *undo)
                         self._forget(before)
                         raise
                     self._record(entry)

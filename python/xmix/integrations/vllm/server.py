@@ -38,6 +38,7 @@ import logging
 import os
 import re
 import sys
+import weakref
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -57,7 +58,15 @@ from xmix.results_codec import (
 )
 
 from . import frontend, metrics, restore, tenants, usage
-from .frontend import XMIX_KEY, CapacityError, Controller, EngineGone, _validation_error, shown
+from .frontend import (
+    XMIX_KEY,
+    CapacityError,
+    Controller,
+    EngineGone,
+    EngineUnreachable,
+    _validation_error,
+    shown,
+)
 from .request_controls import control_from_args, has_control
 
 logger = logging.getLogger("vllm.xmix")  # vLLM's handlers and format apply
@@ -298,9 +307,26 @@ class XmixEndpointPlugin:
                         ) from None
                     raise
 
+        def status() -> list[dict]:
+            # every worker that answers in time; an engine that does not is named instead
+            # of failing the whole status (an operator looks here to find it)
+            if gone():
+                raise EngineGone("the engine has stopped (the server is shutting down)")
+            fut = asyncio.run_coroutine_threadsafe(
+                fan_out(engine_client, "xmix_call", ("xmix_describe", ()), late_ok=True), loop
+            )
+            out = []
+            for r in fut.result(timeout=rpc_timeout() + 30):
+                if isinstance(r, (list, tuple)) and len(r) == 2 and r[0] in ("ok", "error"):
+                    out.append(r[1] if r[0] == "ok" else {"error": str(r[1])})
+                else:
+                    out.append(r)
+            return out
+
         ctl = Controller(engine_client.input_processor, rpc)
         ctl.registry.policy = auth.policy
         state.xmix = ServerState(ctl, auth, gone)
+        state.xmix.status = status
         for line in auth.start_lines():
             (logger.warning if "OPEN" in line else logger.info)(line)
         # The workers' CUDA graph counters (first-replay checks, fallbacks) on /metrics.
@@ -357,6 +383,7 @@ class XmixEndpointPlugin:
             )
         usage.install(ctl.registry)
         if (getattr(args, "api_server_count", 1) or 1) > 1:
+            ctl.registry.follows = True
             state.xmix.poller = asyncio.get_running_loop().create_task(_follow(ctl, gone))
         logger.info("xmix: console at %s", console_url(args))
 
@@ -372,7 +399,14 @@ async def _follow(ctl: Controller, gone) -> None:
     while not gone():
         await asyncio.sleep(sync_interval())
         try:
+            rev = ctl.ledger_rev
             await asyncio.to_thread(ctl.sync)
+            if ctl.ledger_rev != rev:
+                # a read says what was applied before it (ledger.py): read again at once, so
+                # the change that waits for this server hears from it without another interval
+                await asyncio.to_thread(ctl.sync)
+        except EngineUnreachable as e:  # the first engine's host out of reach: keep trying
+            logger.warning("xmix: following the engines' ledger: %s", e)
         except EngineGone:
             return
         except Exception:
@@ -386,22 +420,129 @@ def _on_loop(loop) -> bool:
         return False
 
 
-async def fan_out(engine_client, method: str, args: tuple) -> list:
+def rpc_timeout() -> float:
+    """How long a control RPC waits for each engine (``XMIX_RPC_TIMEOUT_S``, default 30 s).
+    vLLM does not notice an engine on another host that died or cannot be reached: its
+    requests wait, and so would a change; past this the change fails, naming the engine."""
+    return float(os.environ.get("XMIX_RPC_TIMEOUT_S", "30"))
+
+
+# An engine that already missed a deadline is waited for this long at most, until it answers
+# again: its messages still queue in order, so a rollback sent after a change reaches it after
+# the change, and a change does not wait the full timeout once per RPC.
+SLOW_RPC_S = 2.0
+_SLOW: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine client -> {index}
+
+# The ledger's truth is on the first engine (ledger.py): its reads go there alone, so a server
+# follows the ledger while another engine's host is out of reach, and its writes go to every
+# engine (each keeps a copy, in order) but wait for the first only.
+LEDGER_READS = ("since", "lagging")
+
+
+class _Late:
+    def __init__(self, index: int, limit: float):
+        self.index, self.limit = index, limit
+
+
+def _ledger_op(method: str, args: tuple) -> str | None:
+    if method == "xmix_call" and args and args[0] == "xmix_ledger":
+        inner = args[1] if len(args) > 1 else ()
+        return str(inner[0]) if inner else ""
+    return None
+
+
+def _late_message(late: list[_Late], method: str, args: tuple) -> str:
+    what = args[0] if method == "xmix_call" and args else method
+    ranks = ", ".join(str(x.index) for x in late)
+    limit = max(x.limit for x in late)
+    return (
+        f"the engine{'s' if len(late) > 1 else ''} of data-parallel rank{'s' if len(late) > 1 else ''} "
+        f"{ranks} did not answer {what} within {limit:g} s (XMIX_RPC_TIMEOUT_S): its host may be "
+        "unreachable or the engine dead (vLLM keeps the other engines serving and does not "
+        "notice it)"
+    )
+
+
+async def fan_out(engine_client, method: str, args: tuple, late_ok: bool = False) -> list:
     """A worker method on every worker of every engine, one result per worker.
 
     vLLM's ``AsyncLLM.collective_rpc`` is ``call_utility_async("collective_rpc", ...)``: with
     data parallelism and vLLM's load balancer (``DPLBAsyncMPClient``) it runs on every engine
     but returns only the first engine's results, and without it (``DPAsyncMPClient``,
     external load balancing) it reaches only the first engine the client manages
-    (``v1/engine/core_client.py``). ``call_utility_all_async`` reaches every engine the client
-    manages and returns each one's list: a refusal on any engine raises here (so a deploy is
-    rolled back on all), and answers such as "was it there" count every engine's workers."""
+    (``v1/engine/core_client.py``). Here the call goes to every engine the client manages
+    (``core_engines``, one utility call each, as ``call_utility_all_async`` does) and returns
+    each one's workers' answers in engine order: a refusal on any engine raises here (so a
+    deploy is rolled back on all), and answers such as "was it there" count every engine's
+    workers. Each engine is waited for at most ``rpc_timeout()`` (``SLOW_RPC_S`` once it
+    missed one): an engine that does not answer raises EngineUnreachable, or with
+    ``late_ok`` stands in the answer as ``{"engine": rank, "error": ...}``."""
     core = getattr(engine_client, "engine_core", None)
-    call_all = getattr(core, "call_utility_all_async", None)
-    if call_all is None:
-        return await engine_client.collective_rpc(method, args=args)
-    per_engine = await call_all("collective_rpc", method, None, args, None)
-    return [r for workers in per_engine for r in workers]
+    engines = list(getattr(core, "core_engines", None) or ())
+    one = getattr(core, "_call_utility_async", None)
+    if not engines or one is None:  # another client layout: every engine, one deadline
+        call_all = getattr(core, "call_utility_all_async", None)
+        if call_all is None:
+            return await asyncio.wait_for(
+                engine_client.collective_rpc(method, args=args), rpc_timeout()
+            )
+        per_engine = await asyncio.wait_for(
+            call_all("collective_rpc", method, None, args, None), rpc_timeout()
+        )
+        return [r for workers in per_engine for r in workers]
+    op = _ledger_op(method, args)
+    if op in LEDGER_READS:
+        engines = engines[:1]
+    slow = _SLOW.setdefault(core, set())
+    tasks = [
+        asyncio.ensure_future(one("collective_rpc", method, None, args, None, engine=e))
+        for e in engines
+    ]
+
+    async def answer(i: int, task):
+        limit = SLOW_RPC_S if i in slow else rpc_timeout()
+        try:
+            got = await asyncio.wait_for(task, limit)
+        except (asyncio.TimeoutError, TimeoutError):
+            slow.add(i)
+            return _Late(i, limit)
+        slow.discard(i)
+        return got
+
+    if op is not None:  # a ledger write: the first engine's answer decides
+        for i, t in enumerate(tasks[1:], 1):
+            t.add_done_callback(lambda t, i=i: _replica_answered(t, i, op))
+        tasks = tasks[:1]
+    got = await asyncio.gather(*(answer(i, t) for i, t in enumerate(tasks)), return_exceptions=True)
+    late = [g for g in got if isinstance(g, _Late)]
+    for g in got:
+        if isinstance(g, BaseException):
+            raise g
+    if late and not late_ok:
+        raise EngineUnreachable(_late_message(late, method, args))
+    out: list = []
+    for g in got:
+        if isinstance(g, _Late):
+            out.append({"engine": g.index, "error": _late_message([g], method, args)})
+        else:
+            out.extend(g)
+    return out
+
+
+def _replica_answered(task, index: int, op: str) -> None:
+    """A ledger write on an engine other than the first: its copy follows in order; a
+    failure is logged (nothing reads that copy but the status)."""
+    if task.cancelled():
+        return
+    e = task.exception()
+    if e is None:
+        bad = [r for r in task.result() if isinstance(r, (list, tuple)) and r and r[0] == "error"]
+        if bad:
+            logger.warning(
+                "xmix: the ledger copy on engine %d refused %s: %s", index, op, bad[0][1]
+            )
+        return
+    logger.warning("xmix: the ledger copy on engine %d did not take %s: %s", index, op, e)
 
 
 # Routes whose answers xmix adds to: a request whose key's policy forbids an app, or that sets
@@ -447,6 +588,7 @@ class ServerState:
         self.audit = tenants.Audit()
         self.lock = asyncio.Lock()  # one control change at a time
         self.gone = gone or (lambda: False)  # whether the engine has stopped
+        self.status = ctl.status  # the server's: every engine that answers, the others named
 
     @property
     def keyed(self) -> bool:
@@ -455,6 +597,21 @@ class ServerState:
     def authorized(self, header: str | None) -> bool:
         """Whether this caller may generate (use apps in its requests)."""
         return self.auth.may_generate(tenants.bearer(header))
+
+
+_AFTER_LATE = {
+    "deploy": "nothing was deployed: the app was taken back off every engine that answered, "
+    "and the engine that did not drops it when it answers (its messages arrive in order)",
+    "patch": "the previous mode and parameters were set back on every engine that answered, "
+    "and reach the engine that did not after the change, when it answers",
+    "undeploy": "the app is off every engine that answered and recorded as undeployed; the "
+    "engine that did not takes it off when it answers",
+}
+
+
+def _after_late(e: Exception, kind: str) -> str:
+    """What a change that an engine did not answer left behind (frontend.Controller)."""
+    return f"; {_AFTER_LATE[kind]}" if isinstance(e, EngineUnreachable) else ""
 
 
 def _error_body(status: int, msg: str) -> dict:
@@ -789,7 +946,7 @@ def build_router() -> APIRouter:
                 f"(tenant {t.name!r}) does not let it see every app",
             )
         try:
-            workers = await asyncio.to_thread(st.ctl.status)
+            workers = await asyncio.to_thread(st.status)
         except EngineGone as e:
             return error(503, str(e))
         return {"workers": workers}
@@ -844,7 +1001,7 @@ def build_router() -> APIRouter:
             except AppError as e:
                 return refuse(400, str(e))
             except EngineGone as e:  # the engine went away under the change
-                return refuse(503, f"deploy did not complete: {e}")
+                return refuse(503, f"deploy did not complete: {e}{_after_late(e, 'deploy')}")
         audit(
             st,
             request,
@@ -905,7 +1062,7 @@ def build_router() -> APIRouter:
             except (DeployError, RequestError) as e:
                 return refuse(422, str(e))
             except EngineGone as e:
-                return refuse(503, f"change did not complete: {e}")
+                return refuse(503, f"change did not complete: {e}{_after_late(e, 'patch')}")
         audit(
             st,
             request,
@@ -941,8 +1098,9 @@ def build_router() -> APIRouter:
             try:
                 await asyncio.to_thread(st.ctl.undeploy, name)
             except EngineGone as e:
-                audit(st, request, "undeploy", name, 503, "refused", reason=str(e)[:300])
-                return error(503, f"undeploy did not complete: {e}")
+                msg = f"undeploy did not complete: {e}{_after_late(e, 'undeploy')}"
+                audit(st, request, "undeploy", name, 503, "refused", reason=msg[:300])
+                return error(503, msg)
         audit(st, request, "undeploy", name, 200, "undeployed")
         return {"deleted": name}
 
@@ -1270,6 +1428,12 @@ async def _catch_up(serving, request) -> None:
     deploy anywhere is usable everywhere as soon as its answer returned."""
     reg = getattr(getattr(serving.engine_client, "input_processor", None), "_xmix_registry", None)
     if reg is None or reg.sync is None:
+        return
+    if reg.stale():  # not heard from the ledger for seconds: catch up before admitting
+        try:
+            await asyncio.to_thread(reg.sync)
+        except Exception:
+            logger.warning("xmix: following the engines' ledger failed", exc_info=True)
         return
     try:
         raw = control_from_args(getattr(request, "vllm_xargs", None) or {})

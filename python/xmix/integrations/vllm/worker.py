@@ -693,7 +693,53 @@ def xmix_describe(self) -> dict:
         "nonfinite_writes": x.cb.nonfinite_writes(),
         "site_errors": dict(x.cb.site_errors),
         "slots_in_use": len(x.cb.slots),
+        "where": _where(self),
+        "ledger": _ledger_summary(x),
     }
+
+
+def _first_worker(vllm_config) -> bool:
+    """The first worker of the first engine: the one whose ledger every server reads
+    (``results[0]`` of a fan-out), as state_dir.for_worker decides it."""
+    from .state_dir import _model_parallel_rank
+
+    par = getattr(vllm_config, "parallel_config", None)
+    dp = getattr(par, "data_parallel_index", None)
+    if dp is None:
+        dp = getattr(par, "data_parallel_rank", 0)
+    return int(dp or 0) == 0 and _model_parallel_rank() == 0
+
+
+def _where(worker) -> dict:
+    """Which host, process and ranks a worker is (with several hosts, the status says where
+    each answer came from)."""
+    import socket
+
+    out: dict[str, Any] = {
+        "host": socket.gethostname(),
+        "address": os.environ.get("VLLM_HOST_IP") or None,
+        "pid": os.getpid(),
+        "rank": getattr(worker, "rank", None),
+    }
+    par = getattr(getattr(worker, "vllm_config", None), "parallel_config", None)
+    if par is not None:
+        # data_parallel_index keeps the engine's rank after vLLM makes a dense model's
+        # engines independent (reconfigure_for_independent_dp_rank zeroes data_parallel_rank)
+        out["dp_rank"] = getattr(par, "data_parallel_index", None)
+        out["node_rank"] = getattr(par, "node_rank", None)
+    try:
+        from vllm.distributed import get_pp_group, get_tp_group
+
+        out["pp_rank"] = get_pp_group().rank_in_group
+        out["tp_rank"] = get_tp_group().rank_in_group
+    except Exception:  # not initialised (stand-ins in unit tests)
+        pass
+    return out
+
+
+def _ledger_summary(x: WorkerXmix) -> dict | None:
+    led = x.__dict__.get("ledger")
+    return led.summary() if led is not None else None
 
 
 def xmix_ledger(self, op: str, owner: str = "", since: int = 0, entry: dict | None = None):
@@ -708,7 +754,9 @@ def _ledger(x: WorkerXmix, vllm_config):
         from .ledger import Ledger
         from .state_dir import for_worker
 
-        led = x.__dict__["ledger"] = Ledger(for_worker(vllm_config))
+        led = x.__dict__["ledger"] = Ledger(
+            for_worker(vllm_config), replica=not _first_worker(vllm_config)
+        )
     return led
 
 
