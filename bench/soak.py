@@ -666,11 +666,22 @@ async def run_oracle(
 
 
 # ---------------------------------------------------------------------- main
+def _limits(concurrency: int) -> httpx.Limits:
+    """Pooled connections are dropped after 2 s idle. The server (uvicorn under vLLM) closes
+    an idle keep-alive connection after VLLM_HTTP_TIMEOUT_KEEP_ALIVE = 5 s, httpx's own
+    default expiry: a POST sent on a connection at that moment meets the close and fails with
+    an empty ReadError that no server log shows (one request of a loaded CI run), and a POST
+    is never retried. Keeping our expiry under the server's takes that race away."""
+    return httpx.Limits(
+        max_connections=concurrency + 8,
+        max_keepalive_connections=concurrency + 8,
+        keepalive_expiry=2.0,
+    )
+
+
 async def soak(args, base: str, apps: dict[str, bytes]) -> dict:
     specs = make_specs(args.requests, args.seed)
-    limits = httpx.Limits(
-        max_connections=args.concurrency + 8, max_keepalive_connections=args.concurrency + 8
-    )
+    limits = _limits(args.concurrency)
     async with (
         httpx.AsyncClient(
             base_url=base,
@@ -682,6 +693,7 @@ async def soak(args, base: str, apps: dict[str, bytes]) -> dict:
             base_url=base,
             headers={"Authorization": f"Bearer {args.admin_key}"},
             timeout=httpx.Timeout(args.deadline),
+            limits=_limits(4),
         ) as admin,
     ):
         ch = Changes()
@@ -877,9 +889,7 @@ async def restart_soak(args, srv: Restartable, apps: dict[str, bytes], points: l
     n_req = args.restart_requests * len(points)
     specs = make_specs(n_req, args.seed + 100)
     rng = random.Random(args.seed + 101)
-    limits = httpx.Limits(
-        max_connections=args.concurrency + 8, max_keepalive_connections=args.concurrency + 8
-    )
+    limits = _limits(args.concurrency)
 
     class Conn:  # the clients of the server that runs now (new ones after each restart)
         client: httpx.AsyncClient
@@ -901,6 +911,7 @@ async def restart_soak(args, srv: Restartable, apps: dict[str, bytes], points: l
             base_url=srv.base,
             headers={"Authorization": f"Bearer {args.admin_key}"},
             timeout=httpx.Timeout(args.deadline),
+            limits=_limits(4),
         )
 
     await asyncio.to_thread(srv.start)
