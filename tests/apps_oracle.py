@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 import xmix
-from engine_util import COMPILED, assert_reads_match, hf_model, make_llm, shutdown
+from engine_util import assert_reads_match, hf_model, make_llm, shutdown
 from xmix.apps import cast, kl_then_steer, refusal, sake, seal, steer_moe, truth_probe
 from xmix.apps import derive as D
 from xmix.models.tiny import tiny_model_path
@@ -58,9 +58,12 @@ _ENGINES: dict[str, Any] = {}
 
 
 def shared_llm(kind: str, config) -> Any:
-    """One engine per tiny model for the whole session (test_derive.py reuses tiny-llama's)."""
+    """One engine per tiny model for the whole session (test_derive.py reuses tiny-llama's).
+    Eager: what these modules check is each app against its paper's math; the compiled path
+    with every kind of op and condition is tests/engine/test_engine.py's Llama, and a cold
+    compile per engine cost ~70 s of the suite's budget."""
     if kind not in _ENGINES:
-        llm = make_llm(str(tiny_model_path(kind)), **COMPILED)
+        llm = make_llm(str(tiny_model_path(kind)))
         _ENGINES[kind] = llm
         config.add_cleanup(lambda: release(kind))
     return _ENGINES[kind]

@@ -411,6 +411,9 @@ def test_derive_truth_probe_subprocess(env, tmp_path):
         "last_token",
         "--max-model-len",
         "512",
+        # eager: the command line is what is tested, and a cold compile in a process of its
+        # own costs ~70 s here
+        "--enforce-eager",
         "--out",
         str(out),
     ]
