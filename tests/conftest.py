@@ -27,6 +27,14 @@ for _p in (_HERE, *(_HERE / g for g in ("unit", "engine", "server", "gpu"))):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# vLLM's CPU worker pins itself to one core by default (VLLM_CPU_OMP_THREADS_BIND=auto keeps
+# the last core for the frontend, so on a 2-core machine every engine's worker, its compiles
+# included, runs on core 0): the two pytest-xdist workers' engines took turns on one core
+# while the other waited on the API servers. Unpinned and one thread each, the OS spreads
+# them: two engine modules side by side took 61 and 64 s instead of 91 and 99 s here
+# (2026-12-03). Tests of several ranks set their own lists ("0|1"); an operator's setting wins.
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def _gpu_reason() -> str | None:
