@@ -66,9 +66,11 @@ def _scope(path: str) -> str:
 
 
 # Seconds each scope took (setup + calls + teardown, `scripts/test.sh --durations=0` in a fresh
-# clone, 2026-12-03, this project's 2-core machine), for the scopes over ~40 s; the three cut
-# that day (eager MoE engines but DeepSeek-V2's, eager paper-app engines and `xmix derive`,
-# one InternLM3 engine less) at their measured or estimated new size. The run hands them out
+# clone, 2026-12-03, this project's 2-core machine, engines still pinned), for the scopes over
+# ~40 s; test_models_moe, the paper apps and test_do_no_harm at their size after that day's
+# cuts (measured or estimated); test_engine_graph_tp's figure predates its cut. The next run,
+# with the cuts and unpinned engines, took 3 806 s over all scopes against 5 801 (41.2 min for
+# the whole command; test_engine 385 s, test_bench_serve 181). The run hands them out
 # longest first, so the last minutes are short unit modules on both workers; xdist's own
 # order (most tests first) left the few-test, minutes-long server benchmarks for last, one
 # worker running them for ~6 min while the other idled. Only the order uses these figures:

@@ -59,9 +59,10 @@ def _output_code(model: str, tmp) -> str:
 
 
 def test_sites_add_no_copies_to_the_compiled_graph(tmp_path):
-    # xmix's engine alone: that vanilla vLLM compiles the same graph without sites (and the
-    # same cache key) is tests/engine/test_do_no_harm.py's; a second cold compile here cost
-    # ~100 s of the suite's budget
+    # xmix's engine alone. What a vanilla compile added here (no xmix op in vanilla's code)
+    # is test_do_no_harm.py's, more strictly: an engine that did not ask for xmix compiles
+    # under VLLM_PLUGINS=none's cache key with no forward replaced. A second cold compile
+    # here cost ~100 s of the suite's budget.
     xm = _output_code(str(tiny_model_path("tiny-llama")), tmp_path)
     assert "clone" not in xm and ".copy_(" not in xm and "aten.copy" not in xm
     # the first compiled function (the log may hold several compiled sizes of the same graph)
