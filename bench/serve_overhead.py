@@ -13,6 +13,9 @@ operator's load generator sees. Configurations, all on the one xmix server:
   probe         every request: one probe read on every token, results streamed back
   cast          every request: CAST (cosine read over the prompt, latch, add at the
                 behaviour layers)
+  monitor       every request: the probe as a monitor that never fires (a stop and a write
+                switched on by since(...), thresholds out of reach): "monitor over probe"
+                is what the monitor costs beyond its read
   mixed         64 distinct configurations (4 app combinations x 16 steering scales), one per
                 request, at --mixed-concurrency requests in flight
 
@@ -40,6 +43,7 @@ import argparse
 import contextlib
 import datetime
 import json
+import math
 import os
 import platform
 import signal
@@ -53,7 +57,7 @@ from pathlib import Path
 
 import httpx
 
-CONFIGS = ("unused", "steer", "ablate", "probe", "cast", "mixed")
+CONFIGS = ("unused", "steer", "ablate", "probe", "cast", "monitor", "mixed")
 API_KEY = "bench-inference-key"
 ADMIN_KEY = "bench-admin-key"
 METRICS = (
@@ -170,9 +174,8 @@ def write_apps(model: Path, out: Path) -> list[Path]:
     for site in ("residual.pre", "attention.post", "mlp.post"):
         ablate.write("ablate", direction=r).layers("all").submodule(site)
     probe = xmix.App("probe")
-    probe.read("probe", weight=torch.randn(d, generator=g) / d**0.5).layers([n // 2 + 1]).submodule(
-        "residual.post"
-    )
+    w = torch.randn(d, generator=g) / d**0.5
+    probe.read("probe", weight=w).layers([n // 2 + 1]).submodule("residual.post")
     c = cast(
         torch.randn(d, generator=g),
         torch.randn(d, generator=g) / d**0.5,
@@ -181,8 +184,17 @@ def write_apps(model: Path, out: Path) -> list[Path]:
         threshold=-1.0,
         name="cast",
     )
+    # the probe as a monitor (issue 31) whose thresholds no request reaches: a stop and a
+    # write switched on for the rest of the request, neither ever firing
+    monitor = xmix.App("monitor").param("theta", 1e9).param("stop_at", 1e9)
+    monitor.read("probe", weight=w).layers([n // 2 + 1]).submodule("residual.post").named("p")
+    # since(...) is decided after its read's site: the write it switches on comes later
+    monitor.write("add", vector=torch.randn(d, generator=g), scale=1.0).at("final.post").cond(
+        when="since(p > theta)"
+    )
+    monitor.stop(when="p > stop_at")
     paths = []
-    for app in (steer, ablate, probe, c):
+    for app in (steer, ablate, probe, c, monitor):
         p = out / f"{app.name}.xmix"
         app.save(str(p))
         paths.append(p)
@@ -365,7 +377,8 @@ def run_client(
 def summarize(res: dict) -> dict:
     import numpy as np
 
-    itls = [x for per in res["itls"] for x in per]
+    # every request streamed as one chunk (a loaded server, short outputs): no ITL, NaN
+    itls = [x for per in res["itls"] for x in per] or [math.nan]
     return {
         "mean_itl": 1e3 * float(np.mean(itls)),
         "p99_itl": 1e3 * float(np.percentile(itls, 99)),
@@ -403,7 +416,10 @@ def ratio_table(rounds: list[dict], configs: list[str], conc: dict[str, int]) ->
         cells = []
         for _, k in METRICS:
             rs = [r[cfg][k] / r[f"vanilla@{conc[cfg]}"][k] for r in rounds]
-            cells.append(f"{statistics.median(rs):.3f} ({min(rs):.2f}..{max(rs):.2f})")
+            rs = [x for x in rs if not math.isnan(x)]
+            cells.append(
+                f"{statistics.median(rs):.3f} ({min(rs):.2f}..{max(rs):.2f})" if rs else "n/a"
+            )
         lines.append(f"| {cfg} (concurrency {conc[cfg]}) | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -14,7 +14,9 @@ The table gives per configuration the median over waves of the paired ratio and 
 interquartile range; multiply by serve_overhead's "unused" row for the ratio to vanilla vLLM.
 `mixed` (64 distinct bodies) and `mixed-same` (its four app combinations with one set of
 parameters) run at --mixed-concurrency against unused waves of the same size; mixed over
-mixed-same is the cost of the 64 distinct configurations alone. A second table gives where
+mixed-same is the cost of the 64 distinct configurations alone; monitor over probe (the
+probe's read as a monitor whose stop and since(...) never fire, issue 31) is what a monitor
+costs beyond its read. A second table gives where
 the worker's time went per configuration: xmix's own host time per engine step, its step
 bookkeeping and its active site programs (the worker's counters, read through
 /xmix/v1/status between waves), against the wave's wall time per step. This is a benchmark,
@@ -38,7 +40,7 @@ server process can be faster or slower than another for its whole life; the tabl
 gives each instance's median.
 
     python bench/serve_paired.py [--waves 30] [--concurrency 8] [--mixed-concurrency 64]
-        [--model llama-8x512] [--configs steer,ablate,probe,cast,mixed-same,mixed]
+        [--model llama-8x512] [--configs steer,ablate,probe,cast,monitor,mixed-same,mixed]
         [--vanilla] [--control] [--instances 1] [--switch-gap 1.5] [--results FILE.md]
     python bench/serve_paired.py --from-json FILE.json
 """
@@ -49,6 +51,7 @@ import argparse
 import asyncio
 import datetime
 import json
+import math
 import os
 import platform
 import random
@@ -78,10 +81,12 @@ def wave_figures(outs) -> dict[str, float]:
     if bad:
         raise RuntimeError(f"{len(bad)} requests failed; first: {bad[0][:500]}")
     itls = [x for o in outs for x in o.itl]
+    # A loaded server can stream a short output as one chunk per request: the wave then has no
+    # gap between chunks and no ITL (NaN, left out of every median; the tables say "n/a").
     return {
         "ttft": float(np.mean([o.ttft for o in outs])),
-        "itl": float(np.mean(itls)),
-        "p99_itl": float(np.percentile(itls, 99)),
+        "itl": float(np.mean(itls)) if itls else math.nan,
+        "p99_itl": float(np.percentile(itls, 99)) if itls else math.nan,
         "e2e": float(np.mean([o.latency for o in outs])),
     }
 
@@ -89,6 +94,16 @@ def wave_figures(outs) -> dict[str, float]:
 def quartiles(xs: list[float]) -> tuple[float, float, float]:
     q = statistics.quantiles(xs, n=4, method="inclusive") if len(xs) > 1 else [xs[0]] * 3
     return q[0], statistics.median(xs), q[2]
+
+
+def ratios(mine: list[dict], base: list[dict], k: str) -> list[float]:
+    """Wave-by-wave ratios of metric k, leaving out the pairs where either wave had none."""
+    return [m[k] / b[k] for m, b in zip(mine, base) if not (math.isnan(m[k]) or math.isnan(b[k]))]
+
+
+def median_ms(waves: list[dict], k: str) -> str:
+    xs = [w[k] for w in waves if not math.isnan(w[k])]
+    return f"{1e3 * statistics.median(xs):.1f}" if xs else "n/a"
 
 
 async def worker_counters(session, base: str) -> dict[str, float]:
@@ -182,7 +197,11 @@ def request_bodies(config: str) -> list[dict]:
 def paired_cells(mine: list[dict], base: list[dict]) -> list[str]:
     cells = []
     for _, k in METRICS:
-        lo, med, hi = quartiles([m[k] / b[k] for m, b in zip(mine, base)])
+        xs = ratios(mine, base, k)
+        if not xs:
+            cells.append("n/a")
+            continue
+        lo, med, hi = quartiles(xs)
         cells.append(f"{med:.3f} ({lo:.2f}..{hi:.2f})")
     return cells
 
@@ -219,7 +238,7 @@ def table(got: dict[tuple[str, int], list[dict]], configs: list[tuple[str, int]]
     for name in ("vanilla", "unused"):
         for c in sorted({c for cfg, c in got if cfg == name}):
             base = got[(name, c)]
-            cells = [f"{1e3 * statistics.median(w[k] for w in base):.1f}" for _, k in METRICS]
+            cells = [median_ms(base, k) for _, k in METRICS]
             lines.append(f"| {name}, concurrency {c} (ms) | " + " | ".join(cells) + " |")
     lines += vanilla_rows(got)
     for cfg, c in configs:
@@ -232,6 +251,12 @@ def table(got: dict[tuple[str, int], list[dict]], configs: list[tuple[str, int]]
                 + " | ".join(paired_cells(got[(cfg, c)], got[same]))
                 + " |"
             )
+    for c in [c for cfg, c in configs if cfg == "monitor" and ("probe", c) in got]:
+        lines.append(
+            f"| monitor over probe (concurrency {c}): a stop and a since(...) that never fire | "
+            + " | ".join(paired_cells(got[("monitor", c)], got[("probe", c)]))
+            + " |"
+        )
     return "\n".join(lines)
 
 
@@ -255,9 +280,10 @@ def instance_table(got: dict[tuple[str, int], list[dict]]) -> str:
             mine = [w for w in got[(cfg, c)] if w["instance"] == i]
             van = [w for w in got[("vanilla", c)] if w["instance"] == i]
             itl, e2e = (
-                statistics.median(m[k] / b[k] for m, b in zip(mine, van)) for k in ("itl", "e2e")
+                f"{statistics.median(xs):.3f}" if (xs := ratios(mine, van, k)) else "n/a"
+                for k in ("itl", "e2e")
             )
-            cells.append(f"{itl:.3f} / {e2e:.3f}")
+            cells.append(f"{itl} / {e2e}")
         lines.append(f"| {cfg} (concurrency {c}) | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -293,7 +319,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--mixed-concurrency", type=int, default=64)
-    ap.add_argument("--configs", default="steer,ablate,probe,cast,mixed-same,mixed")
+    ap.add_argument("--configs", default="steer,ablate,probe,cast,monitor,mixed-same,mixed")
     ap.add_argument("--server-arg", action="append", default=[])
     ap.add_argument(
         "--vanilla", action="store_true", help="a vanilla server beside, its waves in turn"
