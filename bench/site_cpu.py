@@ -1,6 +1,6 @@
-"""The CPU site kernel (`xmix::site` on the CPU engine) against torch doing the same math,
-side by side: time of one site call per op, decode-sized (8 rows) and prefill-sized (1 024
-rows) batches.
+"""The CPU site kernel (`xmix::site` on the CPU engine) against its Python reference and
+torch doing the same math, side by side: time of one site call per op, decode-sized (8 rows)
+and prefill-sized (1 024 rows) batches.
 
     python bench/site_cpu.py [--d 512] [--rows 8 1024] [--dtype float32 bfloat16] [--repeats 200]
 
@@ -8,7 +8,9 @@ Ops: `add` (steering), `ablate` (directional ablation: the projection on a unit 
 removed), `probe` (sigmoid(w . x + b), a read). xmix: `torch.ops.xmix.site(h, r, site)` with
 the app deployed in a control block and every row's request using it, what the compiled
 graph calls at each hook site (the call from Python, the argument checks, the C++ site
-program). torch: the eager ops a PyTorch forward hook would run for the same result on the
+program): the native kernel the dispatcher calls (xmix/_site_op.so), and "python", the same
+call with the Python reference kernel (`xmix.ops._site_cpu`, what served every site before
+issue 29) put in the dispatcher's CPU slot for the measurement. torch: the eager ops a PyTorch forward hook would run for the same result on the
 same tensors (`h += s * v`; `h -= ((h + r) @ u)[:, None] * u`; `sigmoid((h + r) @ w + b)`).
 Also: "none", a site no request's app uses (what every other site costs a step). Medians of
 --repeats calls, one torch thread (vLLM's CPU worker runs one). The max abs difference from
@@ -18,6 +20,7 @@ torch's result is printed as a check of the comparison, not asserted. Nothing he
 from __future__ import annotations
 
 import argparse
+import contextlib
 import platform
 import statistics
 import time
@@ -78,6 +81,20 @@ def torch_op(op: str, h: torch.Tensor, r: torch.Tensor, u: torch.Tensor):
     return None
 
 
+@contextlib.contextmanager
+def python_kernel():
+    """The Python reference kernel in the dispatcher's CPU slot while open (the native one
+    comes back when the library object is destroyed)."""
+    from xmix import ops
+
+    lib = torch.library.Library("xmix", "IMPL")
+    lib.impl("site", ops._site_cpu, "CPU")
+    try:
+        yield
+    finally:
+        lib._destroy()
+
+
 def timed(fn, repeats: int) -> float:
     for _ in range(5):
         fn()
@@ -103,8 +120,16 @@ def main() -> None:
         f"# CPU site kernel vs torch eager, d={args.d}; torch {torch.__version__}, 1 thread, "
         f"{platform.machine()}"
     )
+    import warnings
+
+    from xmix import ops
+
+    warnings.filterwarnings("ignore", message=".*[Oo]verrid")  # the Python kernel put in
+    if ops.NATIVE is None:
+        raise SystemExit("xmix/_site_op.so is not built: there is no native kernel to measure")
     print(
-        f"{'op':>7} {'dtype':>9} {'rows':>5} {'xmix us':>9} {'torch us':>9} {'ratio':>6} {'max diff':>9}"
+        f"{'op':>7} {'dtype':>9} {'rows':>5} {'xmix us':>9} {'python us':>9} {'torch us':>9} "
+        f"{'ratio':>6} {'max diff':>9}"
     )
     for dt_name in args.dtype:
         dtype = getattr(torch, dt_name)
@@ -124,13 +149,17 @@ def main() -> None:
                 else:
                     diff = (hx.float() - want.float()).abs().max().item()
                 t_x = timed(lambda h=h, r=r, sid=sid: torch.ops.xmix.site(h, r, sid), args.repeats)
+                with python_kernel():
+                    t_p = timed(
+                        lambda h=h, r=r, sid=sid: torch.ops.xmix.site(h, r, sid), args.repeats
+                    )
                 t_t = (
                     timed(lambda h=h, r=r, u=u, op=op: torch_op(op, h, r, u), args.repeats)
                     if op != "none"
                     else float("nan")
                 )
                 print(
-                    f"{op:>7} {dt_name:>9} {n:>5} {1e6 * t_x:9.1f} {1e6 * t_t:9.1f} "
+                    f"{op:>7} {dt_name:>9} {n:>5} {1e6 * t_x:9.1f} {1e6 * t_p:9.1f} {1e6 * t_t:9.1f} "
                     f"{t_x / t_t:6.2f} {diff:9.2e}"
                 )
 

@@ -78,6 +78,13 @@ class Harness:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
 
+    def run_reference(
+        self, submodule: str, layer: int | None, h: torch.Tensor, r: torch.Tensor | None = None
+    ):
+        """The site through the Python reference kernel (xmix.ops._site_cpu) instead of the
+        dispatcher's, which on the CPU is the native one."""
+        ops._site_cpu(h, r, site_id(submodule, layer, self.shape.n_layers))
+
     def drain(self):
         return self.cb.drain()
 

@@ -4,8 +4,13 @@ It mutates ``h`` in place (a write changes the stream ``h + r`` by changing ``h`
 returns nothing, so torch.compile sees one opaque in-place op per site. The op finds the
 process's control block (``set_control``) and runs the site program:
 
-- CPU: ``_C.run_site_cpu`` (skipped without a call into _C when no app of the batch has an
-  op at this site);
+- CPU: the native kernel in ``xmix/_site_op.so`` (csrc/site/site_op_cpu.cpp, registered with
+  the dispatcher: no Python per site), which returns at once when no app of the batch has an
+  op at this site and records a failing op in the block's ``site_state`` for
+  ``ControlBlock.collect_site_failures`` after the forward. ``_site_cpu`` below is its Python
+  reference (same checks, same calls, failures handed over at once); it serves where the
+  native library was not built (a torch without the stable ABI headers at build time) and
+  in the tests that hold both kernels to one behaviour;
 - CUDA, eager: the site anchor kernel, skipped the same way;
 - CUDA, while a graph is being captured: always the anchor kernel (it dispatches itself from
   the control block, so the captured graph is correct whatever is deployed later).
@@ -13,11 +18,17 @@ process's control block (``set_control``) and runs the site program:
 
 from __future__ import annotations
 
+import ctypes
+import logging
+from pathlib import Path
 from time import perf_counter
 
 import torch
 
 from xmix import _C
+from xmix.control import site_state
+
+logger = logging.getLogger(__name__)
 
 _K = _C.constants()
 DTYPES = {torch.float32: _K["DT_F32"], torch.bfloat16: _K["DT_BF16"], torch.float16: _K["DT_F16"]}
@@ -31,6 +42,13 @@ lib.define("site(Tensor(a!) h, Tensor? r, int site) -> ()")
 def set_control(cb) -> None:
     global _CONTROL
     _CONTROL = cb
+    if NATIVE is not None:
+        if cb is None:
+            NATIVE.xmix_site_bind(0, 0, 0, 0)
+        else:
+            NATIVE.xmix_site_bind(
+                cb.ptr, cb.site_active.ctypes.data, cb.n_sites, cb.site_state.ctypes.data
+            )
 
 
 def get_control():
@@ -69,7 +87,8 @@ def _site_cpu(h: torch.Tensor, r: torch.Tensor | None, site: int) -> None:
         failed = [(None, f"{type(e).__name__}: {e}")]
     if failed:
         cb.site_failed(site, failed)
-    cb.site_seconds += perf_counter() - t0
+    cb.py_site_seconds += perf_counter() - t0
+    python_site_calls[0] += 1
 
 
 def _site_cuda(h: torch.Tensor, r: torch.Tensor | None, site: int) -> None:
@@ -93,8 +112,45 @@ def _site_cuda(h: torch.Tensor, r: torch.Tensor | None, site: int) -> None:
         cb.site_failed(site, [(None, str(e))])
 
 
-lib.impl("site", _site_cpu, "CPU")
+# Calls of the Python reference kernel in this process (the worker reports it: a served CPU
+# step with the native kernel makes none).
+python_site_calls = [0]
+
+
+def _load_native() -> ctypes.CDLL | None:
+    """The native CPU kernel, registered with the dispatcher as the library loads; None (the
+    Python kernel serves, said once in the log) where it was not built or does not load."""
+    path = Path(_C.__file__).with_name("_site_op.so")  # installed beside _C (editable too)
+    if not path.exists():
+        logger.warning("xmix: %s was not built; the Python site kernel serves the CPU", path.name)
+        return None
+    try:
+        native = ctypes.CDLL(str(path))
+    except OSError as e:
+        logger.warning(
+            "xmix: %s does not load (%s); the Python site kernel serves the CPU", path.name, e
+        )
+        return None
+    native.xmix_site_bind.argtypes = [
+        ctypes.c_uint64,
+        ctypes.c_uint64,
+        ctypes.c_int32,
+        ctypes.c_uint64,
+    ]
+    native.xmix_site_bind.restype = ctypes.c_int32
+    native.xmix_site_state_size.restype = ctypes.c_int64
+    if native.xmix_site_state_size() != site_state.SITE_STATE.itemsize:
+        raise ImportError(
+            f"xmix: {path.name}'s SiteOpState is {native.xmix_site_state_size()} bytes, "
+            f"xmix.control.site_state spells {site_state.SITE_STATE.itemsize}: rebuild xmix"
+        )
+    return native
+
+
 lib.impl("site", _site_cuda, "CUDA")
+NATIVE = _load_native()
+if NATIVE is None:
+    lib.impl("site", _site_cpu, "CPU")
 
 
 @torch.library.register_fake("xmix::site", lib=lib)

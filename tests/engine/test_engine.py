@@ -253,6 +253,10 @@ def test_mixed_batch_matches_oracle(env):
         assert_reads_match(xmix.results(out), o_res, f"request {i} ({ctl})")
         changed += toks != env["vanilla"][i]
     assert changed >= 3, "the writes in this batch should change several answers"
+    # the sites ran in the native kernel from the dispatcher, never in Python (issue 29)
+    stats = env["llm"].xmix.status()[0]["stats"]
+    assert stats["site_kernel"] == "native" and stats["python_site_calls"] == 0, stats
+    assert stats["host_seconds_sites"] > 0, stats
 
 
 def assert_monitors_match(co, o_toks, o_res, what):

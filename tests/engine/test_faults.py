@@ -195,9 +195,11 @@ def test_a_failing_op_fails_its_requests_and_the_site_goes_on(lib):
     assert h[:, 2].tolist() == [7.0, 1.0] and hs.cb.take_failed() == {}
 
 
-def test_an_exception_before_the_site_runs_fails_the_sites_requests(monkeypatch):
-    """Anything that raises around the site program (here _C itself) fails the requests of
-    the step whose apps have ops at the site, instead of leaving the forward."""
+@pytest.mark.parametrize("kernel", ["reference", "native"])
+def test_an_exception_before_the_site_runs_fails_the_sites_requests(monkeypatch, kernel):
+    """Anything that raises around the site program fails the requests of the step whose
+    apps have ops at the site, instead of leaving the forward: _C itself for the Python
+    reference kernel, rows that are not contiguous for both."""
     from xmix import ops
 
     steer = App("steer")
@@ -217,10 +219,19 @@ def test_an_exception_before_the_site_runs_fails_the_sites_requests(monkeypatch)
                 return fail
             return getattr(ops._C, name)
 
-    monkeypatch.setattr(ops, "_C", Broken())
-    hs.run("residual.pre", 0, torch.zeros(4, D), None)
+    if kernel == "reference":
+        monkeypatch.setattr(ops, "_C", Broken())
+        hs.run_reference("residual.pre", 0, torch.zeros(4, D), None)
+        failed = hs.cb.take_failed()
+        assert list(failed) == ["a"] and "MemoryError: no room for scratch rows" in failed["a"]
+    strided = torch.zeros(D, 4).t()  # 4 rows whose elements are 4 apart
+    if kernel == "reference":
+        hs.run_reference("residual.pre", 0, strided, None)
+    else:
+        hs.run("residual.pre", 0, strided, None)
     failed = hs.cb.take_failed()
-    assert list(failed) == ["a"] and "MemoryError: no room for scratch rows" in failed["a"]
+    assert list(failed) == ["a"] and "rows of contiguous elements" in failed["a"]
+    assert strided.eq(0).all()  # nothing of the site ran
 
 
 # ------------------------------------------------------------------ one offline engine

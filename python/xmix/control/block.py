@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -19,6 +20,7 @@ import numpy as np
 import torch
 
 from xmix import _C
+from xmix.control import site_state
 from xmix.control.arena import Arena, Claims
 from xmix.control.custom import load_custom
 from xmix.control.drain import (
@@ -172,8 +174,11 @@ class ControlBlock:
         )
         self._slots = SlotTable(cap.max_slots)
         self.site_app_mask = np.zeros(self.n_sites, dtype=np.uint64)
-        self._no_site = np.zeros(self.n_sites, dtype=bool)
-        self.site_active: Arr = self._no_site  # this step
+        # Which sites have an op of an app running this step: one fixed buffer, rewritten in
+        # place each step, since the native site kernel (xmix.ops) reads it by address.
+        self.site_active: Arr = np.zeros(self.n_sites, dtype=bool)
+        # What the native site kernel reports back: host seconds, failed ops (site_state.py)
+        self.site_state = site_state.new_state()
         self.any_active = False
         self._step_reads = False
         self._step_monitors = False
@@ -214,8 +219,9 @@ class ControlBlock:
         # (the worker finishes them with an error); failures per app name.
         self.failed: dict[str, str] = {}
         self.site_errors: dict[str, int] = {}
-        # Host seconds in active site programs on the CPU engine (ops.py); the worker reports it.
-        self.site_seconds = 0.0
+        # Host seconds in active site programs of the Python reference kernel (ops.py); the
+        # native kernel's are in site_state; the worker reports both (site_seconds).
+        self.py_site_seconds = 0.0
         self.graph_hook: GraphHook | None = None  # set by the CUDA-graph capture hook
         self._site_ops: list[list[SiteOp]] = [[] for _ in range(self.n_sites)]
         self._site_custom: dict[int, list[tuple[int, SiteOp]]] = {}
@@ -479,7 +485,7 @@ class ControlBlock:
             )
             return {inst.name: int(counts[inst.index]) for inst in self.apps.values()}
 
-    def site_failed(self, site: int, failures: list[tuple[int | None, str | bytes]]) -> None:
+    def site_failed(self, site: int, failures: Sequence[tuple[int | None, str | bytes]]) -> None:
         """Ops of a site program failed this step (``failures``: (app index, message), or
         app index None: the whole site). The requests of the step that used those apps are
         recorded for the worker to finish with an error; every other request is untouched."""
@@ -518,9 +524,30 @@ class ControlBlock:
             self.dev["result_valid"][: n_tok * R].view(n_tok, R)[:, chans] = 0
 
     def take_failed(self) -> dict[str, str]:
+        self.collect_site_failures()
         with self.lock:
             out, self.failed = self.failed, {}
             return out
+
+    @property
+    def site_seconds(self) -> float:
+        """Host seconds spent in active site programs (CPU engine), both kernels."""
+        return self.py_site_seconds + float(self.site_state["seconds"][0])
+
+    def collect_site_failures(self) -> None:
+        """Hand what the native site kernel recorded during the forward to site_failed
+        (before the drain: a site that did not run must clear its apps' reads first)."""
+        if not self.site_state["n_failed"][0]:
+            return
+        by_site, overflow = site_state.take_failures(self.site_state)
+        if overflow:  # not every failure was kept: every app that ran fails
+            for site in np.flatnonzero(self.site_active).tolist():
+                by_site.setdefault(site, []).append((None, b"too many site failures to keep"))
+        for site, failures in by_site.items():
+            self.site_failed(site, failures)
+
+    def no_sites_this_step(self) -> None:
+        self.site_active.fill(False)
 
     def _rewrite_bits(self, inst: InstalledApp) -> None:
         """Each running request's bit of one app after its mode changed (the bit means
@@ -851,7 +878,7 @@ class ControlBlock:
             active |= int(np.bitwise_or.reduce(self.host["slot_apps"][row_slots]))
         active &= self._on_mask
         if not active and not self._span_mask:
-            self.site_active = self._no_site
+            self.site_active.fill(False)
             self.any_active = False
             self._step_reads = False
             self._step_monitors = False
@@ -899,7 +926,7 @@ class ControlBlock:
             )
             self._set_step_header(n_tok, n_req)
             self._sync_block()
-        self.site_active = (self.site_app_mask & np.uint64(active)) != 0
+        np.not_equal(self.site_app_mask & np.uint64(active), 0, out=self.site_active)
         self.step_rows = (slots, n_req)
         self.step_tokens = n_tok
         self.step_active = active
@@ -945,7 +972,7 @@ class ControlBlock:
         elif self.any_active or self._span_mask:
             self._set_step_header(0, 0)
             self._sync_block()
-        self.site_active = self._no_site
+        self.site_active.fill(False)
         self.any_active = False
         self._step_reads = False
         self._step_monitors = False
@@ -981,6 +1008,7 @@ class ControlBlock:
         Only rank 0 drains (hidden states are replicated across tensor-parallel ranks). Staged
         (GPU), this waits for the device; the engine path uses drain_async instead.
         Monitors report under ``STOPPED_KEY`` / ``SWITCHED_KEY`` (drain.collect_monitors)."""
+        self.collect_site_failures()
         if not (self._step_reads or self._step_monitors):
             return {}
         if self.staged:

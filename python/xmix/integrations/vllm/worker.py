@@ -208,7 +208,7 @@ class WorkerXmix:
         if req_ids is None or not cb.apps or not cb.could_run():
             # No request holds an app, none is in mode "all", no span to follow: this step
             # pays nothing more.
-            cb.site_active = cb._no_site
+            cb.no_sites_this_step()
             return
         n = len(req_ids)
         slots = np.empty(n, dtype=np.int32)
@@ -248,6 +248,7 @@ class WorkerXmix:
         cb = self.cb
         if not cb.any_active and not cb._span_mask:
             return
+        cb.collect_site_failures()  # before the drain (a failed site clears its reads)
         if self.rank0:
             if cb.staged:
                 # No host wait here: the results are copied on a side stream and read where
@@ -687,6 +688,9 @@ def xmix_describe(self) -> dict:
             **x.cb.staging_stats(),
             "host_seconds_step": x.host_seconds,
             "host_seconds_sites": x.cb.site_seconds,
+            # which CPU site kernel serves: "native" makes no Python call per site
+            "site_kernel": "native" if ops.NATIVE is not None else "python",
+            "python_site_calls": ops.python_site_calls[0],
         },
         "graphs": graphs.stats(),
         "ops_generation": x.cb.ops_generation,
