@@ -1017,6 +1017,30 @@ def test_monitors_stop_and_switch_over_http(server):
         for ch in two["choices"]:
             assert ch["finish_reason"] == "stop"
             assert ch["xmix_monitors"]["stopped"]["position"] == n_prompt
+        # streamed, n = 2: the chunk that finishes each choice names that sequence's stop
+        finishing = {}
+        stream_two = {
+            "model": "tiny",
+            "prompt": "Once upon a time",
+            "max_tokens": 8,
+            "n": 2,
+            "temperature": 1.0,
+            "seed": 4,
+            "stream": True,
+            "vllm_xargs": {"xmix": json.dumps({"apps": ["mon"]})},
+        }
+        with c.stream("POST", "/v1/completions", json=stream_two) as s:
+            assert s.status_code == 200
+            for line in s.iter_lines():
+                if line.startswith("data: {"):
+                    chunk = json.loads(line[6:])
+                    for ch in chunk.get("choices") or []:
+                        if ch.get("finish_reason"):
+                            finishing[ch["index"]] = chunk
+        assert sorted(finishing) == [0, 1]
+        for chunk in finishing.values():
+            assert chunk["choices"][0]["finish_reason"] == "stop"
+            assert chunk["xmix_monitors"]["stopped"]["position"] == n_prompt
         # a switch
         r = complete(server, control={"apps": ["sw"]}).json()
         (sw_rec,) = r["xmix_applied"]["switched"]
@@ -1035,7 +1059,8 @@ def test_monitors_stop_and_switch_over_http(server):
                     return float(l.rsplit(" ", 1)[1])
             return 0.0
 
-        assert count("xmix_requests_stopped", "mon", "m") == 5  # 2 completions, 1 stream, n=2
+        # 2 completions, 1 stream, n=2 twice (non-streamed and streamed)
+        assert count("xmix_requests_stopped", "mon", "m") == 7
         assert count("xmix_requests_stopped", "mon_prompt", "q") == 1
         assert count("xmix_requests_switched", "sw", "s") == 1
     finally:

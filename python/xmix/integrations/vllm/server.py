@@ -1184,6 +1184,9 @@ async def _tap(gen, sink: list, n_choices: int | None, applied: dict):
             new = getattr(co, XMIX_KEY, None)
             if new:
                 sink.append((base + co.index, new))
+            mon = getattr(co, "xmix_monitors", None)
+            if mon:  # this sequence's stop and switches, for its finishing chunk (n > 1)
+                applied.setdefault("monitors", {})[base + co.index] = mon
         yield item
 
 
@@ -1250,6 +1253,11 @@ async def _with_results(stream, sink: list, applied: dict, n_choices: int, opts:
                     if prompt not in prov_json:
                         prov_json[prompt] = json.dumps(prov, allow_nan=False)
                     extra.append((APPLIED_KEY, prov_json[prompt]))
+                mons = applied.get("monitors")
+                if n_choices > 1 and mons and done[0] in mons:
+                    # with n > 1 the request's provenance names one sequence's stop: the
+                    # finishing chunk of each choice names its own, as non-streamed choices do
+                    extra.append(("xmix_monitors", mons.pop(done[0])))
         if not extra:
             yield chunk
             continue
