@@ -8,7 +8,7 @@ plugin's ``register()`` in every engine process, offline ``LLM`` included): ever
 variable set must be one this table knows (a typo is refused with the closest name) and
 parse, so a bad value stops the start, named, instead of failing a request later.
 
-``python -m xmix.settings --markdown`` prints the table of docs/settings.md (a unit test keeps
+``xmix settings --markdown`` prints the table of docs/settings.md (a unit test keeps
 the two equal). Imported by the vLLM side: it imports neither vLLM nor torch.
 """
 
@@ -36,7 +36,7 @@ class SettingError(ValueError):
 
 # ---------------------------------------------------------------------- types
 # Each type parses the raw string (never empty: an empty variable counts as unset) or raises
-# ValueError with the reason, phrased to follow "XMIX_NAME='value' ".
+# ValueError with the reason, phrased to follow "NAME='value' ".
 class Int:
     label = "integer >= 0"
 
@@ -436,8 +436,7 @@ def check_environment(environ: dict[str, str] | None = None) -> None:
             close = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
             hint = f"; did you mean {close[0]}?" if close else ""
             errors.append(
-                f"{name} is not an xmix setting{hint} (docs/settings.md lists them; "
-                "python -m xmix.settings)"
+                f"{name} is not an xmix setting{hint} (docs/settings.md lists them; xmix settings)"
             )
     if errors:
         raise SettingError("\n".join(errors))
@@ -489,7 +488,7 @@ def markdown() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m xmix.settings", description="xmix's XMIX_* environment variables"
+        prog="xmix settings", description="the XMIX_* environment variables xmix reads"
     )
     p.add_argument("--markdown", action="store_true", help="the table of docs/settings.md")
     p.add_argument("--check", action="store_true", help="check this environment's XMIX_*")
@@ -508,7 +507,3 @@ def main(argv: list[str] | None = None) -> int:
     for s in SETTINGS:
         print(f"{s.name}={_shown_default(s)}  # {s.doc}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -138,11 +138,10 @@ def test_unknown_names_are_refused_with_the_closest_and_without_the_value():
         settings.check_environment(env)
     assert str(e.value).splitlines() == [
         "XMIX_DEPLOYMENT_SECRT is not an xmix setting; did you mean XMIX_DEPLOYMENT_SECRET? "
-        "(docs/settings.md lists them; python -m xmix.settings)",
-        "XMIX_SOMETHING_ELSE is not an xmix setting (docs/settings.md lists them; "
-        "python -m xmix.settings)",
+        "(docs/settings.md lists them; xmix settings)",
+        "XMIX_SOMETHING_ELSE is not an xmix setting (docs/settings.md lists them; xmix settings)",
         "XMIX_SYNC is not an xmix setting; did you mean XMIX_SYNC_S? (docs/settings.md lists "
-        "them; python -m xmix.settings)",
+        "them; xmix settings)",
     ]
     settings.check_environment({"XMIX_SYNC_S": "1", "XMIX_TEST_WORKERS": "4", "PATH": "/x"})
 
@@ -181,13 +180,12 @@ def test_serve_flags_come_from_the_table():
 # ---------------------------------------------------------------------- one place
 def test_docs_table_is_the_generated_one():
     text = (ROOT / "docs" / "settings.md").read_text()
-    begin = "<!-- BEGIN generated: python -m xmix.settings --markdown -->\n"
+    begin = "<!-- BEGIN generated: xmix settings --markdown -->\n"
     end = "<!-- END generated -->"
     assert begin in text and end in text
     committed = text.split(begin, 1)[1].split(end, 1)[0]
     assert committed == settings.markdown(), (
-        "docs/settings.md is out of date: paste `python -m xmix.settings --markdown` "
-        "between its markers"
+        "docs/settings.md is out of date: paste `xmix settings --markdown` between its markers"
     )
     for s in settings.SETTINGS:  # every variable, internal ones included, is in the docs
         assert f"`{s.name}`" in committed
