@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import reprlib
 import warnings
@@ -26,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from xmix import conditions
+from xmix import conditions, settings
 from xmix.catalog import FLT_MAX, KERNELS, MAX_SAE_FEATURES, MAX_TOP_K, SAE_KERNELS
 from xmix.hooks import SITE_NAMES
 
@@ -73,19 +72,19 @@ _SHOWN.maxstring, _SHOWN.maxother, _SHOWN.maxlevel, _SHOWN.maxlist = 60, 60, 2, 
 def max_app_header_bytes() -> int:
     """Largest safetensors header (the JSON with the xmix spec) an app file may have
     (``XMIX_MAX_APP_HEADER_BYTES``, default 16 MiB)."""
-    return int(os.environ.get("XMIX_MAX_APP_HEADER_BYTES", str(16 << 20)))
+    return int(settings.get("XMIX_MAX_APP_HEADER_BYTES"))
 
 
 def max_app_ops() -> int:
     """Ops one app may declare (``XMIX_MAX_APP_OPS``); checked in the spec before any
     artifact is copied. Lowered ops (one per layer) are bounded by the control block."""
-    return int(os.environ.get("XMIX_MAX_APP_OPS", "4096"))
+    return int(settings.get("XMIX_MAX_APP_OPS"))
 
 
 def max_artifact_bytes() -> int:
     """Bytes of one app's distinct artifacts as fp32, the form every process keeps
     (``XMIX_MAX_ARTIFACT_BYTES``, default 1 GiB); checked before any artifact is copied."""
-    return int(os.environ.get("XMIX_MAX_ARTIFACT_BYTES", str(1 << 30)))
+    return int(settings.get("XMIX_MAX_ARTIFACT_BYTES"))
 
 
 def check_json_value(value: Any, what: str, depth: int = MAX_JSON_DEPTH) -> None:

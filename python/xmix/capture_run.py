@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from xmix import settings
 from xmix.results_codec import DTYPES, Window, _window, positions_from_text, to_tensor
 
 FORMAT = "xmix-capture-1"
@@ -261,7 +262,7 @@ class CaptureRun:
     def _capture_room(self) -> None:
         """Room in the engine's capture buffer for every site (XMIX_CAPTURE_MB, unless set):
         a capture read of width d takes d floats per token of a step."""
-        if "XMIX_CAPTURE_MB" in os.environ:
+        if settings.is_set("XMIX_CAPTURE_MB"):
             return
         from transformers import AutoConfig
 
@@ -272,7 +273,7 @@ class CaptureRun:
         n = len(parse_sites(self.sites_spec, int(cfg.num_hidden_layers)))
         tokens = max(int(self.engine_args.get("max_num_batched_tokens") or 16384), 512)
         need = n * int(cfg.hidden_size) * tokens * 4
-        os.environ["XMIX_CAPTURE_MB"] = str(max(16, math.ceil(need / 2**20) + 1))
+        settings.set_env("XMIX_CAPTURE_MB", str(max(16, math.ceil(need / 2**20) + 1)))
 
     def _shape(self, llm):
         from xmix.hooks import ModelShape
@@ -301,15 +302,8 @@ class CaptureRun:
     def __iter__(self) -> Iterator[dict]:
         # The result cap protects a server's responses; here the results go to disk. The
         # frontend (this process) reads it at each admission.
-        old_cap = os.environ.get("XMIX_MAX_RESULT_BYTES")
-        os.environ["XMIX_MAX_RESULT_BYTES"] = str(1 << 50)
-        try:
+        with settings.overridden("XMIX_MAX_RESULT_BYTES", str(1 << 50)):
             yield from self._iter()
-        finally:
-            if old_cap is None:
-                os.environ.pop("XMIX_MAX_RESULT_BYTES", None)
-            else:
-                os.environ["XMIX_MAX_RESULT_BYTES"] = old_cap
 
     def _iter(self) -> Iterator[dict]:
         from vllm import SamplingParams

@@ -1,4 +1,4 @@
-"""The `xmix` command line: serve, capture, models, derive, import."""
+"""The `xmix` command line: serve, capture, models, derive, import, settings."""
 
 from __future__ import annotations
 
@@ -36,6 +36,12 @@ def _cmd_import(argv: list[str]) -> int:
     return import_main(argv)
 
 
+def _cmd_settings(argv: list[str]) -> int:
+    from xmix.settings import main as settings_main
+
+    return settings_main(argv)
+
+
 COMMANDS = {
     "serve": (
         _cmd_serve,
@@ -58,6 +64,10 @@ COMMANDS = {
     "import": (
         _cmd_import,
         "SAEs and control vectors from other tools: xmix import sae|vector PATH -o OUT",
+    ),
+    "settings": (
+        _cmd_settings,
+        "the XMIX_* environment variables: xmix settings [--check | --markdown]",
     ),
 }
 

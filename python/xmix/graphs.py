@@ -47,14 +47,13 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
-import os
 import threading
 import types
 import weakref
 from collections.abc import Iterator
 from typing import Any
 
-from xmix import _C
+from xmix import _C, settings
 from xmix import conditions as C
 
 logger = logging.getLogger("vllm.xmix.graphs")
@@ -121,26 +120,16 @@ def _count(key: str, n: int = 1) -> None:
 
 
 def patching_enabled() -> bool:
-    return os.environ.get("XMIX_GRAPH_PATCH", "1").strip().lower() not in (
-        "0",
-        "false",
-        "no",
-        "off",
-    )
+    return bool(settings.get("XMIX_GRAPH_PATCH"))
 
 
 def _verify() -> bool:
-    return os.environ.get("XMIX_GRAPH_VERIFY", "0").strip().lower() in ("1", "true", "yes", "on")
+    return bool(settings.get("XMIX_GRAPH_VERIFY"))
 
 
 def check_enabled() -> bool:
     """The first-replay check (module docstring); on unless XMIX_GRAPH_CHECK is 0/off."""
-    return os.environ.get("XMIX_GRAPH_CHECK", "1").strip().lower() not in (
-        "0",
-        "false",
-        "no",
-        "off",
-    )
+    return bool(settings.get("XMIX_GRAPH_CHECK"))
 
 
 def cuda_patching_available() -> str | None:
@@ -563,14 +552,14 @@ _CB_STATE = (
 
 
 def _check_limit_bytes() -> int:
-    return int(float(os.environ.get("XMIX_GRAPH_CHECK_MAX_MB", "1024")) * 2**20)
+    return int(settings.get("XMIX_GRAPH_CHECK_MAX_MB") * 2**20)
 
 
 def _check_graphs() -> int:
     """Graphs checked per control block and deploy (ops_generation): once that many passed,
     the others of the same deploy replay unchecked (``check_skipped``); a failure checks
     every graph of the deploy."""
-    return int(os.environ.get("XMIX_GRAPH_CHECK_GRAPHS", "8"))
+    return int(settings.get("XMIX_GRAPH_CHECK_GRAPHS"))
 
 
 def _pool_regions(g) -> list:

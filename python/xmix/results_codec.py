@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import base64
 import math
-import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from xmix import settings
 
 ERROR_KEY = "!error"  # a worker could not serve the request (the frontend ends it)
 TRUNCATED_KEY = "!truncated"  # the request's results were cut at its byte cap
@@ -62,13 +63,13 @@ JSON_BYTES_PER_SAE_POSITION = 24
 
 def max_result_bytes() -> int:
     """The server's cap on one request's read results (``XMIX_MAX_RESULT_BYTES``)."""
-    return int(os.environ.get("XMIX_MAX_RESULT_BYTES", str(16 << 20)))
+    return int(settings.get("XMIX_MAX_RESULT_BYTES"))
 
 
 def max_response_bytes() -> int:
     """The server's cap on the read results of one HTTP response, all its prompts and choices
     together (``XMIX_MAX_RESPONSE_BYTES``; a key's policy may set its own)."""
-    return int(os.environ.get("XMIX_MAX_RESPONSE_BYTES", str(64 << 20)))
+    return int(settings.get("XMIX_MAX_RESPONSE_BYTES"))
 
 
 # ---------------------------------------------------------------------- dtypes

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import xmix
-from xmix.integrations.vllm.state_dir import STATE_DIR_ENV, StateDir
+from xmix.integrations.vllm.state_dir import StateDir
 from xmix.models.tiny import tiny_model_path
 
 pytestmark = pytest.mark.engine
@@ -73,7 +73,7 @@ def test_xmix_llm_restores_its_state_directory(tmp_path):
         **ENGINE_KW,
     )
     try:
-        assert os.environ.get(STATE_DIR_ENV) is None  # set only while the engine started
+        assert os.environ.get("XMIX_STATE_DIR") is None  # set only while the engine started
         apps = {a["name"]: a for a in llm.xmix.apps()}
         assert list(apps) == ["steer", "probe", "fresh"]  # deployment order kept
         assert (apps["steer"]["version"], apps["steer"]["mode"]) == (3, "request")

@@ -472,7 +472,7 @@ def test_the_crash_trigger_file_fires_once(tmp_path):
 
     def child():
         os.setpgid(0, 0)  # a group of its own: the trigger kills the group
-        os.environ[S.CRASH_ENV] = str(trigger)
+        os.environ["XMIX_TEST_STATE_CRASH"] = str(trigger)
         st = StateDir.open(d)
         st.save(CHANGES["undeploy"])  # another kind: no crash
         st.save(CHANGES["patch"])

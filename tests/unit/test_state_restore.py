@@ -17,7 +17,7 @@ from test_scale_out_units import Engine, app, held, server
 from xmix.integrations.vllm import restore as R
 from xmix.integrations.vllm.frontend import EngineGone, NotSaved
 from xmix.integrations.vllm.ledger import Ledger
-from xmix.integrations.vllm.state_dir import STATE_DIR_ENV, StateDir, StateError
+from xmix.integrations.vllm.state_dir import StateDir, StateError
 from xmix.lowering import DeployError
 
 
@@ -141,8 +141,8 @@ def test_an_app_the_restarted_server_cannot_deploy_stops_the_restore_naming_it(
 def test_without_a_state_directory_nothing_is_restored(tmp_path, monkeypatch):
     engines = [Engine(), Engine()]
     s1 = server(engines)
-    monkeypatch.delenv(STATE_DIR_ENV, raising=False)
+    monkeypatch.delenv("XMIX_STATE_DIR", raising=False)
     assert R.restore(s1) is None
-    monkeypatch.setenv(STATE_DIR_ENV, str(tmp_path))  # set here, but the engines lack it
+    monkeypatch.setenv("XMIX_STATE_DIR", str(tmp_path))  # set here, but the engines lack it
     with pytest.raises(StateError, match="no worker opened it"):
         R.restore(s1)

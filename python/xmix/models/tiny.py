@@ -18,6 +18,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from xmix import settings
+
 KINDS = (
     "tiny-llama",
     "tiny-qwen3",
@@ -205,8 +207,9 @@ INIT_OVERRIDES: dict[str, dict] = {"tiny-gemma2": _GEMMA_INIT, "tiny-gemma3": _G
 
 def default_cache_root() -> Path:
     """`$XMIX_CACHE/models`, else `~/.cache/xmix/models`."""
-    if os.environ.get("XMIX_CACHE"):
-        return Path(os.environ["XMIX_CACHE"]) / "models"
+    cache = settings.get("XMIX_CACHE")
+    if cache:
+        return Path(cache) / "models"
     return Path.home() / ".cache" / "xmix" / "models"
 
 

@@ -23,12 +23,11 @@ Precedence: ``XMIX_DISABLE=1`` turns xmix off whatever else says; otherwise an
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
+from xmix import settings
+
 CONFIG_KEY = "xmix"
-ENV_ENABLE = "XMIX_ENABLE"
-ENV_DISABLE = "XMIX_DISABLE"
 # The hook-site placement: part of the compile-cache key (see canonical()). Bump it when
 # where sites sit in the traced graph changes.
 SITES_VERSION = "xmix-sites-2"
@@ -55,12 +54,12 @@ def config_value(vllm_config) -> Any:
 
 def requested(vllm_config) -> bool:
     """True when the engine of ``vllm_config`` asked for xmix (see the module docstring)."""
-    if os.environ.get(ENV_DISABLE, "0") == "1":
+    if settings.get("XMIX_DISABLE"):
         return False
     extra = getattr(vllm_config, "additional_config", None)
     if isinstance(extra, dict) and CONFIG_KEY in extra:
         return _truthy(extra[CONFIG_KEY])
-    return os.environ.get(ENV_ENABLE, "0") == "1"
+    return bool(settings.get("XMIX_ENABLE"))
 
 
 def options(value: Any) -> dict[str, Any]:

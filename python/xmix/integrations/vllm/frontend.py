@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from xmix import settings
 from xmix.api import App
 from xmix.conditions import n_instructions
 from xmix.control import MODES, ParamCol, RequestError, param_columns, resolve_params
@@ -90,7 +91,7 @@ def shown(v: Any) -> str:
 
 
 def max_control_bytes() -> int:
-    return int(os.environ.get("XMIX_MAX_CONTROL_BYTES", "65536"))
+    return int(settings.get("XMIX_MAX_CONTROL_BYTES"))
 
 
 _ERROR_CLASS = None
@@ -438,7 +439,7 @@ class Registry:
             if app.name in self.apps:
                 raise DeployError(f"app {app.name!r} is already deployed")
             used = self.used()
-            max_apps = tenants.limit("XMIX_MAX_APPS")
+            max_apps = settings.get("XMIX_MAX_APPS")
             if max_apps is not None and len(self.apps) >= max_apps:
                 raise CapacityError(
                     f"app {app.name!r}: {len(self.apps)} apps are deployed; the server "
@@ -451,13 +452,13 @@ class Registry:
             cap.setdefault("max_token_sets", K["MAX_TOKEN_SETS"])
             cap.setdefault("max_spans", K["MAX_SPANS"])
             cap.setdefault("max_sinces", K["MAX_STICKY"])
-            max_ops = tenants.limit("XMIX_MAX_OPS")
+            max_ops = settings.get("XMIX_MAX_OPS")
             if max_ops is not None and max_ops < cap["max_ops"]:
                 cap["max_ops"] = max_ops
         # An app that could never fit (more than the whole engine, or a server limit, holds)
         # is the client's error (422); one that fits an engine the other apps have filled is
         # 507. Either message names the limit.
-        server_ops = tenants.limit("XMIX_MAX_OPS")
+        server_ops = settings.get("XMIX_MAX_OPS")
 
         def where(cap_key: str) -> str:
             if cap_key == "max_ops" and server_ops is not None and server_ops == cap["max_ops"]:
@@ -823,7 +824,7 @@ class Registry:
             raise _validation_error(f'"apps" must be a list of app names, got {shown(apps)}')
         if len(set(apps)) != len(apps):
             raise _validation_error(f'"apps" lists an app twice: {shown(apps)}')
-        max_apps = tenants.limit("XMIX_MAX_REQUEST_APPS")
+        max_apps = settings.get("XMIX_MAX_REQUEST_APPS")
         if len(apps) > max_apps:
             raise _validation_error(
                 f"the request names {len(apps)} apps; at most {max_apps} (XMIX_MAX_REQUEST_APPS)"
@@ -847,7 +848,7 @@ class Registry:
                 f'"params" must be an object {{app: {{name: number}}}}, got {shown(params)}'
             )
         n_params = sum(len(p) if isinstance(p, dict) else 1 for p in params.values())
-        max_params = tenants.limit("XMIX_MAX_REQUEST_PARAMS")
+        max_params = settings.get("XMIX_MAX_REQUEST_PARAMS")
         if n_params > max_params:
             raise _validation_error(
                 f"the request sets {n_params} parameters; at most {max_params} "
@@ -1347,7 +1348,7 @@ class Controller:
         Nested (the changes of a restore): the inner ones renew the lease, the outer releases it."""
         with self.lock:
             if wait_s is None:
-                wait_s = float(os.environ.get("XMIX_LEASE_WAIT_S", "30"))
+                wait_s = float(settings.get("XMIX_LEASE_WAIT_S"))
             deadline = time.monotonic() + wait_s
             while not self._rpc("xmix_ledger", ("acquire", self._owner))[0]:
                 if time.monotonic() > deadline:

@@ -26,12 +26,11 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-import os
 import secrets
 from typing import Any
 
-SECRET_ENV = "XMIX_DEPLOYMENT_SECRET"
-MIN_SECRET_BYTES = 16
+from xmix import settings
+
 SALT_PREFIX = "xmix:"
 
 
@@ -44,19 +43,10 @@ def _mac(key: bytes, msg: bytes) -> str:
 
 
 def secret_from_env() -> bytes | None:
-    """The operator's ``XMIX_DEPLOYMENT_SECRET`` (UTF-8), or None; ValueError when it is too
-    short to be a secret."""
-    raw = os.environ.get(SECRET_ENV)
-    if raw is None or raw == "":
-        return None
-    data = raw.encode("utf-8")
-    if len(data) < MIN_SECRET_BYTES:
-        # the value itself is never shown
-        raise ValueError(
-            f"{SECRET_ENV} has {len(data)} bytes; a deployment secret needs at least "
-            f"{MIN_SECRET_BYTES} (e.g. python -c 'import secrets; print(secrets.token_hex(32))')"
-        )
-    return data
+    """The operator's ``XMIX_DEPLOYMENT_SECRET`` (UTF-8), or None; ValueError (never showing
+    the value) when it is too short to be a secret."""
+    secret: bytes | None = settings.get("XMIX_DEPLOYMENT_SECRET")
+    return secret
 
 
 def engine_secret() -> bytes:

@@ -8,6 +8,7 @@ import logging
 import os
 from typing import Any
 
+from xmix import settings
 from xmix.architectures import check_architecture
 from xmix.lowering import DeployError
 
@@ -16,7 +17,7 @@ from .frontend import _load_app
 from .offline import controller  # noqa: F401  (kept importable from here)
 from .plugin import register
 from .restore import log_app_kept
-from .state_dir import STATE_DIR_ENV, StateDir, StateError
+from .state_dir import StateDir, StateError
 
 logger = logging.getLogger("vllm.xmix")
 
@@ -35,15 +36,8 @@ def _state_dir_env(path):
         raise StateError(
             f"{e}. To start clean, move the directory away (its apps/ keeps every app file)"
         ) from None
-    old = os.environ.get(STATE_DIR_ENV)
-    os.environ[STATE_DIR_ENV] = path
-    try:
+    with settings.overridden("XMIX_STATE_DIR", path):
         yield
-    finally:
-        if old is None:
-            os.environ.pop(STATE_DIR_ENV, None)
-        else:
-            os.environ[STATE_DIR_ENV] = old
 
 
 def _make_llm_class():
@@ -68,6 +62,7 @@ def _make_llm_class():
         ):
             kwargs["additional_config"] = enable.with_xmix(kwargs.get("additional_config"))
             fence.check()  # a vLLM xmix does not match stops here, before any engine process
+            settings.check_environment()  # so does a bad XMIX_* variable, named
             check_architecture(model, **kwargs)
             with _state_dir_env(xmix_state_dir):
                 super().__init__(model=model, **kwargs)

@@ -3,8 +3,9 @@ in vLLM's convention (``vllm:`` prefix, ``_total`` counters, ``model_name`` labe
 
 from __future__ import annotations
 
-import os
 import threading
+
+from xmix import settings
 
 _lock = threading.Lock()
 _metrics = None
@@ -134,16 +135,11 @@ def _make(registry=None):
 # XMIX_METRICS_APP_LABELS=hashed (``xmix serve --xmix-metrics-app-labels hashed``) they are
 # shown as keyed hashes (keyed.Keys.label: "h" + 12 hex digits, the same on every API server
 # of the deployment); the admin's GET /xmix/v1/apps gives each app's label.
-APP_LABELS_ENV = "XMIX_METRICS_APP_LABELS"
-APP_LABEL_MODES = ("names", "hashed")
 _label_keys = None  # keyed.Keys while names are hidden
 
 
 def app_labels_mode() -> str:
-    mode = os.environ.get(APP_LABELS_ENV) or "names"
-    if mode not in APP_LABEL_MODES:
-        raise ValueError(f"{APP_LABELS_ENV}={mode!r}: must be one of {list(APP_LABEL_MODES)}")
-    return mode
+    return str(settings.get("XMIX_METRICS_APP_LABELS"))
 
 
 def set_app_labels(keys) -> None:

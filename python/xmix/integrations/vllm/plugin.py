@@ -4,6 +4,12 @@ for people who never use xmix. It only patches classes, once per process, so loa
 twice is harmless; and every patch passes straight through on an engine that did not ask
 for xmix (``enable.requested``): no hook sites, no control block, no compile-cache key.
 ``XMIX_DISABLE=1`` skips even the class patches.
+
+Every other ``XMIX_*`` variable is checked here, at each call (settings.check_environment):
+vLLM calls ``register()`` from ``EngineArgs`` (``vllm serve``, ``vllm.LLM``), before any engine
+process starts, and again in each engine process, so a bad value stops the start, named. The
+check comes after the patches: vLLM calls the plugins once per process even when one raised,
+so an engine started again in this process once the variable is fixed is still patched.
 """
 
 from __future__ import annotations
@@ -11,6 +17,8 @@ from __future__ import annotations
 import logging
 import os
 import threading
+
+from xmix import settings
 
 logger = logging.getLogger("vllm.xmix")  # vLLM's handlers and format apply
 _lock = threading.Lock()
@@ -20,14 +28,15 @@ _done = False
 def register() -> None:
     global _done
     with _lock:
-        if _done:
-            return
-        if os.environ.get("XMIX_DISABLE", "0") == "1":
+        if settings.get("XMIX_DISABLE"):
             # Not marked done: a later call without the variable (in this process) patches.
-            logger.info("xmix: XMIX_DISABLE=1, plugin not loaded")
+            if not _done:
+                logger.info("xmix: XMIX_DISABLE=1, plugin not loaded")
             return
-        _patch_all()
-        _done = True
+        if not _done:
+            _patch_all()
+            _done = True
+    settings.check_environment()
 
 
 def _patch_all() -> None:

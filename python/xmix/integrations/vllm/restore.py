@@ -17,10 +17,11 @@ version floors), so their cache salts agree.
 from __future__ import annotations
 
 import logging
-import os
+
+from xmix import settings
 
 from .frontend import Controller
-from .state_dir import STATE_DIR_ENV, StateError
+from .state_dir import StateError
 
 logger = logging.getLogger("vllm.xmix")
 
@@ -33,9 +34,10 @@ def restore(ctl: Controller) -> dict | None:
     when an app it holds cannot be deployed on this server: the start stops there."""
     plans = [p for p in ctl._rpc("xmix_ledger", ("state", "")) if p is not None]
     if not plans:
-        if os.environ.get(STATE_DIR_ENV):
+        path = settings.get("XMIX_STATE_DIR")
+        if path:
             raise StateError(
-                f"{STATE_DIR_ENV}={os.environ[STATE_DIR_ENV]} is set here but no worker opened "
+                f"XMIX_STATE_DIR={path} is set here but no worker opened "
                 "it (the engines were started without it)"
             )
         return None

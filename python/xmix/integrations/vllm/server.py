@@ -44,6 +44,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from xmix import settings
 from xmix.api import AppError, LimitError
 from xmix.console import console_url
 from xmix.console.router import console_router
@@ -71,19 +72,18 @@ from .request_controls import control_from_args, has_control
 
 logger = logging.getLogger("vllm.xmix")  # vLLM's handlers and format apply
 
-APPS_ENV = "XMIX_SERVE_APPS"
 MAX_PATCH_BYTES = 1 << 16
 
 
 def max_app_bytes() -> int:
     """Largest app file a POST may send (``XMIX_MAX_APP_BYTES``, default 1 GiB)."""
-    return int(os.environ.get("XMIX_MAX_APP_BYTES", str(1 << 30)))
+    return int(settings.get("XMIX_MAX_APP_BYTES"))
 
 
 def max_open_body_bytes() -> int:
     """Largest body read to look for an xmix control in an unauthenticated request to a
     route vLLM does not guard (``XMIX_MAX_OPEN_BODY_BYTES``, default 64 MiB)."""
-    return int(os.environ.get("XMIX_MAX_OPEN_BODY_BYTES", str(64 << 20)))
+    return int(settings.get("XMIX_MAX_OPEN_BODY_BYTES"))
 
 
 # ---------------------------------------------------------------------- CLI
@@ -124,10 +124,10 @@ def serve_main(argv: list[str]) -> int:
             print(f"xmix serve: {flag} needs a value", file=sys.stderr)
             return 2
         os.environ[tenants.SERVE_FLAGS[flag]] = ",".join(values)
-    try:
-        tenants.check_limits()
-        if os.environ.get(tenants.POLICY_ENV):
-            tenants.Policy.load(os.environ[tenants.POLICY_ENV])
+    try:  # every XMIX_* variable, before anything starts: a bad value stops here, named
+        settings.check_environment()
+        if settings.get("XMIX_POLICY"):
+            tenants.Policy.load(settings.get("XMIX_POLICY"))
     except ValueError as e:
         print(f"xmix serve: {e}", file=sys.stderr)
         return 2
@@ -135,9 +135,9 @@ def serve_main(argv: list[str]) -> int:
         if not p or not os.path.isfile(p):
             print(f"xmix serve: app file {p!r} not found", file=sys.stderr)
             return 2
-    from .state_dir import STATE_DIR_ENV, StateDir, StateError
+    from .state_dir import StateDir, StateError
 
-    state_dir = state_dir if state_dir is not None else os.environ.get(STATE_DIR_ENV)
+    state_dir = state_dir if state_dir is not None else settings.get("XMIX_STATE_DIR")
     if state_dir is not None:
         if not state_dir or state_dir.startswith("--"):
             print("xmix serve: --xmix-state-dir needs a directory", file=sys.stderr)
@@ -153,7 +153,7 @@ def serve_main(argv: list[str]) -> int:
             )
             return 2
         print(f"xmix serve: state directory {st.path}: {st.summary()}", file=sys.stderr)
-        os.environ[STATE_DIR_ENV] = os.path.abspath(state_dir)
+        settings.set_env("XMIX_STATE_DIR", os.path.abspath(state_dir))
     if not rest or rest[0].startswith("-"):
         print(
             "usage: xmix serve MODEL [--app PATH ...] [--app-mode off|request|all] [--app-locked] "
@@ -180,7 +180,9 @@ def serve_main(argv: list[str]) -> int:
     except (DeployError, fence.FenceError) as e:
         print(f"xmix serve: {e}", file=sys.stderr)
         return 2
-    os.environ[APPS_ENV] = json.dumps([[os.path.abspath(p), mode, locked] for p in apps])
+    settings.set_env(
+        "XMIX_SERVE_APPS", json.dumps([[os.path.abspath(p), mode, locked] for p in apps])
+    )
     # Endpoint plugins load only when named in VLLM_PLUGINS; general plugins then load only
     # when named too, so name xmix for both and keep whatever the operator listed.
     names = [n for n in os.environ.get("VLLM_PLUGINS", "").split(",") if n]
@@ -349,7 +351,7 @@ class XmixEndpointPlugin:
                     mode=d.mode,
                     version=d.version,
                 )
-        for entry in json.loads(os.environ.get(APPS_ENV, "[]")):
+        for entry in settings.get("XMIX_SERVE_APPS"):
             path, mode, locked = (entry + [False])[:3]
             try:
                 info = await asyncio.to_thread(ctl.deploy, path, mode, locked=locked)
@@ -391,7 +393,7 @@ class XmixEndpointPlugin:
 def sync_interval() -> float:
     """How often an API server follows the engines' ledger when there are several
     (``XMIX_SYNC_S``, default 0.25 s); requests naming an app it does not know sync at once."""
-    return float(os.environ.get("XMIX_SYNC_S", "0.25"))
+    return float(settings.get("XMIX_SYNC_S"))
 
 
 async def _follow(ctl: Controller, gone) -> None:
@@ -424,7 +426,7 @@ def rpc_timeout() -> float:
     """How long a control RPC waits for each engine (``XMIX_RPC_TIMEOUT_S``, default 30 s).
     vLLM does not notice an engine on another host that died or cannot be reached: its
     requests wait, and so would a change; past this the change fails, naming the engine."""
-    return float(os.environ.get("XMIX_RPC_TIMEOUT_S", "30"))
+    return float(settings.get("XMIX_RPC_TIMEOUT_S"))
 
 
 # An engine that already missed a deadline is waited for this long at most, until it answers

@@ -56,10 +56,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from xmix import settings
+
 logger = logging.getLogger("vllm.xmix")
 
-STATE_DIR_ENV = "XMIX_STATE_DIR"
-CRASH_ENV = "XMIX_TEST_STATE_CRASH"
 FORMAT = 1
 COMPACT_EVERY = 64
 STATE = "state.json"
@@ -134,7 +134,7 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 def _crash_from_env() -> Callable[[str, str], None] | None:
-    trigger = os.environ.get(CRASH_ENV)
+    trigger = settings.get("XMIX_TEST_STATE_CRASH")
     if not trigger:
         return None
 
@@ -587,7 +587,7 @@ def for_worker(vllm_config) -> StateDir | None:
     """The state directory, opened as its writer, on the worker that holds the ledger every
     API server reads (the first worker of the first engine: tensor- and pipeline-parallel
     rank 0 of data-parallel index 0); None on every other worker and without one."""
-    path = os.environ.get(STATE_DIR_ENV)
+    path = settings.get("XMIX_STATE_DIR")
     if not path:
         return None
     par = getattr(vllm_config, "parallel_config", None)

@@ -10,7 +10,8 @@
 - Every control-plane change is one audit line (logger ``vllm.xmix.audit``, and
   ``XMIX_AUDIT_LOG`` as JSON lines, the file created 0600): which key (a fingerprint keyed
   with the deployment's secret, keyed.py; never the key), what, when, the result.
-- Limits per request and per server, from the environment (``xmix serve`` flags set it).
+- Limits per request and per server, from the environment (``xmix serve`` flags set it;
+  xmix.settings types and checks them).
 
 The caller of the HTTP request being served is kept in a context variable set by the
 server's middleware; admission in the frontend reads it. Offline engines have no caller and
@@ -31,78 +32,16 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from xmix import settings
+
 from . import keyed
 
 logger = logging.getLogger("vllm.xmix")
 audit_logger = logging.getLogger("vllm.xmix.audit")
 
-ADMIN_KEY_ENV = "XMIX_ADMIN_KEY"
-OPEN_CONTROL_ENV = "XMIX_ALLOW_OPEN_CONTROL_PLANE"
-POLICY_ENV = "XMIX_POLICY"
-AUDIT_ENV = "XMIX_AUDIT_LOG"
-
-# Limits: environment variable -> (default, what it bounds). None: the engine's capacity.
-LIMITS: dict[str, tuple[int | None, str]] = {
-    "XMIX_MAX_REQUEST_APPS": (16, "apps one request may name"),
-    "XMIX_MAX_REQUEST_PARAMS": (256, "parameter values one request may set (all apps together)"),
-    "XMIX_MAX_APPS": (64, "apps deployed at once on the server (at most the engine's 64)"),
-    "XMIX_MAX_OPS": (
-        None,
-        "ops placed on layers by all deployed apps (default: the engine's room)",
-    ),
-}
-
 # ``xmix serve`` flags that set an environment variable of this process (the API server
-# runs in it). Repeated --xmix-admin-key flags give several admin keys.
-SERVE_FLAGS = {
-    "--xmix-admin-key": ADMIN_KEY_ENV,
-    "--xmix-policy": POLICY_ENV,
-    "--xmix-audit-log": AUDIT_ENV,
-    "--xmix-max-apps": "XMIX_MAX_APPS",
-    "--xmix-max-ops": "XMIX_MAX_OPS",
-    "--xmix-max-request-apps": "XMIX_MAX_REQUEST_APPS",
-    "--xmix-max-request-params": "XMIX_MAX_REQUEST_PARAMS",
-    "--xmix-max-result-bytes": "XMIX_MAX_RESULT_BYTES",
-    "--xmix-max-response-bytes": "XMIX_MAX_RESPONSE_BYTES",
-    "--xmix-metrics-app-labels": "XMIX_METRICS_APP_LABELS",
-}
-
-
-def limit(name: str) -> int | None:
-    default, _ = LIMITS[name]
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        v = int(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not an integer") from None
-    if v < 0:
-        raise ValueError(f"{name}={raw!r} is negative")
-    return v
-
-
-def check_limits() -> None:
-    """Every limit variable parses (called at start, so a typo stops the server)."""
-    for name in LIMITS:
-        limit(name)
-    for name in (
-        "XMIX_MAX_RESULT_BYTES",
-        "XMIX_MAX_RESPONSE_BYTES",
-        "XMIX_MAX_CONTROL_BYTES",
-        "XMIX_MAX_APP_BYTES",
-    ):
-        raw = os.environ.get(name)
-        if raw is not None and not raw.isdigit():
-            raise ValueError(f"{name}={raw!r} is not a non-negative integer")
-    from .metrics import app_labels_mode
-
-    app_labels_mode()
-    keyed.secret_from_env()
-
-
-def _truthy(v: str | None) -> bool:
-    return (v or "").strip().lower() in ("1", "true", "yes", "on")
+# runs in it), from the settings table. Repeated --xmix-admin-key flags give several admin keys.
+SERVE_FLAGS = settings.SERVE_FLAGS
 
 
 def digest(key: str) -> bytes:
@@ -368,11 +307,13 @@ class Auth:
 
     @staticmethod
     def from_env(api_keys: list[str]) -> Auth:
-        admin = [k for k in os.environ.get(ADMIN_KEY_ENV, "").split(",") if k.strip()]
-        policy_path = os.environ.get(POLICY_ENV)
+        policy_path = settings.get("XMIX_POLICY")
         policy = Policy.load(policy_path) if policy_path else None
         return Auth(
-            api_keys, [k.strip() for k in admin], _truthy(os.environ.get(OPEN_CONTROL_ENV)), policy
+            api_keys,
+            list(settings.get("XMIX_ADMIN_KEY")),
+            settings.get("XMIX_ALLOW_OPEN_CONTROL_PLANE"),
+            policy,
         )
 
     @property
@@ -413,9 +354,9 @@ class Auth:
             return 401, "unauthorized: send the admin key (--xmix-admin-key) as a Bearer token"
         if not self.open_control:
             return 403, (
-                f"the control plane is off: start xmix serve with --xmix-admin-key (or "
-                f"{ADMIN_KEY_ENV}), or set {OPEN_CONTROL_ENV}=1 to let whoever may generate "
-                f"change apps"
+                "the control plane is off: start xmix serve with --xmix-admin-key (or "
+                "XMIX_ADMIN_KEY), or set XMIX_ALLOW_OPEN_CONTROL_PLANE=1 to let whoever may "
+                "generate change apps"
             )
         if self.may_generate(token):
             return None
@@ -442,13 +383,14 @@ class Auth:
                 else "ANYONE who can reach the server (no --api-key)"
             )
             lines = [
-                f"xmix: control plane OPEN ({OPEN_CONTROL_ENV}=1): {who} may deploy, switch "
-                f"and re-parameterise apps"
+                f"xmix: control plane OPEN (XMIX_ALLOW_OPEN_CONTROL_PLANE=1): {who} may deploy, "
+                "switch and re-parameterise apps"
             ]
         else:
             lines = [
-                f"xmix: control plane off (no --xmix-admin-key / {ADMIN_KEY_ENV}); apps given "
-                f"with --app are served, changes are refused (set {OPEN_CONTROL_ENV}=1 to open it)"
+                "xmix: control plane off (no --xmix-admin-key / XMIX_ADMIN_KEY); apps given "
+                "with --app are served, changes are refused (set XMIX_ALLOW_OPEN_CONTROL_PLANE=1 "
+                "to open it)"
             ]
         if self.policy is not None:
             lines.append(
@@ -465,7 +407,7 @@ class Audit:
     ``XMIX_AUDIT_LOG`` as JSON lines."""
 
     def __init__(self, path: str | None = None):
-        self.path = path if path is not None else os.environ.get(AUDIT_ENV) or None
+        self.path = path if path is not None else settings.get("XMIX_AUDIT_LOG")
         self._lock = threading.Lock()
         if self.path:
             try:

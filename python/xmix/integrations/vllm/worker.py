@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from xmix import _C, ops
+from xmix import _C, ops, settings
 from xmix.api import App
 from xmix.architectures import Family, architecture_of, require_family
 from xmix.control import Capacity, ControlBlock, PendingReads
@@ -341,7 +341,7 @@ def _stage_link(cfg, n_layers: int):
 def capture_floats() -> int:
     """Room for captured vectors per step (``XMIX_CAPTURE_MB``, default 16 MiB): a capture
     read of width w takes w x max_num_batched_tokens floats of it."""
-    return max(int(float(os.environ.get("XMIX_CAPTURE_MB", "16")) * 2**20) // 4, 1)
+    return max(int(settings.get("XMIX_CAPTURE_MB") * 2**20) // 4, 1)
 
 
 def _prompt_len(nr) -> int:
