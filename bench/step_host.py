@@ -6,6 +6,14 @@ requests, each using the configuration's app, timed hot (the same step repeated)
 forward leaves the caches in a real step).
 
     python bench/step_host.py [--d 512] [--layers 8] [--rows 8] [--steps 300] [--evict-mib 32]
+    python bench/step_host.py --instructions [--steps 20]
+
+--instructions counts instructions instead of seconds (issue 29): the same steps, hot, run
+under `valgrind --tool=callgrind`, collection switched on (valgrind's client requests, from
+xmix/_site_op.so) only around each configuration's --steps steps, once with the native site
+kernel and once with the Python reference kernel in the dispatcher's CPU slot, each stretch
+dumped on its own; instructions per step are exact and repeatable where seconds on a shared
+2-core machine are not. One run takes minutes (torch imports under valgrind).
 
 Configurations: ``none`` (no app deployed), ``unused`` (apps deployed, no request uses
 them), ``steer`` (one add at one layer), ``ablate`` (3 sites x every layer), ``probe`` (one
@@ -20,8 +28,17 @@ cold; this shows how much of them is the cold caches rather than the work. Media
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
+import glob
+import os
 import platform
+import re
+import shutil
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 
 import numpy as np
@@ -103,6 +120,97 @@ def run(config: str, args, cold: bool) -> dict[str, float]:
     return {k: statistics.median(v) * 1e6 for k, v in parts.items()}
 
 
+KERNELS = ("native", "python")
+
+
+@contextlib.contextmanager
+def site_kernel(kernel: str):
+    """The dispatcher's CPU kernel for xmix::site while open: the native one, or the Python
+    reference put in its slot (the native one comes back when the library object goes)."""
+    if kernel == "native":
+        yield
+        return
+    from xmix import ops
+
+    lib = torch.library.Library("xmix", "IMPL")
+    lib.impl("site", ops._site_cpu, "CPU")
+    try:
+        yield
+    finally:
+        lib._destroy()
+
+
+def instructions_child(configs: list[str], args) -> None:
+    """Under callgrind: each (configuration, kernel) runs its steps between xmix_cg_start and
+    xmix_cg_stop, which dumps their instructions as a part file labelled config/kernel."""
+    import warnings
+
+    from xmix import ops
+
+    warnings.filterwarnings("ignore", message=".*[Oo]verrid")
+    if ops.NATIVE is None or not ops.NATIVE.xmix_cg_available():
+        raise SystemExit("xmix/_site_op.so was built without valgrind's callgrind.h")
+    ops.NATIVE.xmix_cg_stop.argtypes = [ctypes.c_char_p]
+    hot = argparse.Namespace(**{**vars(args), "evict_mib": 0})
+    warm = argparse.Namespace(**{**vars(hot), "steps": 3})
+    for config in configs:
+        for kernel in KERNELS:
+            with site_kernel(kernel):
+                run(config, warm, cold=False)  # imports and first-call work, not counted
+                ops.NATIVE.xmix_cg_start()
+                run(config, hot, cold=False)
+                ops.NATIVE.xmix_cg_stop(f"{config}/{kernel}".encode())
+
+
+def instructions(configs: list[str], args) -> dict[tuple[str, str], float]:
+    """Instructions per step by (configuration, kernel): the child under callgrind, each
+    stretch dumped to its own part file (``<out>.N``: "desc: Trigger: Client Request: LABEL"
+    and "summary: IR")."""
+    if not shutil.which("valgrind"):
+        raise SystemExit("--instructions needs valgrind on PATH")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = args.callgrind_out or os.path.join(tmp, "callgrind.out")
+        cmd = [
+            "valgrind",
+            "--tool=callgrind",
+            "--collect-atstart=no",
+            f"--callgrind-out-file={out}",
+            sys.executable,
+            __file__,
+            "--instructions-child",
+            f"--configs={','.join(configs)}",
+            f"--steps={args.steps}",
+            f"--d={args.d}",
+            f"--layers={args.layers}",
+            f"--rows={args.rows}",
+        ]
+        child = subprocess.run(
+            cmd, capture_output=True, text=True, env={**os.environ, "PYTHONHASHSEED": "0"}
+        )
+        if child.returncode != 0:
+            raise SystemExit(f"the child under callgrind failed:\n{child.stderr[-4000:]}")
+        parts = [
+            open(f).read()
+            for f in sorted(glob.glob(out + ".*"), key=lambda f: int(f.rsplit(".", 1)[1]))
+        ]
+    costs = part_costs(parts)
+    want = [(c, k) for c in configs for k in KERNELS]
+    if sorted(costs) != sorted(want):
+        raise SystemExit(f"callgrind dumped {sorted(costs)}, expected {want}")
+    return {key: ir / args.steps for key, ir in costs.items()}
+
+
+def part_costs(parts: list[str]) -> dict[tuple[str, str], int]:
+    """(configuration, kernel) -> instructions, from callgrind's part files' headers."""
+    out: dict[tuple[str, str], int] = {}
+    for text in parts:
+        label = re.search(r"^desc: Trigger: Client Request: (\S+)/(\S+)$", text, re.M)
+        total = re.search(r"^summary: (\d+)$", text, re.M)
+        if label and total:
+            out[(label.group(1), label.group(2))] = int(total.group(1))
+    return out
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--d", type=int, default=512)
@@ -111,6 +219,13 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--evict-mib", type=int, default=32)
     ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument(
+        "--instructions",
+        action="store_true",
+        help="instructions per step under callgrind, native and Python site kernels",
+    )
+    ap.add_argument("--instructions-child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--callgrind-out", help="keep callgrind's part files here (--instructions)")
     args = ap.parse_args(argv)
     configs = [c for c in args.configs.split(",") if c]
     bad = [c for c in configs if c not in CONFIGS]
@@ -119,6 +234,22 @@ def main(argv=None) -> None:
     if args.steps < 1 or args.rows < 1 or args.layers < 1:
         ap.error("--steps, --rows and --layers must be at least 1")
     torch.set_num_threads(1)
+    if args.instructions_child:
+        instructions_child(configs, args)
+        return
+    if args.instructions:
+        ir = instructions(configs, args)
+        print(
+            f"# instructions per decode step (callgrind, hot, {args.steps} steps per stretch): "
+            f"d={args.d}, {args.layers} layers ({args.layers * len(SITES) + 1} sites), "
+            f"{args.rows} requests; torch {torch.__version__}, {platform.machine()}"
+        )
+        print("| configuration | native site kernel | Python site kernel | native / Python |")
+        print("|---|---|---|---|")
+        for config in configs:
+            n, p = ir[(config, "native")], ir[(config, "python")]
+            print(f"| {config} | {n:,.0f} | {p:,.0f} | {n / p:.3f} |")
+        return
     print(
         f"# xmix host work per decode step: d={args.d}, {args.layers} layers "
         f"({args.layers * len(SITES) + 1} sites, final.post included), {args.rows} requests; torch {torch.__version__}, "

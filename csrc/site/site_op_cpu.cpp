@@ -25,6 +25,13 @@
 #include "xmix/site.h"
 #include "xmix/site_op.h"
 
+#if __has_include(<valgrind/callgrind.h>)
+#include <valgrind/callgrind.h>
+#define XMIX_HAVE_CALLGRIND 1
+#else
+#define XMIX_HAVE_CALLGRIND 0
+#endif
+
 namespace xmix {
 namespace {
 
@@ -151,6 +158,35 @@ __attribute__((visibility("default"))) int32_t xmix_site_bind(uint64_t cb, uint6
 // sizeof(SiteOpState): Python checks its numpy layout against it before binding.
 __attribute__((visibility("default"))) int64_t xmix_site_state_size() {
   return static_cast<int64_t>(sizeof(xmix::SiteOpState));
+}
+
+// Instruction counts of a stretch of the caller's work (bench/step_host.py --instructions): under
+// `valgrind --tool=callgrind --collect-atstart=no`, start zeroes the counters and turns
+// collection on, stop turns it off and dumps a part file labelled `label`. Valgrind's client
+// requests are a few no-op instructions outside valgrind; without its header at build time
+// they are absent and xmix_cg_available() says so.
+__attribute__((visibility("default"))) int32_t xmix_cg_available() {
+#if XMIX_HAVE_CALLGRIND
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+__attribute__((visibility("default"))) void xmix_cg_start() {
+#if XMIX_HAVE_CALLGRIND
+  CALLGRIND_ZERO_STATS;
+  CALLGRIND_TOGGLE_COLLECT;
+#endif
+}
+
+__attribute__((visibility("default"))) void xmix_cg_stop(const char* label) {
+#if XMIX_HAVE_CALLGRIND
+  CALLGRIND_TOGGLE_COLLECT;
+  CALLGRIND_DUMP_STATS_AT(label);
+#else
+  (void)label;
+#endif
 }
 
 }  // extern "C"

@@ -41,3 +41,37 @@ def test_step_host_refuses_unknown_configurations():
         timeout=300,
     )
     assert r.returncode == 2 and "unknown configuration(s) ['nope']" in r.stderr
+
+
+def test_the_instruction_count_child_runs_every_stretch():
+    """--instructions runs this child under callgrind (minutes: torch imports under valgrind,
+    so the benchmark, not the tests, runs valgrind): here it runs plain, each configuration
+    with both site kernels between the client requests (no-ops outside valgrind)."""
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "step_host.py"), "--instructions-child"]
+        + ["--configs", "unused,steer", "--d", "64", "--layers", "2", "--steps", "2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
+
+
+def test_part_costs_reads_callgrinds_labelled_dumps():
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import step_host
+    finally:
+        sys.path.pop(0)
+    head = "# callgrind format\nversion: 1\ncreator: callgrind-3.19.0\npid: 7\ncmd: python\npart: {n}\n"
+    parts = [
+        head.format(n=1)
+        + "desc: Trigger: Client Request: steer/native\nevents: Ir\nsummary: 3345678\ntotals: 3345678\n",
+        head.format(n=2)
+        + "desc: Trigger: Client Request: steer/python\nevents: Ir\nsummary: 9000000\ntotals: 9000000\n",
+        head.format(n=0) + "desc: Trigger: Program termination\nevents: Ir\nsummary: 0\n",
+    ]
+    assert step_host.part_costs(parts) == {
+        ("steer", "native"): 3_345_678,
+        ("steer", "python"): 9_000_000,
+    }
