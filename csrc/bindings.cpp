@@ -24,8 +24,7 @@ void register_graph_bindings(py::module_& m);  // csrc/graph/graph_bindings.cpp
 
 namespace {
 
-const ControlBlock& cb_at(uint64_t p) { return *reinterpret_cast<const ControlBlock*>(p); }
-void* vp(uint64_t p) { return reinterpret_cast<void*>(static_cast<uintptr_t>(p)); }
+const ControlBlock& cb_at(uint64_t p) { return *ptr<const ControlBlock>(p); }
 
 const OpDesc& op_at(const ControlBlock& cb, int32_t site, int32_t op_index) {
   if (site < 0 || site >= cb.n_sites) throw std::out_of_range("xmix: site id out of range");
@@ -377,7 +376,8 @@ PYBIND11_MODULE(_C, m) {
           std::vector<SiteFailure> failed;
           {
             py::gil_scoped_release release;
-            failed = run_site_cpu(cb_at(cb), site, vp(h), vp(r), n_rows, d, sh, sr, dtype);
+            failed =
+                run_site_cpu(cb_at(cb), site, ptr<void>(h), ptr<void>(r), n_rows, d, sh, sr, dtype);
           }
           if (failed.empty()) return py::none();
           py::list out;
@@ -386,12 +386,13 @@ PYBIND11_MODULE(_C, m) {
         });
   m.def("run_op_cpu", [](uint64_t cb, int32_t site, int32_t op_index, uint64_t h, uint64_t r,
                          int32_t n_rows, int32_t d, int64_t sh, int64_t sr, int32_t dtype) {
-    run_op_cpu(cb_at(cb), op_at(cb_at(cb), site, op_index), vp(h), vp(r), n_rows, d, sh, sr, dtype);
+    run_op_cpu(cb_at(cb), op_at(cb_at(cb), site, op_index), ptr<void>(h), ptr<void>(r), n_rows, d,
+               sh, sr, dtype);
   });
   m.def(
       "run_prologue_cpu",
       [](uint64_t cb, uint64_t ids, int32_t ids_dtype) {
-        run_prologue_cpu(cb_at(cb), vp(ids), ids_dtype);
+        run_prologue_cpu(cb_at(cb), ptr<void>(ids), ids_dtype);
       },
       G());
   m.def("op_any_selected_cpu", [](uint64_t cb, int32_t site, int32_t op_index) {
@@ -402,12 +403,12 @@ PYBIND11_MODULE(_C, m) {
       [](int32_t n_req, uint64_t slots, uint64_t n_tok, uint64_t start, uint64_t plen,
          int32_t padded, py::dict out) {
         StepRows in{n_req,
-                    static_cast<const int32_t*>(vp(slots)),
-                    static_cast<const int64_t*>(vp(n_tok)),
-                    static_cast<const int64_t*>(vp(start)),
-                    static_cast<const int64_t*>(vp(plen)),
+                    ptr<const int32_t>(slots),
+                    ptr<const int64_t>(n_tok),
+                    ptr<const int64_t>(start),
+                    ptr<const int64_t>(plen),
                     padded};
-        auto p = [&](const char* k) { return static_cast<int32_t*>(vp(out[k].cast<uint64_t>())); };
+        auto p = [&](const char* k) { return ptr<int32_t>(out[k].cast<uint64_t>()); };
         StepMaps o{p("tok_slot"),     p("tok_pos"),       p("tok_flags"), p("tok_row"),
                    p("row_slot"),     p("row_tok_start"), p("row_n_tok"), p("row_reset"),
                    p("row_n_prompt"), p("row_done")};
@@ -425,28 +426,28 @@ PYBIND11_MODULE(_C, m) {
   m.def("launch_site_anchor",
         [](uint64_t cb, int32_t site, uint64_t h, uint64_t r, int32_t n_rows, int32_t d, int64_t sh,
            int64_t sr, int32_t dtype, uint64_t stream) {
-          check(launch_site_anchor(reinterpret_cast<const ControlBlock*>(cb), site, vp(h), vp(r),
-                                   n_rows, d, sh, sr, dtype, vp(stream)),
+          check(launch_site_anchor(ptr<const ControlBlock>(cb), site, ptr<void>(h), ptr<void>(r),
+                                   n_rows, d, sh, sr, dtype, ptr<void>(stream)),
                 "site anchor launch");
         });
   m.def("launch_op",
         [](uint64_t cb, int32_t site, int32_t op_index, uint64_t h, uint64_t r, int32_t n_rows,
            int32_t d, int64_t sh, int64_t sr, int32_t dtype, uint64_t stream) {
-          check(launch_op(reinterpret_cast<const ControlBlock*>(cb), site, op_index, vp(h), vp(r),
-                          n_rows, d, sh, sr, dtype, vp(stream)),
+          check(launch_op(ptr<const ControlBlock>(cb), site, op_index, ptr<void>(h), ptr<void>(r),
+                          n_rows, d, sh, sr, dtype, ptr<void>(stream)),
                 "op launch");
         });
   m.def("launch_prologue",
         [](uint64_t cb, uint64_t ids, int32_t ids_dtype, int32_t max_rows, uint64_t stream) {
-          check(launch_prologue(reinterpret_cast<const ControlBlock*>(cb), vp(ids), ids_dtype,
-                                max_rows, vp(stream)),
+          check(launch_prologue(ptr<const ControlBlock>(cb), ptr<void>(ids), ids_dtype, max_rows,
+                                ptr<void>(stream)),
                 "prologue launch");
         });
   m.def("launch_gate", [](uint64_t cb, int32_t site, int32_t op_index, int32_t n_rows,
                           uint64_t handle, uint64_t stream) {
-    check(launch_gate(reinterpret_cast<const ControlBlock*>(cb), site, op_index, n_rows, handle,
-                      vp(stream)),
-          "gate launch");
+    check(
+        launch_gate(ptr<const ControlBlock>(cb), site, op_index, n_rows, handle, ptr<void>(stream)),
+        "gate launch");
   });
   m.def("launch_custom",
         [](uint64_t cb, int32_t site, int32_t op_index, uint64_t kernel, uint64_t h, uint64_t r,
@@ -455,23 +456,22 @@ PYBIND11_MODULE(_C, m) {
            uint64_t artifact, int32_t artifact_numel, uint64_t select, uint64_t out,
            uint64_t stream) {
           xmix_custom_args a{};
-          a.h = vp(h);
-          a.r = vp(r);
+          a.h = ptr<void>(h);
+          a.r = ptr<void>(r);
           a.stride_h = sh;
           a.stride_r = sr;
           a.n_rows = n_rows;
           a.d = d;
           a.dtype = dtype;
           a.n_params = n_params;
-          a.tok_slot = static_cast<const int32_t*>(vp(tok_slot));
-          a.tok_pos = static_cast<const int32_t*>(vp(tok_pos));
-          a.slot_params = static_cast<const float*>(vp(slot_params));
+          a.tok_slot = ptr<const int32_t>(tok_slot);
+          a.tok_pos = ptr<const int32_t>(tok_pos);
+          a.slot_params = ptr<const float>(slot_params);
           a.param_base = param_base;
-          a.artifact = static_cast<const float*>(vp(artifact));
+          a.artifact = ptr<const float>(artifact);
           a.artifact_numel = artifact_numel;
-          check(launch_custom(reinterpret_cast<const ControlBlock*>(cb), site, op_index, kernel, &a,
-                              static_cast<uint8_t*>(vp(select)), static_cast<float*>(vp(out)),
-                              vp(stream)),
+          check(launch_custom(ptr<const ControlBlock>(cb), site, op_index, kernel, &a,
+                              ptr<uint8_t>(select), ptr<float>(out), ptr<void>(stream)),
                 "custom kernel launch");
         });
   m.def("load_custom_cuda", [](py::bytes image, const std::string& name) {
@@ -480,9 +480,8 @@ PYBIND11_MODULE(_C, m) {
     check(load_custom_cuda(img.data(), name.c_str(), &k), "loading custom CUDA kernel");
     return k;
   });
-  m.def("anchor_kernel_symbol",
-        []() { return reinterpret_cast<uint64_t>(anchor_kernel_symbol()); });
-  m.def("op_kernel_symbol", []() { return reinterpret_cast<uint64_t>(op_kernel_symbol()); });
-  m.def("gate_kernel_symbol", []() { return reinterpret_cast<uint64_t>(gate_kernel_symbol()); });
+  m.def("anchor_kernel_symbol", []() { return addr(anchor_kernel_symbol()); });
+  m.def("op_kernel_symbol", []() { return addr(op_kernel_symbol()); });
+  m.def("gate_kernel_symbol", []() { return addr(gate_kernel_symbol()); });
 #endif
 }

@@ -7,7 +7,7 @@
 - gpu/: every test needs a CUDA GPU
 - cpp/: GoogleTest (ctest)
 
-The shared helpers (harness, engine_util, serve_util, xmix_proc, xmix_faults, fake_device,
+The shared helpers (harness, engine_util, serve_util, xmix_faults, fake_device,
 apps_oracle) stay here, imported as top-level modules: tests/ goes on sys.path below, and engine
 worker processes (spawned) inherit that path, so ``worker_extension_cls="xmix_faults..."``
 resolves there too. The group folders go on it as well: some modules reuse another's building

@@ -1,5 +1,8 @@
-"""One ``xmix serve`` process on the tiny Llama for a test module (tests/server/test_console.py,
-tests/server/test_openai_client.py): started with the given app files, stopped with its process group."""
+"""One ``xmix serve`` process on the tiny Llama per test module: every module under tests/ that
+tests the server over HTTP starts it here (port, environment, command line, log, the wait for
+/health with the log's tail when it dies or is late, the stop with its process group). Each
+module passes what its server needs (apps, keys, vLLM flags, environment); none shares another's
+server. ``bench/soak.py`` keeps its own, the bench being runnable without tests/."""
 
 from __future__ import annotations
 
@@ -10,14 +13,14 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import httpx
 
 from xmix.models.tiny import tiny_model_path
 
-KEY = "console-test-key"
-MODEL_NAME = "tiny-llama"
+MODEL_NAME = "tiny"
 
 
 def free_port() -> int:
@@ -42,8 +45,58 @@ def wait_until_healthy(proc: subprocess.Popen, base: str, log_path: Path, timeou
         time.sleep(1)
 
 
+class ServeProcess:
+    """A started ``xmix serve``: its process, address and log."""
+
+    def __init__(self, proc: subprocess.Popen, port: int, log: Path, model: Path):
+        self.proc, self.port, self.log, self.model = proc, port, log, model
+        self.base = f"http://127.0.0.1:{port}"
+
+    def client(self, key: str | None, timeout: float = 120) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return httpx.Client(base_url=self.base, headers=headers, timeout=timeout)
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def tracebacks(self) -> int:
+        return self.log_text().count("Traceback (most recent call last)")
+
+    def alive(self) -> bool:
+        return (
+            self.proc.poll() is None
+            and httpx.get(f"{self.base}/health", timeout=10).status_code == 200
+        )
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
+        """``sig`` to the process group; SIGKILL (and TimeoutExpired) when it is still there
+        after ``timeout`` seconds."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, sig)
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            raise
+
+
 @contextlib.contextmanager
-def xmix_server(tmp: Path, app_paths: list[Path], *extra: str, timeout: float = 400):
+def xmix_serve(
+    tmp: Path,
+    *args: str,
+    apps: Sequence[Path] = (),
+    env: dict[str, str | None] | None = None,
+    name: str = MODEL_NAME,
+    eager: bool = True,
+    timeout: float = 600,
+) -> Iterator[ServeProcess]:
+    """``xmix serve`` on the tiny Llama (float32, 512 tokens), named ``name``, with ``args``
+    after the model (keys, vLLM and xmix flags), then ``--app`` for each of ``apps`` in order.
+    ``eager``: ``--enforce-eager`` (tests/engine_util.py; compiled serving is
+    tests/server/test_server.py). ``env`` is laid over this process's environment with
+    ``VLLM_CPU_KVCACHE_SPACE=1``; a None value removes the variable. The log is
+    ``tmp/serve.log``."""
     port = free_port()
     model = tiny_model_path("tiny-llama")
     cmd = [
@@ -58,48 +111,60 @@ def xmix_server(tmp: Path, app_paths: list[Path], *extra: str, timeout: float = 
         "float32",
         "--max-model-len",
         "512",
-        "--enforce-eager",  # tests/engine_util.py: compiled serving is tests/server/test_server.py
-        "--api-key",
-        KEY,
-        "--xmix-admin-key",
-        KEY,
+        *(["--enforce-eager"] if eager else []),
         "--served-model-name",
-        MODEL_NAME,
-        *extra,
+        name,
+        *args,
     ]
-    for p in app_paths:
+    for p in apps:
         cmd += ["--app", str(p)]
+    full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
     log_path = tmp / "serve.log"
-    log = open(log_path, "w")
-    proc = subprocess.Popen(
-        cmd,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_until_healthy(proc, base, log_path, timeout)
-        client = httpx.Client(
-            base_url=base, headers={"Authorization": f"Bearer {KEY}"}, timeout=120
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={k: v for k, v in full_env.items() if v is not None},
         )
-        yield {
-            "base": base,
-            "port": port,
-            "client": client,
-            "model": model,
-            "log": log_path,
-            "key": KEY,
-            "name": MODEL_NAME,
-        }
-        client.close()
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
+        server = ServeProcess(proc, port, log_path, model)
         try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
+            wait_until_healthy(proc, server.base, log_path, timeout)
+            yield server
+        finally:
+            if proc.poll() is None:
+                server.stop()
+
+
+KEY = "console-test-key"
+
+
+@contextlib.contextmanager
+def xmix_server(tmp: Path, app_paths: Sequence[Path], *extra: str, timeout: float = 400):
+    """:func:`xmix_serve` as the keyed "tiny-llama" server of tests/server/test_console.py,
+    test_openai_client.py and test_scale_out.py (``KEY`` for the data and control planes), as a
+    dict with a client holding the key."""
+    with (
+        xmix_serve(
+            tmp,
+            "--api-key",
+            KEY,
+            "--xmix-admin-key",
+            KEY,
+            *extra,
+            apps=app_paths,
+            name="tiny-llama",
+            timeout=timeout,
+        ) as s,
+        s.client(KEY) as client,
+    ):
+        yield {
+            "base": s.base,
+            "port": s.port,
+            "client": client,
+            "model": s.model,
+            "log": s.log,
+            "key": KEY,
+            "name": "tiny-llama",
+        }

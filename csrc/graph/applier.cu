@@ -223,10 +223,10 @@ AnchorArgs read_anchor(dim3 grid, dim3 block, unsigned smem, void** kp) {
   a.smem = smem;
   if (!kp) return a;  // launched with the "extra" packing: not our launcher
   void** k = kp;
-  a.cb = reinterpret_cast<uint64_t>(*static_cast<const ControlBlock* const*>(k[0]));
+  a.cb = addr(*static_cast<const ControlBlock* const*>(k[0]));
   a.site = *static_cast<const int32_t*>(k[1]);
-  a.h = reinterpret_cast<uint64_t>(*static_cast<void* const*>(k[2]));
-  a.r = reinterpret_cast<uint64_t>(*static_cast<const void* const*>(k[3]));
+  a.h = addr(*static_cast<void* const*>(k[2]));
+  a.r = addr(*static_cast<const void* const*>(k[3]));
   a.d = *static_cast<const int32_t*>(k[4]);
   a.stride_h = *static_cast<const int64_t*>(k[5]);
   a.stride_r = *static_cast<const int64_t*>(k[6]);
@@ -235,25 +235,20 @@ AnchorArgs read_anchor(dim3 grid, dim3 block, unsigned smem, void** kp) {
   return a;
 }
 
-template <typename T>
-T* as_ptr(uint64_t v) {
-  return reinterpret_cast<T*>(static_cast<uintptr_t>(v));
-}
-
 // Builds the launch of one spliced node and hands it to `use` while the argument storage
 // is alive (the runtime copies the arguments during the call).
 template <typename F>
 void with_launch(Role role, const AnchorArgs& a, const Segment& s,
                  cudaGraphConditionalHandle handle, F&& use) {
-  const ControlBlock* cb = as_ptr<const ControlBlock>(a.cb);
+  const ControlBlock* cb = ptr<const ControlBlock>(a.cb);
   int32_t site = s.site, op_index = s.op_index;
   int32_t n_rows = static_cast<int32_t>(a.grid_x);
   cudaKernelNodeParams p{};
   p.blockDim = dim3(kThreads);
   switch (role) {
     case Role::Op: {
-      void* h = as_ptr<void>(a.h);
-      const void* r = as_ptr<const void>(a.r);
+      void* h = ptr<void>(a.h);
+      const void* r = ptr<const void>(a.r);
       int32_t d = a.d, dtype = a.dtype;
       int64_t sh = a.stride_h, sr = a.stride_r;
       void* args[] = {&cb, &site, &op_index, &h, &r, &d, &sh, &sr, &dtype};
@@ -274,8 +269,8 @@ void with_launch(Role role, const AnchorArgs& a, const Segment& s,
     }
     case Role::CustomSelect:
     case Role::CustomFinish: {
-      uint8_t* select = as_ptr<uint8_t>(s.custom_args.select);
-      float* out = as_ptr<float>(s.custom_args.out);
+      uint8_t* select = ptr<uint8_t>(s.custom_args.select);
+      float* out = ptr<float>(s.custom_args.out);
       void* args[] = {&cb, &site, &op_index, &n_rows, &select, &out};
       p.func = const_cast<void*>(role == Role::CustomSelect ? custom_select_kernel_symbol()
                                                             : custom_finish_kernel_symbol());
@@ -287,25 +282,25 @@ void with_launch(Role role, const AnchorArgs& a, const Segment& s,
     case Role::CustomUser: {
       const CustomArgs& c = s.custom_args;
       xmix_custom_args x{};
-      x.h = as_ptr<void>(a.h);
-      x.r = as_ptr<const void>(a.r);
+      x.h = ptr<void>(a.h);
+      x.r = ptr<const void>(a.r);
       x.stride_h = a.stride_h;
       x.stride_r = a.stride_r;
       x.n_rows = n_rows;
       x.d = a.d;
       x.dtype = a.dtype;
       x.n_params = c.n_params;
-      x.select = as_ptr<const uint8_t>(c.select);
-      x.tok_slot = as_ptr<const int32_t>(c.tok_slot);
-      x.tok_pos = as_ptr<const int32_t>(c.tok_pos);
-      x.slot_params = as_ptr<const float>(c.slot_params);
+      x.select = ptr<const uint8_t>(c.select);
+      x.tok_slot = ptr<const int32_t>(c.tok_slot);
+      x.tok_pos = ptr<const int32_t>(c.tok_pos);
+      x.slot_params = ptr<const float>(c.slot_params);
       x.param_base = c.param_base;
       x.artifact_numel = c.artifact_numel;
-      x.artifact = as_ptr<const float>(c.artifact);
-      x.out = as_ptr<float>(c.out);
+      x.artifact = ptr<const float>(c.artifact);
+      x.out = ptr<float>(c.out);
       void* args[] = {&x};
       // A cudaKernel_t may stand where an entry function is expected (runtime API docs).
-      p.func = as_ptr<void>(c.kernel);
+      p.func = ptr<void>(c.kernel);
       p.gridDim = dim3(a.grid_x);
       p.kernelParams = args;
       use(p);
@@ -575,7 +570,7 @@ struct GraphPatch::Impl {
   }
 
   bool apply(const Plan& plan, uint64_t exec_u) {
-    cudaGraphExec_t exec = reinterpret_cast<cudaGraphExec_t>(static_cast<uintptr_t>(exec_u));
+    cudaGraphExec_t exec = from_addr<cudaGraphExec_t>(exec_u);
     pending.clear();
     for (int32_t id : plan.remove) remove_node(id);
 
@@ -710,7 +705,7 @@ struct GraphPatch::Impl {
 
 GraphPatch::GraphPatch(uint64_t graph) : impl_(new Impl) {
   if (!graph) throw std::invalid_argument("xmix graph patch: null cudaGraph_t");
-  impl_->graph = reinterpret_cast<cudaGraph_t>(static_cast<uintptr_t>(graph));
+  impl_->graph = from_addr<cudaGraph_t>(graph);
 }
 
 GraphPatch::~GraphPatch() {
@@ -744,20 +739,19 @@ uint64_t GraphPatch::instantiate_own(uint64_t stale) {
   cudaGraphExec_t exec = nullptr;
   XG_CHECK(cudaGraphInstantiateWithFlags(&exec, impl_->graph, kTorchInstantiateFlags));
   impl_->own = exec;
-  impl_->own_is_torchs = reinterpret_cast<uint64_t>(exec) == stale;
-  bind(reinterpret_cast<uint64_t>(exec));
-  return reinterpret_cast<uint64_t>(exec);
+  impl_->own_is_torchs = addr(exec) == stale;
+  bind(addr(exec));
+  return addr(exec);
 }
 
 void GraphPatch::launch_own(uint64_t stream) {
   if (!impl_->own) throw std::logic_error("xmix graph patch: no executable graph of its own");
-  XG_CHECK(
-      cudaGraphLaunch(impl_->own, reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(stream))));
+  XG_CHECK(cudaGraphLaunch(impl_->own, from_addr<cudaStream_t>(stream)));
 }
 
-uint64_t GraphPatch::own_exec() const { return reinterpret_cast<uint64_t>(impl_->own); }
+uint64_t GraphPatch::own_exec() const { return addr(impl_->own); }
 
-uint64_t GraphPatch::graph() const { return reinterpret_cast<uint64_t>(impl_->graph); }
+uint64_t GraphPatch::graph() const { return addr(impl_->graph); }
 
 Graph GraphPatch::read() {
   NvtxRange r("xmix.graph.read");
@@ -784,7 +778,7 @@ bool GraphPatch::apply(const Plan& plan, uint64_t exec) {
 
 void GraphPatch::bind(uint64_t exec_u) {
   NvtxRange r("xmix.graph.bind");
-  cudaGraphExec_t exec = reinterpret_cast<cudaGraphExec_t>(static_cast<uintptr_t>(exec_u));
+  cudaGraphExec_t exec = from_addr<cudaGraphExec_t>(exec_u);
   if (!exec) throw std::invalid_argument("xmix graph patch: null cudaGraphExec_t");
   for (auto& [id, on] : impl_->enabled)
     if (impl_->handles.count(id))
@@ -793,7 +787,7 @@ void GraphPatch::bind(uint64_t exec_u) {
 
 int GraphPatch::set_app_enabled(uint64_t exec_u, int32_t app, bool on) {
   NvtxRange r("xmix.graph.toggle app " + std::to_string(app) + (on ? " on" : " off"));
-  cudaGraphExec_t exec = reinterpret_cast<cudaGraphExec_t>(static_cast<uintptr_t>(exec_u));
+  cudaGraphExec_t exec = from_addr<cudaGraphExec_t>(exec_u);
   int touched = 0;
   for (Splice& sp : impl_->splices)
     for (Segment& s : sp.segments) {
@@ -813,7 +807,7 @@ int GraphPatch::set_app_enabled(uint64_t exec_u, int32_t app, bool on) {
 
 int GraphPatch::refresh_app_params(uint64_t exec_u, int32_t app) {
   NvtxRange r("xmix.graph.params app " + std::to_string(app));
-  cudaGraphExec_t exec = reinterpret_cast<cudaGraphExec_t>(static_cast<uintptr_t>(exec_u));
+  cudaGraphExec_t exec = from_addr<cudaGraphExec_t>(exec_u);
   if (!exec) throw std::invalid_argument("xmix graph patch: null cudaGraphExec_t");
   int updated = 0;
   for (const Splice& sp : impl_->splices) {
@@ -846,7 +840,7 @@ void GraphPatch::set_anchor_config(uint64_t exec_u, bool anchors) {
     bind(exec_u);
     return;
   }
-  cudaGraphExec_t exec = reinterpret_cast<cudaGraphExec_t>(static_cast<uintptr_t>(exec_u));
+  cudaGraphExec_t exec = from_addr<cudaGraphExec_t>(exec_u);
   if (!exec) throw std::invalid_argument("xmix graph patch: null cudaGraphExec_t");
   for (const Toggle& t : anchor_config(impl_->read()))
     if (impl_->handles.count(t.node))
@@ -861,9 +855,8 @@ std::map<std::string, int> GraphPatch::anchor_forms() const {
 }
 
 void copy_device(uint64_t dst, uint64_t src, uint64_t nbytes, uint64_t stream) {
-  XG_CHECK(cudaMemcpyAsync(as_ptr<void>(dst), as_ptr<const void>(src), nbytes,
-                           cudaMemcpyDeviceToDevice,
-                           reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(stream))));
+  XG_CHECK(cudaMemcpyAsync(ptr<void>(dst), ptr<const void>(src), nbytes, cudaMemcpyDeviceToDevice,
+                           from_addr<cudaStream_t>(stream)));
 }
 
 std::string GraphPatch::verify(const Graph& expected) {

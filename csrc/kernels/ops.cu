@@ -751,8 +751,8 @@ int launch_custom(const ControlBlock* cb, int32_t site, int32_t op_index, uint64
   args.select = select_scratch;
   args.out = out_scratch;
   void* params[] = {&args};
-  cudaError_t e = cudaLaunchKernel(reinterpret_cast<const void*>(static_cast<uintptr_t>(kernel)),
-                                   dim3(n_rows), dim3(kThreads), params, 0, s);
+  cudaError_t e =
+      cudaLaunchKernel(ptr<const void>(kernel), dim3(n_rows), dim3(kThreads), params, 0, s);
   if (e != cudaSuccess) return static_cast<int>(e);
   xmix_custom_guard<<<n_rows, 256, 0, s>>>(cb, site, op_index, select_scratch, args.h,
                                            args.stride_h, args.d, args.dtype);
@@ -770,7 +770,7 @@ int load_custom_cuda(const void* image, const char* name, uint64_t* kernel) {
   if (e != cudaSuccess) return static_cast<int>(e);
   // Launched through cudaLaunchKernel with the handle cast to a function pointer, as the
   // runtime documents for context-less kernels.
-  *kernel = reinterpret_cast<uint64_t>(k);
+  *kernel = addr(k);
   return 0;
 }
 

@@ -545,7 +545,7 @@ void run_op_cpu(const ControlBlock& cb, const OpDesc& op, void* h, const void* r
     args.artifact = ptr<const float>(op.a0);
     args.artifact_numel = custom_artifact_numel(op);
     args.out = op.channel >= 0 ? out.data() : nullptr;
-    reinterpret_cast<xmix_custom_cpu_fn>(static_cast<uintptr_t>(op.fn))(&args);
+    from_addr<xmix_custom_cpu_fn>(op.fn)(&args);
     // A user kernel's non-finite elements in the rows it was given become 0 (its value
     // before the kernel is not kept: the CUDA twin has no copy of the rows either).
     int32_t refused = 0;

@@ -3,6 +3,7 @@
 
 #include <string>
 
+#include "xmix/control.h"
 #include "xmix/custom.h"
 
 namespace xmix {
@@ -22,7 +23,7 @@ uint64_t load_custom_cpu(const std::string& library, const std::string& symbol,
     *error = std::string("symbol '") + symbol + "' not found in '" + library + "': " + err;
     return 0;
   }
-  return reinterpret_cast<uint64_t>(fn);
+  return addr(fn);
 }
 
 }  // namespace xmix

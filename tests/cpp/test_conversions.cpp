@@ -38,3 +38,21 @@ TEST(Conversions, F16RoundTripsEveryFiniteValue) {
     EXPECT_EQ(float_to_f16(f16_to_float(h)), h) << "bits " << b;
   }
 }
+
+namespace {
+int seven(int x) { return 7 * x; }
+}  // namespace
+
+// Addresses cross the Python boundary as uint64 (control.h): ptr, from_addr and addr give back
+// the very object or function, and addr is the address's integer value.
+TEST(Conversions, AddressesRoundTripThroughUint64) {
+  float data[4] = {1.f, 2.f, 3.f, 4.f};
+  const uint64_t a = addr(&data[2]);
+  EXPECT_EQ(a, static_cast<uint64_t>(reinterpret_cast<uintptr_t>(data)) + 2 * sizeof(float));
+  EXPECT_EQ(ptr<float>(a), &data[2]);
+  EXPECT_EQ(ptr<const float>(a)[1], 4.f);
+  EXPECT_EQ(ptr<void>(addr(static_cast<void*>(data))), static_cast<void*>(data));
+  EXPECT_EQ(ptr<float>(0), nullptr);
+  using Fn = int (*)(int);
+  EXPECT_EQ(from_addr<Fn>(addr(&seven))(6), 42);
+}

@@ -49,7 +49,7 @@ extern "C" void maybe_fail(const xmix_custom_args* a) {
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
-    from xmix_proc import xmix_serve
+    from serve_util import xmix_serve
 
     tmp = tmp_path_factory.mktemp("faults")
     cxx = shutil.which("g++") or shutil.which("c++")

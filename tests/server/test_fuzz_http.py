@@ -38,7 +38,7 @@ ROUTES = {
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
-    from xmix_proc import xmix_serve
+    from serve_util import xmix_serve
 
     tmp = tmp_path_factory.mktemp("fuzz")
     g = torch.Generator().manual_seed(13)

@@ -6,20 +6,15 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
-import signal
 import subprocess
-import sys
 
-import httpx
 import pytest
 import torch
 from test_results_engine import NAN_KERNEL
 
 import xmix
-from serve_util import free_port, wait_until_healthy
-from xmix.models.tiny import tiny_model_path
+from serve_util import xmix_serve
 
 pytestmark = pytest.mark.engine
 
@@ -59,49 +54,11 @@ def server(tmp_path_factory):
         [0]
     ).submodule("residual.pre").named("n")
     paths = [cap.save(tmp / "cap.xmix"), nan.save(tmp / "nan.xmix")]
-    port = free_port()
-    model = str(tiny_model_path("tiny-llama"))
-    cmd = [
-        sys.executable,
-        "-m",
-        "xmix.cli",
-        "serve",
-        model,
-        "--port",
-        str(port),
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "512",
-        "--enforce-eager",  # tests/engine_util.py: compiled serving is tests/server/test_server.py
-        "--served-model-name",
-        "tiny",
-        "--xmix-max-result-bytes",
-        str(SERVER_CAP),
-    ]
-    for p in paths:
-        cmd += ["--app", str(p)]
-    log = open(tmp / "serve.log", "w")
-    proc = subprocess.Popen(
-        cmd,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
-    )
-    base = f"http://127.0.0.1:{port}"
-    wait_until_healthy(proc, base, tmp / "serve.log", timeout=600)
-    client = httpx.Client(base_url=base, timeout=120)
     from transformers import AutoTokenizer
 
-    yield dict(client=client, tok=AutoTokenizer.from_pretrained(model))
-    client.close()
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-    log.close()
+    args = ["--xmix-max-result-bytes", str(SERVER_CAP)]
+    with xmix_serve(tmp, *args, apps=paths) as s, s.client(None) as client:
+        yield dict(client=client, tok=AutoTokenizer.from_pretrained(str(s.model)))
 
 
 PROMPT = "Once upon a time there was"

@@ -5,10 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
 
 import httpx
@@ -17,8 +13,7 @@ import pytest
 import torch
 
 import xmix
-from serve_util import free_port, wait_until_healthy
-from xmix.models.tiny import tiny_model_path
+from serve_util import xmix_serve
 
 pytestmark = pytest.mark.engine
 
@@ -43,66 +38,24 @@ def _apps(tmp):
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve")
     steer, probe, paths = _apps(tmp)
-    port = free_port()
-    model = str(tiny_model_path("tiny-llama"))
-    cmd = [
-        sys.executable,
-        "-m",
-        "xmix.cli",
-        "serve",
-        model,
-        "--port",
-        str(port),
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "512",
-        "--api-key",
-        KEY,
-        "--xmix-admin-key",
-        KEY,
-        "--served-model-name",
-        "tiny",
-        "--max-num-seqs",
-        "48",
-    ]
-    for p in paths:
-        cmd += ["--app", str(p)]
-    log = open(tmp / "serve.log", "w")
-    # Small limits, so the hostile-input tests stay small: app files of 8 MiB, read results
-    # of 2 MiB per request.
-    proc = subprocess.Popen(
-        cmd,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        env={
-            **os.environ,
-            "VLLM_CPU_KVCACHE_SPACE": "1",
-            "XMIX_MAX_APP_BYTES": str(8 << 20),
-            "XMIX_MAX_RESULT_BYTES": str(2 << 20),
-        },
-    )
-    base = f"http://127.0.0.1:{port}"
-    wait_until_healthy(proc, base, tmp / "serve.log", timeout=400)
-    client = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
-    yield dict(
-        base=base,
-        client=client,
-        model=model,
-        tmp=tmp,
-        steer=steer,
-        probe=probe,
-        proc=proc,
-        log=tmp / "serve.log",
-    )
-    client.close()
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-    log.close()
+    # Compiled (not eager): this module is where compiled serving is tested. Small limits, so
+    # the hostile-input tests stay small: app files of 8 MiB, read results of 2 MiB per request.
+    env = {"XMIX_MAX_APP_BYTES": str(8 << 20), "XMIX_MAX_RESULT_BYTES": str(2 << 20)}
+    args = ["--api-key", KEY, "--xmix-admin-key", KEY, "--max-num-seqs", "48"]
+    with (
+        xmix_serve(tmp, *args, apps=paths, env=env, eager=False, timeout=400) as s,
+        s.client(KEY) as client,
+    ):
+        yield dict(
+            base=s.base,
+            client=client,
+            model=str(s.model),
+            tmp=tmp,
+            steer=steer,
+            probe=probe,
+            proc=s.proc,
+            log=s.log,
+        )
 
 
 def complete(s, prompt="Once upon a time", control=None, raw_control=None, **kw):

@@ -458,7 +458,7 @@ RESPONSE_CAP = 3000  # the policy's max_response_bytes for keys in no tenant (OT
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
-    from xmix_proc import xmix_serve
+    from serve_util import xmix_serve
 
     tmp = tmp_path_factory.mktemp("tenants")
     g = torch.Generator().manual_seed(5)

@@ -148,6 +148,34 @@ def test_replace_is_idempotent_keeps_the_original_and_refuses_undeclared():
         fence.replace(Scheduler, "schedule", lambda self: None, by="engine_core")
 
 
+def test_to_wrap_gives_the_current_attributes_once_per_layer():
+    class Scheduler:  # stands for vLLM's, with its signatures
+        __xmix_stands_for__ = fence._SCHED
+
+        def update_from_output(self, scheduler_output, model_runner_output):
+            return "vllm"
+
+        @classmethod
+        def finish_requests(cls, request_ids, finished_status):
+            return None
+
+    vllm_update = Scheduler.__dict__["update_from_output"]
+    vllm_finish = Scheduler.__dict__["finish_requests"]
+    found = fence.to_wrap(
+        "engine_core", (Scheduler, "update_from_output"), (Scheduler, "finish_requests")
+    )
+    # as stored on the class, in the order asked: a classmethod stays a classmethod object
+    assert found == (vllm_update, vllm_finish) and isinstance(found[1], classmethod)
+    assert fence.replace(
+        Scheduler, "update_from_output", lambda s, so, mro: "xmix", by="engine_core"
+    )
+    # the layer is there: a second application gets nothing to wrap
+    assert fence.to_wrap("engine_core", (Scheduler, "update_from_output")) is None
+    # another layer over the same method wraps xmix's, not vLLM's
+    (other,) = fence.to_wrap("usage", (Scheduler, "update_from_output"))
+    assert other is Scheduler.__dict__["update_from_output"] and other is not vllm_update
+
+
 def test_add_never_overwrites_vllms_own_attribute():
     class LLM:
         __xmix_stands_for__ = fence._LLM

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #if defined(__CUDACC__)
 #define XMIX_HD __host__ __device__ __forceinline__
@@ -250,9 +251,26 @@ struct ControlBlock {
 };
 static_assert(sizeof(ControlBlock) % 8 == 0, "ControlBlock must stay 8-byte aligned");
 
+// An address carried as a uint64 (a ControlBlock field, torch's data_ptr(), a CUDA graph,
+// stream or kernel handle, a dlsym'd function passed through Python) and back: every such cast
+// in csrc/ goes through these three. ptr<T>: a pointer to T; from_addr<P>: a pointer type P
+// (an opaque handle such as cudaGraphExec_t or cudaStream_t, a function pointer); addr: the
+// pointer as its uint64.
+template <typename P>
+XMIX_HD P from_addr(uint64_t p) {
+  static_assert(std::is_pointer<P>::value, "xmix::from_addr<P>: P must be a pointer type");
+  return reinterpret_cast<P>(static_cast<uintptr_t>(p));
+}
+
 template <typename T>
 XMIX_HD T* ptr(uint64_t p) {
-  return reinterpret_cast<T*>(static_cast<uintptr_t>(p));
+  return from_addr<T*>(p);
+}
+
+template <typename P>
+XMIX_HD uint64_t addr(P p) {
+  static_assert(std::is_pointer<P>::value, "xmix::addr(p): p must be a pointer");
+  return static_cast<uint64_t>(reinterpret_cast<uintptr_t>(p));
 }
 
 // ---------------------------------------------------------------- scalar conversions

@@ -51,10 +51,10 @@ logger = logging.getLogger("vllm.xmix")
 
 
 def patch_scheduler(cls) -> None:
-    if fence.applied(cls, "update_from_output", "engine_core"):
+    found = fence.to_wrap("engine_core", (cls, "update_from_output"), (cls, "finish_requests"))
+    if found is None:
         return
-    orig_update = fence.current(cls, "update_from_output")
-    orig_finish = fence.current(cls, "finish_requests")
+    orig_update, orig_finish = found
 
     def update_from_output(self, scheduler_output, model_runner_output):
         store: dict = self.__dict__.setdefault("_xmix_results", {})

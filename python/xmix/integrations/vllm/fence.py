@@ -405,6 +405,16 @@ def current(cls: type, method: str) -> Any:
     return inspect.getattr_static(cls, method)
 
 
+def to_wrap(by: str, *targets: tuple[type, str]) -> tuple[Any, ...] | None:
+    """The start of every patch layer (one ``patch_*`` function of ``by``): ``current`` of
+    each ``(class, method)`` it wraps, in order, or None when ``by`` has already replaced the
+    first of them, so a layer applied twice changes nothing the second time."""
+    cls, method = targets[0]
+    if applied(cls, method, by):
+        return None
+    return tuple(current(c, m) for c, m in targets)
+
+
 def replace(cls: type, method: str, new: Any, *, by: str) -> bool:
     """Set ``cls.method = new`` for the declared entry; the first call per (class, method,
     by) wins, so applying twice is harmless. False when it was already applied."""

@@ -935,9 +935,10 @@ def _prompt_len(req) -> int:
 
 
 def patch_input_processor(cls) -> None:
-    if fence.applied(cls, "process_inputs", "frontend"):
+    found = fence.to_wrap("frontend", (cls, "process_inputs"))
+    if found is None:
         return
-    orig = fence.current(cls, "process_inputs")
+    (orig,) = found
 
     def process_inputs(self, *args, **kwargs):
         req = orig(self, *args, **kwargs)
@@ -983,13 +984,18 @@ def patch_output_processor(out_cls, state_cls, request_output_cls) -> None:
     """Results live on each CompletionOutput (``.xmix``: one sequence's reads, so ``n > 1``
     keeps its sequences apart) and on the RequestOutput (``.xmix``: those of ``outputs[0]``,
     the only sequence when ``n == 1``)."""
-    if fence.applied(out_cls, "process_outputs", "frontend"):
+    found = fence.to_wrap(
+        "frontend",
+        (out_cls, "process_outputs"),
+        (state_cls, "make_request_output"),
+        (state_cls, "_new_completion_output"),
+        (request_output_cls, "add"),
+        (state_cls, "from_new_request"),
+    )
+    if found is None:
         return
-    orig_process = fence.current(out_cls, "process_outputs")
-    orig_make = fence.current(state_cls, "make_request_output")
-    orig_new_completion = fence.current(state_cls, "_new_completion_output")
-    orig_add = fence.current(request_output_cls, "add")
-    orig_from_new = fence.current(state_cls, "from_new_request").__func__
+    orig_process, orig_make, orig_new_completion, orig_add, from_new = found
+    orig_from_new = from_new.__func__
 
     def from_new_request(cls, tokenizer, request, *args, **kwargs):
         st = orig_from_new(cls, tokenizer, request, *args, **kwargs)

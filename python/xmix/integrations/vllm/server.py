@@ -1471,15 +1471,18 @@ def patch_openai_serving() -> None:
 
     from . import fence
 
-    if fence.applied(OpenAIServingChat, "render_chat_request", "server"):
+    found = fence.to_wrap(
+        "server",
+        (OpenAIServingChat, "render_chat_request"),
+        (OpenAIServingChat, "chat_completion_full_generator"),
+        (OpenAIServingChat, "chat_completion_stream_generator"),
+        (OpenAIServingCompletion, "request_output_to_completion_response"),
+        (OpenAIServingCompletion, "completion_stream_generator"),
+        (OpenAIServingCompletion, "render_completion_request"),
+    )
+    if found is None:
         return
-
-    full = fence.current(OpenAIServingChat, "chat_completion_full_generator")
-    stream = fence.current(OpenAIServingChat, "chat_completion_stream_generator")
-    render_chat = fence.current(OpenAIServingChat, "render_chat_request")
-    to_resp = fence.current(OpenAIServingCompletion, "request_output_to_completion_response")
-    cstream = fence.current(OpenAIServingCompletion, "completion_stream_generator")
-    render_cmpl = fence.current(OpenAIServingCompletion, "render_completion_request")
+    render_chat, full, stream, to_resp, cstream, render_cmpl = found
 
     no_results = _routes_without_results()
 

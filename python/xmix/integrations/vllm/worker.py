@@ -400,12 +400,12 @@ def _runner_xmix(runner) -> WorkerXmix | None:
 
 def patch_model_runner(cls) -> None:
     """Wrap the V1 GPUModelRunner (and so the CPU runner that subclasses it)."""
-    if fence.applied(cls, "execute_model", "worker"):
+    found = fence.to_wrap(
+        "worker", (cls, "execute_model"), (cls, "_model_forward"), (cls, "sample_tokens")
+    )
+    if found is None:
         return
-
-    orig_execute = fence.current(cls, "execute_model")
-    orig_forward = fence.current(cls, "_model_forward")
-    orig_sample = fence.current(cls, "sample_tokens")
+    orig_execute, orig_forward, orig_sample = found
 
     def execute_model(self, scheduler_output, *args, **kwargs):
         x = _runner_xmix(self)
@@ -495,13 +495,17 @@ def patch_model_runner_v2(cls) -> None:
     ``prepare_inputs`` (the step's InputBatch: requests, token counts, computed tokens,
     input ids on the device), before the forward or replay on the same stream. Written
     against vLLM 0.32's source; the CPU engine runs V1, so this path has not run here."""
-    if fence.applied(cls, "execute_model", "worker"):
+    found = fence.to_wrap(
+        "worker",
+        (cls, "execute_model"),
+        (cls, "finish_requests"),
+        (cls, "add_requests"),
+        (cls, "prepare_inputs"),
+        (cls, "sample_tokens"),
+    )
+    if found is None:
         return
-    orig_finish = fence.current(cls, "finish_requests")
-    orig_add = fence.current(cls, "add_requests")
-    orig_prepare = fence.current(cls, "prepare_inputs")
-    orig_execute = fence.current(cls, "execute_model")
-    orig_sample = fence.current(cls, "sample_tokens")
+    orig_execute, orig_finish, orig_add, orig_prepare, orig_sample = found
 
     def finish_requests(self, scheduler_output):
         orig_finish(self, scheduler_output)
@@ -572,9 +576,12 @@ def _key_compile_cache(vllm_config) -> None:
 
 def patch_load_model(cls) -> None:
     # Only a class with its own load_model: a subclass inheriting a wrapped one is covered.
-    if "load_model" not in cls.__dict__ or fence.applied(cls, "load_model", "worker"):
+    if "load_model" not in cls.__dict__:
         return
-    orig = fence.current(cls, "load_model")
+    found = fence.to_wrap("worker", (cls, "load_model"))
+    if found is None:
+        return
+    (orig,) = found
 
     def load_model(self, *args, **kwargs):
         if _runner_xmix(self) is not None or not enable.requested(self.vllm_config):
