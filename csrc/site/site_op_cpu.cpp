@@ -147,10 +147,10 @@ __attribute__((visibility("default"))) int32_t xmix_site_bind(uint64_t cb, uint6
     return 0;
   }
   Bound* next = &g_slots[g_bound.load() == &g_slots[0] ? 1 : 0];
-  next->cb = reinterpret_cast<const ControlBlock*>(static_cast<uintptr_t>(cb));
-  next->active = reinterpret_cast<const uint8_t*>(static_cast<uintptr_t>(active));
+  next->cb = ptr<const ControlBlock>(cb);
+  next->active = ptr<const uint8_t>(active);
   next->n_sites = n_sites;
-  next->state = reinterpret_cast<SiteOpState*>(static_cast<uintptr_t>(state));
+  next->state = ptr<SiteOpState>(state);
   g_bound.store(next, std::memory_order_release);
   return 0;
 }
