@@ -67,6 +67,15 @@ quiet $VPY -m pip install -q "scikit-build-core>=0.10" "pybind11>=2.12" "cmake>=
 quiet $VPY -m pip install -q --no-build-isolation -e ".[$EXTRA,test,ray]" \
   -C cmake.define.XMIX_BUILD_TESTS=ON
 $VPY -c "import xmix._C" >/dev/null
+# xmix/_site_op.so (the native CPU site kernel) builds against the torch of the build's Python:
+# in a new .venv torch arrives with the install above, after xmix was built. Build once more.
+native() { $VPY -c "import sys, xmix.ops; sys.exit(xmix.ops.NATIVE is None)" >/dev/null 2>&1; }
+if ! native; then
+  echo "[setup] building xmix again against the torch just installed (the native site kernel)"
+  quiet $VPY -m pip install -q --no-build-isolation --no-deps -e . \
+    -C cmake.define.XMIX_BUILD_TESTS=ON
+  native || { echo "[setup] xmix/_site_op.so was not built or does not load" >&2; exit 1; }
+fi
 
 # Peer oracles of the interop tests whose declared dependencies would replace numpy 2,
 # transformers 5 or pull training stacks: their own code needs none of that here.
