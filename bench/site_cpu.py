@@ -20,7 +20,6 @@ torch's result is printed as a check of the comparison, not asserted. Nothing he
 from __future__ import annotations
 
 import argparse
-import contextlib
 import platform
 import statistics
 import time
@@ -81,20 +80,6 @@ def torch_op(op: str, h: torch.Tensor, r: torch.Tensor, u: torch.Tensor):
     return None
 
 
-@contextlib.contextmanager
-def python_kernel():
-    """The Python reference kernel in the dispatcher's CPU slot while open (the native one
-    comes back when the library object is destroyed)."""
-    from xmix import ops
-
-    lib = torch.library.Library("xmix", "IMPL")
-    lib.impl("site", ops._site_cpu, "CPU")
-    try:
-        yield
-    finally:
-        lib._destroy()
-
-
 def timed(fn, repeats: int) -> float:
     for _ in range(5):
         fn()
@@ -149,7 +134,7 @@ def main() -> None:
                 else:
                     diff = (hx.float() - want.float()).abs().max().item()
                 t_x = timed(lambda h=h, r=r, sid=sid: torch.ops.xmix.site(h, r, sid), args.repeats)
-                with python_kernel():
+                with ops.reference_site_kernel():
                     t_p = timed(
                         lambda h=h, r=r, sid=sid: torch.ops.xmix.site(h, r, sid), args.repeats
                     )

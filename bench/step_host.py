@@ -132,12 +132,8 @@ def site_kernel(kernel: str):
         return
     from xmix import ops
 
-    lib = torch.library.Library("xmix", "IMPL")
-    lib.impl("site", ops._site_cpu, "CPU")
-    try:
+    with ops.reference_site_kernel():
         yield
-    finally:
-        lib._destroy()
 
 
 def instructions_child(configs: list[str], args) -> None:

@@ -18,6 +18,7 @@ process's control block (``set_control``) and runs the site program:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 from pathlib import Path
@@ -145,6 +146,19 @@ def _load_native() -> ctypes.CDLL | None:
             f"xmix.control.site_state spells {site_state.SITE_STATE.itemsize}: rebuild xmix"
         )
     return native
+
+
+@contextlib.contextmanager
+def reference_site_kernel():
+    """The Python reference kernel in the dispatcher's CPU slot while open (benchmarks measure
+    both kernels through the same call); the native one comes back when the library object
+    is destroyed."""
+    override = torch.library.Library("xmix", "IMPL")
+    override.impl("site", _site_cpu, "CPU")
+    try:
+        yield
+    finally:
+        override._destroy()
 
 
 lib.impl("site", _site_cuda, "CUDA")
