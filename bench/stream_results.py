@@ -1,5 +1,5 @@
-"""Cost of the server's stream patch (``server._with_results``) per SSE chunk, before and after
-issue 17's change, on a fake stream shaped like vLLM's completion stream.
+"""Cost of the server's stream patch (``openai_results._with_results``) per SSE chunk, before
+and after issue 17's change, on a fake stream shaped like vLLM's completion stream.
 
 ``python bench/stream_results.py [--chunks 20000] [--rounds 5]``
 
@@ -22,7 +22,7 @@ import time
 import numpy as np
 
 from xmix.integrations.vllm.frontend import XMIX_KEY
-from xmix.integrations.vllm.server import APPLIED_KEY, _with_results, json_results
+from xmix.integrations.vllm.openai_results import APPLIED_KEY, _with_results, json_results
 from xmix.results_codec import DEFAULT_OPTIONS, ReadResult, ResultOptions
 
 

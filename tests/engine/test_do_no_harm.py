@@ -71,7 +71,7 @@ def test_xmix_entry_point_options():
 
 
 def test_xmix_serve_merges_the_operators_additional_config():
-    from xmix.integrations.vllm.server import _ask_for_xmix
+    from xmix.integrations.vllm.serve_cli import _ask_for_xmix
 
     want = {"xmix": {"version": enable.SITES_VERSION}}
     out = _ask_for_xmix(["m", "--port", "1"])

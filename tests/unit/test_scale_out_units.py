@@ -1,6 +1,6 @@
 """Scale-out without an engine: the control plane of two API servers (two Controllers) over
 two data-parallel engines (one worker each, real control blocks on the CPU), joined by a
-fan-out that behaves as ``server.fan_out`` over vLLM's ``call_utility_all_async``: every
+fan-out that behaves as ``engine_rpc.fan_out`` over vLLM's ``call_utility_all_async``: every
 engine runs the call, a refusal on any of them raises after all ran. Checks the deploy
 transaction across engines, the ledger every server follows, and the lease."""
 
@@ -356,7 +356,7 @@ def test_a_server_not_heard_from_is_not_waited_for_and_syncs_before_admitting(fl
     assert s2.registry.get("a").mode == "request"  # s2 still holds the old state ...
     with pytest.raises(ValueError, match="not been able to follow"):
         s2.registry.admit({"apps": ["a"]}, 3, 4)  # ... and refuses to admit against it
-    s2.sync()  # what server._catch_up does first for completions and chat
+    s2.sync()  # what openai_precheck._catch_up does first for completions and chat
     with pytest.raises(ValueError, match="switched off"):
         s2.registry.admit({"apps": ["a"]}, 3, 4)
 
@@ -364,8 +364,8 @@ def test_a_server_not_heard_from_is_not_waited_for_and_syncs_before_admitting(fl
 # ---------------------------------------------------------------- an engine out of reach
 class Cut:
     """Engine 1 behind a link that is down: calls to it are queued (in order) and the caller
-    hears EngineUnreachable after its deadline, as server.fan_out does; ``restore`` delivers
-    the queue. Ledger writes wait for the first engine only (server.fan_out)."""
+    hears EngineUnreachable after its deadline, as engine_rpc.fan_out does; ``restore`` delivers
+    the queue. Ledger writes wait for the first engine only (engine_rpc.fan_out)."""
 
     def __init__(self, engines):
         self.engines, self.down, self.queue = engines, False, []
@@ -448,9 +448,9 @@ def test_changes_an_engine_did_not_answer_leave_every_engine_as_the_ledger_says(
     assert [set(held(e)) for e in engines] == [{"b"}, {"b"}]
 
 
-# ---------------------------------------------------------------- server.fan_out's deadlines
+# ---------------------------------------------------------------- engine_rpc.fan_out's deadlines
 class Client:
-    """vLLM's DP client as server.fan_out uses it: ``core_engines`` and one utility call per
+    """vLLM's DP client as engine_rpc.fan_out uses it: ``core_engines`` and one utility call per
     engine; engine 1 never answers while ``hung``."""
 
     def __init__(self):
@@ -481,7 +481,7 @@ def test_fan_out_names_an_engine_that_does_not_answer_and_does_not_wait_on_it_ag
     import asyncio
     import time
 
-    from xmix.integrations.vllm import server as S
+    from xmix.integrations.vllm import engine_rpc as S
     from xmix.integrations.vllm.frontend import EngineUnreachable
 
     monkeypatch.setenv("XMIX_RPC_TIMEOUT_S", "0.5")

@@ -22,7 +22,7 @@ NAME = re.compile(r"\bXMIX_[A-Z0-9]+(?:_[A-Z0-9]+)*\b")
 # XMIX_ names in the package's source that are not environment variables
 NOT_VARIABLES = {
     "XMIX_KEY": "frontend.XMIX_KEY, the results attribute's name",
-    "XMIX_STATUSES": "server.XMIX_STATUSES, the HTTP status table",
+    "XMIX_STATUSES": "http_routes.XMIX_STATUSES, the HTTP status table",
     "XMIX_APPS": "a misspelt request key in request_controls' examples",
 }
 
@@ -265,26 +265,26 @@ def test_settings_imports_neither_vllm_nor_torch():
 
 # ---------------------------------------------------------------------- refused at start
 def test_xmix_serve_refuses_a_bad_value_before_anything_starts(monkeypatch, capsys):
-    from xmix.integrations.vllm import server
+    from xmix.integrations.vllm import serve_cli
 
     def no(*a, **k):
         raise AssertionError("reached past the settings check")
 
-    monkeypatch.setattr(server, "_run_vllm_serve", no)
+    monkeypatch.setattr(serve_cli, "_run_vllm_serve", no)
     monkeypatch.setattr("xmix.architectures.check_architecture", no)
     monkeypatch.setenv("XMIX_MAX_APPS", "1")  # serve_main sets it below; put back after
     monkeypatch.setenv("XMIX_SYNC_S", "abc")
-    assert server.serve_main(["some/model"]) == 2
+    assert serve_cli.serve_main(["some/model"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("xmix serve: XMIX_SYNC_S='abc' is not a number (seconds between"), err
     monkeypatch.delenv("XMIX_SYNC_S")
     monkeypatch.setenv("XMIX_MAX_APP", "4")  # a typo
-    assert server.serve_main(["some/model"]) == 2
+    assert serve_cli.serve_main(["some/model"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("xmix serve: XMIX_MAX_APP is not an xmix setting; did you mean "), err
     monkeypatch.delenv("XMIX_MAX_APP")
     # a flag sets its variable, checked the same way
-    assert server.serve_main(["some/model", "--xmix-max-apps", "lots"]) == 2
+    assert serve_cli.serve_main(["some/model", "--xmix-max-apps", "lots"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("xmix serve: XMIX_MAX_APPS='lots' is not an integer ("), err
 

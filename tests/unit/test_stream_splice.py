@@ -1,9 +1,9 @@
-"""The server's stream patch (``server._with_results``) on hand-made vLLM chunks, no engine:
-chunks without xmix data come back as the same string; reads and provenance are spliced into
-the chunk of their choice (n > 1: each choice's reads in its own chunks, each finishing chunk
-with its prompt's provenance); shapes the splice does not know (several choices in a chunk,
-tool-call deltas with their own "index") take the parse path with the same result; an error
-chunk says what failed."""
+"""The server's stream patch (``openai_results._with_results``) on hand-made vLLM chunks, no
+engine: chunks without xmix data come back as the same string; reads and provenance are spliced
+into the chunk of their choice (n > 1: each choice's reads in its own chunks, each finishing
+chunk with its prompt's provenance); shapes the splice does not know (several choices in a
+chunk, tool-call deltas with their own "index") take the parse path with the same result; an
+error chunk says what failed."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import json
 
 import numpy as np
 
-from xmix.integrations.vllm.server import _with_results
+from xmix.integrations.vllm.openai_results import _with_results
 from xmix.results_codec import DEFAULT_OPTIONS, ReadResult
 
 

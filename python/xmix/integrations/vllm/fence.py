@@ -266,7 +266,7 @@ PATCHES: tuple[Patch, ...] = (
         _CHAT,
         "render_chat_request",
         ("self", "request"),
-        "server",
+        "openai_precheck",
         "xmix's admission checks answer 400 before the request reaches the engine",
     ),
     Patch(
@@ -284,7 +284,7 @@ PATCHES: tuple[Patch, ...] = (
             "parser",
             "mm_token_counts",
         ),
-        "server",
+        "openai_results",
         _HTTP,
     ),
     Patch(
@@ -302,14 +302,14 @@ PATCHES: tuple[Patch, ...] = (
             "chat_template_kwargs",
             "mm_token_counts",
         ),
-        "server",
+        "openai_results",
         _HTTP,
     ),
     Patch(
         _CMPL,
         "render_completion_request",
         ("self", "request"),
-        "server",
+        "openai_precheck",
         "xmix's admission checks answer 400 before the request reaches the engine",
     ),
     Patch(
@@ -325,7 +325,7 @@ PATCHES: tuple[Patch, ...] = (
             "tokenizer",
             "request_metadata",
         ),
-        "server",
+        "openai_results",
         _HTTP,
     ),
     Patch(
@@ -343,18 +343,20 @@ PATCHES: tuple[Patch, ...] = (
             "tokenizer",
             "request_metadata",
         ),
-        "server",
+        "openai_results",
         _HTTP,
     ),
     Patch(
         _RESP,
         "_render_resolved_response_inputs",
         ("self", "request", "prev_response", "skip_mm_cache"),
-        "server",
+        "openai_precheck",
         _PRECHECK,
     ),
-    Patch(_BATCH, "render_batch_chat_request", ("self", "request"), "server", _PRECHECK),
-    Patch(_TOKENS, "serve_tokens", ("self", "request", "raw_request"), "server", _PRECHECK),
+    Patch(_BATCH, "render_batch_chat_request", ("self", "request"), "openai_precheck", _PRECHECK),
+    Patch(
+        _TOKENS, "serve_tokens", ("self", "request", "raw_request"), "openai_precheck", _PRECHECK
+    ),
     Patch(_LLM, "xmix", None, "plugin", "llm.xmix on any vllm.LLM: vLLM has no attribute hook"),
     *(
         Patch(_WB, name, None, "worker", _RPC)

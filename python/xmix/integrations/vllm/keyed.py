@@ -15,7 +15,7 @@ drawn there once and read at every start, else 32 random bytes drawn when it is 
 for) and each API server fetches it once through xmix's worker RPC before it serves
 (frontend.Controller). It is never logged, never written anywhere but the state directory's
 0600 file, and never sent to a client; vLLM's dev-mode ``/collective_rpc`` refuses xmix's
-worker methods (server.RequestAppsAuth).
+worker methods (http_auth.RequestAppsAuth).
 
 Each use gets its own key, derived from the secret with HMAC-SHA256 and a label, so a value of
 one kind (a fingerprint, a metric label) says nothing about another (a cache salt).

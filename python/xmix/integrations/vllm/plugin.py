@@ -83,9 +83,10 @@ def _patch_all() -> None:
         by="plugin",
     )
     try:
-        from . import server
+        from . import openai_precheck, openai_results
 
-        server.patch_openai_serving()
+        openai_precheck.patch_openai_prechecks()
+        openai_results.patch_openai_results()
     except ImportError:  # vLLM without the OpenAI server extras
         logger.debug("xmix: OpenAI serving not patched", exc_info=True)
     # No CUDA here: register() also runs in the process that forks vLLM's engine core, and

@@ -6,7 +6,7 @@ xmix's per-step maps do not follow; the worker calls ``check`` where xmix attach
 Everything checked is in the VllmConfig every worker receives, so no check needs the
 frontend. Several API servers (``--api-server-count``) and data parallelism are served: the
 registry follows the engines' ledger (ledger.py) and control changes fan out to every engine
-(server.fan_out); docs/serving.md, "Scale-out".
+(engine_rpc.fan_out); docs/serving.md, "Scale-out".
 """
 
 from __future__ import annotations
