@@ -401,6 +401,10 @@ def test_a_control_change_racing_a_shutdown(srv):
             assert "shutting down" in answer["text"]
     log = s.log_text()
     tail = log[log.find("[shutdown]") :] if "[shutdown]" in log else log
-    ours = re.findall(r"ERROR .*\[(?:frontend|server|worker|tenants)\.py:\d+\].*", tail)
+    ours = re.findall(
+        r"ERROR .*\[(?:controller|registry|admission|processor_patches|server|worker|tenants)"
+        r"\.py:\d+\].*",
+        tail,
+    )
     assert not ours, ours[:10]
     assert code is not None

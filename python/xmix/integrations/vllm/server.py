@@ -58,16 +58,10 @@ from xmix.results_codec import (
     options_of_control,
 )
 
-from . import frontend, metrics, restore, tenants, usage
-from .frontend import (
-    XMIX_KEY,
-    CapacityError,
-    Controller,
-    EngineGone,
-    EngineUnreachable,
-    _validation_error,
-    shown,
-)
+from . import admission, metrics, restore, tenants, usage
+from .controller import Controller, _load_app
+from .errors import CapacityError, EngineGone, EngineUnreachable, _validation_error, shown
+from .processor_patches import XMIX_KEY
 from .request_controls import control_from_args, has_control
 
 logger = logging.getLogger("vllm.xmix")  # vLLM's handlers and format apply
@@ -358,7 +352,7 @@ class XmixEndpointPlugin:
             except DeployError as e:
                 # With several API servers every one deploys the --app files at start; the
                 # first does, the others find the app in the engines' ledger.
-                app = frontend._load_app(path, True)
+                app = _load_app(path, True)
                 if "already deployed" not in str(e) or app.name not in ctl.registry.apps:
                     raise
                 if restored is not None and app.name in restored["apps"]:
@@ -1357,13 +1351,14 @@ def _check_ahead(
     named: list[str] = []
     for n_prompt, max_tokens in prompts:
         try:
-            adm = reg.admit(
+            adm = admission.admit(
+                reg,
                 raw,
                 n_prompt,
                 max_tokens,
                 n,
                 count=False,
-                remote_prefill=frontend._remote_prefill(kv_transfer_params),
+                remote_prefill=admission.remote_prefill(kv_transfer_params),
             )
         except ValueError as e:
             return refuse(
@@ -1405,9 +1400,9 @@ def _check_ahead(
             f'positions ("positions"), fewer or narrower reads, "encoding": "base64"'
         )
     slots = max(len(prompts) * n, 1)
-    frontend.set_response_budget(frontend.ResponseBudget(cap, (cap - known) // slots, source))
+    admission.set_response_budget(admission.ResponseBudget(cap, (cap - known) // slots, source))
     if raw is not None and checked_at is not None:
-        frontend.mark_prechecked(checked_at)
+        admission.mark_prechecked(checked_at)
     return None
 
 
