@@ -1,8 +1,9 @@
 """The frontend's record of deployed apps (``Registry``): what is deployed, at which version
 and mode, with which parameter defaults and locks, what each app takes of the engine's control
 block (``Needs``), and the history of control changes that the provenance of requests in
-flight is read from. It follows the engines' ledger (controller.py) and is the source of truth
-for admission (admission.py), which reads it and never changes it."""
+flight is read from. It follows the engines' ledger (``follow``, entry by entry, as the
+Controller reads them: controller.py) and is the source of truth for admission
+(admission.py), which reads it and changes none of its apps."""
 
 from __future__ import annotations
 
@@ -156,10 +157,6 @@ def columns_named(cols: list[ParamCol], spec: Any, who: str) -> set[int]:
         out.update(hits)
     return out
 
-
-# KV connectors shipped with vLLM 0.32 that key what they store and load by the request's
-# block hashes, which include its cache_salt (v1/core/kv_cache_utils.py:
-# generate_block_hash_extra_keys), so KV computed under one write configuration is never
 
 _REGISTRIES: weakref.WeakValueDictionary[int, Registry] = weakref.WeakValueDictionary()
 _REGISTRY_IDS = itertools.count(1)
@@ -380,6 +377,7 @@ class Registry:
         with self.lock:
             return [d.describe() for d in sorted(self.apps.values(), key=lambda d: d.version)]
 
+    # ------------------------------------------------------------------ the ledger
     def follow(self, e: dict, mine: dict[tuple[str, int], tuple[App, LoweredApp, Needs]]) -> None:
         """Apply one entry of the engines' ledger (ledger.py; the Controller reads them in
         order). ``mine``: the deploys this process checked and lowered itself, by name and
