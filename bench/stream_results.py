@@ -21,8 +21,8 @@ import time
 
 import numpy as np
 
-from xmix.integrations.vllm.frontend import XMIX_KEY
 from xmix.integrations.vllm.openai_results import APPLIED_KEY, _with_results, json_results
+from xmix.integrations.vllm.processor_patches import XMIX_KEY
 from xmix.results_codec import DEFAULT_OPTIONS, ReadResult, ResultOptions
 
 

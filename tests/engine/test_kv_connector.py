@@ -171,7 +171,7 @@ def test_reads_and_latches_match_without_connector(runs, app):
 def test_no_shipped_connector_uses_the_results_key():
     import vllm
 
-    from xmix.integrations.vllm.frontend import RESULTS_KEY
+    from xmix.integrations.vllm.processor_patches import RESULTS_KEY
 
     root = pathlib.Path(vllm.__file__).parent
     hits = [

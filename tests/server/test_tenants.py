@@ -20,7 +20,9 @@ import xmix
 from harness import SMALL
 from xmix.hooks import ModelShape
 from xmix.integrations.vllm import keyed, tenants
-from xmix.integrations.vllm.frontend import Needs, Registry, provenance
+from xmix.integrations.vllm.admission import admit, cache_salt
+from xmix.integrations.vllm.processor_patches import provenance
+from xmix.integrations.vllm.registry import Needs, Registry
 from xmix.lowering import lower
 
 D = 64
@@ -148,7 +150,7 @@ def test_one_response_shares_one_byte_budget(monkeypatch):
     budget, so the sequences' caps never add up to more than it."""
     import contextvars
 
-    from xmix.integrations.vllm import frontend
+    from xmix.integrations.vllm import admission
     from xmix.results_codec import max_response_bytes
 
     monkeypatch.delenv("XMIX_MAX_RESPONSE_BYTES", raising=False)
@@ -159,11 +161,11 @@ def test_one_response_shares_one_byte_budget(monkeypatch):
     per_pos = 2 * 26  # one scalar per position as JSON (results_codec.position_bytes)
     known = 4 * per_pos  # a 4-token prompt
     # 3 prompts x 2 choices: 6 sequences share 3000 bytes
-    budget = frontend.ResponseBudget(3000, (3000 - 6 * known) // 6, "test")
+    budget = admission.ResponseBudget(3000, (3000 - 6 * known) // 6, "test")
 
     def served():
-        frontend.set_response_budget(budget)
-        return [reg.admit({"apps": ["probe"]}, 4, 16, n=2) for _ in range(4)]
+        admission.set_response_budget(budget)
+        return [admit(reg, {"apps": ["probe"]}, 4, 16, n=2) for _ in range(4)]
 
     adms = contextvars.copy_context().run(served)
     caps = [a.control["results"]["max_bytes"] for a in adms]
@@ -172,7 +174,7 @@ def test_one_response_shares_one_byte_budget(monkeypatch):
     assert caps[3] == 0 and sum(c * 2 for c in caps) <= 3000  # a 4th finds nothing left
     # outside a served request (offline) there is no response budget
     assert (
-        reg.admit({"apps": ["probe"]}, 4, 16, n=2).control["results"]["max_bytes"]
+        admit(reg, {"apps": ["probe"]}, 4, 16, n=2).control["results"]["max_bytes"]
         == (16 << 20) // 2
     )
     # the policy's per-key override
@@ -191,9 +193,9 @@ def test_one_response_shares_one_byte_budget(monkeypatch):
 
 # ------------------------------------------------------------------ cache salts (issue 33 item 1)
 def _steered(reg: Registry, client_salt=None, **kw) -> str | None:
-    """The cache_salt a request naming 'steer' runs with (frontend.process_inputs)."""
-    adm = reg.admit({"apps": ["steer"], **kw})
-    return reg.cache_salt(client_salt, adm)
+    """The cache_salt a request naming 'steer' runs with (processor_patches.patch_input_processor)."""
+    adm = admit(reg, {"apps": ["steer"], **kw})
+    return cache_salt(reg, client_salt, adm)
 
 
 def test_no_client_salt_equals_a_salt_xmix_derives():
@@ -213,17 +215,17 @@ def test_no_client_salt_equals_a_salt_xmix_derives():
     assert derived != "xmix:" + hashlib.sha256(public.encode()).hexdigest()[:32]
     # a request without apps that sends the derived salt (attack a) or a request naming
     # another app's configuration with it: neither runs with it
-    plain = reg.admit(None)
-    assert reg.cache_salt(derived, plain) != derived
+    plain = admit(reg, None)
+    assert cache_salt(reg, derived, plain) != derived
     assert _steered(reg, derived) != derived
     for client in ("", "x", derived, derived + "|x"):
-        assert reg.cache_salt(client, plain) not in (derived, None)
+        assert cache_salt(reg, client, plain) not in (derived, None)
     # the client's own salt is mixed in, not replaced: clients that share a salt share
     # blocks, others do not; a request without a salt and without writes stays unsalted
     assert _steered(reg, "team-a") == _steered(reg, "team-a") != _steered(reg, "team-b")
     assert _steered(reg, "team-a") != derived
-    assert reg.cache_salt(None, plain) is None
-    assert reg.cache_salt("team-a", plain) == reg.cache_salt("team-a", reg.admit({}))
+    assert cache_salt(reg, None, plain) is None
+    assert cache_salt(reg, "team-a", plain) == cache_salt(reg, "team-a", admit(reg, {}))
     # every parameter value is part of it
     assert _steered(reg, params={"steer": {"scale": 2.0}}) != derived
     # the same configuration under the same secret gives the same salt (another API server
@@ -265,7 +267,7 @@ def test_admission_follows_the_callers_policy():
     product = tenants.Tenant("product", frozenset({"steer"}), frozenset())
     tok = _as(product)
     try:
-        adm = reg.admit({"apps": ["steer"], "params": {"steer": {"scale": 2.0}}})
+        adm = admit(reg, {"apps": ["steer"], "params": {"steer": {"scale": 2.0}}})
         # the mode-"all" app does not apply to it: opted out by name, not in its provenance
         assert adm.control["forced"] == []
         applied = adm.control["applied"]
@@ -278,7 +280,7 @@ def test_admission_follows_the_callers_policy():
             ({"apps": ["steer"], "params": {"probe": {"bias": 1.0}}}, "params for app 'probe'"),
         ):
             with pytest.raises(ValueError, match=msg) as e:
-                reg.admit(ctl)
+                admit(reg, ctl)
             assert tenants.is_forbidden(e.value) and getattr(e.value, "http_status", 403) == 403
     finally:
         tenants.reset_caller(tok)
@@ -286,18 +288,18 @@ def test_admission_follows_the_callers_policy():
     tok = _as(tenants.Tenant("product", frozenset({"steer", "nope"}), None))
     try:
         with pytest.raises(ValueError, match=r"deployed: \['steer'\]") as e:
-            reg.admit({"apps": ["nope"]})
+            admit(reg, {"apps": ["nope"]})
         assert not tenants.is_forbidden(e.value)
     finally:
         tenants.reset_caller(tok)
     # no caller (offline): every mode-all app applies, nothing is forbidden
-    adm = reg.admit({"apps": ["probe"]})
+    adm = admit(reg, {"apps": ["probe"]})
     assert "forced" not in adm.control
     assert sorted(a["name"] for a in adm.control["applied"]["apps"]) == ["probe", "safety"]
     # a server's policy and no caller in context: the policy's default (fail closed)
     reg.policy = tenants.Policy({}, tenants.Tenant("default", frozenset(), None))
     with pytest.raises(ValueError, match="not allowed"):
-        reg.admit({"apps": ["probe"]})
+        admit(reg, {"apps": ["probe"]})
 
 
 def test_locked_parameters_cannot_be_overridden_by_requests():
@@ -308,16 +310,16 @@ def test_locked_parameters_cannot_be_overridden_by_requests():
     reg.patch("safety", None, {}, lock)
     assert reg.get("safety").describe()["locked"] == ["push.scale"]
     with pytest.raises(ValueError, match=r"\['push.scale'\] are locked by the operator") as e:
-        reg.admit({"params": {"safety": {"scale": 0.0}}})
+        admit(reg, {"params": {"safety": {"scale": 0.0}}})
     assert tenants.is_forbidden(e.value)
-    reg.admit({"apps": ["steer"], "params": {"steer": {"scale": 0.0}}})  # other apps: as before
+    admit(reg, {"apps": ["steer"], "params": {"steer": {"scale": 0.0}}})  # other apps: as before
     _, lock = reg.check_patch("safety", None, None, ["push.scale"])
     assert lock == {0}
     with pytest.raises(xmix.lowering.DeployError, match="cannot lock unknown parameter"):
         reg.check_patch("safety", None, None, ["volume"])
     _, lock = reg.check_patch("safety", None, None, False)
     reg.patch("safety", None, {}, lock)
-    assert reg.admit({"params": {"safety": {"scale": 0.0}}}).control["applied"]["apps"][0][
+    assert admit(reg, {"params": {"safety": {"scale": 0.0}}}).control["applied"]["apps"][0][
         "params"
     ] == {"push.scale": 0.0}
 
@@ -326,14 +328,14 @@ def test_request_limits(monkeypatch):
     reg = _registry()
     monkeypatch.setenv("XMIX_MAX_REQUEST_APPS", "1")
     with pytest.raises(ValueError, match="names 2 apps; at most 1 .XMIX_MAX_REQUEST_APPS"):
-        reg.admit({"apps": ["steer", "probe"]})
+        admit(reg, {"apps": ["steer", "probe"]})
     monkeypatch.setenv("XMIX_MAX_REQUEST_PARAMS", "1")
     with pytest.raises(ValueError, match="sets 2 parameters; at most 1 .XMIX_MAX_REQUEST_PARAMS"):
-        reg.admit({"apps": ["steer"], "params": {"steer": {"scale": 1.0, "push.scale": 2.0}}})
+        admit(reg, {"apps": ["steer"], "params": {"steer": {"scale": 1.0, "push.scale": 2.0}}})
     monkeypatch.setenv("XMIX_MAX_APPS", "3")
     extra = xmix.App("extra")
     extra.read("probe", weight=torch.ones(D)).layers([0]).submodule("residual.pre")
-    from xmix.integrations.vllm.frontend import CapacityError
+    from xmix.integrations.vllm.errors import CapacityError
 
     with pytest.raises(
         CapacityError, match="3 apps are deployed; the server allows 3 .XMIX_MAX_APPS"
@@ -343,8 +345,8 @@ def test_request_limits(monkeypatch):
 
 def test_provenance_lists_the_changes_a_request_lived_through():
     reg = _registry()
-    plain = reg.admit({"apps": ["probe"]}).control["applied"]
-    steered = reg.admit({"apps": ["steer"]}).control["applied"]
+    plain = admit(reg, {"apps": ["probe"]}).control["applied"]
+    steered = admit(reg, {"apps": ["steer"]}).control["applied"]
     assert provenance(plain)["changed"] == [] and "_rev" not in provenance(plain)
     reg.patch("steer", None, {0: 3.0})
     reg.changed("params", "steer")
@@ -367,7 +369,7 @@ def test_an_app_gone_after_the_pre_stream_check_is_a_change_not_a_refusal():
     and named in provenance "changed"; without one, the same control is still refused."""
     import contextvars
 
-    from xmix.integrations.vllm import frontend
+    from xmix.integrations.vllm import admission
 
     def in_request(fn):
         return contextvars.copy_context().run(fn)  # one request's context, as the server has
@@ -376,25 +378,25 @@ def test_an_app_gone_after_the_pre_stream_check_is_a_change_not_a_refusal():
     control = {"apps": ["steer", "probe"], "params": {"steer": {"push.scale": 2.0}}}
 
     def served():
-        pre = reg.admit(control, 4, 4, count=False)  # the pre-stream check passes
-        frontend.mark_prechecked(pre.control["applied"]["_rev"])
+        pre = admit(reg, control, 4, 4, count=False)  # the pre-stream check passes
+        admission.mark_prechecked(pre.control["applied"]["_rev"])
         reg.patch("steer", "off", {})  # a change lands before the generator runs
         reg.changed("mode", "steer")
-        return reg.admit(control, 4, 4)
+        return admit(reg, control, 4, 4)
 
     adm = in_request(served)
     assert adm.control["apps"] == ["probe"] and "steer" not in adm.control["pin"]
-    applied = frontend.provenance(adm.control["applied"])
+    applied = provenance(adm.control["applied"])
     assert [a["name"] for a in applied["apps"]] == ["probe", "safety"]
     assert applied["changed"] == ["steer"]
     # no pre-stream check in this context: the switched-off app is refused, naming it
     with pytest.raises(ValueError, match="'steer' is deployed but switched off"):
-        in_request(lambda: reg.admit(control, 4, 4))
+        in_request(lambda: admit(reg, control, 4, 4))
 
     # a check made after the change (same revision) stays strict too
     def checked_after():
-        frontend.mark_prechecked(reg.revision)
-        return reg.admit(control, 4, 4)
+        admission.mark_prechecked(reg.revision)
+        return admit(reg, control, 4, 4)
 
     with pytest.raises(ValueError, match="switched off"):
         in_request(checked_after)

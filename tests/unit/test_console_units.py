@@ -287,14 +287,15 @@ def test_app_names_hidden_on_metrics_and_named_again_for_those_who_may_see_them(
     keys = keyed.Keys(b"metrics test secret")
     metrics.set_app_labels(keys)
     m = metrics._make(CollectorRegistry())
-    from xmix.integrations.vllm.frontend import Needs, Registry
+    from xmix.integrations.vllm.admission import admit
+    from xmix.integrations.vllm.registry import Needs, Registry
 
     reg = Registry(SHAPE)  # the frontend's: it counts admissions under the app's label
     reg.metrics = m
     lw = lower(_app(), SHAPE)
     reg.add(_app(), lw, "request", 1, Needs.of(lw))
     u = Usage(reg, m, Clock())
-    reg.admit({"apps": ["a"]})
+    admit(reg, {"apps": ["a"]})
     u.admitted("r1", {"apps": ["a"], "params": {"a": {"theta": 0.8}}})
     u.output("r1", {"a": {"g": {"positions": [0, 1, 2, 3], "values": G[:4]}}}, 1, False)
     u.output("r1", {"!stopped": {"app": "a", "read": "g", "position": 3, "value": 0.9}}, 0, True)

@@ -17,7 +17,9 @@ from harness import SMALL
 from xmix.control import ControlBlock
 from xmix.hooks import ModelShape
 from xmix.integrations.vllm import worker as W
-from xmix.integrations.vllm.frontend import Controller, EngineGone
+from xmix.integrations.vllm.admission import admit, cache_salt
+from xmix.integrations.vllm.controller import Controller
+from xmix.integrations.vllm.errors import EngineGone
 from xmix.lowering import DeployError
 
 D = 64
@@ -123,7 +125,7 @@ def test_every_api_server_keys_cache_salts_with_the_first_engines_secret(fleet, 
     s2.sync()
 
     def salt(s, client=None):
-        return s.registry.cache_salt(client, s.registry.admit({"apps": ["a"]}, 3, 4))
+        return cache_salt(s.registry, client, admit(s.registry, {"apps": ["a"]}, 3, 4))
 
     assert salt(s1) == salt(s2) and salt(s1, "c") == salt(s2, "c") != salt(s1)
     assert salt(s1, salt(s1)) != salt(s1)
@@ -165,7 +167,7 @@ def test_changes_through_one_server_are_seen_by_the_other(fleet):
     for e in engines:
         assert set(held(e)) == {"a"} and held(e)["a"][1:] == ("all", {"#0.scale": 3.0})
     # a request s2 admitted against "a" before s1 undeployed it carries the gone version
-    adm = s2.registry.admit({"apps": ["a"]}, 3, 4)
+    adm = admit(s2.registry, {"apps": ["a"]}, 3, 4)
     s1.undeploy("a")
     x = engines[0].worker.model_runner._xmix
     x.admit_new(
@@ -203,13 +205,13 @@ def test_a_request_finishing_while_a_change_is_on_its_way_names_it(fleet):
     "all" or deployed in it (which read and wrote the request), a parameter change of its own
     app. The bounded soak (tests/server/test_soak.py) saw both as a leak and as a wrong
     answer before the registry knew changes as pending."""
-    from xmix.integrations.vllm.frontend import provenance
+    from xmix.integrations.vllm.processor_patches import provenance
 
     engines, s1, _ = fleet
     s1.deploy(app("own"))
     s1.deploy(app("other"))
-    mine = s1.registry.admit({"apps": ["own"]}, 3, 4).control["applied"]
-    plain = s1.registry.admit(None, 3, 4).control["applied"]
+    mine = admit(s1.registry, {"apps": ["own"]}, 3, 4).control["applied"]
+    plain = admit(s1.registry, None, 3, 4).control["applied"]
     assert provenance(mine)["changed"] == [] and provenance(plain)["changed"] == []
 
     seen: dict[str, tuple[list, list]] = {}
@@ -237,7 +239,7 @@ def test_a_request_finishing_while_a_change_is_on_its_way_names_it(fleet):
         "xmix_undeploy_if_present('own',)": (["late", "other", "own"], ["late", "other"]),
     }
     # a change refused by its checks announces nothing
-    fresh = s1.registry.admit(None, 3, 4).control["applied"]
+    fresh = admit(s1.registry, None, 3, 4).control["applied"]
     with pytest.raises(DeployError):
         s1.patch("other", mode="x")
     assert provenance(fresh)["changed"] == []
@@ -254,7 +256,7 @@ def test_an_admission_never_sees_a_change_without_its_revision(fleet, change):
     import contextvars
     import threading
 
-    from xmix.integrations.vllm import frontend
+    from xmix.integrations.vllm.admission import mark_prechecked
 
     _, s1, _ = fleet
     s1.deploy(app("c0"))
@@ -266,16 +268,16 @@ def test_an_admission_never_sees_a_change_without_its_revision(fleet, change):
     def check_first(fn):
         def wrapped(*a, **kw):
             # the pre-stream check, while the change is on its way (announced, not applied)
-            got["since"] = reg.admit(raw, 3, 4, count=False).control["applied"]["_rev"]
+            got["since"] = admit(reg, raw, 3, 4, count=False).control["applied"]["_rev"]
             return fn(*a, **kw)
 
         return wrapped
 
     def admission():
         def run():
-            frontend.mark_prechecked(got["since"])
+            mark_prechecked(got["since"])
             try:
-                got["applied"] = reg.admit(raw, 3, 4).control["applied"]
+                got["applied"] = admit(reg, raw, 3, 4).control["applied"]
             except ValueError as e:
                 got["refused"] = str(e)
 
@@ -328,7 +330,7 @@ def test_a_change_answers_only_once_every_other_server_has_it(fleet):
         # the answer came; s2 must refuse the app now, without syncing first
         assert s2.registry.get("a").mode == "off"
         with pytest.raises(ValueError, match="switched off"):
-            s2.registry.admit({"apps": ["a"]}, 3, 4)
+            admit(s2.registry, {"apps": ["a"]}, 3, 4)
         assert waited < 2.0, waited  # two polls at most
         s1.patch("a", params={"scale": 5.0})
         assert [c.default for c in s2.registry.get("a").cols] == [5.0]
@@ -355,10 +357,10 @@ def test_a_server_not_heard_from_is_not_waited_for_and_syncs_before_admitting(fl
     assert 0.4 < time.monotonic() - t0 < 3.0
     assert s2.registry.get("a").mode == "request"  # s2 still holds the old state ...
     with pytest.raises(ValueError, match="not been able to follow"):
-        s2.registry.admit({"apps": ["a"]}, 3, 4)  # ... and refuses to admit against it
+        admit(s2.registry, {"apps": ["a"]}, 3, 4)  # ... and refuses to admit against it
     s2.sync()  # what openai_precheck._catch_up does first for completions and chat
     with pytest.raises(ValueError, match="switched off"):
-        s2.registry.admit({"apps": ["a"]}, 3, 4)
+        admit(s2.registry, {"apps": ["a"]}, 3, 4)
 
 
 # ---------------------------------------------------------------- an engine out of reach
@@ -371,7 +373,7 @@ class Cut:
         self.engines, self.down, self.queue = engines, False, []
 
     def rpc(self, method, args):
-        from xmix.integrations.vllm.frontend import EngineUnreachable
+        from xmix.integrations.vllm.errors import EngineUnreachable
 
         op = args[1][0] if args[0] == "xmix_ledger" else None
         targets = self.engines[:1] if op in ("since", "lagging") else self.engines
@@ -420,7 +422,7 @@ def test_changes_an_engine_did_not_answer_leave_every_engine_as_the_ledger_says(
     so every server's registry) says: a deploy rolled back, a patch set back, an undeploy
     recorded. Before, a patch stayed applied on the engines that answered and reached the
     other later, while the ledger kept the old values."""
-    from xmix.integrations.vllm.frontend import EngineUnreachable
+    from xmix.integrations.vllm.errors import EngineUnreachable
 
     engines, c, s = cut
     s.deploy(app("a"))
@@ -482,7 +484,7 @@ def test_fan_out_names_an_engine_that_does_not_answer_and_does_not_wait_on_it_ag
     import time
 
     from xmix.integrations.vllm import engine_rpc as S
-    from xmix.integrations.vllm.frontend import EngineUnreachable
+    from xmix.integrations.vllm.errors import EngineUnreachable
 
     monkeypatch.setenv("XMIX_RPC_TIMEOUT_S", "0.5")
     monkeypatch.setattr(S, "SLOW_RPC_S", 0.1)

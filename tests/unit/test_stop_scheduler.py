@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("vllm")
 
 from xmix.integrations.vllm import engine_core  # noqa: E402
-from xmix.integrations.vllm.frontend import RESULTS_KEY  # noqa: E402
+from xmix.integrations.vllm.processor_patches import RESULTS_KEY  # noqa: E402
 from xmix.integrations.vllm.worker import RESULTS_ATTR  # noqa: E402
 from xmix.models.tiny import tiny_model_path  # noqa: E402
 from xmix.results_codec import STOPPED_KEY, unpack_results  # noqa: E402

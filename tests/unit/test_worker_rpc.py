@@ -28,7 +28,8 @@ from harness import SMALL
 from xmix.control import ControlBlock
 from xmix.hooks import ModelShape
 from xmix.integrations.vllm import worker as W
-from xmix.integrations.vllm.frontend import Controller, WorkerError
+from xmix.integrations.vllm.controller import Controller
+from xmix.integrations.vllm.errors import WorkerError
 from xmix.lowering import DeployError
 
 D = 64

@@ -44,7 +44,7 @@ import logging
 from xmix.results_codec import STOPPED_KEY, pack_results
 
 from . import fence
-from .frontend import RESULTS_KEY
+from .processor_patches import RESULTS_KEY
 from .worker import RESULTS_ATTR, merge_results
 
 logger = logging.getLogger("vllm.xmix")

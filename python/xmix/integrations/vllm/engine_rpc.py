@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from xmix import settings
 
-from .frontend import EngineGone, EngineUnreachable
+from .errors import EngineGone, EngineUnreachable
 
 logger = logging.getLogger("vllm.xmix")  # vLLM's handlers and format apply
 
@@ -152,7 +152,7 @@ _AFTER_LATE = {
 
 
 def after_late(e: Exception, kind: str) -> str:
-    """What a change that an engine did not answer left behind (frontend.Controller)."""
+    """What a change that an engine did not answer left behind (controller.Controller)."""
     return f"; {_AFTER_LATE[kind]}" if isinstance(e, EngineUnreachable) else ""
 
 

@@ -115,7 +115,7 @@ PATCHES: tuple[Patch, ...] = (
             "session_id",
             "kv_hints",
         ),
-        "frontend",
+        "processor_patches",
         _ADMIT,
     ),
     Patch(
@@ -128,7 +128,7 @@ PATCHES: tuple[Patch, ...] = (
             "iteration_stats",
             "weight_version",
         ),
-        "frontend",
+        "processor_patches",
         _RESULTS,
     ),
     Patch(
@@ -145,7 +145,7 @@ PATCHES: tuple[Patch, ...] = (
             "log_stats",
             "stream_interval",
         ),
-        "frontend",
+        "processor_patches",
         _RESULTS,
     ),
     Patch(
@@ -161,17 +161,17 @@ PATCHES: tuple[Patch, ...] = (
             "ec_transfer_params",
             "error",
         ),
-        "frontend",
+        "processor_patches",
         _RESULTS,
     ),
     Patch(
         _STATE,
         "_new_completion_output",
         ("self", "token_ids", "finish_reason", "stop_reason"),
-        "frontend",
+        "processor_patches",
         _RESULTS,
     ),
-    Patch(_REQOUT, "add", ("self", "next_output", "aggregate"), "frontend", _RESULTS),
+    Patch(_REQOUT, "add", ("self", "next_output", "aggregate"), "processor_patches", _RESULTS),
     Patch(
         _OUTP,
         "add_request",

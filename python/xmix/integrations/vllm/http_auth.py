@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse
 from xmix import settings
 
 from . import tenants
-from .frontend import shown
+from .errors import shown
 from .request_controls import has_control
 from .server_state import ServerState
 

@@ -19,7 +19,7 @@ from xmix.lowering import DeployError
 
 from . import metrics, tenants
 from .engine_rpc import after_late
-from .frontend import CapacityError, EngineGone, shown
+from .errors import CapacityError, EngineGone, shown
 from .http_auth import BodyTooLarge, error_body, read_body
 from .server_state import ServerState
 

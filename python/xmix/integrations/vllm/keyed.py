@@ -13,7 +13,7 @@ reaches, so the first worker of the first engine holds the secret (``XMIX_DEPLOY
 when the operator sets one, else the one kept in the state directory, ``--xmix-state-dir``,
 drawn there once and read at every start, else 32 random bytes drawn when it is first asked
 for) and each API server fetches it once through xmix's worker RPC before it serves
-(frontend.Controller). It is never logged, never written anywhere but the state directory's
+(controller.Controller). It is never logged, never written anywhere but the state directory's
 0600 file, and never sent to a client; vLLM's dev-mode ``/collective_rpc`` refuses xmix's
 worker methods (http_auth.RequestAppsAuth).
 

@@ -22,8 +22,8 @@ restarting server what the directory held (restore.py).
 Acknowledgements: every ``since`` read is an API server saying "I have applied everything up to
 ``since``" (servers read in order and apply what they read before the next read). A change
 returns only once every other server heard from in the last ``LIVE_S`` has said so for its
-revision (``lagging``; frontend.Controller._await_followers), and a server that has not read
-for longer syncs before it admits a request (frontend.Registry.stale): so a client that got a
+revision (``lagging``; controller.Controller._await_followers), and a server that has not read
+for longer syncs before it admits a request (registry.Registry.stale): so a client that got a
 change's answer never has a later request admitted against the state before it, through any
 server.
 """
@@ -75,7 +75,7 @@ class Ledger:
             raise RuntimeError(
                 f"xmix ledger: {op} by {owner!r} without the lease (held by {self.holder!r})"
             )
-        if op == "save":  # before the engines apply the change (frontend.Controller._save)
+        if op == "save":  # before the engines apply the change (controller.Controller._save)
             return self.state.save(dict(entry or {})) if self.state is not None else None
         if op == "state":
             return self.state.plan() if self.state is not None else None

@@ -13,7 +13,7 @@ from xmix.architectures import check_architecture
 from xmix.lowering import DeployError
 
 from . import enable, fence
-from .frontend import _load_app
+from .controller import _load_app
 from .offline import controller  # noqa: F401  (kept importable from here)
 from .plugin import register
 from .restore import log_app_kept

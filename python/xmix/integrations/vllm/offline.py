@@ -5,7 +5,7 @@ each other."""
 from __future__ import annotations
 
 from . import enable, restore
-from .frontend import Controller
+from .controller import Controller
 
 
 def controller(llm) -> Controller:

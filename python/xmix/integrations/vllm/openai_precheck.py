@@ -12,8 +12,8 @@ from typing import Any
 
 from xmix.results_codec import max_response_bytes
 
-from . import frontend, tenants
-from .frontend import _validation_error
+from . import admission, tenants
+from .errors import _validation_error
 from .request_controls import control_from_args
 
 logger = logging.getLogger("vllm.xmix")  # vLLM's handlers and format apply
@@ -98,22 +98,25 @@ def _check_ahead(
     named: list[str] = []
     for n_prompt, max_tokens in prompts:
         try:
-            adm = reg.admit(
+            adm = admission.admit(
+                reg,
                 raw,
                 n_prompt,
                 max_tokens,
                 n,
                 count=False,
-                remote_prefill=frontend._remote_prefill(kv_transfer_params),
+                remote_prefill=admission.remote_prefill(kv_transfer_params),
             )
         except ValueError as e:
             return refuse(
                 str(e), HTTPStatus.FORBIDDEN if tenants.is_forbidden(e) else HTTPStatus.BAD_REQUEST
             )
-        checked_at = adm.control["applied"]["_rev"]
+        control = adm.control
+        assert control is not None  # admit resolves a control for every request it admits
+        checked_at = control["applied"]["_rev"]
         known += adm.prompt_bytes
-        applied = [a["name"] for a in adm.control["applied"]["apps"]]
-        named = adm.control.get("apps") or []
+        applied = [a["name"] for a in control["applied"]["apps"]]
+        named = control.get("apps") or []
     if beam and applied:
         # vLLM's beam search sends every step as a new request of one token whose prompt is
         # the beam so far: the apps would take generated tokens for prompt tokens (conditions
@@ -146,9 +149,9 @@ def _check_ahead(
             f'positions ("positions"), fewer or narrower reads, "encoding": "base64"'
         )
     slots = max(len(prompts) * n, 1)
-    frontend.set_response_budget(frontend.ResponseBudget(cap, (cap - known) // slots, source))
+    admission.set_response_budget(admission.ResponseBudget(cap, (cap - known) // slots, source))
     if raw is not None and checked_at is not None:
-        frontend.mark_prechecked(checked_at)
+        admission.mark_prechecked(checked_at)
     return None
 
 

@@ -17,7 +17,7 @@ from xmix.results_codec import (
     options_of_control,
 )
 
-from .frontend import XMIX_KEY
+from .processor_patches import XMIX_KEY
 from .request_controls import control_from_args
 
 

@@ -49,7 +49,7 @@ def _patch_all() -> None:
 
     import xmix.ops  # noqa: F401  (the torch op must exist before any model is traced)
 
-    from . import engine_core, frontend, worker
+    from . import engine_core, processor_patches, worker
 
     worker.patch_model_runner(GPUModelRunner)
     worker.patch_load_model(GPUModelRunner)
@@ -68,8 +68,8 @@ def _patch_all() -> None:
         logger.debug("xmix: model runner V2 not found", exc_info=True)
     worker.patch_worker_base(WorkerBase)
     engine_core.patch_scheduler(Scheduler)
-    frontend.patch_input_processor(InputProcessor)
-    frontend.patch_output_processor(OutputProcessor, RequestState, RequestOutput)
+    processor_patches.patch_input_processor(InputProcessor)
+    processor_patches.patch_output_processor(OutputProcessor, RequestState, RequestOutput)
     from vllm.entrypoints.llm import LLM
 
     from . import fence

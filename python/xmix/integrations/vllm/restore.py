@@ -20,7 +20,7 @@ import logging
 
 from xmix import settings
 
-from .frontend import Controller
+from .controller import Controller
 from .state_dir import StateError
 
 logger = logging.getLogger("vllm.xmix")

@@ -54,9 +54,10 @@ from xmix import settings
 from xmix.console import console_url
 from xmix.lowering import DeployError
 
-from . import frontend, metrics, restore, tenants, usage
+from . import metrics, restore, tenants, usage
+from .controller import Controller, _load_app
 from .engine_rpc import blocking_rpc, blocking_status, engine_gone
-from .frontend import Controller, EngineGone, EngineUnreachable
+from .errors import EngineGone, EngineUnreachable
 from .http_auth import RequestAppsAuth
 from .http_routes import build_router, document_statuses
 from .server_state import ServerState
@@ -127,7 +128,7 @@ class XmixEndpointPlugin:
             except DeployError as e:
                 # With several API servers every one deploys the --app files at start; the
                 # first does, the others find the app in the engines' ledger.
-                app = frontend._load_app(path, True)
+                app = _load_app(path, True)
                 if "already deployed" not in str(e) or app.name not in ctl.registry.apps:
                     raise
                 if restored is not None and app.name in restored["apps"]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from . import tenants
-from .frontend import Controller
+from .controller import Controller
 
 
 class ServerState:

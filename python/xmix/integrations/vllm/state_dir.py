@@ -197,7 +197,7 @@ class StateDir:
         self.path = Path(path)
         self.apps: dict[str, AppState] = {}  # in deployment order
         self.rev = 0
-        # Bounds the frontends' control epoch and app versions (frontend.Registry) ever
+        # Bounds the frontends' control epoch and app versions (registry.Registry) ever
         # reached on this directory: a restart starts above them (restore.py).
         self.epoch = 0
         self.version = 0

@@ -61,7 +61,7 @@ def problems(vllm_config: Any) -> list[str]:
         )
     # A KV connector (--kv-transfer-config) is served: results ride a private key the connector
     # never sees (engine_core.py), and the requests whose prompt state an externally loaded KV
-    # would bypass are refused or recompute their prompt at admission (frontend.Registry.admit:
+    # would bypass are refused or recompute their prompt at admission (admission.admit:
     # _kv_connector_rules; docs/serving.md "KV connectors").
     return out
 

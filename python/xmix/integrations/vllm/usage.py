@@ -37,8 +37,8 @@ from xmix import reference as R
 from xmix.console.decisions import read_scalar
 from xmix.results_codec import STOPPED_KEY, SWITCHED_KEY, ReadResult
 
-from .frontend import RESULTS_KEY, XMIX_KEY
 from .metrics import shown
+from .processor_patches import RESULTS_KEY, XMIX_KEY
 
 logger = logging.getLogger("vllm.xmix")
 
