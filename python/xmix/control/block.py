@@ -17,9 +17,10 @@ before it (an arrow: "is given"):
 - ``custom``: GPU launches of user kernels (custom.py)
 
 The operations most callers use (a test, a bench, the worker's step) are also attributes of
-the block: the parts' bound methods themselves (``cb.install is cb.deploy.install``), so the
-per-step path costs no call more than the part's own method. Everything else is called on its
-part (``cb.slots.admit_pinned``, ``cb.deploy.prepare_install``, ``cb.sites.collect``).
+the block: the parts' bound methods themselves (``cb.install`` is ``cb.deploy.install``,
+bound once), so the per-step path costs no call more than the part's own method. Everything
+else is called on its part (``cb.slots.admit_pinned``, ``cb.deploy.prepare_install``,
+``cb.sites.collect``).
 """
 
 from __future__ import annotations
