@@ -8,15 +8,15 @@ from __future__ import annotations
 
 class AdmissionFaults:
     def xmix_test_fail_admission(self, prefix: str | None) -> None:
-        cb = self.model_runner._xmix.cb
-        cb.__dict__.pop("admit_pinned", None)
+        slots = self.model_runner._xmix.cb.slots
+        slots.__dict__.pop("admit_pinned", None)
         if prefix is None:
             return
-        real = cb.admit_pinned
+        real = slots.admit_pinned
 
         def failing(req_id, *args, **kwargs):
             if req_id.startswith(prefix):
                 raise RuntimeError("injected admission fault")
             return real(req_id, *args, **kwargs)
 
-        cb.admit_pinned = failing
+        slots.admit_pinned = failing

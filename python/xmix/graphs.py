@@ -188,8 +188,7 @@ def _custom_args(cb, lo) -> Any:
     art = lo.artifacts.get("a0")
     a.artifact = art.data_ptr() if art is not None else 0
     a.artifact_numel = int(art.numel()) if art is not None else 0
-    sel = getattr(cb, "_custom_select", None)
-    out = getattr(cb, "_custom_out", None)
+    sel, out = cb.custom.select, cb.custom.out
     a.select = sel.data_ptr() if sel is not None else 0
     a.out = out.data_ptr() if out is not None else 0
     return a
@@ -201,7 +200,7 @@ def program_for(cb, expected_anchors: int = -1, use_conditionals: bool | None = 
     if use_conditionals is None:
         use_conditionals = bool(getattr(G, "conditionals_supported", lambda: False)())
     ops = []
-    for site, lst in enumerate(getattr(cb, "_site_ops", None) or ()):
+    for site, lst in enumerate(cb.mem.site_ops):
         for k, so in enumerate(lst):
             inst, o = so.inst, so.op
             custom = o.kernel == "custom"
@@ -217,7 +216,7 @@ def program_for(cb, expected_anchors: int = -1, use_conditionals: bool | None = 
 def _fingerprint(cb) -> tuple:
     # ops_generation, not id() of the op list: CPython reuses a freed list's address, so an
     # undeploy + deploy between two steps could look like no change.
-    return (cb.ops_generation, tuple(sorted((a.index, a.mode) for a in cb.apps.values())))
+    return (cb.mem.ops_generation, tuple(sorted((a.index, a.mode) for a in cb.apps.values())))
 
 
 # ---------------------------------------------------------------- capture-time notes
@@ -586,10 +585,12 @@ def _pool_regions(g) -> list:
 
 def _check_regions(g, cb) -> list:
     regions = [_TensorRegion(n, cb.dev[n], exact) for n, exact in _CB_STATE]
-    for name, exact in (("_custom_select", True), ("_custom_out", False)):
-        t = getattr(cb, name, None)
+    for name, t, exact in (
+        ("custom_select", cb.custom.select, True),
+        ("custom_out", cb.custom.out, False),
+    ):
         if t is not None:
-            regions.append(_TensorRegion(name.lstrip("_"), t, exact))
+            regions.append(_TensorRegion(name, t, exact))
     pool = _pool_regions(g)
     if not pool:
         # its outputs are somewhere the check cannot see, or restore
@@ -659,8 +660,8 @@ def _check_due(g, cb) -> bool:
     return (
         cb is not None
         and cb.ptr == g._xmix_cb
-        and bool(getattr(cb, "any_active", False))
-        and bool(int(getattr(cb, "step_active", 0) or 0) & g._xmix_check_apps)
+        and cb.step.any_active
+        and bool(cb.step.active & g._xmix_check_apps)
     )
 
 
@@ -670,8 +671,8 @@ _check_budget: weakref.WeakKeyDictionary[Any, list] = weakref.WeakKeyDictionary(
 
 def _budget(cb) -> list:
     b = _check_budget.get(cb)
-    if b is None or b[0] != cb.ops_generation:
-        b = _check_budget[cb] = [cb.ops_generation, 0, False]
+    if b is None or b[0] != cb.mem.ops_generation:
+        b = _check_budget[cb] = [cb.mem.ops_generation, 0, False]
     return b
 
 
@@ -807,14 +808,14 @@ def _custom_not_run(g) -> None:
     from xmix import ops
 
     cb = ops.get_control()
-    if cb is None or not cb.any_active:
+    if cb is None or not cb.step.any_active:
         return
-    custom = getattr(cb, "_site_custom", None)
+    custom = cb.mem.site_custom
     if not custom:
         return
     for site in g._xmix_sites & custom.keys():
         hit = sorted(
-            {so.inst.index for _, so in custom[site] if (cb.step_active >> so.inst.index) & 1}
+            {so.inst.index for _, so in custom[site] if (cb.step.active >> so.inst.index) & 1}
         )
         if not hit:
             continue
@@ -823,7 +824,7 @@ def _custom_not_run(g) -> None:
             "its user kernel cannot run in this CUDA graph, which replays its anchors "
             f"({'XMIX_GRAPH_PATCH=0' if g._xmix_state == 'disabled' else g._xmix_refused or 'its patch was refused, see the log'})"
         )
-        cb.site_failed(site, [(index, why) for index in hit])
+        cb.sites.site_failed(site, [(index, why) for index in hit])
 
 
 def _make_graph_class(base: type) -> type:
@@ -1022,7 +1023,7 @@ def set_mode(cb, name: str, mode: str) -> int:
     with nvtx_range(f"xmix.mode {name}={mode}"):
         n = set_app_enabled(cb, inst.index, mode != "off")
     prev = _planned.get(cb)
-    if prev is not None and prev[0] == cb.ops_generation:
+    if prev is not None and prev[0] == cb.mem.ops_generation:
         _planned[cb] = _fingerprint(cb)
     return n
 

@@ -7,7 +7,7 @@ process's control block (``set_control``) and runs the site program:
 - CPU: the native kernel in ``xmix/_site_op.so`` (csrc/site/site_op_cpu.cpp, registered with
   the dispatcher: no Python per site), which returns at once when no app of the batch has an
   op at this site and records a failing op in the block's ``site_state`` for
-  ``ControlBlock.collect_site_failures`` after the forward. ``_site_cpu`` below is its Python
+  ``SiteReports.collect`` (control/site_state.py) after the forward. ``_site_cpu`` below is its Python
   reference (same checks, same calls, failures handed over at once); it serves where the
   native library was not built (a torch without the stable ABI headers at build time) and
   in the tests that hold both kernels to one behaviour;
@@ -48,7 +48,7 @@ def set_control(cb) -> None:
             NATIVE.xmix_site_bind(0, 0, 0, 0)
         else:
             NATIVE.xmix_site_bind(
-                cb.ptr, cb.site_active.ctypes.data, cb.n_sites, cb.site_state.ctypes.data
+                cb.ptr, cb.step.site_active.ctypes.data, cb.n_sites, cb.sites.state.ctypes.data
             )
 
 
@@ -78,7 +78,7 @@ def _args(h: torch.Tensor, r: torch.Tensor | None):
 
 def _site_cpu(h: torch.Tensor, r: torch.Tensor | None, site: int) -> None:
     cb = _CONTROL
-    if cb is None or not cb.site_active[site]:
+    if cb is None or not cb.step.site_active[site]:
         return
     t0 = perf_counter()
     try:
@@ -87,8 +87,8 @@ def _site_cpu(h: torch.Tensor, r: torch.Tensor | None, site: int) -> None:
     except Exception as e:  # nothing of the site ran: its apps' requests fail, not the step
         failed = [(None, f"{type(e).__name__}: {e}")]
     if failed:
-        cb.site_failed(site, failed)
-    cb.py_site_seconds += perf_counter() - t0
+        cb.sites.site_failed(site, failed)
+    cb.sites.py_seconds += perf_counter() - t0
     python_site_calls[0] += 1
 
 
@@ -97,7 +97,7 @@ def _site_cuda(h: torch.Tensor, r: torch.Tensor | None, site: int) -> None:
     if cb is None:
         return
     capturing = torch.cuda.is_current_stream_capturing()
-    if not capturing and not cb.site_active[site]:
+    if not capturing and not cb.step.site_active[site]:
         return
     n, d, sh, sr, rp, dt = _args(h, r)
     stream = torch.cuda.current_stream(h.device).cuda_stream
@@ -108,9 +108,9 @@ def _site_cuda(h: torch.Tensor, r: torch.Tensor | None, site: int) -> None:
         return
     try:
         _C.launch_site_anchor(cb.ptr, site, h.data_ptr(), rp, n, d, sh, sr, dt, stream)
-        cb.launch_custom_ops(site, h, r, n, d, sh, sr, dt, stream)
+        cb.custom.launch(site, h, r, n, d, sh, sr, dt, stream)
     except RuntimeError as e:  # a launch refused: the site's apps' requests fail, not the step
-        cb.site_failed(site, [(None, str(e))])
+        cb.sites.site_failed(site, [(None, str(e))])
 
 
 # Calls of the Python reference kernel in this process (the worker reports it: a served CPU

@@ -31,7 +31,7 @@ A_ROWS = torch.tensor([1, 1, 1, 0, 0], dtype=torch.bool)
 
 
 def _counts(hs: Harness) -> dict[str, int]:
-    return hs.cb.nonfinite_writes()
+    return hs.cb.sites.nonfinite_writes()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -188,7 +188,7 @@ def test_a_failing_op_fails_its_requests_and_the_site_goes_on(lib):
     failed = hs.cb.take_failed()
     assert list(failed) == ["a"]
     assert "'bad'" in failed["a"] and "cannot open its lookup table" in failed["a"]
-    assert hs.cb.site_errors == {"bad": 1}
+    assert hs.cb.sites.site_errors == {"bad": 1}
     hs.step({"b": Req(1, 7, 7, ("stamp",)), "c": Req(1, 1, 1, ())})
     h = torch.ones(2, D)
     hs.run("residual.pre", 0, h, None)

@@ -34,8 +34,8 @@ def _vec(seed: int, d: int = D) -> torch.Tensor:
 
 def _live_state(cb: ControlBlock) -> dict[str, np.ndarray]:
     snap = {k: v.copy() for k, v in cb.host.items()}
-    snap["__block"] = cb._block_host.numpy().copy()
-    snap["__site_app_mask"] = cb.site_app_mask.copy()
+    snap["__block"] = cb.mem.block_host.numpy().copy()
+    snap["__site_app_mask"] = cb.mem.site_app_mask.copy()
     return snap
 
 
@@ -87,7 +87,7 @@ def test_refused_install_leaves_the_live_control_block_untouched():
     cb = ControlBlock(SHAPE, "cpu", SMALL)
     _steer_probe(cb)
     cb.admit("running", ["steer", "gated"], {"steer": {"scale": 2.0}}, 10)
-    gen = cb.ops_generation
+    gen = cb.mem.ops_generation
     before = _live_state(cb)
     too_many_ops = xmix.App("wide")
     for i in range(20):
@@ -96,7 +96,7 @@ def test_refused_install_leaves_the_live_control_block_untouched():
         with pytest.raises(DeployError, match="max_cond|max_ops"):
             cb.install(lower(bad, SHAPE), version=9)
         _assert_same(before, _live_state(cb))
-        assert cb.ops_generation == gen and sorted(cb.apps) == ["gated", "steer"]
+        assert cb.mem.ops_generation == gen and sorted(cb.apps) == ["gated", "steer"]
     # refused mode / params / unknown app: nothing applied
     with pytest.raises(DeployError):
         cb.patch("steer", mode="bogus", params={"scale": 3.0})
@@ -106,13 +106,13 @@ def test_refused_install_leaves_the_live_control_block_untouched():
     # the allocations of the refused deploys went back: the same app fits once room is made
     cb.patch("steer", params={"scale": 3.0})
     cb.patch("steer", mode="all")
-    assert cb.ops_generation == gen  # modes and parameters are not a new op list
+    assert cb.mem.ops_generation == gen  # modes and parameters are not a new op list
     small = xmix.App("small")
     small.write("add", vector=_vec(40)).layers([3]).submodule("mlp.post")
     cb.install(lower(small, SHAPE), version=10)
-    assert cb.ops_generation == gen + 1
+    assert cb.mem.ops_generation == gen + 1
     cb.remove("small")
-    assert cb.ops_generation == gen + 2
+    assert cb.mem.ops_generation == gen + 2
 
 
 def test_staged_refusal_queues_no_device_work_and_a_commit_lands_between_steps():
@@ -149,21 +149,21 @@ def test_prepared_deploy_is_not_live_until_committed():
     before = _live_state(cb)
     extra = xmix.App("extra")
     extra.read("probe", weight=_vec(50)).layers([1]).submodule("residual.mid").named("e")
-    cb.prepare_install(lower(extra, SHAPE), "all", 3)
+    cb.deploy.prepare_install(lower(extra, SHAPE), "all", 3)
     _assert_same(before, _live_state(cb))
     assert "extra" not in cb.apps
-    assert cb.abort_install("extra")
+    assert cb.deploy.abort_install("extra")
     _assert_same(before, _live_state(cb))
-    cb.prepare_install(lower(extra, SHAPE), "all", 3)
-    inst = cb.commit_install("extra")
-    assert inst.version == 3 and cb.describe()[-1]["mode"] == "all"
+    cb.deploy.prepare_install(lower(extra, SHAPE), "all", 3)
+    inst = cb.deploy.commit_install("extra")
+    assert inst.version == 3 and cb.deploy.describe()[-1]["mode"] == "all"
     # a prepared deploy made stale by another change is refused at commit
     other = xmix.App("other")
     other.write("add", vector=_vec(51)).layers([0]).submodule("residual.pre")
-    cb.prepare_install(lower(other, SHAPE), "request", 4)
+    cb.deploy.prepare_install(lower(other, SHAPE), "request", 4)
     cb.remove("extra")
     with pytest.raises(DeployError, match="changed since it was prepared"):
-        cb.commit_install("other")
+        cb.deploy.commit_install("other")
     assert "other" not in cb.apps
 
 
@@ -175,17 +175,17 @@ def test_pinned_admission_leaves_out_gone_or_redeployed_apps():
     r1 = xmix.App("r1")
     r1.write("add", vector=_vec(60), scale=1.0).layers([1]).submodule("residual.post")
     cb.install(lower(r1, SHAPE), version=1)
-    slot, dropped = cb.admit_pinned("a", ["r1"], {"r1": [1, [[0, 2.0]]]}, 5)
+    slot, dropped = cb.slots.admit_pinned("a", ["r1"], {"r1": [1, [[0, 2.0]]]}, 5)
     assert dropped == []
     assert cb.host["slot_params"][slot * SMALL.max_params + cb.apps["r1"].param_base] == 2.0
     cb.remove("r1")
     r1b = xmix.App("r1")
     r1b.write("ablate", direction=_vec(61)).layers([1]).submodule("residual.post")
     cb.install(lower(r1b, SHAPE), version=2)
-    slot, dropped = cb.admit_pinned("b", ["r1"], {"r1": [1, [[0, 2.0]]]}, 5)
+    slot, dropped = cb.slots.admit_pinned("b", ["r1"], {"r1": [1, [[0, 2.0]]]}, 5)
     assert dropped == ["r1"] and int(cb.host["slot_apps"][slot]) == 0
     # a pin for a mode-"all" app that is gone: left out too
-    slot, dropped = cb.admit_pinned("c", [], {"gone": [7, [[0, 1.0]]]}, 5)
+    slot, dropped = cb.slots.admit_pinned("c", [], {"gone": [7, [[0, 1.0]]]}, 5)
     assert dropped == ["gone"]
 
 

@@ -416,9 +416,9 @@ def test_a_request_opted_out_of_a_mode_all_app_is_left_alone(backend):
     cb = ControlBlock(SHAPE, backend, SMALL)
     cb.install(lower(safety, SHAPE), "all", 1)
     slots = [
-        cb.admit_pinned("a", [], {}, 2)[0],
-        cb.admit_pinned("b", [], {}, 2, forced=[])[0],
-        cb.admit_pinned("c", [], {}, 2, forced=["safety"])[0],
+        cb.slots.admit_pinned("a", [], {}, 2)[0],
+        cb.slots.admit_pinned("b", [], {}, 2, forced=[])[0],
+        cb.slots.admit_pinned("c", [], {}, 2, forced=["safety"])[0],
     ]
     from xmix import ops
 

@@ -529,13 +529,13 @@ def test_ensure_current_replans_when_the_op_list_changes_at_a_reused_address(mon
         lambda c: (calls.append("replan"), graphs._planned.__setitem__(c, graphs._fingerprint(c))),
     )
     assert graphs.ensure_current(cb) and calls == ["replan"]
-    old_list, gen = cb._site_ops, cb.ops_generation
+    old_list, gen = cb.mem.site_ops, cb.mem.ops_generation
     cb.remove("steer")
     cb.install(lower(gated, SHAPE))
-    assert cb.ops_generation == gen + 2
+    assert cb.mem.ops_generation == gen + 2
     # what address reuse looks like: the new op list in the old list object
-    old_list[:] = cb._site_ops
-    cb._site_ops = old_list
+    old_list[:] = cb.mem.site_ops
+    cb.mem.site_ops = old_list
     assert graphs.ensure_current(cb), "stale op nodes: the deploy was not re-planned"
     assert calls == ["replan", "replan"]
 

@@ -119,11 +119,11 @@ def test_a_recompute_keeps_what_monitors_decided(backend):
     h1 = torch.randn(4, D, generator=torch.Generator().manual_seed(5))
     out, _ = run_step(hs, {"a": Req(4, 0, 4, ("mon",), params)}, h0, r0, h1, backend)
     assert out["a"][SWITCHED_KEY][0]["position"] == 2
-    cb.suspend("a")
+    cb.slots.suspend("a")
     hs.slots.pop("a")
     # an unrelated request takes the slot meanwhile
     run_step(hs, {"z": Req(2, 0, 2, ("mon",))}, h0[:2], r0[:2], h1[:2], backend)
-    slot = cb.resume("a")
+    slot = cb.slots.resume("a")
     hs.slots["a"] = slot
     cb.patch("mon", params={"stop_at": 0.0})  # every position a recompute decides would stop
     big = torch.full((5, D), 4.0) * torch.sign(W)  # p ~ 1 everywhere
@@ -147,7 +147,7 @@ def test_monitors_through_the_staged_read_back():
     cb.admit("a", ["mon"], {}, 3)
     cb.admit("b", [], {}, 2)
     h, r = stream(5, seed=7)
-    slots = np.array([cb.slots["b"], cb.slots["a"]], np.int32)
+    slots = np.array([cb.slots.slot_of["b"], cb.slots.slot_of["a"]], np.int32)
     cb.begin_step(slots, np.array([2, 3]), np.array([0, 5]), np.array([2, 3]), 5)
     cb.prologue(torch.zeros(5, dtype=torch.int32))
     F32 = _C.constants()["DT_F32"]
@@ -157,7 +157,7 @@ def test_monitors_through_the_staged_read_back():
                 cb.ptr, sid, h.data_ptr(), r.data_ptr(), 5, D, D, D, F32
             )
         )
-    pend = cb.drain_async()
+    pend = cb.reads.drain_async()
     cb.end_step()
     res = pend.result()
     want = float(R.probe(R.stream(h, r), W, 0.0)[2])

@@ -29,9 +29,9 @@ def writing_control(request):
     app.write("add", vector=v, scale=2.0).layers([0]).submodule("residual.pre")
     cb = ControlBlock(SHAPE, dev, SMALL)
     cb.install(lower(app, SHAPE), "request", 1)
-    slot, left_out = cb.admit_pinned("r0", ["push"], {"push": [1, []]}, 3)
+    slot, left_out = cb.slots.admit_pinned("r0", ["push"], {"push": [1, []]}, 3)
     assert left_out == []
-    other = cb.admit_pinned("r1", [], {}, 3)[0]
+    other = cb.slots.admit_pinned("r1", [], {}, 3)[0]
     cb.begin_step(
         np.array([slot, other], dtype=np.int32),
         np.array([3, 3]),

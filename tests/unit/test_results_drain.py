@@ -73,12 +73,12 @@ def test_a_nan_read_is_reported_through_the_staged_read_back():
     h, r = stream(4, seed=3)
     h[2, 0] = math.nan
     cb.begin_step(
-        np.array([cb.slots["a"]], np.int32), np.array([4]), np.array([0]), np.array([4]), 4
+        np.array([cb.slots.slot_of["a"]], np.int32), np.array([4]), np.array([0]), np.array([4]), 4
     )
     site = site_id("residual.pre", 0, SHAPE.n_layers)
     F32 = _C.constants()["DT_F32"]
     dev.launch(lambda: _C.run_site_cpu(cb.ptr, site, h.data_ptr(), r.data_ptr(), 4, D, D, D, F32))
-    p = cb.drain_async()
+    p = cb.reads.drain_async()
     cb.end_step()
     got = p.result()["a"]["k"]["p"]
     assert got["positions"] == [0, 1, 2, 3]
@@ -175,14 +175,14 @@ def test_staged_read_back_copies_only_the_rows_a_window_lets_through():
     cb.admit("b", ["c"], {}, 3)
     cb.admit("c", [], {}, 2)
     h, r = stream(9, seed=5)
-    slots = np.array([cb.slots[x] for x in "abc"], np.int32)
+    slots = np.array([cb.slots.slot_of[x] for x in "abc"], np.int32)
     cb.begin_step(slots, np.array([4, 3, 2]), np.array([0, 0, 0]), np.array([4, 3, 2]), 9)
     site = site_id("residual.post", 1, SHAPE.n_layers)
     F32 = _C.constants()["DT_F32"]
     dev.launch(lambda: _C.run_site_cpu(cb.ptr, site, h.data_ptr(), r.data_ptr(), 9, D, D, D, F32))
     dev.run()
     dev.take_bytes()
-    p = cb.drain_async()
+    p = cb.reads.drain_async()
     cb.end_step()
     res = p.result()
     _, d2h = dev.take_bytes()

@@ -146,13 +146,13 @@ def test_v2_adapter_maps_and_results():
     # again when it resumes; positions it reported are not reported twice
     sched2 = NS(finished_req_ids=set(), preempted_req_ids={"a"}, scheduled_new_reqs=[])
     runner.finish_requests(sched2)
-    assert "a" not in cb.slots
+    assert "a" not in cb.slots.slot_of
     sched3 = NS(
         finished_req_ids={"b"}, preempted_req_ids=None, scheduled_new_reqs=[_new_req("a", 3, ["k"])]
     )
     runner.finish_requests(sched3)
     runner.add_requests(sched3)
-    assert "a" in cb.slots and "b" not in cb.slots
+    assert "a" in cb.slots.slot_of and "b" not in cb.slots.slot_of
     assert runner._xmix.stats["restarts"] == 1
     ib2 = NS(
         num_reqs=1,

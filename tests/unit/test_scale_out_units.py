@@ -91,7 +91,7 @@ def fleet():
 
 
 def held(e: Engine) -> dict:
-    return {a["name"]: (a["version"], a["mode"], a["params"]) for a in e.cb.describe()}
+    return {a["name"]: (a["version"], a["mode"], a["params"]) for a in e.cb.deploy.describe()}
 
 
 def test_deploy_refused_by_one_engine_is_rolled_back_on_all(fleet):
@@ -100,13 +100,13 @@ def test_deploy_refused_by_one_engine_is_rolled_back_on_all(fleet):
     with pytest.raises(DeployError, match="refused on this engine"):
         s1.deploy(app("a"))
     for e in engines:
-        assert held(e) == {} and not e.cb._staged  # nothing live, nothing left prepared
+        assert held(e) == {} and not e.cb.deploy.staged  # nothing live, nothing left prepared
     assert s1.apps() == []
     engines[1].refuse = {"xmix_deploy_commit"}  # one engine loses its prepared state
     with pytest.raises(DeployError):
         s1.deploy(app("a"))
     for e in engines:
-        assert held(e) == {} and not e.cb._staged
+        assert held(e) == {} and not e.cb.deploy.staged
     engines[1].refuse = set()
     info = s1.deploy(app("a"))
     assert [held(e) for e in engines] == [
@@ -434,7 +434,7 @@ def test_changes_an_engine_did_not_answer_leave_every_engine_as_the_ledger_says(
     assert held(engines[0]) == {"a": (1, "request", {"#0.scale": 1.0})}
     c.restore()
     for e in engines:  # the queued change, then its rollback, reached engine 1 in order
-        assert held(e) == {"a": (1, "request", {"#0.scale": 1.0})} and not e.cb._staged
+        assert held(e) == {"a": (1, "request", {"#0.scale": 1.0})} and not e.cb.deploy.staged
     assert [(x["name"], x["mode"], x["params"]) for x in s.apps()] == [
         ("a", "request", {"#0.scale": 1.0})
     ]

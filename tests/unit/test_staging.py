@@ -121,7 +121,7 @@ def run_steps(x: WorkerXmix, dev: FakeDevice, catch_up: str, steps=STEPS):
     "eager" (the device runs everything as soon as it is queued: a synchronous device)."""
     cb = x.cb
     for rid, plen in (("A", 3), ("B", 2)):
-        if rid not in cb.slots:
+        if rid not in cb.slots.slot_of:
             cb.admit(rid, ["w", "r"] if rid == "A" else [], {}, plen)
     hs, outs = [], []
     for k, st in enumerate(steps):
@@ -225,7 +225,7 @@ def test_ring_waits_only_when_more_steps_are_queued_than_staging_sets():
     x, dev = make_rank(False)
     steps = [STEPS[0], STEPS[1], dict(STEPS[1], start=[3, 4]), dict(STEPS[1], start=[4, 5])]
     hs, _ = run_steps(x, dev, "end", steps)
-    assert dev.host_waits == 1 and x.cb.staging_stats()["staging_waits"] == 1
+    assert dev.host_waits == 1 and x.cb.mem.staging_stats()["staging_waits"] == 1
     dev.run()
     for k in range(4):
         h_exp = h_in(k, steps[k]["padded"])
@@ -236,7 +236,7 @@ def test_ring_waits_only_when_more_steps_are_queued_than_staging_sets():
 def _admit_and_step(x, dev, rids, plen=4):
     cb = x.cb
     for rid in rids:
-        if rid not in cb.slots:
+        if rid not in cb.slots.slot_of:
             cb.admit(rid, ["w"], {}, plen)
     n = len(rids)
     x.begin(
@@ -286,7 +286,7 @@ def test_step_copies_only_maps_and_changed_slot_rows():
     dev.run()
     P = cap.max_params
     for rid in ("a", "b", "c"):
-        s = x.cb.slots[rid]
+        s = x.cb.slots.slot_of[rid]
         assert torch.equal(
             x.cb.dev["slot_params"][s * P : (s + 1) * P],
             torch.from_numpy(x.cb.host["slot_params"][s * P : (s + 1) * P]),
@@ -349,7 +349,7 @@ def test_changed_rows_beyond_a_staging_set_fall_back_to_one_full_copy():
     )
     queue_forward(x, dev, hs)
     x.after_forward()
-    assert cb.stats["full_param_copies"] == 1
+    assert cb.mem.stats["full_param_copies"] == 1
     dev.run()
     assert hs[:, 0].tolist() == [1.0, 2.0, 3.0]
 

@@ -3,7 +3,7 @@ data-parallel engines (real control blocks on the CPU; test_scale_out_units's fl
 state directory's writer on the first worker of the first engine (state_dir.py, ledger.py),
 and the restore (restore.py). A "restart" is a new fleet on the same directory.
 
-Oracles: what the engines' control blocks hold (``cb.describe()``: each app's version, mode
+Oracles: what the engines' control blocks hold (``cb.deploy.describe()``: each app's version, mode
 and parameters, the engine's own record), compared before and after; the registries'
 answers before the restart; hand-written expectations for the floors."""
 
@@ -94,7 +94,7 @@ def test_a_change_the_state_directory_cannot_take_is_not_made(tmp_path):
     assert isinstance(NotSaved("x"), EngineGone)  # the server answers it as a 503
     assert s1.apps() == apps
     assert [held(e) for e in engines] == on_engines
-    assert all(not e.cb._staged for e in engines)  # the refused deploy's preparation dropped
+    assert all(not e.cb.deploy.staged for e in engines)  # the refused deploy's preparation dropped
     st._crash = None
     s1.patch("a", mode="off")
     assert on_disk(d)["a"][1] == "off"

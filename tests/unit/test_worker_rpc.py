@@ -69,7 +69,7 @@ class Executor:
 
     def held(self) -> list[list[tuple[str, int]]]:
         return [
-            sorted((a["name"], a["version"]) for a in w.model_runner._xmix.cb.describe())
+            sorted((a["name"], a["version"]) for a in w.model_runner._xmix.cb.deploy.describe())
             for w in self.workers
         ]
 
@@ -130,7 +130,7 @@ def test_a_refusal_on_one_rank_is_the_callers_error_and_changes_nothing():
     x0.deploy = real
     assert not any(ex.queues)
     assert [sorted(n for n, _ in h) for h in ex.held()] == [["a"], ["a"]]
-    assert not any(w.model_runner._xmix.cb._staged for w in ex.workers)  # nothing prepared
+    assert not any(w.model_runner._xmix.cb.deploy.staged for w in ex.workers)  # nothing prepared
     ctl.deploy(app("b"))
     assert [sorted(n for n, _ in h) for h in ex.held()] == [["a", "b"], ["a", "b"]]
 

@@ -8,12 +8,19 @@
 - ``link``: after lowering, an app placed (``InstalledApp``, per op by its position in the
   lowered op list) and a set of apps turned into the op list (OpDesc records, condition code,
   site tables, token sets, spans)
-- ``custom``: user kernels loaded at deploy
-- ``slots``: request slots and what each request asked for and has reported
+- ``custom``: user kernels loaded at deploy, and their launches on a GPU (``CustomOps``)
+- ``memory``: ``BlockMemory``, the buffers, header and host -> device sync, and the live
+  tables (deployed apps, site op lists, app bitmasks): the one object the parts share
+- ``deploy``: ``Deployer``, install (prepare, commit, abort), patch and remove, each a
+  transaction swapped in between two steps
+- ``slots``: request slots and what each request asked for and has reported (``SlotState``);
+  admitting, preempting and releasing requests (``Slots``)
+- ``step``: ``Step``, one forward on the host: step maps, prologue, the empty step after
 - ``stage``: a step's host data to the device on staged (GPU) engines
-- ``drain``: a step's reads to per-request results, and their staged read-back
-- ``block``: ``ControlBlock``, the buffers and the host operations between steps, composed
-  from the above
+- ``site_state``: what site programs report (``SiteReports``): failures, seconds,
+  non-finite writes
+- ``drain``: a step's reads to per-request results (``Drain``), and their staged read-back
+- ``block``: ``ControlBlock``, the composition of the parts above
 """
 
 from xmix.control.block import ControlBlock

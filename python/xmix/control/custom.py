@@ -1,6 +1,6 @@
 """User kernels, loaded at deploy: a shared library's symbol on a CPU engine; on a GPU a fatbin,
 or CUDA source compiled with nvcc for the device's architecture. (They run after a site's
-built-in ops: ControlBlock.launch_custom_ops on a GPU, the interpreter on a CPU.)"""
+built-in ops: ``CustomOps.launch`` on a GPU, the interpreter on a CPU.)"""
 
 from __future__ import annotations
 
@@ -8,12 +8,15 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from xmix import _C
 from xmix.lowering import DeployError, LoweredApp, LoweredOp
+
+if TYPE_CHECKING:
+    from xmix.control.memory import BlockMemory
 
 
 def load_custom(lw: LoweredApp, on_gpu: bool) -> dict[int, int]:
@@ -80,3 +83,58 @@ def load_custom_cuda(app: str, o: LoweredOp, ck: Any) -> int:
         return int(_C.load_custom_cuda(image, ck.cuda_symbol))
     except (RuntimeError, AttributeError) as e:
         raise DeployError(f"app {app!r}, op {o.label}: {e}") from None
+
+
+class CustomOps:
+    """GPU: the launches of a site's user kernels, after its built-in ops (the anchor skips
+    them), with the scratch buffers they share."""
+
+    def __init__(self, mem: BlockMemory):
+        self.mem = mem
+        self.select: torch.Tensor | None = None
+        self.out: torch.Tensor | None = None
+        if mem.on_gpu:
+            T, device = mem.cap.max_tokens, mem.device
+            self.select = torch.zeros(T, dtype=torch.uint8, device=device)
+            self.out = torch.zeros(T, dtype=torch.float32, device=device)
+
+    def launch(
+        self,
+        site: int,
+        h: torch.Tensor,
+        r: torch.Tensor | None,
+        n: int,
+        d: int,
+        sh: int,
+        sr: int,
+        dt: int,
+        stream: int,
+    ) -> None:
+        mem = self.mem
+        for k, so in mem.site_custom.get(site, ()):
+            assert self.select is not None and self.out is not None  # on a GPU
+            lo = so.linked
+            art = lo.artifacts.get("a0")
+            _C.launch_custom(
+                mem.ptr,
+                site,
+                k,
+                lo.fn,
+                h.data_ptr(),
+                r.data_ptr() if r is not None else 0,
+                sh,
+                sr,
+                n,
+                d,
+                dt,
+                mem.cap.max_params,
+                mem.dev["tok_slot"].data_ptr(),
+                mem.dev["tok_pos"].data_ptr(),
+                mem.dev["slot_params"].data_ptr(),
+                lo.param_col,
+                art.data_ptr() if art is not None else 0,
+                int(art.numel()) if art is not None else 0,
+                self.select.data_ptr(),
+                self.out.data_ptr(),
+                stream,
+            )

@@ -1,5 +1,6 @@
 """Draining a step's reads: which result channels and capture rows hold what, and turning
-them into per-request ``ReadResult`` arrays within each request's window and byte budget.
+them into per-request ``ReadResult`` arrays within each request's window and byte budget
+(``Drain``, the block's part the worker calls after each forward).
 
 On a CPU engine the drain reads the buffers themselves. Staged (GPU), ``ReadBack`` queues the
 step's results (and only the capture rows some request can report) to a pinned read-back set
@@ -24,7 +25,10 @@ from xmix.staging import DeviceQueue, PinnedRing, PinnedSet
 
 if TYPE_CHECKING:
     from xmix.control.link import InstalledApp
-    from xmix.control.slots import SlotState
+    from xmix.control.memory import BlockMemory
+    from xmix.control.site_state import SiteReports
+    from xmix.control.slots import Slots, SlotState
+    from xmix.control.step import Step
 
 logger = logging.getLogger("xmix")
 
@@ -446,3 +450,129 @@ class ReadBack:
                         head.out.setdefault(rid, {}).update(got)
                 head.set = None
             return p.out
+
+
+class Drain:
+    """A step's results and monitor records to per-request results, after its forward."""
+
+    def __init__(self, mem: BlockMemory, slots: Slots, step: Step, reports: SiteReports):
+        self.mem, self.slots, self.step, self.reports = mem, slots, step, reports
+        self._mplan: tuple[tuple[int, int], MonitorPlan] | None = None
+
+    def drain(self) -> Results:
+        """Read results of this step: {req_id: {app: {read: ReadResult}}} (arrays; each
+        ReadResult reads as {positions, values} in the default shape), and a request's
+        ``TRUNCATED_KEY`` marker in the step its byte cap was reached.
+
+        Only rank 0 drains (hidden states are replicated across tensor-parallel ranks). Staged
+        (GPU), this waits for the device; the engine path uses drain_async instead.
+        Monitors report under ``STOPPED_KEY`` / ``SWITCHED_KEY`` (collect_monitors)."""
+        self.reports.collect()
+        step = self.step
+        if not (step.reads or step.monitors):
+            return {}
+        m = self.mem
+        if m.staged:
+            p = self.drain_async()
+            return p.result() if p is not None else {}
+        assert step.rows is not None
+        slots, n_req = step.rows
+        out: Results = self._drain_reads() if step.reads else {}
+        if step.monitors:
+            keys, bits = m.host["row_stop"][:n_req], m.host["row_switched"][:n_req]
+            if (keys != -1).any() or bits.any():  # most steps: nothing fired
+                slot_req = self.slots.slot_req
+                mon = collect_monitors(
+                    self._monitor_plan(),
+                    keys,
+                    bits,
+                    m.host["slot_sticky"],
+                    slots[:n_req],
+                    [slot_req.get(int(x)) for x in slots[:n_req]],
+                )
+                for rid, got in mon.items():
+                    out.setdefault(rid, {}).update(got)
+        return out
+
+    def _read_plan(self) -> list[PlannedRead]:
+        return read_plan(self.mem.apps.values(), self.step.active)
+
+    def _monitor_plan(self) -> MonitorPlan:
+        key = (self.mem.ops_generation, self.step.active)
+        if self._mplan is None or self._mplan[0] != key:
+            self._mplan = (key, monitor_plan(self.mem.apps.values(), self.step.active))
+        return self._mplan[1]
+
+    def _drain_reads(self) -> Results:
+        m = self.mem
+        n_tok = self.step.tokens
+        R, T = m.cap.max_channels, m.cap.max_tokens
+        res = m.host["results"][: n_tok * R].reshape(n_tok, R)
+        valid = m.host["result_valid"][: n_tok * R].reshape(n_tok, R)
+        assert self.step.rows is not None
+        slots = self.step.rows[0]
+        capture = m.host["capture"]
+        slot_req = self.slots.slot_req
+
+        def captured(cap: tuple[Any, ...], idx: Arr) -> Arr:
+            base, w = cap
+            return capture[base : base + T * w].reshape(-1, w)[idx]
+
+        return collect(
+            res,
+            valid,
+            m.host["tok_pos"][:n_tok],
+            m.host["tok_row"][:n_tok],
+            lambda row: slot_req.get(int(slots[row])),
+            self._read_plan(),
+            captured,
+        )
+
+    def drain_async(self) -> PendingReads | None:
+        """Staged: queue this step's results (and captured rows) to pinned host memory on a
+        side stream; the host waits only when the returned handle's result() is asked for,
+        which the worker does where vLLM resolves its own async output (get_output)."""
+        m, step = self.mem, self.step
+        if not (step.reads or step.monitors) or m.readback is None or m.stage is None:
+            return None
+        st = m.stage.step_set
+        assert st is not None and step.rows is not None
+        slots, n_req = step.rows
+        states = [self.slots.slot_req.get(int(x)) for x in slots[:n_req]]
+        return m.readback.queue(
+            m.dev,
+            self._read_plan() if step.reads else [],
+            step.tokens,
+            st,
+            slots[:n_req],
+            states,
+            lambda app, pos: self._rows_to_copy(
+                app, pos, st.np["row_tok_start"], st.np["row_n_tok"], slots[:n_req], states
+            ),
+            self._monitor_plan() if step.monitors else None,
+        )
+
+    def _rows_to_copy(
+        self,
+        app: str,
+        pos: Arr,
+        starts: Arr,
+        counts: Arr,
+        slots: Arr,
+        states: list[SlotState | None],
+    ) -> Arr | None:
+        """The tokens of this step whose capture rows a read of ``app`` can report (in the
+        window of a request that uses the app), or None when that is every token."""
+        inst = self.mem.apps[app]
+        rows = self.mem.host["slot_apps"]
+        mask = np.zeros(len(pos), dtype=bool)
+        bit = np.int64(1) << np.int64(inst.index)
+        for j, sst in enumerate(states):
+            if sst is None or sst.truncated:
+                continue
+            if inst.mode != "all" and not (rows[slots[j]] & bit):
+                continue
+            t0, n = int(starts[j]), int(counts[j])
+            win = sst.options.window
+            mask[t0 : t0 + n] = True if win is None else win.mask(pos[t0 : t0 + n], sst.prompt_len)
+        return None if mask.all() else np.flatnonzero(mask)

@@ -221,10 +221,7 @@ class StageLink:
             sub[:, ch] = state.to(cb.device, torch.float32)
             rs[slots] = sub
 
-        if cb.staged:
-            cb.xfer.launch(run)
-        else:
-            run()
+        cb.mem.launch(run)  # in stream order when staged
 
     # ---------------------------------------------------------------- send
     def outbox(self, cb, step, reads: dict | None) -> dict[str, torch.Tensor]:
@@ -232,9 +229,9 @@ class StageLink:
         later stage's ops condition on (when this step ran apps), and the reads of this and
         earlier stages."""
         out: dict[str, torch.Tensor] = {}
-        if cb.ops_generation != self._chans_gen:
+        if cb.mem.ops_generation != self._chans_gen:
             self._chans = forwarded_channels(cb.apps, self.stages)
-            self._chans_gen = cb.ops_generation
+            self._chans_gen = cb.mem.ops_generation
         if len(self._chans) and step is not None:
             slots, n_tok = step
             R = cb.cap.max_channels

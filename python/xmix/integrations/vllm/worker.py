@@ -114,7 +114,7 @@ class WorkerXmix:
         self.sched = sched
         self.release(sched.finished_req_ids)
         for rid in getattr(sched, "preempted_req_ids", None) or ():
-            self.cb.suspend(rid)  # back in the waiting queue; resumed when scheduled again
+            self.cb.slots.suspend(rid)  # back in the waiting queue; resumed when scheduled again
         self.admit_new(sched.scheduled_new_reqs)
 
     def release(self, req_ids) -> None:
@@ -128,11 +128,12 @@ class WorkerXmix:
         Anything that still fails is contained to its request: it runs without apps and
         finishes with an error (``ERROR_KEY`` in its results); nothing escapes the step."""
         cb = self.cb
+        slots = cb.slots
         for nr in new_reqs:
             n_prompt = 0
             try:
                 n_prompt = _prompt_len(nr)
-                slot = cb.resume(nr.req_id)  # V2 adds a preempted request again when it resumes
+                slot = slots.resume(nr.req_id)  # V2 adds a preempted request again when it resumes
                 if slot is not None:
                     self.stats["restarts"] += 1
                     self._started[slot] = False
@@ -141,7 +142,9 @@ class WorkerXmix:
                 if pins is None:  # not resolved by xmix's frontend: by name, checked here
                     slot, dropped = cb.admit(nr.req_id, apps, params, n_prompt, opts), []
                 else:
-                    slot, dropped = cb.admit_pinned(nr.req_id, apps, pins, n_prompt, forced, opts)
+                    slot, dropped = slots.admit_pinned(
+                        nr.req_id, apps, pins, n_prompt, forced, opts
+                    )
                 self._started[slot] = False
                 if dropped:
                     self.stats["stale_apps"] = self.stats.get("stale_apps", 0) + 1
@@ -167,7 +170,7 @@ class WorkerXmix:
         self.pending.setdefault(req_id, {})[ERROR_KEY] = (
             f"xmix could not admit this request on a worker ({type(e).__name__}: {e})"
         )
-        if req_id not in self.cb.slots:
+        if req_id not in self.cb.slots.slot_of:
             try:  # a plain slot, so the step's maps still place its tokens (inert)
                 self._started[self.cb.admit(req_id, [], None, n_prompt)] = False
             except Exception:
@@ -176,7 +179,7 @@ class WorkerXmix:
     def before_forward(self, runner, input_ids: torch.Tensor | None) -> None:
         """V1: the runner's persistent input batch describes this step."""
         sched, self.sched = self.sched, None
-        if sched is None or input_ids is None or not self.cb.could_run():
+        if sched is None or input_ids is None or not self.cb.step.could_run():
             self.begin(None, None, None, None, None, 0)
             return
         ib = runner.input_batch
@@ -205,17 +208,19 @@ class WorkerXmix:
             graphs.ensure_current(cb)
         self.stats["steps"] += 1
         self._pp_step = None
-        if req_ids is None or not cb.apps or not cb.could_run():
+        step = cb.step
+        if req_ids is None or not cb.apps or not step.could_run():
             # No request holds an app, none is in mode "all", no span to follow: this step
             # pays nothing more.
-            cb.no_sites_this_step()
+            step.no_sites()
             return
         n = len(req_ids)
         slots = np.empty(n, dtype=np.int32)
+        slot_of = cb.slots.slot_of
         for i, rid in enumerate(req_ids):
-            slot = cb.slots.get(rid)
+            slot = slot_of.get(rid)
             if slot is None:
-                slot = cb.resume(rid)
+                slot = cb.slots.resume(rid)
                 if slot is not None:  # back from preemption: recomputes from its KV
                     self.stats["restarts"] += 1
                     self._started[slot] = False
@@ -223,8 +228,9 @@ class WorkerXmix:
                     slot = cb.admit(rid, [], {}, int(plen[i]) if plen is not None else 0)
             slots[i] = slot
         if plen is None:
+            slot_req = cb.slots.slot_req
             plen = np.fromiter(
-                (cb.slot_req[s].prompt_len for s in slots.tolist()), dtype=np.int64, count=n
+                (slot_req[s].prompt_len for s in slots.tolist()), dtype=np.int64, count=n
             )
         start = np.asarray(start)
         # A request that starts again at position 0 without having been preempted (V1 keeps
@@ -233,10 +239,10 @@ class WorkerXmix:
         if again.any():
             self.stats["restarts"] += int(again.sum())
             for s in slots[again].tolist():
-                cb.recompute(s)  # its monitors keep what they decided
+                cb.slots.recompute(s)  # its monitors keep what they decided
         self._started[slots] = True
-        if cb.begin_step(slots, np.asarray(n_tok), start, np.asarray(plen), padded):
-            cb.prologue(input_ids)
+        if step.begin(slots, np.asarray(n_tok), start, np.asarray(plen), padded):
+            step.prologue(input_ids)
             self.stats["steps_with_apps"] += 1
             if self.pp is not None:
                 # after the prologue (which resets restarted requests' read state), before the forward
@@ -246,28 +252,29 @@ class WorkerXmix:
 
     def after_forward(self) -> None:
         cb = self.cb
-        if not cb.any_active and not cb._span_mask:
+        if not cb.step.any_active and not cb.mem.span_mask:
             return
-        cb.collect_site_failures()  # before the drain (a failed site clears its reads)
+        sites = cb.sites
+        sites.collect()  # before the drain (a failed site clears its reads)
         if self.rank0:
             if cb.staged:
                 # No host wait here: the results are copied on a side stream and read where
                 # vLLM reads its own sampled tokens (get_output), after sampling is queued.
-                p = cb.drain_async()
+                p = cb.reads.drain_async()
                 if p is not None:
                     self.pending_reads.append(p)
             else:
                 for rid, apps in cb.drain().items():
                     merge_results(self.pending.setdefault(rid, {}), apps)
-        if cb.failed:
+        if sites.failed:
             # An app failed inside a site program: its requests of this step end with the
             # error (the frontend finishes them); the step and every other request go on.
-            for rid, msg in cb.take_failed().items():
+            for rid, msg in sites.take_failed().items():
                 self.stats["site_errors"] = self.stats.get("site_errors", 0) + 1
                 logger.warning("xmix: request %s finished with an error: %s", rid, msg)
                 if self.rank0:
                     self.pending.setdefault(rid, {})[ERROR_KEY] = f"xmix: {msg}"
-        cb.end_step()
+        cb.step.end()
 
     def has_results(self) -> bool:
         return bool(self.pending or self.pending_reads)
@@ -317,13 +324,13 @@ class WorkerXmix:
                 f"which this engine did not place (additional_config['xmix'] sites / "
                 f"layers chose the placed sites at start)"
             )
-        self.cb.prepare_install(lowered, mode, version)
+        self.cb.deploy.prepare_install(lowered, mode, version)
         if commit:
-            self.cb.commit_install(lowered.name)
+            self.cb.deploy.commit_install(lowered.name)
         return {"name": lowered.name, "sites": lowered.sites}
 
     def describe(self) -> list[dict]:
-        return self.cb.describe()
+        return self.cb.deploy.describe()
 
 
 def _stage_link(cfg, n_layers: int):
@@ -514,7 +521,7 @@ def patch_model_runner_v2(cls) -> None:
             x.release(scheduler_output.finished_req_ids)
             # V2 drops preempted requests and adds them again when they resume.
             for rid in scheduler_output.preempted_req_ids or ():
-                x.cb.suspend(rid)
+                x.cb.slots.suspend(rid)
 
     def add_requests(self, scheduler_output):
         orig_add(self, scheduler_output)
@@ -650,11 +657,11 @@ def xmix_deploy_prepare(self, data: bytes, mode: str = "request", version: int =
 
 
 def xmix_deploy_commit(self, name: str) -> None:
-    _wx(self).cb.commit_install(name)
+    _wx(self).cb.deploy.commit_install(name)
 
 
 def xmix_deploy_abort(self, name: str) -> bool:
-    return _wx(self).cb.abort_install(name)
+    return _wx(self).cb.deploy.abort_install(name)
 
 
 def xmix_undeploy(self, name: str) -> None:
@@ -664,7 +671,7 @@ def xmix_undeploy(self, name: str) -> None:
 def xmix_undeploy_if_present(self, name: str) -> bool:
     """Rollback of a deploy committed on some workers only: remove it where it is."""
     x = _wx(self)
-    x.cb.abort_install(name)
+    x.cb.deploy.abort_install(name)
     if name in x.cb.apps:
         x.cb.remove(name)
         return True
@@ -692,18 +699,18 @@ def xmix_describe(self) -> dict:
         "sites": x.sites,
         "stats": {
             **x.stats,
-            **x.cb.staging_stats(),
+            **x.cb.mem.staging_stats(),
             "host_seconds_step": x.host_seconds,
-            "host_seconds_sites": x.cb.site_seconds,
+            "host_seconds_sites": x.cb.sites.seconds,
             # which CPU site kernel serves: "native" makes no Python call per site
             "site_kernel": "native" if ops.NATIVE is not None else "python",
             "python_site_calls": ops.python_site_calls[0],
         },
         "graphs": graphs.stats(),
-        "ops_generation": x.cb.ops_generation,
-        "nonfinite_writes": x.cb.nonfinite_writes(),
-        "site_errors": dict(x.cb.site_errors),
-        "slots_in_use": len(x.cb.slots),
+        "ops_generation": x.cb.mem.ops_generation,
+        "nonfinite_writes": x.cb.sites.nonfinite_writes(),
+        "site_errors": dict(x.cb.sites.site_errors),
+        "slots_in_use": len(x.cb.slots.slot_of),
         "where": _where(self),
         "ledger": _ledger_summary(x),
     }
