@@ -76,32 +76,26 @@ class Step:
             )
         padded = max(n_tok, n_rows_padded or 0)
         stage = m.stage
+        # the maps go to the next staging set (device) or straight into the block (CPU)
+        st = None
         if stage is not None:
             st = stage.step_set = stage.ring.next()
-            _C.fill_step_maps(
-                n_req,
-                slots.ctypes.data,
-                n_tok_a.ctypes.data,
-                start.ctypes.data,
-                plen.ctypes.data,
-                padded,
-                st.ptrs,
-            )
+        _C.fill_step_maps(
+            n_req,
+            slots.ctypes.data,
+            n_tok_a.ctypes.data,
+            start.ctypes.data,
+            plen.ctypes.data,
+            padded,
+            st.ptrs if st is not None else m.map_ptrs,
+        )
+        if stage is not None and st is not None:
             st.np["header"][:] = (n_tok, n_req)
             after = None
             if m.readback is not None:
                 after, m.readback.event = m.readback.event, None
             stage.stage_step(st, padded, n_req, m.param_width(), after)
         else:
-            _C.fill_step_maps(
-                n_req,
-                slots.ctypes.data,
-                n_tok_a.ctypes.data,
-                start.ctypes.data,
-                plen.ctypes.data,
-                padded,
-                m.map_ptrs,
-            )
             m.set_step_header(n_tok, n_req)
             m.sync_block()
         np.not_equal(m.site_app_mask & np.uint64(active), 0, out=self.site_active)
