@@ -11,7 +11,7 @@ import ctypes
 import math
 import struct
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -25,9 +25,6 @@ from xmix.lowering import (
     RequestError,
     latch_from_generated,
 )
-
-if TYPE_CHECKING:
-    from xmix.integrations.hf import Attachment
 
 NAN = float("nan")
 
@@ -153,7 +150,7 @@ class Request:
 
     def __init__(
         self,
-        attachment: Attachment,
+        attachment: Any,  # the xmix.integrations.hf.Attachment (not imported: no cycle)
         prompt_ids: list[int],
         apps: list[str],
         params: dict[str, dict[str, float]],
