@@ -25,7 +25,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 from safetensors import safe_open
@@ -102,7 +104,7 @@ def stop_kept() -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m xmix.demo",
         description=__doc__,
@@ -118,13 +120,176 @@ def main(argv: list[str] | None = None) -> int:
         help="leave the server up afterwards (to open the console); stop it with --stop",
     )
     ap.add_argument("--stop", action="store_true", help="stop the server a --keep run left up")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def _serve_command(
+    model: Path, port: int, apps: list[Path], api_key: str, admin_key: str
+) -> list[str]:
+    # Loopback only: the demo's API key is printed in the open.
+    cmd = [
+        sys.executable,
+        "-m",
+        "xmix.cli",
+        "serve",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "512",
+        "--api-key",
+        api_key,
+        "--xmix-admin-key",
+        admin_key,
+        "--served-model-name",
+        "tiny-llama",
+    ]
+    for p in apps:
+        cmd += ["--app", str(p)]
+    return cmd
+
+
+def _stop_server(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+    except ProcessLookupError:
+        pass
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+    print("[demo] server stopped")
+
+
+def _show_deployed(client: httpx.Client) -> None:
+    deployed = client.get("/xmix/v1/apps").json()["apps"]
+    print("[demo] deployed apps:")
+    for a in deployed:
+        print(
+            f"         {a['name']:11s} mode={a['mode']:8s} sites={a['sites']}  ({a['metadata'].get('demo', '')})"
+        )
+
+
+def _completer(client: httpx.Client, prompt: str, max_tokens: int) -> Callable[..., dict]:
+    """One greedy completion of the prompt with the apps named (flat ``vllm_xargs``)."""
+
+    def complete(apps_used: list[str], **xargs: float) -> dict:
+        body: dict[str, Any] = {
+            "model": "tiny-llama",
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+        }
+        if apps_used:
+            body["vllm_xargs"] = {"xmix_apps": apps_used, **xargs}
+        r = client.post("/v1/completions", json=body)
+        r.raise_for_status()
+        return r.json()
+
+    return complete
+
+
+def _steer_and_probe(
+    complete: Callable[..., dict], prompt: str, word: str
+) -> tuple[dict, dict, dict[str, float]]:
+    """Vanilla, steered, probed, steered and probed; returns the vanilla and the probed answer
+    and the probe's peak lean over generated tokens fed back, without and with steering."""
+    vanilla = complete([])
+    steered = complete(["steer_the"])
+    probed = complete(["lens_probe"])
+    both = complete(["steer_the", "lens_probe"])
+    print(f"\n[demo] prompt: {prompt!r}")
+    print(f"[demo] vanilla : {vanilla['choices'][0]['text']!r}")
+    print(
+        f"[demo] steered : {steered['choices'][0]['text']!r}   (steer_the pushes towards {word!r})"
+    )
+    peak = {}
+    for label, resp in (("probe, vanilla", probed), ("probe, steered", both)):
+        lean = resp["xmix"]["lens_probe"]["lean"]
+        gen = [
+            v
+            for p, v in zip(lean["positions"], lean["values"])
+            if p >= resp["usage"]["prompt_tokens"] - 1
+        ]
+        mean = sum(gen) / max(len(gen), 1)
+        fed = [
+            v
+            for p, v in zip(lean["positions"], lean["values"])
+            if p >= resp["usage"]["prompt_tokens"]
+        ]
+        peak[label] = max(fed, default=0.0)  # over generated tokens fed back
+        print(
+            f"[demo] {label}: lean towards {word!r} per generated token = "
+            f"{', '.join(f'{v:.2f}' for v in gen[:8])}{' ...' if len(gen) > 8 else ''}  (mean {mean:.3f})"
+        )
+    return vanilla, probed, peak
+
+
+def _guard(complete: Callable[..., dict], peak: dict[str, float]) -> tuple[dict, dict]:
+    """The monitor: a threshold the steered answer's lean crosses and the vanilla one's does
+    not, so one request is stopped and the other runs to the end."""
+    theta = (peak["probe, vanilla"] + peak["probe, steered"]) / 2
+    guard = {"xmix.the_guard.theta": theta}
+    let_run = complete(["the_guard"], **guard)
+    stopped = complete(["steer_the", "the_guard"], **guard)
+    print(f"\n[demo] the_guard (stop once the lean reaches {theta:.3f}):")
+    for label, resp in (("vanilla", let_run), ("steered", stopped)):
+        c = resp["choices"][0]
+        stop = resp["xmix_applied"].get("stopped")
+        why = (
+            f"stopped at position {stop['position']} (lean {stop['value']:.3f})"
+            if stop
+            else f"not stopped ({c['finish_reason']}, {resp['usage']['completion_tokens']} tokens)"
+        )
+        print(f"[demo]   {label:8s}: {c['text']!r}   {why}")
+    return let_run, stopped
+
+
+def _check_answers(
+    vanilla: dict, probed: dict, let_run: dict, stopped: dict, peak: dict[str, float]
+) -> None:
+    assert probed["choices"][0]["text"] == vanilla["choices"][0]["text"], (
+        "a read-only app must not change the answer"
+    )
+    print("\n[demo] the probe-only answer equals the vanilla answer (reads never write).")
+    if peak["probe, steered"] > peak["probe, vanilla"]:
+        assert let_run["choices"][0]["text"] == vanilla["choices"][0]["text"]
+        assert "stopped" not in let_run["xmix_applied"]
+        assert stopped["choices"][0]["finish_reason"] == "stop"
+        assert stopped["xmix_applied"]["stopped"]["app"] == "the_guard"
+        print(
+            "[demo] the guard let the vanilla answer run to its end and stopped the "
+            "steered one at its trigger (finish_reason 'stop')."
+        )
+
+
+def _last_words(
+    keep: bool, base: str, proc: subprocess.Popen, api_key: str, admin_key: str, log_path: Path
+) -> None:
+    """The console's URL and keys, and how the server ends (``--keep``: it stays up)."""
+    print(
+        f"\n[demo] console: {base}/xmix/ui/   (API key: {api_key}; admin key, to change apps: {admin_key})"
+    )
+    if keep:
+        (STATE_DIR / "server.pid").write_text(f"{proc.pid}\n")
+        print(f"[demo] the server keeps running (process group {proc.pid}, log {log_path}).")
+        print(f"[demo] stop it with: scripts/demo.sh --stop   (or: kill -TERM -- -{proc.pid})")
+    else:
+        print("[demo] run scripts/demo.sh --keep to leave the server up and open the console.")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     if args.stop:
         return stop_kept()
 
     model = tiny_model_path("tiny-llama")
     api_key = "xmix-demo-key"
     admin_key = "xmix-demo-admin-key"  # the control plane's own key (deploy, switch, undeploy)
+    work: contextlib.AbstractContextManager[str]
     if args.keep:
         if (STATE_DIR / "server.pid").is_file():
             stop_kept()
@@ -134,30 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         work = tempfile.TemporaryDirectory()
     with work as tmp:
         apps, word = demo_apps(model, Path(tmp))
-        # Loopback only: the demo's API key is printed in the open.
-        cmd = [
-            sys.executable,
-            "-m",
-            "xmix.cli",
-            "serve",
-            str(model),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(args.port),
-            "--dtype",
-            "float32",
-            "--max-model-len",
-            "512",
-            "--api-key",
-            api_key,
-            "--xmix-admin-key",
-            admin_key,
-            "--served-model-name",
-            "tiny-llama",
-        ]
-        for p in apps:
-            cmd += ["--app", str(p)]
+        cmd = _serve_command(model, args.port, apps, api_key, admin_key)
         env = dict(os.environ)
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         log_path = Path(tmp) / "serve.log"
@@ -175,111 +317,18 @@ def main(argv: list[str] | None = None) -> int:
             wait_ready(base, proc, args.timeout)
             headers = {"Authorization": f"Bearer {api_key}"}
             client = httpx.Client(base_url=base, headers=headers, timeout=120)
-            deployed = client.get("/xmix/v1/apps").json()["apps"]
-            print("[demo] deployed apps:")
-            for a in deployed:
-                print(
-                    f"         {a['name']:11s} mode={a['mode']:8s} sites={a['sites']}  ({a['metadata'].get('demo', '')})"
-                )
-
-            def complete(apps_used: list[str], **xargs: float) -> dict:
-                body = {
-                    "model": "tiny-llama",
-                    "prompt": args.prompt,
-                    "max_tokens": args.max_tokens,
-                    "temperature": 0,
-                }
-                if apps_used:
-                    body["vllm_xargs"] = {"xmix_apps": apps_used, **xargs}
-                r = client.post("/v1/completions", json=body)
-                r.raise_for_status()
-                return r.json()
-
-            vanilla = complete([])
-            steered = complete(["steer_the"])
-            probed = complete(["lens_probe"])
-            both = complete(["steer_the", "lens_probe"])
-            print(f"\n[demo] prompt: {args.prompt!r}")
-            print(f"[demo] vanilla : {vanilla['choices'][0]['text']!r}")
-            print(
-                f"[demo] steered : {steered['choices'][0]['text']!r}   (steer_the pushes towards {word!r})"
-            )
-            peak = {}
-            for label, resp in (("probe, vanilla", probed), ("probe, steered", both)):
-                lean = resp["xmix"]["lens_probe"]["lean"]
-                gen = [
-                    v
-                    for p, v in zip(lean["positions"], lean["values"])
-                    if p >= resp["usage"]["prompt_tokens"] - 1
-                ]
-                mean = sum(gen) / max(len(gen), 1)
-                fed = [
-                    v
-                    for p, v in zip(lean["positions"], lean["values"])
-                    if p >= resp["usage"]["prompt_tokens"]
-                ]
-                peak[label] = max(fed, default=0.0)  # over generated tokens fed back
-                print(
-                    f"[demo] {label}: lean towards {word!r} per generated token = "
-                    f"{', '.join(f'{v:.2f}' for v in gen[:8])}{' ...' if len(gen) > 8 else ''}  (mean {mean:.3f})"
-                )
-            # the monitor: a threshold the steered answer's lean crosses and the vanilla one's
-            # does not, so one request is stopped and the other runs to the end
-            theta = (peak["probe, vanilla"] + peak["probe, steered"]) / 2
-            guard = {"xmix.the_guard.theta": theta}
-            let_run = complete(["the_guard"], **guard)
-            stopped = complete(["steer_the", "the_guard"], **guard)
-            print(f"\n[demo] the_guard (stop once the lean reaches {theta:.3f}):")
-            for label, resp in (("vanilla", let_run), ("steered", stopped)):
-                c = resp["choices"][0]
-                stop = resp["xmix_applied"].get("stopped")
-                why = (
-                    f"stopped at position {stop['position']} (lean {stop['value']:.3f})"
-                    if stop
-                    else f"not stopped ({c['finish_reason']}, {resp['usage']['completion_tokens']} tokens)"
-                )
-                print(f"[demo]   {label:8s}: {c['text']!r}   {why}")
-            assert probed["choices"][0]["text"] == vanilla["choices"][0]["text"], (
-                "a read-only app must not change the answer"
-            )
-            print("\n[demo] the probe-only answer equals the vanilla answer (reads never write).")
-            if peak["probe, steered"] > peak["probe, vanilla"]:
-                assert let_run["choices"][0]["text"] == vanilla["choices"][0]["text"]
-                assert "stopped" not in let_run["xmix_applied"]
-                assert stopped["choices"][0]["finish_reason"] == "stop"
-                assert stopped["xmix_applied"]["stopped"]["app"] == "the_guard"
-                print(
-                    "[demo] the guard let the vanilla answer run to its end and stopped the "
-                    "steered one at its trigger (finish_reason 'stop')."
-                )
-            print(
-                f"\n[demo] console: {base}/xmix/ui/   (API key: {api_key}; admin key, to change apps: {admin_key})"
-            )
-            if args.keep:
-                (STATE_DIR / "server.pid").write_text(f"{proc.pid}\n")
-                keep = True
-                print(
-                    f"[demo] the server keeps running (process group {proc.pid}, log {log_path})."
-                )
-                print(
-                    f"[demo] stop it with: scripts/demo.sh --stop   (or: kill -TERM -- -{proc.pid})"
-                )
-            else:
-                print(
-                    "[demo] run scripts/demo.sh --keep to leave the server up and open the console."
-                )
+            _show_deployed(client)
+            complete = _completer(client, args.prompt, args.max_tokens)
+            vanilla, probed, peak = _steer_and_probe(complete, args.prompt, word)
+            let_run, stopped = _guard(complete, peak)
+            _check_answers(vanilla, probed, let_run, stopped, peak)
+            _last_words(args.keep, base, proc, api_key, admin_key, log_path)
+            keep = args.keep
             return 0
         finally:
             log.close()
             if not keep:
-                try:
-                    os.killpg(proc.pid, signal.SIGTERM)
-                    proc.wait(timeout=60)
-                except ProcessLookupError:
-                    pass
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                print("[demo] server stopped")
+                _stop_server(proc)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import xmix
 from apps_oracle import CMP, cast_score, lines, shared_llm
 from engine_util import hf_model
 from xmix import conditions as C
+from xmix.apps import collect as AC
 from xmix.apps import derive_cli as DC
 from xmix.models.tiny import tiny_model_path
 
@@ -99,15 +100,15 @@ def test_collect_activations_are_the_models_hidden_states(env):
     llm = env["llm"]
     prompts = lines("refusal_pos")[:3] + ["<think> a\n\nb\n\nc"]
     hs = hf_states(env, prompts)
-    last = DC.collect_activations(llm, prompts, layers="all", position="last", progress=False)
-    mean = DC.collect_activations(
+    last = AC.collect_activations(llm, prompts, layers="all", position="last", progress=False)
+    mean = AC.collect_activations(
         llm,
         prompts,
         sites=[("residual.pre", 1), ("final.post", None)],
         position="mean",
         progress=False,
     )
-    every = DC.collect_activations(llm, prompts, layers=[2], position="all", progress=False)
+    every = AC.collect_activations(llm, prompts, layers=[2], position="all", progress=False)
     assert last.shape == (4, 4, 256) and mean.shape == (4, 2, 256)
     for i, h in enumerate(hs):
         for l in range(4):
@@ -119,7 +120,7 @@ def test_collect_activations_are_the_models_hidden_states(env):
             mean[i, 1].double(), h[-1][0].double().mean(0), rtol=1e-4, atol=1e-5
         )
         torch.testing.assert_close(every[i][:, 0], h[2][0], rtol=1e-4, atol=1e-5)
-    sep = DC.collect_activations(
+    sep = AC.collect_activations(
         llm,
         prompts[-1:],
         layers=[2],
@@ -225,21 +226,21 @@ def test_collect_splits_when_the_capture_buffer_is_short(hfm):
     )
     for budget, n_passes in ((3 * 256 * 512, 1), (2 * 256 * 512, 2), (256 * 512 // 2, 6)):
         fake = SmallBufferLLM(env, budget)
-        got = DC.collect_activations(fake, prompts, sites=sites, position="last", progress=False)
+        got = AC.collect_activations(fake, prompts, sites=sites, position="last", progress=False)
         assert len(fake.passes) == n_passes and not fake.deployed
         covered = sorted((s, l, lo, hi) for group in fake.passes for s, l, lo, hi in group)
         assert sum(hi - lo for *_, lo, hi in covered) == 3 * 256
         torch.testing.assert_close(got, want_last, rtol=1e-5, atol=1e-6)
     fake = SmallBufferLLM(env, 256 * 512 // 2)
-    got = DC.collect_activations(fake, prompts, sites=sites[:1], position="mean", progress=False)
+    got = AC.collect_activations(fake, prompts, sites=sites[:1], position="mean", progress=False)
     torch.testing.assert_close(
         got[:, 0].double(),
         torch.stack([h[3][0].double().mean(0) for h in hs]),
         rtol=1e-5,
         atol=1e-6,
     )
-    with pytest.raises(DC.DeriveError, match="capture buffer"):
-        DC.collect_activations(SmallBufferLLM(env, 256), prompts, sites=sites[:1], progress=False)
+    with pytest.raises(AC.DeriveError, match="capture buffer"):
+        AC.collect_activations(SmallBufferLLM(env, 256), prompts, sites=sites[:1], progress=False)
 
 
 # ============================================================================ #1 refusal

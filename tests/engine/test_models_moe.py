@@ -331,7 +331,8 @@ def test_derive_steer_moe_refuses_routers_it_does_not_recompute():
     on DeepSeek-V2 (group-limited) and GPT-OSS (biased router) its counts would be wrong."""
     from types import SimpleNamespace as NS
 
-    from xmix.apps.derive_cli import DeriveError, derive_steer_moe
+    from xmix.apps.collect import DeriveError
+    from xmix.apps.derivers import derive_steer_moe
 
     for kind in ("tiny-deepseek-v2", "tiny-gpt-oss"):
         shape = ModelShape.from_hf_config(

@@ -94,7 +94,8 @@ def test_sae_flags_decode_as_the_kernels_read_them():
     sae_arch, sae_norm, SAE_B_DEC_IN, SAE_FEATURES) must read back what was packed."""
     from types import SimpleNamespace
 
-    from xmix import catalog, lowering
+    from xmix import catalog
+    from xmix.lowering.pack import sae_flags
 
     for arch, norm, b_dec_in, feats in (
         ("relu", "none", False, False),
@@ -104,7 +105,7 @@ def test_sae_flags_decode_as_the_kernels_read_them():
         sae = SimpleNamespace(
             architecture=arch, normalize_activations=norm, apply_b_dec_to_input=b_dec_in
         )
-        f = lowering.sae_flags(sae, features_read=feats)
+        f = sae_flags(sae, features_read=feats)
         assert f & K["SAE_ARCH_MASK"] == {"relu": 0, "jumprelu": 1, "topk": 2}[arch]
         assert (f >> K["SAE_NORM_SHIFT"]) & 0xF == {
             "none": 0,

@@ -29,6 +29,7 @@ from xmix.apps import (
     steer_moe,
     truth_probe,
 )
+from xmix.apps import artifacts as ART
 from xmix.apps import derive as D
 from xmix.hooks import ModelShape, site_id
 from xmix.lowering import DeployError, latch_from_generated, lower
@@ -463,7 +464,7 @@ def test_gaussian_transport_maps_moments():
 def test_gaussian_transport_needs_regularisation_when_rank_deficient():
     g = torch.Generator().manual_seed(8)
     xs, xt = torch.randn(5, 16, generator=g), torch.randn(5, 16, generator=g)
-    with pytest.raises(D.ArtifactError, match="singular"):
+    with pytest.raises(ART.ArtifactError, match="singular"):
         D.gaussian_transport(xs, xt, reg=0.0)
     A, _, _ = D.gaussian_transport(xs, xt, reg=0.0, shrinkage=0.5)
     assert torch.isfinite(A).all() and torch.equal(A, A.T)
@@ -503,18 +504,18 @@ def test_steer_moe_counts_difference_and_mask():
 
 
 def test_validate_artifacts_messages():
-    ok = D.validate_artifacts(
+    ok = ART.validate_artifacts(
         "cast",
         {"condition_vector": torch.ones(8), "behavior_vectors": torch.ones(3, 8), "threshold": 0.1},
         {"L_sel": 3},
     )
     assert ok["d"] == 8
     with pytest.raises(
-        D.ArtifactError,
+        ART.ArtifactError,
         match=r"behavior_vectors' has shape \[2, 8\]; expected \[d=8\] or "
         r"\[L_sel=3, d=8\] or \[n_layers=4, d=8\]",
     ):
-        D.validate_artifacts(
+        ART.validate_artifacts(
             "cast",
             {
                 "condition_vector": torch.ones(8),
@@ -523,10 +524,10 @@ def test_validate_artifacts_messages():
             },
             {"L_sel": 3, "n_layers": 4},
         )
-    with pytest.raises(D.ArtifactError, match="only -1, 0 and 1"):
-        D.validate_artifacts("steer_moe", {"mask": torch.tensor([[0.0, 2.0]])})
-    with pytest.raises(D.ArtifactError, match="row 1 has norm 2"):
-        D.validate_artifacts(
+    with pytest.raises(ART.ArtifactError, match="only -1, 0 and 1"):
+        ART.validate_artifacts("steer_moe", {"mask": torch.tensor([[0.0, 2.0]])})
+    with pytest.raises(ART.ArtifactError, match="row 1 has norm 2"):
+        ART.validate_artifacts(
             "kl_then_steer",
             {
                 "directions": torch.tensor([[1.0, 0.0], [2.0, 0.0]]),
@@ -536,10 +537,10 @@ def test_validate_artifacts_messages():
                 "threshold": 0.5,
             },
         )
-    with pytest.raises(D.ArtifactError, match="missing artifact 'bias'"):
-        D.validate_artifacts("truth_probe", {"weight": torch.ones(4)})
-    with pytest.raises(D.ArtifactError, match="NaN"):
-        D.validate_artifacts("seal", {"vector": torch.tensor([1.0, float("nan")])})
+    with pytest.raises(ART.ArtifactError, match="missing artifact 'bias'"):
+        ART.validate_artifacts("truth_probe", {"weight": torch.ones(4)})
+    with pytest.raises(ART.ArtifactError, match="NaN"):
+        ART.validate_artifacts("seal", {"vector": torch.tensor([1.0, float("nan")])})
 
 
 # ============================================================================ (c) errors

@@ -18,6 +18,7 @@ from harness import Harness, Req
 from xmix import _C, graphs, ops
 from xmix import conditions as C
 from xmix.api import App
+from xmix.graphs import check, hook, replan, splice, state
 from xmix.hooks import ModelShape, site_id
 
 G = _C.graph
@@ -207,21 +208,21 @@ def test_recorder_counts_anchors_of_the_capture_under_way():
     graphs.reset_stats()
     a, b = types.SimpleNamespace(), types.SimpleNamespace()
     try:
-        graphs._begin_capture(a)
-        assert hs.cb.graph_hook is graphs.RECORDER
+        splice.begin_capture(a)
+        assert hs.cb.graph_hook is splice.RECORDER
         for _ in range(3):
             hs.cb.graph_hook.note_anchor(0, None, None, 1, 16, 16, 0, 0)
         assert a._xmix_anchors == 3 and a._xmix_counted
-        graphs._begin_capture(b)  # two captures at once: the count is not trusted
-        graphs.RECORDER.note_anchor(1, None, None, 1, 16, 16, 0, 0)
+        splice.begin_capture(b)  # two captures at once: the count is not trusted
+        splice.RECORDER.note_anchor(1, None, None, 1, 16, 16, 0, 0)
         assert not a._xmix_counted and not b._xmix_counted
-        graphs._end_capture(b)
-        graphs._end_capture(a)
-        graphs.RECORDER.note_anchor(2, None, None, 1, 16, 16, 0, 0)
+        splice.end_capture(b)
+        splice.end_capture(a)
+        splice.RECORDER.note_anchor(2, None, None, 1, 16, 16, 0, 0)
         assert graphs.stats()["unhooked_anchors"] == 1
     finally:
-        graphs._end_capture(a)
-        graphs._end_capture(b)
+        splice.end_capture(a)
+        splice.end_capture(b)
         ops.set_control(prev)
 
 
@@ -241,12 +242,12 @@ def test_ensure_current_replans_on_deploys_and_switches_on_modes(monkeypatch):
     cb = hs.cb
     calls = []
     monkeypatch.setattr(
-        graphs,
+        replan,
         "on_apps_changed",
-        lambda c: (calls.append("replan"), graphs._planned.__setitem__(c, graphs._fingerprint(c))),
+        lambda c: (calls.append("replan"), state.planned.__setitem__(c, splice.fingerprint(c))),
     )
     monkeypatch.setattr(
-        graphs, "set_app_enabled", lambda c, i, on: calls.append(("toggle", i, on)) or 0
+        replan, "set_app_enabled", lambda c, i, on: calls.append(("toggle", i, on)) or 0
     )
     assert graphs.ensure_current(cb) and calls == ["replan"]
     assert not graphs.ensure_current(cb)
@@ -264,7 +265,7 @@ def test_install_capture_hook_is_a_noop_without_a_gpu():
     if graphs.cuda_patching_available() is None:
         pytest.skip("this machine can patch graphs: the no-op path is for CPU machines")
     assert graphs.install_capture_hook() is False
-    assert graphs._installed == {}
+    assert hook._installed == {}
 
 
 def test_redirect_swaps_cudagraph_in_vllm_capture_modules_only():
@@ -277,7 +278,7 @@ def test_redirect_swaps_cudagraph_in_vllm_capture_modules_only():
     real_torch = cuda_graph.torch
     assert real_torch is torch
     try:
-        hooked = graphs._redirect(graphs.VLLM_CAPTURE_MODULES, Fake)
+        hooked = hook._redirect(graphs.VLLM_CAPTURE_MODULES, Fake)
         assert "vllm.compilation.cuda_graph" in hooked
         for name in hooked:
             mod = importlib.import_module(name)
@@ -286,10 +287,10 @@ def test_redirect_swaps_cudagraph_in_vllm_capture_modules_only():
             assert mod.torch.Tensor is torch.Tensor
             assert mod.torch.cuda.is_available is torch.cuda.is_available
         assert torch.cuda.CUDAGraph is not Fake  # nobody else sees it
-        assert graphs._redirect(graphs.VLLM_CAPTURE_MODULES, Fake) == hooked  # idempotent
+        assert hook._redirect(graphs.VLLM_CAPTURE_MODULES, Fake) == hooked  # idempotent
     finally:
         graphs.uninstall_capture_hook()
-    assert cuda_graph.torch is torch and graphs._installed == {}
+    assert cuda_graph.torch is torch and hook._installed == {}
 
 
 # ---------------------------------------------------------------- orchestration, simulated
@@ -417,7 +418,9 @@ def sim(monkeypatch):
     hs = Harness(SHAPE, [], "cpu")
     fake = {k: getattr(G, k) for k in dir(G) if not k.startswith("_")}
     fake["GraphPatch"] = SimPatch
-    monkeypatch.setattr(graphs, "G", types.SimpleNamespace(**fake))
+    sim_g = types.SimpleNamespace(**fake)
+    for part in (state, splice, check):  # each part binds _C.graph as G
+        monkeypatch.setattr(part, "G", sim_g)
     prev = ops.get_control()
     ops.set_control(hs.cb)
     graphs.reset_stats()
@@ -427,19 +430,19 @@ def sim(monkeypatch):
     SimDriver.torch_fail_at = set()
     yield hs
     ops.set_control(prev)
-    with graphs._lock:
-        graphs._registry.clear()
-    graphs._check_budget.clear()
+    with state.lock:
+        state.registry.clear()
+    check._check_budget.clear()
 
 
 def _sim_capture(hs, ptr, sites):
     SimPatch.graphs[ptr] = line(*sites, cb=hs.cb.ptr)
     g = SimGraph(ptr)
-    graphs._begin_capture(g)
+    splice.begin_capture(g)
     for s in sites:
         hs.cb.graph_hook.note_anchor(s, None, None, 8, 16, 16, 0, 0)
-    graphs._end_capture(g)
-    graphs._after_capture(g)
+    splice.end_capture(g)
+    splice.after_capture(g)
     return g
 
 
@@ -483,10 +486,10 @@ def test_orchestration_fallbacks(sim, monkeypatch):
     # the anchors noted while capturing do not match the graph: anchors stay
     SimPatch.graphs[3] = line(pre0, pre0, cb=hs.cb.ptr)
     g = SimGraph(3)
-    graphs._begin_capture(g)
+    splice.begin_capture(g)
     hs.cb.graph_hook.note_anchor(pre0, None, None, 8, 16, 16, 0, 0)
-    graphs._end_capture(g)
-    graphs._after_capture(g)
+    splice.end_capture(g)
+    splice.after_capture(g)
     assert g._xmix_state == "fallback" and graphs.stats()["fallback"] == 1
     assert all(t.enabled for t in G.plan(g._xmix.ir, graphs.program_for(hs.cb, 1)).enable)
 
@@ -524,9 +527,9 @@ def test_ensure_current_replans_when_the_op_list_changes_at_a_reused_address(mon
     cb = hs.cb
     calls = []
     monkeypatch.setattr(
-        graphs,
+        replan,
         "on_apps_changed",
-        lambda c: (calls.append("replan"), graphs._planned.__setitem__(c, graphs._fingerprint(c))),
+        lambda c: (calls.append("replan"), state.planned.__setitem__(c, splice.fingerprint(c))),
     )
     assert graphs.ensure_current(cb) and calls == ["replan"]
     old_list, gen = cb.mem.site_ops, cb.mem.ops_generation
@@ -586,7 +589,7 @@ def test_torch_failing_after_the_trial_leaves_a_graph_on_the_appliers_own_exec(s
     out = graphs.on_apps_changed(hs.cb)
     assert out["graphs"] == 1 and g.stale, "torch's handle is the destroyed one"
     rec = g._xmix
-    assert rec.own and graphs._exec_of(g) == rec.own and rec.bound[-1] == rec.own
+    assert rec.own and splice.exec_of(g) == rec.own and rec.bound[-1] == rec.own
     assert g._xmix_state == "fallback" and not rec.ir.splices
     assert all(n.enabled for n in rec.ir.nodes if n.role == G.Role.Anchor)
     assert graphs.stats()["own_exec"] == 1
@@ -601,7 +604,7 @@ def test_anchor_recognition_forms_are_counted_and_logged_once(sim, monkeypatch, 
 
     hs = sim
     pre0 = site_id("residual.pre", 0, 2)
-    monkeypatch.setattr(graphs, "_forms_logged", set())
+    monkeypatch.setattr(splice, "_forms_logged", set())
     SimPatch.forms = {"stub": 1, "name": 1}
     with caplog.at_level(logging.INFO, logger="vllm.xmix.graphs"):
         _sim_capture(hs, 31, [pre0, pre0 + 1])
@@ -646,7 +649,7 @@ class SimReplay:
         self.cb.dev["results"][0] = float(self.pool.sum())
 
     def regions(self, g):
-        return [graphs._TensorRegion("pool", self.pool, exact=True)]
+        return [check._TensorRegion("pool", self.pool, exact=True)]
 
 
 def _checked_graph(hs, monkeypatch, ptr, **kw):
@@ -657,7 +660,7 @@ def _checked_graph(hs, monkeypatch, ptr, **kw):
         hs.cb.install(lower(_apps()[0], SHAPE), mode="all")
     g = _sim_capture(hs, ptr, [pre0, pre1])
     rp = SimReplay(g, hs.cb, **kw)
-    monkeypatch.setattr(graphs, "_pool_regions", rp.regions)
+    monkeypatch.setattr(check, "_pool_regions", rp.regions)
     return g, rp
 
 
@@ -672,19 +675,19 @@ def test_first_replay_check_passes_and_changes_nothing(sim, monkeypatch):
     # a step that runs no app of the graph compares nothing: the check waits
     hs.cb.set_mode("steer", "off")
     hs.step(ONE)
-    graphs._replay(g, rp)
+    check.replay(g, rp)
     assert rp.n == 1 and g._xmix_check_due and graphs.stats()["checks"] == 0
     hs.cb.set_mode("steer", "all")
     hs.step(ONE)
     state0 = hs.cb.dev["vec_state"][0].item()
-    graphs._replay(g, rp)
+    check.replay(g, rp)
     assert rp.n == 3, "patched, then anchors"
     assert hs.cb.dev["vec_state"][0].item() == state0 + 1, "the check must leave one replay's state"
     assert torch.equal(rp.pool, rp.x + 2.0)
     st = graphs.stats()
     assert st["checks"] == 1 and st["check_passed"] == 1 and st["check_failed"] == 0
     assert g._xmix_state == "patched" and not g._xmix.anchors_on and not g._xmix_check_due
-    graphs._replay(g, rp)  # later replays are plain
+    check.replay(g, rp)  # later replays are plain
     assert rp.n == 4 and graphs.stats()["checks"] == 1
 
 
@@ -699,7 +702,7 @@ def test_first_replay_check_refuses_a_wrong_patched_graph(sim, monkeypatch):
     hs.step(ONE)
     state0 = hs.cb.dev["vec_state"][0].item()
     execs = g.execs
-    graphs._replay(g, rp)
+    check.replay(g, rp)
     assert torch.equal(rp.pool, rp.x + 2.0), "the served result must be the anchors'"
     assert hs.cb.dev["vec_state"][0].item() == state0 + 1
     assert hs.cb.dev["results"][0].item() == float((rp.x + 2.0).sum())
@@ -719,7 +722,7 @@ def test_first_replay_check_cannot_verify_a_nondeterministic_graph(sim, monkeypa
     hs = sim
     g, rp = _checked_graph(hs, monkeypatch, 23, noise=True)
     hs.step(ONE)
-    graphs._replay(g, rp)
+    check.replay(g, rp)
     assert rp.n == 3, "patched, anchors, anchors again"
     st = graphs.stats()
     assert st["check_unverifiable"] == 1 and st["check_failed"] == 0
@@ -732,25 +735,25 @@ def test_first_replay_check_switches(sim, monkeypatch):
     g, rp = _checked_graph(hs, monkeypatch, 24, patched_error=0.5)
     assert not g._xmix_check_due
     hs.step(ONE)
-    graphs._replay(g, rp)
+    check.replay(g, rp)
     assert rp.n == 1 and graphs.stats()["checks"] == 0
     # a pool larger than XMIX_GRAPH_CHECK_MAX_MB is not snapshotted: anchors, unverified
     monkeypatch.setenv("XMIX_GRAPH_CHECK", "1")
     monkeypatch.setenv("XMIX_GRAPH_CHECK_MAX_MB", "0")
     g2, rp2 = _checked_graph(hs, monkeypatch, 25, patched_error=0.5)
     monkeypatch.setattr(
-        graphs, "_pool_regions", lambda g: [graphs._RawRegion("pool", 0x1000, 1 << 20)]
+        check, "_pool_regions", lambda g: [check._RawRegion("pool", 0x1000, 1 << 20)]
     )
     hs.step(ONE)
-    graphs._replay(g2, rp2)
+    check.replay(g2, rp2)
     assert rp2.n == 1 and torch.equal(rp2.pool, rp2.x + 2.0), "one replay, with the anchors"
     assert graphs.stats()["check_unverifiable"] == 1 and g2._xmix_state == "fallback"
     # a graph whose pool the allocator does not know: its outputs cannot be compared
     monkeypatch.setenv("XMIX_GRAPH_CHECK_MAX_MB", "4096")
     g3, rp3 = _checked_graph(hs, monkeypatch, 27, patched_error=0.5)
-    monkeypatch.setattr(graphs, "_pool_regions", lambda g: [])
+    monkeypatch.setattr(check, "_pool_regions", lambda g: [])
     hs.step(ONE)
-    graphs._replay(g3, rp3)
+    check.replay(g3, rp3)
     assert rp3.n == 1 and torch.equal(rp3.pool, rp3.x + 2.0)
     assert graphs.stats()["check_unverifiable"] == 2 and "no segment" in g3._xmix_refused
 
@@ -782,7 +785,7 @@ def test_first_replay_check_compares_user_kernels_like_with_like(sim, monkeypatc
     g, rp = _checked_graph(hs, monkeypatch, 41)
     assert any(seg.custom for sp in g._xmix.ir.splices for seg in sp.segments)
     hs.step(ONE)
-    graphs._replay(g, rp)
+    check.replay(g, rp)
     st = graphs.stats()
     assert st["check_passed"] == 1 and st["check_failed"] == 0, st
     assert g._xmix_state == "patched" and torch.equal(rp.pool, rp.x + 3.0)
@@ -810,7 +813,7 @@ def test_a_graph_on_its_anchors_fails_the_requests_of_a_user_kernel(sim, monkeyp
         "d": Req(1, 0, 1, ()),
     }
     hs.step(reqs)
-    cls = graphs._make_graph_class(_BaseGraph)
+    cls = hook._make_graph_class(_BaseGraph)
     xg = cls(False)
     xg._xmix_state, xg._xmix_sites, xg._xmix_refused = "fallback", {pre0}, "a reason"
     xg.replay()
@@ -849,8 +852,8 @@ def test_the_check_runs_on_a_bounded_number_of_graphs_per_deploy(sim, monkeypatc
     made = [_checked_graph(hs, monkeypatch, 50 + i) for i in range(4)]
     hs.step(ONE)
     for g, rp in made:
-        monkeypatch.setattr(graphs, "_pool_regions", rp.regions)
-        graphs._replay(g, rp)
+        monkeypatch.setattr(check, "_pool_regions", rp.regions)
+        check.replay(g, rp)
     st = graphs.stats()
     assert st["checks"] == 2 and st["check_passed"] == 2 and st["check_skipped"] == 2, st
     assert [rp.n for _, rp in made] == [2, 2, 1, 1]
@@ -861,13 +864,13 @@ def test_the_check_runs_on_a_bounded_number_of_graphs_per_deploy(sim, monkeypatc
     made[0][1].patched_error = 0.5
     hs.step(ONE)
     for g, rp in made:
-        monkeypatch.setattr(graphs, "_pool_regions", rp.regions)
-        graphs._replay(g, rp)
+        monkeypatch.setattr(check, "_pool_regions", rp.regions)
+        check.replay(g, rp)
     st = graphs.stats()
     assert st["checks"] == 6 and st["check_failed"] == 1 and st["check_skipped"] == 2, st
 
 
-class _FlakyRegion(graphs._TensorRegion):
+class _FlakyRegion(check._TensorRegion):
     """A region whose k-th copy out fails as an allocation out of device memory would."""
 
     def __init__(self, t, fail_at: int):
@@ -896,9 +899,9 @@ def test_the_check_never_fails_the_step_for_want_of_memory(sim, monkeypatch, fai
     monkeypatch.delenv("XMIX_GRAPH_CHECK", raising=False)
     hs = sim
     g, rp = _checked_graph(hs, monkeypatch, 60, patched_error=0.5)
-    monkeypatch.setattr(graphs, "_pool_regions", lambda g_: [_FlakyRegion(rp.pool, fail_at)])
+    monkeypatch.setattr(check, "_pool_regions", lambda g_: [_FlakyRegion(rp.pool, fail_at)])
     hs.step(ONE)
-    graphs._replay(g, rp)
+    check.replay(g, rp)
     assert torch.equal(rp.pool, rp.x + 2.0), "the anchors' result is served"
     assert rp.n == fail_at
     st = graphs.stats()
@@ -912,7 +915,7 @@ def test_replan_that_changes_the_splices_arms_the_check_again(sim, monkeypatch):
     hs = sim
     g, rp = _checked_graph(hs, monkeypatch, 26)
     hs.step(ONE)
-    graphs._replay(g, rp)
+    check.replay(g, rp)
     assert not g._xmix_check_due and graphs.stats()["check_passed"] == 1
     graphs.on_apps_changed(hs.cb)  # same program: nothing new to check
     assert not g._xmix_check_due
@@ -920,7 +923,7 @@ def test_replan_that_changes_the_splices_arms_the_check_again(sim, monkeypatch):
     graphs.on_apps_changed(hs.cb)
     assert g._xmix_check_due
     hs.step(ONE)
-    graphs._replay(g, rp)
+    check.replay(g, rp)
     assert graphs.stats()["check_passed"] == 2
 
 
@@ -940,14 +943,14 @@ def test_xmix_graph_class_routes_the_due_replay_through_the_check(sim, monkeypat
         def replay(self):
             calls.append("replay")
 
-    cls = graphs._make_graph_class(Base)
+    cls = hook._make_graph_class(Base)
     g = cls(False)
     assert g.keep is True, "the subclass always keeps its graph"
     g.replay()
     assert calls == ["replay"]
     seen = []
     monkeypatch.setattr(
-        graphs, "_first_replay_check", lambda gg, cb, base: seen.append(gg) or base()
+        check, "_first_replay_check", lambda gg, cb, base: seen.append(gg) or base()
     )
     from xmix.lowering import lower
 

@@ -23,8 +23,8 @@ and a monitor that acts (``MONITORS``): ``harm_monitor``, a probe whose score st
 Docs: docs/apps.md.
 """
 
+from xmix.apps.artifacts import SCHEMAS, validate_artifacts
 from xmix.apps.cast import cast
-from xmix.apps.derive import SCHEMAS, validate_artifacts
 from xmix.apps.harm_monitor import harm_monitor
 from xmix.apps.kl_then_steer import kl_then_steer
 from xmix.apps.refusal import refusal

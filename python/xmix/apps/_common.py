@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from xmix.api import App, AppError
-from xmix.apps.derive import SCHEMAS, ArtifactError, validate_artifacts
+from xmix.apps.artifacts import SCHEMAS, ArtifactError, validate_artifacts
 
 
 @dataclass(frozen=True)

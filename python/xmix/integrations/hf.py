@@ -56,611 +56,27 @@ Semantics in short (one request at a time, batch size 1):
 
 from __future__ import annotations
 
-import copy
-import ctypes
-import math
-import struct
 import warnings
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from xmix import conditions as C
-from xmix import reference as R
 from xmix.api import App
 from xmix.architectures import Tap, require_family, resolve
-from xmix.catalog import FLT_MAX, KERNELS
 from xmix.hooks import ModelShape
-from xmix.lowering import (
-    APP_MODES,
-    DeployError,
-    LoweredApp,
-    LoweredOp,
-    RequestError,
-    latch_from_generated,
-    lower,
+from xmix.integrations.hf_request import (
+    AttachedApp,
+    Pass,
+    Request,
+    Rows,
+    load_custom,
+    resolve_params,
 )
-
-NAN = float("nan")
-
-# Routers whose forward this module reproduces around the hook (site table name -> module
-# class and the router's forward from its logits on). transformers computes a router's logits,
-# scores and top-k in one forward; the site sits right after the logits. Each tail below is
-# the rest of that class's forward in transformers 5.19, line for line.
+from xmix.integrations.hf_routers import ROUTERS
+from xmix.lowering import APP_MODES, DeployError, LoweredOp, RequestError, lower
 
 
-def _mixtral_tail(gate, router_logits):
-    router_probs = torch.nn.functional.softmax(router_logits.float(), dim=-1)
-    router_top_value, router_indices = torch.topk(router_probs, gate.top_k, dim=-1)
-    router_top_value /= router_top_value.sum(dim=-1, keepdim=True)
-    return router_logits, router_top_value, router_indices
-
-
-def _qwen3_moe_tail(gate, router_logits):
-    router_probs = torch.nn.functional.softmax(router_logits, dtype=torch.float, dim=-1)
-    router_top_value, router_indices = torch.topk(router_probs, gate.top_k, dim=-1)
-    if gate.norm_topk_prob:
-        router_top_value /= router_top_value.sum(dim=-1, keepdim=True)
-    router_top_value = router_top_value.to(router_logits.dtype)
-    return router_logits, router_top_value, router_indices
-
-
-def _deepseek_v2_tail(gate, router_logits):
-    scores = router_logits.softmax(dim=-1, dtype=torch.float32)
-    if gate.topk_method == "greedy":
-        topk_weights, topk_indices = torch.topk(scores, k=gate.top_k, dim=-1, sorted=False)
-    else:  # "group_limited_greedy" (_patch_router refuses any other method at attach)
-        group_scores = (
-            scores.view(-1, gate.num_group, gate.num_experts // gate.num_group).max(dim=-1).values
-        )
-        group_idx = torch.topk(group_scores, k=gate.topk_group, dim=-1, sorted=False)[1]
-        group_mask = torch.zeros_like(group_scores)
-        group_mask.scatter_(1, group_idx, 1)
-        score_mask = (
-            group_mask.unsqueeze(-1)
-            .expand(-1, gate.num_group, gate.num_experts // gate.num_group)
-            .reshape(-1, gate.num_experts)
-        )
-        scores = scores.masked_fill(~score_mask.bool(), 0.0)
-        topk_weights, topk_indices = torch.topk(scores, k=gate.top_k, dim=-1, sorted=False)
-    topk_weights = topk_weights * gate.routed_scaling_factor
-    return router_logits, topk_weights, topk_indices
-
-
-def _gpt_oss_tail(gate, router_logits):
-    router_top_value, router_indices = torch.topk(router_logits, gate.top_k, dim=-1)
-    router_scores = torch.nn.functional.softmax(
-        router_top_value, dim=1, dtype=router_top_value.dtype
-    )
-    return router_logits, router_scores, router_indices
-
-
-def _linear_logits(gate, hidden_states):
-    return F.linear(hidden_states.reshape(-1, gate.hidden_dim), gate.weight)
-
-
-def _deepseek_v2_logits(gate, hidden_states):
-    hidden_states = hidden_states.view(-1, gate.hidden_dim)
-    return F.linear(hidden_states.type(torch.float32), gate.weight.type(torch.float32))
-
-
-def _gpt_oss_logits(gate, hidden_states):
-    return F.linear(hidden_states, gate.weight, gate.bias)
-
-
-_ROUTERS = {
-    "mixtral": ("MixtralTopKRouter", _linear_logits, _mixtral_tail),
-    "qwen3_moe": ("Qwen3MoeTopKRouter", _linear_logits, _qwen3_moe_tail),
-    "deepseek_v2": ("DeepseekV2TopkRouter", _deepseek_v2_logits, _deepseek_v2_tail),
-    "gpt_oss": ("GptOssTopKRouter", _gpt_oss_logits, _gpt_oss_tail),
-}
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-
-
-def _f32(x: float) -> float:
-    # The engine keeps thresholds and parameters as fp32; comparing against the fp32-rounded
-    # value keeps a read that lands exactly on a threshold on the same side in both.
-    return struct.unpack("f", struct.pack("f", x))[0]
-
-
-# ------------------------------------------------------------------------------ user kernels
-class _CustomArgs(ctypes.Structure):
-    """``xmix_custom_args`` of csrc/include/xmix/custom.h (the public ABI of user kernels)."""
-
-    _fields_ = [
-        ("h", ctypes.c_void_p),
-        ("r", ctypes.c_void_p),
-        ("stride_h", ctypes.c_int64),
-        ("stride_r", ctypes.c_int64),
-        ("n_rows", ctypes.c_int32),
-        ("d", ctypes.c_int32),
-        ("dtype", ctypes.c_int32),
-        ("n_params", ctypes.c_int32),
-        ("select", ctypes.c_void_p),
-        ("tok_slot", ctypes.c_void_p),
-        ("tok_pos", ctypes.c_void_p),
-        ("slot_params", ctypes.c_void_p),
-        ("param_base", ctypes.c_int32),
-        ("artifact_numel", ctypes.c_int32),
-        ("artifact", ctypes.c_void_p),
-        ("out", ctypes.c_void_p),
-    ]
-
-
-def _load_custom(app: str, op: LoweredOp):
-    ck = op.custom
-    if not ck or not ck.cpu_library or not ck.cpu_symbol:
-        raise DeployError(
-            f"app {app!r}, op {op.label}: the transformers path runs user kernels on "
-            f"the CPU and needs cpu_library and cpu_symbol"
-        )
-    try:
-        lib = ctypes.CDLL(str(ck.cpu_library))
-        fn = getattr(lib, ck.cpu_symbol)
-    except (OSError, AttributeError) as e:
-        raise DeployError(
-            f"app {app!r}, op {op.label}: cannot load {ck.cpu_symbol!r} from "
-            f"{ck.cpu_library!r}: {e}"
-        ) from None
-    fn.argtypes = [ctypes.POINTER(_CustomArgs)]
-    fn.restype = None
-    return fn
-
-
-# ------------------------------------------------------------------------------ apps, requests
-@dataclass
-class _Attached:
-    lowered: LoweredApp
-    mode: str
-    custom_fns: dict[int, Any] = field(default_factory=dict)  # id(LoweredOp) -> ctypes fn
-
-    @property
-    def name(self) -> str:
-        return self.lowered.name
-
-
-def _op_key(op: LoweredOp) -> str:
-    # How "op.param" names an op in request parameters: its .named() name, else "#index".
-    return op.name or f"#{op.op_index}"
-
-
-def _param_range(op: LoweredOp, pname: str) -> tuple[float, float]:
-    spec = KERNELS[op.kernel].params.get(pname)
-    return (spec.lo, spec.hi) if spec else (-FLT_MAX, FLT_MAX)
-
-
-def _resolve_params(
-    att: _Attached, given: Any
-) -> tuple[dict[str, float], dict[tuple[int, str], float]]:
-    """Request parameters of one app -> (app-level values, {(op_index, param): value}).
-
-    A bare name is the app-level parameter of that name if there is one, else every op
-    parameter of that name; "op.param" names one op (by its name, or "#index")."""
-    lw = att.lowered
-    who = f"app {lw.name!r}"
-    if not isinstance(given, dict):
-        raise RequestError(f"{who}: params must be a dict of name: number")
-    app_vals: dict[str, float] = {}
-    op_vals: dict[tuple[int, str], float] = {}
-    for key, v in given.items():
-        if not isinstance(key, str):
-            raise RequestError(f"{who}: parameter names must be strings, got {key!r}")
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(float(v)):
-            raise RequestError(f"{who}: parameter {key!r} must be a finite number, got {v!r}")
-        v = float(v)
-        targets: list[LoweredOp] = []
-        if "." in key:
-            opname, pname = key.rsplit(".", 1)
-            targets = [o for o in lw.ops if _op_key(o) == opname and pname in dict(o.params)]
-        elif key in lw.app_params:
-            app_vals[key] = v
-            continue
-        else:
-            pname = key
-            targets = [o for o in lw.ops if pname in dict(o.params)]
-        if not targets:
-            raise RequestError(f"{who}: unknown parameter {key!r}")
-        for o in targets:
-            lo, hi = _param_range(o, pname)
-            if not lo <= v <= hi:
-                raise RequestError(f"{who}: parameter {key!r}={v} out of range [{lo}, {hi}]")
-            op_vals[(o.op_index, pname)] = v
-    return app_vals, op_vals
-
-
-class Request:
-    """One request through an attachment: the prompt, its KV cache and its per-request state
-    (apps used, parameters, span state, latched read statistics, CAST sums, read results).
-
-    Drive it with ``prefill()`` then ``decode(token)`` per generated token, or use
-    ``Attachment.generate``."""
-
-    def __init__(
-        self,
-        attachment: Attachment,
-        prompt_ids: list[int],
-        apps: list[str],
-        params: dict[str, dict[str, float]],
-    ):
-        self.attachment = attachment
-        self.prompt = [int(t) for t in prompt_ids]
-        if not self.prompt:
-            raise RequestError("the prompt is empty")
-        self.apps = list(apps)
-        self.n_done = 0  # positions processed so far
-        self.cache = None  # its own KV cache (made on the first pass)
-        self.app_params: dict[str, dict[str, float]] = {}
-        self.op_params: dict[str, dict[tuple[int, str], float]] = {}
-        for att in attachment.attached:
-            self.app_params[att.name] = dict(att.lowered.app_params)
-            self.op_params[att.name] = {}
-        for name, p in params.items():
-            av, ov = _resolve_params(attachment.by_name[name], p)
-            self.app_params[name].update(av)
-            self.op_params[name].update(ov)
-        self.spans: dict[tuple[str, str, str], bool] = {}  # (app, open, close) -> inside
-        # (app, read key) -> [sum, count, value at the last prompt token] over prompt tokens
-        self.read_stats: dict[tuple[str, str], list[float]] = {}
-        self.cast_sums: dict[tuple[str, str], list] = {}  # (app, key) -> [sum (fp64), count]
-        self.results: dict[str, dict[str, dict[str, list]]] = {}
-        # (app, since(...) text) -> the first position where its condition held
-        self.sticky: dict[tuple[str, str], int] = {}
-        self.stopped: dict[str, Any] | None = None  # {app, read, position, value}
-        self.switched: list[dict[str, Any]] = []  # {app, read, position, condition}
-
-    def report(self) -> dict:
-        """The results so far, with the stop and the switches under "!stopped"/"!switched"."""
-        out: dict[str, Any] = copy.deepcopy(self.results)
-        if self.stopped is not None:
-            out["!stopped"] = dict(self.stopped)
-        if self.switched:
-            out["!switched"] = [dict(x) for x in self.switched]
-        return out
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.prompt)
-
-    def uses(self, att: _Attached) -> bool:
-        return att.mode == "all" or (att.mode == "request" and att.name in self.apps)
-
-    def param(self, att: _Attached, op: LoweredOp, pname: str) -> float:
-        default = dict(op.params)[pname]
-        return self.op_params[att.name].get((op.op_index, pname), default)
-
-    def prefill(self, chunk: int | None = None) -> torch.Tensor:
-        """Run the rest of the prompt, in forward passes of ``chunk`` tokens (all at once by
-        default); returns the logits of the last prompt token."""
-        if self.n_done >= self.prompt_len:
-            raise RequestError("the prompt has been processed already")
-        if chunk is not None and chunk < 1:
-            raise RequestError("chunk must be at least 1")
-        logits = None
-        while self.n_done < self.prompt_len:
-            end = self.prompt_len if chunk is None else min(self.prompt_len, self.n_done + chunk)
-            logits = self._forward(self.prompt[self.n_done : end])
-            if self.stopped is not None:
-                break  # the request ends in this chunk: nothing more is computed
-        return logits[-1]
-
-    def decode(self, token: int) -> torch.Tensor:
-        """Feed back one sampled token; returns its logits."""
-        if self.n_done < self.prompt_len:
-            raise RequestError("prefill the prompt first")
-        return self._forward([int(token)])[-1]
-
-    def _forward(self, ids: list[int]) -> torch.Tensor:
-        from transformers import DynamicCache
-
-        att = self.attachment
-        if self.cache is None:
-            self.cache = DynamicCache(config=att.model.config)
-        step = _Step(self, ids, start=self.n_done)
-        model = att.model
-        input_ids = torch.tensor([ids], dtype=torch.long, device=att.device)
-        att._own = [(step, _Rows(0, list(range(len(ids))), 1, len(ids)))]
-        try:
-            with torch.no_grad():
-                out = model(input_ids=input_ids, past_key_values=self.cache, use_cache=True)
-        finally:
-            att._own = None
-        self.n_done += len(ids)
-        return out.logits[0].float()
-
-    def record(self, app: str, key: str, pos: int, value: Any) -> None:
-        entry = self.results.setdefault(app, {}).setdefault(key, {"positions": [], "values": []})
-        entry["positions"].append(pos)
-        entry["values"].append(value)
-
-
-class _Step:
-    """One forward pass of a request: its tokens, their flags, and the values of every read
-    that ran in this pass (for per-token gates)."""
-
-    def __init__(self, req: Request, ids: list[int], start: int):
-        self.req = req
-        self.ids = ids
-        self.n = len(ids)
-        self.pos = [start + t for t in range(self.n)]
-        P = req.prompt_len
-        self.prompt = [p < P for p in self.pos]
-        self.generated = [p >= P for p in self.pos]
-        # Logits are sampled for the last token of a pass that reaches the end of the prompt.
-        sampled = start + self.n >= P
-        self.last = [sampled and t == self.n - 1 for t in range(self.n)]
-        self.values: dict[tuple[str, str], list[float]] = {}
-        self.span_flags: dict[tuple[str, str, str], list[bool]] = {}
-        # Spans are followed for every attached app, used or not, as the engine's prologue
-        # does: an app switched on in the middle of a request sees the right span state.
-        for att in req.attachment.attached:
-            lw = att.lowered
-            for open_, close in lw.spans:
-                k = (att.name, open_, close)
-                flags, state = R.span_flags(
-                    ids,
-                    set(lw.token_sets[open_]),
-                    set(lw.token_sets[close]),
-                    req.spans.get(k, False),
-                )
-                self.span_flags[k] = flags
-                req.spans[k] = state
-
-    # -- conditions ---------------------------------------------------------------------
-    def threshold(self, att: _Attached, value: float | str) -> float:
-        v = self.req.app_params[att.name][value] if isinstance(value, str) else value
-        return _f32(float(v))
-
-    def holds(self, att: _Attached, op: LoweredOp, node, t: int) -> bool:
-        if node is None:
-            return True
-        if isinstance(node, C.Flag):
-            return {
-                "all": True,
-                "prompt": self.prompt[t],
-                "generated": self.generated[t],
-                "last_token": self.last[t],
-            }[node.name]
-        if isinstance(node, C.TokenIn):
-            return self.ids[t] in att.lowered.token_sets[node.set]
-        if isinstance(node, C.InSpan):
-            return self.span_flags[(att.name, node.open, node.close)][t]
-        if isinstance(node, C.Gate):
-            v = self.values.get((att.name, node.read), [NAN] * self.n)[t]
-            return R.compare(v, node.cmp, self.threshold(att, node.value))
-        if isinstance(node, C.Latch):
-            if latch_from_generated(att.lowered, op, node):
-                decided = self.generated[t]
-            else:
-                decided = self.generated[t] or (self.prompt[t] and self.last[t])
-            if not decided:
-                return False
-            s = self.req.read_stats.get((att.name, node.read))
-            if s is None:
-                return False
-            if node.reduce == "prompt_last":
-                v = s[2]
-            elif s[1] > 0:
-                v = s[0] / s[1]
-            else:
-                return False
-            return R.compare(v, node.cmp, self.threshold(att, node.value))
-        if isinstance(node, C.Since):
-            start = self.req.sticky.get((att.name, C.to_text(node)))
-            return R.since_holds(self.pos[t], start)
-        if isinstance(node, C.And):
-            return self.holds(att, op, node.a, t) and self.holds(att, op, node.b, t)
-        if isinstance(node, C.Or):
-            return self.holds(att, op, node.a, t) or self.holds(att, op, node.b, t)
-        if isinstance(node, C.Not):
-            return not self.holds(att, op, node.a, t)
-        raise TypeError(f"unknown condition node {node!r}")
-
-    # -- ops ----------------------------------------------------------------------------
-    def run_op(self, att: _Attached, op: LoweredOp, rows: torch.Tensor) -> None:
-        """Run one op on this request's rows ([n tokens, d], changed in place by writes)."""
-        if rows.shape[0] != self.n:
-            raise RuntimeError(
-                f"xmix: site {op.site} has {rows.shape[0]} rows for a pass of {self.n} tokens"
-            )
-        if not self.req.uses(att):
-            return
-        mask_list = [self.holds(att, op, op.cond, t) for t in range(self.n)]
-        mask = torch.tensor(mask_list, dtype=torch.bool, device=rows.device)
-        arts = {k: v.to(rows.device) for k, v in op.artifacts.items()}
-        p = lambda name: self.req.param(att, op, name)  # noqa: E731
-        if op.kernel == "custom":
-            self._run_custom(att, op, rows, mask_list)
-            return
-        if op.is_control:
-            self._monitor(att, op, mask_list)
-            return
-        if op.is_read:
-            self._read(att, op, rows, mask, mask_list, arts, p)
-            return
-        if op.kernel == "add":
-            new = R.add(rows, None, mask, arts["a0"], p("scale"))
-        elif op.kernel == "ablate":
-            new = R.ablate(rows, None, mask, arts["a0"])
-        elif op.kernel == "clamp":
-            new = R.clamp(rows, None, mask, arts["a0"], p("min"), p("max"))
-        elif op.kernel == "affine":
-            new = R.affine(rows, None, mask, arts["a0"], arts["a1"], arts["a2"])
-        elif op.kernel == "router":
-            new = R.router(rows, mask, arts["a0"], p("delta"))
-        elif op.kernel == "sae_steer":
-            new = R.add(
-                rows, None, mask, op.sae.W_dec[op.features].sum(0).to(rows.device), p("scale")
-            )
-        elif op.kernel == "sae_clamp":
-            new = R.sae_clamp(rows, None, mask, op.sae, op.features, p("value"))
-        else:
-            raise DeployError(
-                f"app {att.name!r}, op {op.label}: no oracle for kernel {op.kernel!r}"
-            )
-        rows.copy_(new.reshape(rows.shape))
-
-    def _read(self, att, op, rows, mask, mask_list, arts, p) -> None:
-        n = self.n
-        values = [NAN] * n  # the scalar a gate or latch sees
-        reported: dict[int, Any] = {}
-        if op.kernel == "probe":
-            v = R.probe(rows, arts["a0"], p("bias"))
-            for t in range(n):
-                if mask_list[t]:
-                    values[t] = reported[t] = float(v[t])
-        elif op.kernel == "distance":
-            v = R.distance(rows, arts["a0"].reshape(op.n, -1))
-            for t in range(n):
-                if mask_list[t]:
-                    values[t] = reported[t] = float(v[t])
-        elif op.kernel == "capture":
-            for t in range(n):
-                if mask_list[t]:
-                    # The engine's result channel holds 1.0 for a captured token; a gate
-                    # on a capture read therefore means "it was captured".
-                    values[t] = 1.0
-                    reported[t] = rows[t, op.m : op.m + op.n].float().cpu().tolist()
-        elif op.kernel == "cosine":
-            # CAST: mean of the stream over the prompt tokens where the condition holds;
-            # one value, at the last prompt token, once at least one token was summed.
-            acc = self.req.cast_sums.setdefault(
-                (att.name, op.result_key), [torch.zeros(rows.shape[-1], dtype=torch.float64), 0]
-            )
-            for t in range(n):
-                if mask_list[t] and self.prompt[t]:
-                    acc[0] += rows[t].double().cpu()
-                    acc[1] += 1
-                if self.prompt[t] and self.last[t] and acc[1] > 0:
-                    mean = (acc[0] / acc[1]).float()
-                    values[t] = reported[t] = float(R.cast_cosine(mean, arts["a0"].cpu()))
-        elif op.kernel == "sae":
-            acts = R.sae_encode(rows, op.sae)
-            if op.features:
-                sub = acts[:, op.features].cpu()
-                for i, f in enumerate(op.features):  # each feature is a read of its own for gates
-                    self._note_values(
-                        att,
-                        f"{op.result_key}.f{f}",
-                        [float(sub[t, i]) if mask_list[t] else NAN for t in range(n)],
-                    )
-                for t in range(n):
-                    if mask_list[t]:
-                        values[t] = float(sub[t, 0])
-                        reported[t] = {"ids": list(op.features), "acts": sub[t].tolist()}
-            else:
-                top = R.sae_top(acts, op.top_k)
-                for t in range(n):
-                    if mask_list[t]:
-                        ids, a = top[t]
-                        values[t] = a[0] if a else 0.0  # the largest activation
-                        reported[t] = {"ids": ids, "acts": a}
-        else:
-            raise DeployError(f"app {att.name!r}, op {op.label}: no oracle for read {op.kernel!r}")
-        self._note_read(att, op, values, reported)
-
-    def _monitor(self, att: _Attached, op: LoweredOp, mask_list: list[bool]) -> None:
-        """A stop or a since(...) term: the first position of this pass where its condition
-        held, if none before it did."""
-        req = self.req
-        first = R.first_held(mask_list, self.pos)
-        if first is None:
-            return
-        if op.kernel == "since":
-            key = (att.name, op.sticky)
-            if key not in req.sticky:
-                req.sticky[key] = first
-                req.switched.append(
-                    {
-                        "app": att.name,
-                        "read": op.monitor_read,
-                        "position": first,
-                        "condition": op.sticky,
-                    }
-                )
-            return
-        if req.stopped is None:
-            value = None
-            if op.monitor_read is not None:
-                v = self.values.get((att.name, op.monitor_read), [NAN] * self.n)[
-                    self.pos.index(first)
-                ]
-                value = v if v == v else None
-            req.stopped = {
-                "app": att.name,
-                "read": op.monitor_read,
-                "position": first,
-                "value": value,
-            }
-
-    def _note_values(self, att, key: str, values: list[float]) -> None:
-        self.values[(att.name, key)] = values
-        stats = self.req.read_stats.setdefault((att.name, key), [0.0, 0, NAN])
-        for t, v in enumerate(values):
-            if v == v and self.prompt[t]:
-                stats[0] += v
-                stats[1] += 1
-                if self.last[t]:
-                    stats[2] = v
-
-    def _note_read(self, att, op, values: list[float], reported: dict[int, Any]) -> None:
-        self.values[(att.name, op.result_key)] = values
-        stats = self.req.read_stats.setdefault((att.name, op.result_key), [0.0, 0, NAN])
-        for t, v in enumerate(values):
-            if v != v or not self.prompt[t]:
-                continue
-            stats[0] += v
-            stats[1] += 1
-            if self.last[t]:
-                stats[2] = v
-        for t in sorted(reported):
-            self.req.record(att.name, op.result_key, self.pos[t], reported[t])
-
-    def _run_custom(self, att, op, rows, mask_list) -> None:
-        if rows.dtype not in _DTYPE_CODES:
-            raise RuntimeError(f"xmix: user kernel on a {rows.dtype} stream")
-        n, d = rows.shape
-        h = rows.detach().cpu().contiguous().clone()
-        select = torch.tensor(mask_list, dtype=torch.uint8)
-        slot = torch.zeros(n, dtype=torch.int32)
-        pos = torch.tensor(self.pos, dtype=torch.int32)
-        pnames = [k for k, _ in op.params]
-        prm = torch.tensor(
-            [self.req.param(att, op, k) for k in pnames] or [0.0], dtype=torch.float32
-        )
-        art = op.artifacts.get("a0")
-        art = art.float().contiguous() if art is not None else None
-        out = torch.full((n,), NAN, dtype=torch.float32) if op.is_read else None
-        args = _CustomArgs(
-            h=h.data_ptr(),
-            r=None,
-            stride_h=d,
-            stride_r=0,
-            n_rows=n,
-            d=d,
-            dtype=_DTYPE_CODES[rows.dtype],
-            n_params=len(pnames),
-            select=select.data_ptr(),
-            tok_slot=slot.data_ptr(),
-            tok_pos=pos.data_ptr(),
-            slot_params=prm.data_ptr(),
-            param_base=0,
-            artifact_numel=int(art.numel()) if art is not None else 0,
-            artifact=art.data_ptr() if art is not None else None,
-            out=out.data_ptr() if out is not None else None,
-        )
-        att.custom_fns[id(op)](ctypes.byref(args))
-        if op.is_read:
-            values = [float(out[t]) if mask_list[t] else NAN for t in range(n)]
-            reported = {t: v for t, v in enumerate(values) if v == v}
-            self._note_read(att, op, values, reported)
-        else:
-            rows.copy_(h.to(rows.device).reshape(rows.shape))
-
-
-# ------------------------------------------------------------------------------ attachment
 class Attachment:
     """xmix apps attached to one transformers model; see ``attach``."""
 
@@ -672,8 +88,8 @@ class Attachment:
         # The model's class decides its modules (a config built in code may declare none).
         self.family = require_family(type(model).__name__, "transformers model class")
         self.shape = ModelShape.from_hf_config(model.config)
-        self.attached: list[_Attached] = []
-        self.by_name: dict[str, _Attached] = {}
+        self.attached: list[AttachedApp] = []
+        self.by_name: dict[str, AttachedApp] = {}
         enabled = dict(enabled or {})
         for app in apps:
             if app.name in self.by_name:
@@ -681,17 +97,17 @@ class Attachment:
                     f"app {app.name!r} is attached twice; attach it under another name"
                 )
             lw = lower(app, self.shape, tokenizer)
-            att = _Attached(lw, "request")
+            att = AttachedApp(lw, "request")
             for op in lw.ops:
                 if op.kernel == "custom":
-                    att.custom_fns[id(op)] = _load_custom(lw.name, op)
+                    att.custom_fns[id(op)] = load_custom(lw.name, op)
             self.attached.append(att)
             self.by_name[app.name] = att
         for name, mode in enabled.items():
             self.set_mode(name, mode)
         # The requests of the forward pass under way, each with its rows in the site tensors:
         # set by Request._forward (its own passes) or by an open session (transformers' calls).
-        self._own: list[tuple[_Step, _Rows]] | None = None
+        self._own: list[tuple[Pass, Rows]] | None = None
         self._session: Session | None = None
         self._warned = False
         self._detached = False
@@ -712,7 +128,7 @@ class Attachment:
             raise DeployError(f"app {name!r}: mode must be one of {list(APP_MODES)}, got {mode!r}")
         self.by_name[name].mode = mode
 
-    def _order_sites(self) -> dict[int, list[tuple[_Attached, LoweredOp]]]:
+    def _order_sites(self) -> dict[int, list[tuple[AttachedApp, LoweredOp]]]:
         built_in: dict[int, list] = {}
         custom: dict[int, list] = {}
         for att in self.attached:
@@ -801,7 +217,7 @@ class Attachment:
         return hook
 
     def _patch_router(self, gate: torch.nn.Module, sid: int, layer: int, tap: Tap) -> None:
-        want, logits_of, tail = _ROUTERS[tap.router]
+        want, logits_of, tail = ROUTERS[tap.router]
         if type(gate).__name__ != want:
             raise TypeError(
                 f"xmix.integrations.hf: router.logits at layer {layer} needs a {want} "
@@ -859,7 +275,7 @@ class Attachment:
             raise RuntimeError("xmix: a session is already open on this attachment")
         self._check(apps or [], params or {})
         for name, p in (params or {}).items():
-            _resolve_params(self.by_name[name], p)  # bad parameters fail here, not mid-generate
+            resolve_params(self.by_name[name], p)  # bad parameters fail here, not mid-generate
         return Session(self, list(apps or []), dict(params or {}))
 
     def _check(self, apps: list[str], params: dict) -> None:
@@ -938,36 +354,6 @@ def site_id_name(sid: int, n_layers: int):
     return name if layer is None else (layer, name)
 
 
-class _Rows:
-    """One request's rows in a site tensor of a batch: row ``b`` of B, token columns ``cols``
-    of T (the positions its attention mask keeps). Site tensors are [B, T, ...] or, for
-    routers, [B*T, ...]."""
-
-    def __init__(self, b: int, cols: list[int], B: int, T: int):
-        self.b, self.cols, self.B, self.T = b, cols, B, T
-        lo = cols[0] if cols else 0
-        self.span = (lo, lo + len(cols)) if cols == list(range(lo, lo + len(cols))) else None
-        self._idx = None if self.span else torch.tensor(cols, dtype=torch.long)
-
-    def _grid(self, tensor: torch.Tensor) -> torch.Tensor:
-        if tensor.numel() != self.B * self.T * tensor.shape[-1]:
-            raise RuntimeError(
-                f"xmix: a site tensor of shape {list(tensor.shape)} in a pass of "
-                f"{self.B} x {self.T} tokens"
-            )
-        return tensor.view(self.B, self.T, tensor.shape[-1])
-
-    def take(self, tensor: torch.Tensor) -> torch.Tensor:
-        g = self._grid(tensor)
-        if self.span is not None:
-            return g[self.b, self.span[0] : self.span[1]]  # a view: writes land in place
-        return g[self.b, self._idx.to(tensor.device)]
-
-    def put(self, tensor: torch.Tensor, rows: torch.Tensor) -> None:
-        if self.span is None:
-            self._grid(tensor)[self.b, self._idx.to(tensor.device)] = rows
-
-
 class Session:
     """transformers' own calls with apps: ``with attachment.session(apps, params) as s:``.
 
@@ -989,7 +375,7 @@ class Session:
         self.apps = apps
         self.params = params
         self.requests: list[Request] = []
-        self.current: list[tuple[_Step, _Rows]] | None = None
+        self.current: list[tuple[Pass, Rows]] | None = None
         self._handles: list = []
 
     def __enter__(self) -> Session:
@@ -1049,7 +435,7 @@ class Session:
                 cols = [t for t in range(T) if keep[b, t]]
                 req = Request(self.attachment, ids[b, cols].tolist(), self.apps, self.params)
                 self.requests.append(req)
-                current.append((_Step(req, req.prompt, start=0), _Rows(b, cols, B, T)))
+                current.append((Pass(req, req.prompt, start=0), Rows(b, cols, B, T)))
         else:
             if len(self.requests) != B:
                 raise RequestError(
@@ -1061,7 +447,7 @@ class Session:
                 cols = [t for t in range(T) if keep[b, t]]
                 if cols:
                     current.append(
-                        (_Step(req, ids[b, cols].tolist(), start=req.n_done), _Rows(b, cols, B, T))
+                        (Pass(req, ids[b, cols].tolist(), start=req.n_done), Rows(b, cols, B, T))
                     )
         self.current = current
         return None

@@ -99,7 +99,8 @@ def patch_input_processor(cls) -> None:
 def patch_output_processor(out_cls, state_cls, request_output_cls) -> None:
     """Results live on each CompletionOutput (``.xmix``: one sequence's reads, so ``n > 1``
     keeps its sequences apart) and on the RequestOutput (``.xmix``: those of ``outputs[0]``,
-    the only sequence when ``n == 1``)."""
+    the only sequence when ``n == 1``). One replacement per patched method, each made from
+    vLLM's own by the function of the same name below."""
     found = fence.to_wrap(
         "processor_patches",
         (out_cls, "process_outputs"),
@@ -111,7 +112,23 @@ def patch_output_processor(out_cls, state_cls, request_output_cls) -> None:
     if found is None:
         return
     orig_process, orig_make, orig_new_completion, orig_add, from_new = found
-    orig_from_new = from_new.__func__
+    by = "processor_patches"
+    fence.replace(out_cls, "process_outputs", _process_outputs(orig_process), by=by)
+    fence.replace(
+        state_cls,
+        "from_new_request",
+        classmethod(_from_new_request(from_new.__func__)),
+        by=by,
+    )
+    fence.replace(state_cls, "make_request_output", _make_request_output(orig_make), by=by)
+    fence.replace(
+        state_cls, "_new_completion_output", _new_completion_output(orig_new_completion), by=by
+    )
+    fence.replace(request_output_cls, "add", _add(orig_add), by=by)
+
+
+def _from_new_request(orig_from_new):
+    """RequestState.from_new_request: the state keeps what admission applied (provenance)."""
 
     def from_new_request(cls, tokenizer, request, *args, **kwargs):
         st = orig_from_new(cls, tokenizer, request, *args, **kwargs)
@@ -124,90 +141,112 @@ def patch_output_processor(out_cls, state_cls, request_output_cls) -> None:
             st.__dict__["_xmix_applied"] = ctl["applied"]
         return st
 
+    return from_new_request
+
+
+def _process_outputs(orig_process):
+    """OutputProcessor.process_outputs: each engine core output's results taken out of its
+    kv_transfer_params before vLLM sees them (``_take_engine_results``); requests a worker
+    could not serve are finished with an error and aborted."""
+
     def process_outputs(self, engine_core_outputs, *args, **kwargs):
-        from vllm.v1.engine import FinishReason
-
-        from .worker import ERROR_KEY, merge_results
-
         failed: list[str] = []
         for eco in engine_core_outputs:
-            kvp = eco.kv_transfer_params
-            if kvp and RESULTS_KEY in kvp:
-                kvp = dict(kvp)
-                res = unpack_results(kvp.pop(RESULTS_KEY) or {})
-                eco.kv_transfer_params = kvp or None
-                err = res.pop(ERROR_KEY, None)
-                dropped = res.pop(DROPPED_KEY, None)
-                stopped = res.pop(STOPPED_KEY, None)
-                switched = res.pop(SWITCHED_KEY, None)
-                st = self.request_states.get(eco.request_id)
-                if st is None:
-                    continue
-                if stopped is not None or switched:
-                    # monitors: named in the request's provenance when it finishes
-                    mon = st.__dict__.setdefault("_xmix_monitors", {})
-                    if stopped is not None:
-                        mon.setdefault("stopped", stopped)
-                    if switched:
-                        mon.setdefault("switched", []).extend(switched)
-                applied = st.__dict__.get("_xmix_applied")
-                if dropped and applied is not None:
-                    # the engine no longer held the version admitted (a change through another
-                    # API server this one had not seen yet): named under "changed"
-                    st.__dict__["_xmix_applied"] = {
-                        **applied,
-                        "_dropped": sorted(set(applied.get("_dropped", ())) | set(dropped)),
-                    }
-                if not res and err is None:
-                    continue
-                st.__dict__["_xmix_seen"] = True
-                if TRUNCATED_KEY in res:
-                    _count_truncated(st)
-                if res:
-                    merge_results(st.__dict__.setdefault("_xmix_new", {}), res)
-                if err is not None:
-                    # A worker could not serve this request: it ends here with an error (the
-                    # OpenAI server answers 500 / an error event); the engine core drops it.
-                    logger.warning(
-                        "xmix: request %s finished with an error: %s", eco.request_id, err
-                    )
-                    st.__dict__["_xmix_error"] = str(err)
-                    if eco.finish_reason is None:
-                        failed.append(eco.request_id)
-                    eco.finish_reason = FinishReason.ERROR
+            _take_engine_results(self, eco, failed)
         out = orig_process(self, engine_core_outputs, *args, **kwargs)
         if failed:
             out.reqs_to_abort.extend(r for r in failed if r not in out.reqs_to_abort)
         return out
 
-    def take_results(state) -> dict:
-        # Results since the last output (DELTA) or all so far; steps that produced no output
-        # (FINAL_ONLY, stream_interval) keep accumulating in _xmix_new until one does.
-        from vllm.sampling_params import RequestOutputKind
+    return process_outputs
 
-        from .worker import merge_results
 
-        new = state.__dict__.pop("_xmix_new", None)
-        if state.output_kind == RequestOutputKind.DELTA:
-            return new or {}
-        acc = state.__dict__.setdefault("_xmix_all", {})
-        if new:
-            merge_results(acc, new)
-        return copy_results(acc)
+def _take_engine_results(processor, eco, failed: list[str]) -> None:
+    """One EngineCoreOutput: its results, monitors, dropped versions and a worker's error onto
+    the request's state (``failed`` gets the request if the error finishes it)."""
+    kvp = eco.kv_transfer_params
+    if not kvp or RESULTS_KEY not in kvp:
+        return
+    from vllm.v1.engine import FinishReason
 
-    # Only requests that ever carried reads get an ``.xmix`` attribute: outputs of an engine
-    # without xmix (or of a request without reads) are vLLM's objects untouched, and
-    # ``xmix.results`` reads a missing attribute as {}.
+    from .worker import ERROR_KEY, merge_results
+
+    kvp = dict(kvp)
+    res = unpack_results(kvp.pop(RESULTS_KEY) or {})
+    eco.kv_transfer_params = kvp or None
+    err = res.pop(ERROR_KEY, None)
+    dropped = res.pop(DROPPED_KEY, None)
+    stopped = res.pop(STOPPED_KEY, None)
+    switched = res.pop(SWITCHED_KEY, None)
+    st = processor.request_states.get(eco.request_id)
+    if st is None:
+        return
+    if stopped is not None or switched:
+        # monitors: named in the request's provenance when it finishes
+        mon = st.__dict__.setdefault("_xmix_monitors", {})
+        if stopped is not None:
+            mon.setdefault("stopped", stopped)
+        if switched:
+            mon.setdefault("switched", []).extend(switched)
+    applied = st.__dict__.get("_xmix_applied")
+    if dropped and applied is not None:
+        # the engine no longer held the version admitted (a change through another
+        # API server this one had not seen yet): named under "changed"
+        st.__dict__["_xmix_applied"] = {
+            **applied,
+            "_dropped": sorted(set(applied.get("_dropped", ())) | set(dropped)),
+        }
+    if not res and err is None:
+        return
+    st.__dict__["_xmix_seen"] = True
+    if TRUNCATED_KEY in res:
+        _count_truncated(st)
+    if res:
+        merge_results(st.__dict__.setdefault("_xmix_new", {}), res)
+    if err is not None:
+        # A worker could not serve this request: it ends here with an error (the
+        # OpenAI server answers 500 / an error event); the engine core drops it.
+        logger.warning("xmix: request %s finished with an error: %s", eco.request_id, err)
+        st.__dict__["_xmix_error"] = str(err)
+        if eco.finish_reason is None:
+            failed.append(eco.request_id)
+        eco.finish_reason = FinishReason.ERROR
+
+
+def _take_results(state) -> dict:
+    # Results since the last output (DELTA) or all so far; steps that produced no output
+    # (FINAL_ONLY, stream_interval) keep accumulating in _xmix_new until one does.
+    from vllm.sampling_params import RequestOutputKind
+
+    from .worker import merge_results
+
+    new = state.__dict__.pop("_xmix_new", None)
+    if state.output_kind == RequestOutputKind.DELTA:
+        return new or {}
+    acc = state.__dict__.setdefault("_xmix_all", {})
+    if new:
+        merge_results(acc, new)
+    return copy_results(acc)
+
+
+# Only requests that ever carried reads get an ``.xmix`` attribute: outputs of an engine
+# without xmix (or of a request without reads) are vLLM's objects untouched, and
+# ``xmix.results`` reads a missing attribute as {}.
+def _new_completion_output(orig_new_completion):
     def _new_completion_output(self, *args, **kwargs):
         co = orig_new_completion(self, *args, **kwargs)
         if self.__dict__.get("_xmix_seen"):
-            co.xmix = take_results(self)
+            co.xmix = _take_results(self)
         mon = self.__dict__.get("_xmix_monitors")
         if mon and co.finish_reason is not None:
             # this sequence's stop and switches (with n > 1 each choice has its own)
             co.xmix_monitors = mon
         return co
 
+    return _new_completion_output
+
+
+def _make_request_output(orig_make):
     def make_request_output(self, *args, **kwargs):
         out = orig_make(self, *args, **kwargs)
         if out is None:
@@ -240,9 +279,13 @@ def patch_output_processor(out_cls, state_cls, request_output_cls) -> None:
         if isinstance(outs, list) and outs:
             out.xmix = getattr(outs[0], XMIX_KEY, None) or {}
         else:  # pooling output: one per request
-            out.xmix = take_results(self)
+            out.xmix = _take_results(self)
         return out
 
+    return make_request_output
+
+
+def _add(orig_add):
     def add(self, next_output, aggregate: bool) -> None:
         from .worker import merge_results
 
@@ -263,15 +306,7 @@ def patch_output_processor(out_cls, state_cls, request_output_cls) -> None:
             if val is not None:
                 setattr(self, key, val)
 
-    fence.replace(out_cls, "process_outputs", process_outputs, by="processor_patches")
-    fence.replace(
-        state_cls, "from_new_request", classmethod(from_new_request), by="processor_patches"
-    )
-    fence.replace(state_cls, "make_request_output", make_request_output, by="processor_patches")
-    fence.replace(
-        state_cls, "_new_completion_output", _new_completion_output, by="processor_patches"
-    )
-    fence.replace(request_output_cls, "add", add, by="processor_patches")
+    return add
 
 
 def provenance(applied: dict) -> dict:

@@ -6,6 +6,9 @@ references have been checked. ``xmix.control`` places it in the control block;
 ``xmix.integrations.hf`` runs it with ``xmix.reference`` as the oracle.
 
 Order at a site: apps in deployment order, then ops in declaration order.
+
+This module holds what a lowered app is and ``lower``'s steps; ``pack`` holds one packing
+function per kernel (what a lowered op carries at one layer), ``errors`` the errors.
 """
 
 from __future__ import annotations
@@ -15,24 +18,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from xmix import _C
 from xmix import conditions as C
-from xmix.api import App, AppError
+from xmix.api import App
 from xmix.catalog import CENTROIDS, EXPERTS, FLT_MAX, KERNELS, MAT_DD, SAE_KERNELS, VEC
 from xmix.hooks import ModelShape, site_id, site_of
+from xmix.lowering.errors import DeployError as DeployError
+from xmix.lowering.errors import RequestError as RequestError
+from xmix.lowering.errors import fail
+from xmix.lowering.pack import PACK, OpAt, Shared
 
 if TYPE_CHECKING:
     from xmix.api import Op
-    from xmix.sae import SAE
-
-
-class DeployError(AppError):
-    """An app that does not fit the model it is deployed on."""
-
-
-class RequestError(ValueError):
-    """A per-request xmix control that cannot be honoured (unknown app or parameter, bad value);
-    the message says why. One class for the engine and the transformers path."""
 
 
 # How a deployed app applies: to nobody, to requests that name it, to every request.
@@ -151,16 +147,12 @@ class LoweredApp:
         return any(o.is_read for o in self.ops)
 
 
-def _fail(app: str, what: str, msg: str) -> DeployError:
-    return DeployError(f"app {app!r}, {what}: {msg}")
-
-
 def _check_finite(app: str, what: str, name: str, t: torch.Tensor) -> None:
     # Checked as the kernels will see it: in fp32 (a float64 1e39 is Inf there).
     f = t.float()
     if not torch.isfinite(f).all():
         bad = (~torch.isfinite(f)).nonzero()[0].tolist()
-        raise _fail(
+        raise fail(
             app, what, f"artifact {name!r} contains NaN or Inf in fp32 (first at index {bad})"
         )
 
@@ -180,23 +172,23 @@ def _per_layer(
 
     def check_base(x: torch.Tensor) -> None:
         if kind == VEC and tuple(x.shape) != (d,):
-            raise _fail(
+            raise fail(
                 app,
                 what,
                 f"artifact {name!r} has shape {tuple(t.shape)}; expected "
                 f"[{d}] (hidden size) or [n_layers, {d}]",
             )
         if kind == MAT_DD and tuple(x.shape) != (d, d):
-            raise _fail(
+            raise fail(
                 app, what, f"artifact {name!r} has shape {tuple(t.shape)}; expected [{d}, {d}]"
             )
         if kind == CENTROIDS and (x.dim() != 2 or x.shape[1] != d or x.shape[0] < 1):
-            raise _fail(
+            raise fail(
                 app, what, f"artifact {name!r} has shape {tuple(t.shape)}; expected [k, {d}]"
             )
         if kind == EXPERTS:
             if tuple(x.shape) != (shape.n_experts,):
-                raise _fail(
+                raise fail(
                     app,
                     what,
                     f"artifact {name!r} has shape {tuple(t.shape)}; expected "
@@ -208,7 +200,7 @@ def _per_layer(
         return [t.float()] * len(layers)
     if t.dim() == base_rank + 1:
         if layers == [None]:
-            raise _fail(
+            raise fail(
                 app, what, f"artifact {name!r} has a layer dimension but the site is model level"
             )
         if t.shape[0] == L:
@@ -216,7 +208,7 @@ def _per_layer(
         elif t.shape[0] == len(layers):
             rows = [t[i] for i in range(len(layers))]
         else:
-            raise _fail(
+            raise fail(
                 app,
                 what,
                 f"artifact {name!r} has {t.shape[0]} layer rows; expected "
@@ -225,7 +217,7 @@ def _per_layer(
         for r in rows:
             check_base(r)
         return [r.float().contiguous() for r in rows]
-    raise _fail(app, what, f"artifact {name!r} has shape {tuple(t.shape)}; expected {kind}")
+    raise fail(app, what, f"artifact {name!r} has shape {tuple(t.shape)}; expected {kind}")
 
 
 def resolve_token_sets(app: App, shape: ModelShape, tokenizer: Any) -> dict[str, list[int]]:
@@ -235,18 +227,16 @@ def resolve_token_sets(app: App, shape: ModelShape, tokenizer: Any) -> dict[str,
         what = f"token set {ts.name!r}"
         for i in ts.ids or []:
             if i >= shape.vocab_size:
-                raise _fail(
+                raise fail(
                     app.name, what, f"token id {i} is outside the vocabulary ({shape.vocab_size})"
                 )
             ids.add(i)
         if (ts.strings or ts.contains) and tokenizer is None:
-            raise _fail(
-                app.name, what, "strings need the model's tokenizer, which is not available"
-            )
+            raise fail(app.name, what, "strings need the model's tokenizer, which is not available")
         for s in ts.strings or []:
             enc = tokenizer.encode(s, add_special_tokens=False)
             if len(enc) != 1:
-                raise _fail(
+                raise fail(
                     app.name,
                     what,
                     f"string {s!r} is {len(enc)} tokens {enc}, not one; "
@@ -260,7 +250,7 @@ def resolve_token_sets(app: App, shape: ModelShape, tokenizer: Any) -> dict[str,
                 if any(sub in text for sub in ts.contains):
                     ids.add(i)
             if not any(True for _ in ids):
-                raise _fail(app.name, what, f"no token of the vocabulary contains {ts.contains!r}")
+                raise fail(app.name, what, f"no token of the vocabulary contains {ts.contains!r}")
         out[ts.name] = sorted(ids)
     return out
 
@@ -277,7 +267,12 @@ def lower(
     app: App, shape: ModelShape, tokenizer: Any = None, max_ops: int | None = None
 ) -> LoweredApp:
     """Check ``app`` against ``shape`` and lower it. Raises DeployError naming app, op, field.
-    ``max_ops`` bounds the lowered ops (one per op and layer), checked before any work."""
+    ``max_ops`` bounds the lowered ops (one per op and layer), checked before any work.
+
+    The steps, each a function below: every op placed on its layers and packed per layer
+    (``_lower_op``, one packing function per kernel in ``pack.PACK``), the reads indexed by result
+    name (``_index_reads``), one op per since(...) term (``_since_ops``), the conditions'
+    references checked (``_check_conditions``), then the order of gates and since terms."""
     name = app.name
     if max_ops is not None:
         n = sum(_layers_of(op, shape) for op in app.ops)
@@ -287,279 +282,20 @@ def lower(
                 f"room for {max_ops} more"
             )
     token_sets = resolve_token_sets(app, shape, tokenizer)
-    checked: set[int] = set()  # artifacts shared by several ops are checked once
-    fp32: dict[int, torch.Tensor] = {}  # ... and converted once
-
-    def as_fp32(t: torch.Tensor) -> torch.Tensor:
-        if id(t) not in fp32:
-            fp32[id(t)] = t.float()
-        return fp32[id(t)]
-
+    shared = Shared()
     ops: list[LoweredOp] = []
-    sae_tensors: dict[int, dict[str, torch.Tensor]] = {}  # one fp32 copy per SAE of the app
     for idx, op in enumerate(app.ops):
-        what = f"op {op.label}"
-        spec = KERNELS[op.kernel]
-        if op.kernel == "stop":
-            if op.condition() is None:
-                raise _fail(name, what, "a stop needs a condition (app.stop(when=...))")
-            if op.site is None and op.layer_spec is None:
-                op.site = "final.post"  # after every read: the condition sees them all
-        if op.site is None:
-            raise _fail(name, what, "no site: call .at(site)")
-        if spec.sites is not None and op.site not in spec.sites:
-            raise _fail(
-                name,
-                what,
-                f"kernel {op.kernel!r} only runs at {', '.join(spec.sites)}, not {op.site!r}",
-            )
-        if spec.sites is None and op.site == "router.logits" and op.kernel != "custom":
-            raise _fail(name, what, f"kernel {op.kernel!r} does not run on router logits")
-        if op.site == "final.post":
-            if op.layer_spec is not None:
-                raise _fail(
-                    name, what, "final.post is a model-level site; do not give .layers(...)"
-                )
-            layers: list[int | None] = [None]
-        else:
-            if op.layer_spec is None:
-                raise _fail(name, what, f"site {op.site!r} needs .layers(...)")
-            if op.site == "router.logits":
-                if not shape.n_experts:
-                    raise _fail(
-                        name,
-                        what,
-                        "router.logits needs a mixture-of-experts model; "
-                        f"{shape.model_name or 'this model'} has no experts",
-                    )
-                layers = list(shape.moe_layers) if op.layer_spec == "all" else list(op.layer_spec)
-                for l in layers:
-                    if l not in shape.moe_layers:
-                        raise _fail(
-                            name,
-                            what,
-                            f"layer {l} has no router (MoE layers: {list(shape.moe_layers)})",
-                        )
-            else:
-                layers = (
-                    list(range(shape.n_layers)) if op.layer_spec == "all" else list(op.layer_spec)
-                )
-            for l in layers:
-                if l is None or not 0 <= l < shape.n_layers:
-                    raise _fail(
-                        name, what, f"layer {l} out of range (model has {shape.n_layers} layers)"
-                    )
-
-        if op.kernel == "stop" and len(layers) != 1:
-            raise _fail(name, what, f"a stop runs at one site; give one layer, got {len(layers)}")
-        for a, t in op.artifacts.items():
-            if id(t) not in checked:
-                _check_finite(name, what, a, t)
-                checked.add(id(t))
-        if op.kernel in SAE_KERNELS:
-            if len(layers) != 1:
-                raise _fail(
-                    name,
-                    what,
-                    f"an SAE runs at the one site it was trained on; give "
-                    f"one layer, got {len(layers)}",
-                )
-            assert op.sae is not None  # App sets it for every SAE kernel
-            if op.sae.d_in != shape.hidden_size:
-                raise _fail(
-                    name,
-                    what,
-                    f"the SAE reads vectors of width {op.sae.d_in}, the "
-                    f"model's hidden size is {shape.hidden_size}",
-                )
-        for p, v in op.params.items():
-            pspec = spec.params.get(p)
-            if pspec and not (pspec.lo <= v <= pspec.hi):
-                raise _fail(
-                    name, what, f"parameter {p!r}={v} out of range [{pspec.lo}, {pspec.hi}]"
-                )
-
-        per_layer: dict[str, list[torch.Tensor]] = {}
-        kinds = dict(spec.artifacts)
-        if op.kernel == "custom" and "artifact" in op.artifacts:
-            per_layer["artifact"] = [
-                op.artifacts["artifact"].float().reshape(-1).contiguous()
-            ] * len(layers)
-        for a, kind in kinds.items():
-            per_layer[a] = _per_layer(name, what, a, as_fp32(op.artifacts[a]), kind, layers, shape)
-        if op.kernel == "router":
-            for mask in per_layer["mask"]:
-                if not torch.isin(mask, torch.tensor([-1.0, 0.0, 1.0])).all():
-                    raise _fail(name, what, "artifact 'mask' must hold only -1, 0 and 1")
-
-        if op.kernel == "custom":
-            assert op.custom is not None  # App sets it for every custom kernel
-            params = [(p, v) for p, v in (op.custom.params or {}).items()]
-        else:
-            params = [(p, op.params.get(p, ps.default)) for p, ps in spec.params.items()]
-        if op.kernel == "clamp":
-            lo = dict(params)["min"]
-            hi = dict(params)["max"]
-            if lo > hi:
-                raise _fail(name, what, f"min ({lo}) is greater than max ({hi})")
-
-        multi = len(layers) > 1
-        for li, layer in enumerate(layers):
-            arts: dict[str, torch.Tensor] = {}
-            n = m = state = cap = 0
-            d = shape.hidden_size
-            if op.kernel in ("probe",):
-                arts["a0"] = per_layer["weight"][li]
-            elif op.kernel == "add":
-                arts["a0"] = per_layer["vector"][li]
-            elif op.kernel in ("ablate", "clamp"):
-                r = per_layer["direction"][li].double()
-                norm = float(r.norm())
-                if not norm > 0:
-                    raise _fail(name, what, "artifact 'direction' has zero norm")
-                arts["a0"] = (r / norm).float().contiguous()
-            elif op.kernel == "affine":
-                arts["a0"] = per_layer["matrix"][li]
-                arts["a1"] = per_layer["mu_s"][li]
-                arts["a2"] = per_layer["mu_t"][li]
-            elif op.kernel == "cosine":
-                # P = v v^T / v^T v does not depend on |v|: store v / |v| (computed in
-                # float64, so tiny or huge vectors stay finite) and 1 / (v^T v) = 1.
-                vec = per_layer["vector"][li].double()
-                norm = float(vec.norm())
-                if not norm > 0:
-                    raise _fail(name, what, "artifact 'vector' has zero norm")
-                arts["a0"] = (vec / norm).float().contiguous()
-                arts["a1"] = torch.ones(1, dtype=torch.float32)
-                state = d + 1
-            elif op.kernel == "distance":
-                arts["a0"] = per_layer["centroids"][li].reshape(-1).contiguous()
-                n = int(per_layer["centroids"][li].shape[0])
-            elif op.kernel == "router":
-                arts["a0"] = per_layer["mask"][li]
-                n = shape.n_experts
-            elif op.kernel == "capture":
-                lo_d, hi_d = op.options.get("dims", [0, d])
-                if hi_d > d:
-                    raise _fail(name, what, f"dims {op.options['dims']} exceed the hidden size {d}")
-                m, n = int(lo_d), int(hi_d - lo_d)
-                cap = n
-            elif op.kernel == "custom":
-                if "artifact" in per_layer:
-                    arts["a0"] = per_layer["artifact"][li]
-                    m = int(arts["a0"].numel())
-            flags, features, top_k = 0, [], 0
-            if op.kernel in SAE_KERNELS:
-                assert op.sae is not None  # App sets it for every SAE kernel
-                features = list(op.options.get("features") or op.options.get("feature") or [])
-                top_k = int(op.options.get("top_k", 0))
-                if op.kernel == "sae_steer":
-                    # The add kernel on the sum of the decoder rows (fp64, then fp32).
-                    arts["a0"] = op.sae.W_dec[features].double().sum(0).float().contiguous()
-                else:
-                    if id(op.sae) not in sae_tensors:
-                        sae_tensors[id(op.sae)] = _sae_arrays(op.sae)
-                    arts.update(sae_tensors[id(op.sae)])
-                    flags = sae_flags(op.sae, features_read=op.kernel == "sae" and not top_k)
-                    m = op.sae.d_sae
-                    if features:
-                        arts["a3"] = torch.tensor(features, dtype=torch.float32)
-                    n = len(features) or top_k
-                    cap = 2 * top_k
-            key = None
-            if op.primitive == "read":
-                key = f"{op.result_name}.{layer}" if multi else op.result_name
-            lop = LoweredOp(
-                app=name,
-                op_index=idx,
-                label=op.label,
-                primitive=op.primitive,
-                kernel=op.kernel,
-                site=op.site,
-                layer=layer,
-                site_id=site_id(op.site, layer, shape.n_layers),
-                result_key=key,
-                artifacts=arts,
-                params=list(params),
-                cond=op.condition(),
-                n=n,
-                m=m,
-                state_width=state,
-                capture_width=cap,
-                custom=op.custom,
-                name=op.name,
-                flags=flags,
-                n_channels=len(features) if op.kernel == "sae" and features else 1,
-                sae=op.sae,
-                features=features,
-                top_k=top_k,
-                monitor_read=next(iter(C.reads_named(op.condition())), None)
-                if op.kernel == "stop"
-                else None,
-            )
-            for p, (lo, hi) in param_bounds(lop).items():
-                v = dict(lop.params)[p]
-                if not lo <= v <= hi:
-                    raise _fail(
-                        name,
-                        what,
-                        f"parameter {p!r}={v} would write values beyond "
-                        f"{WRITE_BOUND:g}; it must lie in [{lo:g}, {hi:g}]",
-                    )
-            ops.append(lop)
-
-    reads: dict[str, LoweredOp] = {}
-    aliases: dict[str, tuple[str, int]] = {}
-    for o in ops:
-        if o.result_key is not None:
-            if o.result_key in reads:
-                raise _fail(name, f"op {o.label}", f"result name {o.result_key!r} is used twice")
-            reads[o.result_key] = o
-            if o.kernel == "sae" and o.features:
-                for i, f in enumerate(o.features):
-                    aliases[f"{o.result_key}.f{f}"] = (o.result_key, i)
-    for a in aliases:
-        if a in reads:
-            raise _fail(
-                name,
-                f"op {reads[a].label}",
-                f"result name {a!r} is also a feature of the SAE read {aliases[a][0]!r}",
-            )
+        ops.extend(_lower_op(name, idx, op, shape, shared))
+    reads, aliases = _index_reads(name, ops)
     sinces = _since_ops(app, ops, reads, aliases, shape)
     ops.extend(sinces.values())
     # At a site: the app's ops in declaration order, monitors after them (a stop placed at a
     # read's site sees that read whatever the order the app declared them in).
     ops.sort(key=lambda o: (o.site_id, o.is_control, o.op_index))
-
-    spans: list[tuple[str, str]] = []
-    for o in ops:
-        if o.cond is None:
-            continue
-        what = f"op {o.label}"
-        if C.stack_depth(o.cond) > 16:
-            raise _fail(name, what, "condition is nested too deeply (more than 16 levels)")
-        for node in C.walk(o.cond):
-            if isinstance(node, C.TokenIn) and node.set not in token_sets:
-                raise _fail(
-                    name, what, f"unknown token set {node.set!r} (declare it with app.token_set)"
-                )
-            if isinstance(node, C.InSpan):
-                for s in (node.open, node.close):
-                    if s not in token_sets:
-                        raise _fail(name, what, f"unknown token set {s!r} in in_span")
-                if (node.open, node.close) not in spans:
-                    spans.append((node.open, node.close))
-            if isinstance(node, (C.Gate, C.Latch)):
-                if isinstance(node.value, str) and node.value not in app.app_params:
-                    raise _fail(
-                        name,
-                        what,
-                        f"unknown parameter {node.value!r} in condition "
-                        f"(declare it with app.param)",
-                    )
+    spans = _check_conditions(app, ops, token_sets)
     _check_gate_order(name, ops, reads, aliases)
     _check_since_order(name, ops, sinces, shape)
-    lowered = LoweredApp(
+    return LoweredApp(
         name=name,
         app=app,
         shape=shape,
@@ -571,7 +307,252 @@ def lower(
         aliases=aliases,
         sinces=sinces,
     )
-    return lowered
+
+
+def _lower_op(app: str, idx: int, op: Op, shape: ModelShape, shared: Shared) -> list[LoweredOp]:
+    """One op of the app: checked, then one LoweredOp per layer it is placed on."""
+    what = f"op {op.label}"
+    spec = KERNELS[op.kernel]
+    layers = _placement(app, what, op, spec, shape)
+    _check_op(app, what, op, spec, layers, shape, shared)
+    per_layer = _artifacts_per_layer(app, what, op, spec, layers, shape, shared)
+    params = _op_params(app, what, op, spec)
+    multi = len(layers) > 1
+    out = []
+    for li, layer in enumerate(layers):
+        assert op.site is not None  # _placement refuses an op without a site
+        k = PACK[op.kernel](OpAt(app, what, op, per_layer, li, shape, shared))
+        key = None
+        if op.primitive == "read":
+            key = f"{op.result_name}.{layer}" if multi else op.result_name
+        lop = LoweredOp(
+            app=app,
+            op_index=idx,
+            label=op.label,
+            primitive=op.primitive,
+            kernel=op.kernel,
+            site=op.site,
+            layer=layer,
+            site_id=site_id(op.site, layer, shape.n_layers),
+            result_key=key,
+            artifacts=k.arts,
+            params=list(params),
+            cond=op.condition(),
+            n=k.n,
+            m=k.m,
+            state_width=k.state,
+            capture_width=k.cap,
+            custom=op.custom,
+            name=op.name,
+            flags=k.flags,
+            n_channels=len(k.features) if op.kernel == "sae" and k.features else 1,
+            sae=op.sae,
+            features=k.features,
+            top_k=k.top_k,
+            monitor_read=next(iter(C.reads_named(op.condition())), None)
+            if op.kernel == "stop"
+            else None,
+        )
+        for p, (lo, hi) in param_bounds(lop).items():
+            v = dict(lop.params)[p]
+            if not lo <= v <= hi:
+                raise fail(
+                    app,
+                    what,
+                    f"parameter {p!r}={v} would write values beyond "
+                    f"{WRITE_BOUND:g}; it must lie in [{lo:g}, {hi:g}]",
+                )
+        out.append(lop)
+    return out
+
+
+def _placement(app: str, what: str, op: Op, spec: Any, shape: ModelShape) -> list[int | None]:
+    """The layers an op runs at (``[None]`` for the model-level site), its site checked
+    against the kernel and the model."""
+    if op.kernel == "stop":
+        if op.condition() is None:
+            raise fail(app, what, "a stop needs a condition (app.stop(when=...))")
+        if op.site is None and op.layer_spec is None:
+            op.site = "final.post"  # after every read: the condition sees them all
+    if op.site is None:
+        raise fail(app, what, "no site: call .at(site)")
+    if spec.sites is not None and op.site not in spec.sites:
+        raise fail(
+            app,
+            what,
+            f"kernel {op.kernel!r} only runs at {', '.join(spec.sites)}, not {op.site!r}",
+        )
+    if spec.sites is None and op.site == "router.logits" and op.kernel != "custom":
+        raise fail(app, what, f"kernel {op.kernel!r} does not run on router logits")
+    if op.site == "final.post":
+        if op.layer_spec is not None:
+            raise fail(app, what, "final.post is a model-level site; do not give .layers(...)")
+        return [None]
+    if op.layer_spec is None:
+        raise fail(app, what, f"site {op.site!r} needs .layers(...)")
+    layers: list[int | None]
+    if op.site == "router.logits":
+        if not shape.n_experts:
+            raise fail(
+                app,
+                what,
+                "router.logits needs a mixture-of-experts model; "
+                f"{shape.model_name or 'this model'} has no experts",
+            )
+        layers = list(shape.moe_layers) if op.layer_spec == "all" else list(op.layer_spec)
+        for l in layers:
+            if l not in shape.moe_layers:
+                raise fail(
+                    app,
+                    what,
+                    f"layer {l} has no router (MoE layers: {list(shape.moe_layers)})",
+                )
+    else:
+        layers = list(range(shape.n_layers)) if op.layer_spec == "all" else list(op.layer_spec)
+    for l in layers:
+        if l is None or not 0 <= l < shape.n_layers:
+            raise fail(app, what, f"layer {l} out of range (model has {shape.n_layers} layers)")
+    return layers
+
+
+def _check_op(
+    app: str,
+    what: str,
+    op: Op,
+    spec: Any,
+    layers: list[int | None],
+    shape: ModelShape,
+    shared: Shared,
+) -> None:
+    """What does not depend on the layer: one site for a stop and an SAE, finite artifacts,
+    the SAE's width, the parameters within the kernel's range."""
+    if op.kernel == "stop" and len(layers) != 1:
+        raise fail(app, what, f"a stop runs at one site; give one layer, got {len(layers)}")
+    for a, t in op.artifacts.items():
+        if id(t) not in shared.checked:
+            _check_finite(app, what, a, t)
+            shared.checked.add(id(t))
+    if op.kernel in SAE_KERNELS:
+        if len(layers) != 1:
+            raise fail(
+                app,
+                what,
+                f"an SAE runs at the one site it was trained on; give one layer, got {len(layers)}",
+            )
+        assert op.sae is not None  # App sets it for every SAE kernel
+        if op.sae.d_in != shape.hidden_size:
+            raise fail(
+                app,
+                what,
+                f"the SAE reads vectors of width {op.sae.d_in}, the "
+                f"model's hidden size is {shape.hidden_size}",
+            )
+    for p, v in op.params.items():
+        pspec = spec.params.get(p)
+        if pspec and not (pspec.lo <= v <= pspec.hi):
+            raise fail(app, what, f"parameter {p!r}={v} out of range [{pspec.lo}, {pspec.hi}]")
+
+
+def _artifacts_per_layer(
+    app: str,
+    what: str,
+    op: Op,
+    spec: Any,
+    layers: list[int | None],
+    shape: ModelShape,
+    shared: Shared,
+) -> dict[str, list[torch.Tensor]]:
+    """Each artifact as one fp32 tensor per layer, its shape checked against the model."""
+    per_layer: dict[str, list[torch.Tensor]] = {}
+    if op.kernel == "custom" and "artifact" in op.artifacts:
+        per_layer["artifact"] = [op.artifacts["artifact"].float().reshape(-1).contiguous()] * len(
+            layers
+        )
+    for a, kind in dict(spec.artifacts).items():
+        per_layer[a] = _per_layer(
+            app, what, a, shared.as_fp32(op.artifacts[a]), kind, layers, shape
+        )
+    if op.kernel == "router":
+        for mask in per_layer["mask"]:
+            if not torch.isin(mask, torch.tensor([-1.0, 0.0, 1.0])).all():
+                raise fail(app, what, "artifact 'mask' must hold only -1, 0 and 1")
+    return per_layer
+
+
+def _op_params(app: str, what: str, op: Op, spec: Any) -> list[tuple[str, float]]:
+    """The op's scalar parameters in the kernel's order, defaults filled in."""
+    if op.kernel == "custom":
+        assert op.custom is not None  # App sets it for every custom kernel
+        params = [(p, v) for p, v in (op.custom.params or {}).items()]
+    else:
+        params = [(p, op.params.get(p, ps.default)) for p, ps in spec.params.items()]
+    if op.kernel == "clamp":
+        lo = dict(params)["min"]
+        hi = dict(params)["max"]
+        if lo > hi:
+            raise fail(app, what, f"min ({lo}) is greater than max ({hi})")
+    return params
+
+
+def _index_reads(
+    app: str, ops: list[LoweredOp]
+) -> tuple[dict[str, LoweredOp], dict[str, tuple[str, int]]]:
+    """Result name -> its read, and each feature of an SAE read (``name.f<id>``) -> (the
+    read's name, its channel); a name used twice is refused."""
+    reads: dict[str, LoweredOp] = {}
+    aliases: dict[str, tuple[str, int]] = {}
+    for o in ops:
+        if o.result_key is not None:
+            if o.result_key in reads:
+                raise fail(app, f"op {o.label}", f"result name {o.result_key!r} is used twice")
+            reads[o.result_key] = o
+            if o.kernel == "sae" and o.features:
+                for i, f in enumerate(o.features):
+                    aliases[f"{o.result_key}.f{f}"] = (o.result_key, i)
+    for a in aliases:
+        if a in reads:
+            raise fail(
+                app,
+                f"op {reads[a].label}",
+                f"result name {a!r} is also a feature of the SAE read {aliases[a][0]!r}",
+            )
+    return reads, aliases
+
+
+def _check_conditions(
+    app: App, ops: list[LoweredOp], token_sets: dict[str, list[int]]
+) -> list[tuple[str, str]]:
+    """Every token set and parameter a condition names exists, no condition is nested too
+    deeply; returns the app's distinct spans (open, close) in order of first use."""
+    spans: list[tuple[str, str]] = []
+    for o in ops:
+        if o.cond is None:
+            continue
+        what = f"op {o.label}"
+        if C.stack_depth(o.cond) > 16:
+            raise fail(app.name, what, "condition is nested too deeply (more than 16 levels)")
+        for node in C.walk(o.cond):
+            if isinstance(node, C.TokenIn) and node.set not in token_sets:
+                raise fail(
+                    app.name,
+                    what,
+                    f"unknown token set {node.set!r} (declare it with app.token_set)",
+                )
+            if isinstance(node, C.InSpan):
+                for s in (node.open, node.close):
+                    if s not in token_sets:
+                        raise fail(app.name, what, f"unknown token set {s!r} in in_span")
+                if (node.open, node.close) not in spans:
+                    spans.append((node.open, node.close))
+            if isinstance(node, (C.Gate, C.Latch)):
+                if isinstance(node.value, str) and node.value not in app.app_params:
+                    raise fail(
+                        app.name,
+                        what,
+                        f"unknown parameter {node.value!r} in condition "
+                        f"(declare it with app.param)",
+                    )
+    return spans
 
 
 def _read_site(
@@ -632,45 +613,13 @@ def _check_since_order(
         for s in C.sinces(o.cond):
             d = sinces[C.to_text(s)]
             if o.site_id <= d.site_id:
-                raise _fail(
+                raise fail(
                     app,
                     f"op {o.label}",
                     f"{C.to_text(s)} is decided after {site_name(d.site_id, shape.n_layers)} "
                     f"(the site of the last read it names); an op using it must be at a later "
                     f"site",
                 )
-
-
-# OpDesc.flags of the SAE kernels (csrc/include/xmix/control.h: SaeFlag, SaeArch, SaeNorm).
-_K = _C.constants()
-SAE_ARCH = {"relu": _K["SAE_RELU"], "jumprelu": _K["SAE_JUMPRELU"], "topk": _K["SAE_TOPK"]}
-SAE_NORM = {
-    "none": _K["SAE_NORM_NONE"],
-    "constant_norm_rescale": _K["SAE_NORM_RESCALE"],
-    "layer_norm": _K["SAE_NORM_LAYER"],
-}
-
-
-def sae_flags(sae: SAE, features_read: bool) -> int:
-    return int(
-        SAE_ARCH[sae.architecture]
-        | SAE_NORM[sae.normalize_activations] << _K["SAE_NORM_SHIFT"]
-        | (_K["SAE_B_DEC_IN"] if sae.apply_b_dec_to_input else 0)
-        | (_K["SAE_FEATURES"] if features_read else 0)
-    )
-
-
-def _sae_arrays(sae: SAE) -> dict[str, torch.Tensor]:
-    """The kernels' view of an SAE: a0 = encoder rows [F, d], a1 = W_dec [F, d], a2 = b_enc [F]
-    | threshold [F] (0 without) | b_dec [d] | k (TopK), all fp32."""
-    F = sae.d_sae
-    thr = sae.threshold if sae.threshold is not None else torch.zeros(F)
-    aux = (
-        torch.cat([sae.b_enc, thr, sae.b_dec, torch.tensor([float(sae.k or 0)])])
-        .float()
-        .contiguous()
-    )
-    return {"a0": sae.encoder_rows(), "a1": sae.W_dec.contiguous(), "a2": aux}
 
 
 def latch_from_generated(lowered: LoweredApp, op: LoweredOp, latch: C.Latch) -> bool:
@@ -698,7 +647,7 @@ def _check_gate_order(
                 continue
             src = reads[aliases[node.read][0]] if node.read in aliases else reads.get(node.read)
             if src is not None and src.n_channels > 1 and node.read == src.result_key:
-                raise _fail(
+                raise fail(
                     app,
                     f"op {o.label}",
                     f"{node.read!r} reads {src.n_channels} SAE "
@@ -708,7 +657,7 @@ def _check_gate_order(
             if src is None:
                 multi = sorted(k for k in reads if k.startswith(node.read + "."))
                 hint = f"; it is on several layers, name one of {multi}" if multi else ""
-                raise _fail(
+                raise fail(
                     app,
                     f"op {o.label}",
                     f"condition reads {node.read!r}, which is not a read of this app{hint}",
@@ -732,7 +681,7 @@ def _check_gate_order(
             j = nxt[0]
             if state.get(j) == 1:
                 cyc = " -> ".join(ops[k].label for k in path[path.index(j) :] + [j])
-                raise _fail(app, f"op {ops[path[-1]].label}", f"conditions form a cycle: {cyc}")
+                raise fail(app, f"op {ops[path[-1]].label}", f"conditions form a cycle: {cyc}")
             if state.get(j) is None:
                 state[j] = 1
                 path.append(j)
@@ -744,12 +693,12 @@ def _check_gate_order(
             if latch:
                 continue  # any site: see latch_from_generated
             elif src.kernel == "cosine" and src.site_id >= o.site_id:
-                raise _fail(
+                raise fail(
                     app, f"op {o.label}", f"gate on cosine read {rname!r} must be at a later site"
                 )
             elif src.kernel == "custom" and src.site_id >= o.site_id:
                 # user kernels run after a site's built-in ops
-                raise _fail(
+                raise fail(
                     app, f"op {o.label}", f"gate on custom read {rname!r} must be at a later site"
                 )
             elif not (
@@ -759,7 +708,7 @@ def _check_gate_order(
                     and (src.op_index < o.op_index or (o.is_control and not src.is_control))
                 )
             ):
-                raise _fail(
+                raise fail(
                     app,
                     f"op {o.label}",
                     f"gate on {rname!r}, which runs later in the forward "
