@@ -7,6 +7,10 @@ cd "$(dirname "$0")/.."
 scripts/setup.sh
 echo "setup: done in ${SECONDS}s"
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
+# Inductor compiles in the engine's own process: its default pool (one process per core, each
+# importing torch) only adds work on a 2-core machine that already runs two test workers
+# (a cold compiled tiny-llama engine start: 243 s with the pool, 210 s without, loaded, 2026-12-03)
+export TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-1}
 
 BUILD=build/xmix
 set +e
