@@ -90,10 +90,10 @@ def parse_sites(sites: str | Iterable[str], n_layers: int | None = None) -> list
         else:
             out.append(Site(s, int(layer), sub))
     seen: set[str] = set()
-    for s in out:
-        if s.spec in seen:
-            raise CaptureError(f"site {s.spec!r} is given twice")
-        seen.add(s.spec)
+    for site in out:
+        if site.spec in seen:
+            raise CaptureError(f"site {site.spec!r} is given twice")
+        seen.add(site.spec)
     return out
 
 
@@ -267,7 +267,7 @@ class CaptureRun:
         from transformers import AutoConfig
 
         cfg = AutoConfig.from_pretrained(
-            self.model, trust_remote_code=bool(self.engine_args.get("trust_remote_code"))
+            str(self.model), trust_remote_code=bool(self.engine_args.get("trust_remote_code"))
         )
         cfg = getattr(cfg, "text_config", None) or cfg
         n = len(parse_sites(self.sites_spec, int(cfg.num_hidden_layers)))
@@ -351,7 +351,7 @@ class CaptureRun:
                 int(cfg.max_model_len),
                 skipped,
             ):
-                entry = {
+                entry: dict[str, Any] = {
                     "file": f"shard-{shard.number:05d}.safetensors",
                     "first_prompt": shard.first,
                     "end_prompt": shard.end,
@@ -382,6 +382,7 @@ class CaptureRun:
     def run(self) -> dict:
         for _ in self:
             pass
+        assert self.index is not None  # set by the iteration's last step
         return self.index
 
     def _count(self) -> int | None:
@@ -492,15 +493,22 @@ class CaptureRun:
             "request_ids": json.dumps(batch["request_ids"]),
             "sites": json.dumps([s.spec for s in sites]),
         }
-        tmp = self.out / (name + ".tmp")
+        out = self._directory()
+        tmp = out / (name + ".tmp")
         save_file(tensors, str(tmp), metadata=meta)
-        os.replace(tmp, self.out / name)
-        return (self.out / name).stat().st_size
+        os.replace(tmp, out / name)
+        return (out / name).stat().st_size
 
     def _write_index(self, index: dict) -> None:
-        tmp = self.out / "index.json.tmp"
+        out = self._directory()
+        tmp = out / "index.json.tmp"
         tmp.write_text(json.dumps(index, indent=1))
-        os.replace(tmp, self.out / "index.json")
+        os.replace(tmp, out / "index.json")
+
+    def _directory(self) -> Path:
+        # only the writing steps ask, and they run only with an output directory
+        assert self.out is not None
+        return self.out
 
 
 def capture(model: str | None = None, prompts=None, sites=None, **kw) -> CaptureRun:

@@ -64,7 +64,7 @@ def demo_apps(model_dir: Path, out_dir: Path, word: str = " the") -> tuple[list[
         probe.save(out_dir / "lens_probe.xmix"),
         guard.save(out_dir / "the_guard.xmix"),
     ]
-    return paths, tok.decode([tid])
+    return paths, str(tok.decode([tid]))
 
 
 def wait_ready(base: str, proc: subprocess.Popen, timeout: float) -> None:

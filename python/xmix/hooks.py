@@ -39,6 +39,8 @@ SITE_NAMES = tuple(LAYER_SITES) + MODEL_SITES
 def site_id(submodule: str, layer: int | None, n_layers: int) -> int:
     if submodule == "final.post":
         return n_layers * SITES_PER_LAYER
+    if layer is None:
+        raise ValueError(f"site {submodule!r} is a layer site: it needs a layer")
     return layer * SITES_PER_LAYER + LAYER_SITES[submodule]
 
 

@@ -343,7 +343,7 @@ def fit_logistic(
 
     for _ in range(4):  # L-BFGS may stop early on a flat line search; restarts are cheap
         opt.step(closure)
-        if float(theta.grad.abs().max()) <= tol * 10:
+        if theta.grad is not None and float(theta.grad.abs().max()) <= tol * 10:
             break
     w = theta.detach()
     if not torch.isfinite(w).all():
@@ -488,6 +488,8 @@ def distance_threshold(
         j = float((din <= t).double().mean() - (dout <= t).double().mean())
         if j > best_j + 1e-12:  # equal J up to rounding keeps the smaller t
             best_t, best_j = t, j
+    if best_t is None:
+        raise ArtifactError("distance_threshold: in_scope holds no distance")
     return float(best_t)
 
 

@@ -180,6 +180,8 @@ def derive_cast(args, llm) -> App:
         )
         if best is None or fit.f1 > best[2].f1:
             best = (cl, v, fit)
+    if best is None:
+        raise DeriveError("cast: no condition layer to choose from")
     cl, v, fit = best
     up = _collect(args, llm, bpos, "cast: behaviour +", layers=b_layers, position="last")
     un = _collect(args, llm, bneg, "cast: behaviour -", layers=b_layers, position="last")

@@ -128,7 +128,7 @@ class _Eval:
         prompt = [v for p, v in vals.items() if p < self.P]
         if any(x is None for x in prompt):
             return None
-        finite = [x for x in prompt if x == x]
+        finite = [x for x in prompt if x is not None and x == x]
         return sum(finite) / len(finite) if finite else math.nan
 
     def holds(self, op: LoweredOp, node, t: int) -> bool | None:

@@ -55,7 +55,7 @@ Guard = Callable[[Request], Awaitable[tuple[Any, JSONResponse | None]]]
 
 
 def static_file(name: str) -> bytes:
-    return resources.files("xmix.console").joinpath("static", name).read_bytes()
+    return (resources.files("xmix.console") / "static" / name).read_bytes()
 
 
 def _error(status: int, msg: str) -> JSONResponse:

@@ -190,7 +190,7 @@ def _redirect(module_names, graph_cls: type) -> list[str]:
         if real is None or not hasattr(real, "cuda"):
             continue
         _installed[name] = real
-        mod.torch = _torch_view(real, graph_cls)
+        setattr(mod, "torch", _torch_view(real, graph_cls))  # noqa: B010 (a module's global)
         done.append(name)
     return done
 
@@ -222,5 +222,5 @@ def uninstall_capture_hook() -> None:
     with lock:
         for name, real in list(_installed.items()):
             mod = importlib.import_module(name)
-            mod.torch = real
+            setattr(mod, "torch", real)  # noqa: B010
             del _installed[name]

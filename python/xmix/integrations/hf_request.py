@@ -161,7 +161,7 @@ class Request:
             raise RequestError("the prompt is empty")
         self.apps = list(apps)
         self.n_done = 0  # positions processed so far
-        self.cache = None  # its own KV cache (made on the first pass)
+        self.cache: Any = None  # its own KV cache (a DynamicCache, made on the first pass)
         self.app_params: dict[str, dict[str, float]] = {}
         self.op_params: dict[str, dict[tuple[int, str], float]] = {}
         for att in attachment.attached:
@@ -177,7 +177,7 @@ class Request:
         self.cast_sums: dict[tuple[str, str], list] = {}  # (app, key) -> [sum (fp64), count]
         self.results: dict[str, dict[str, dict[str, list]]] = {}
         # (app, since(...) text) -> the first position where its condition held
-        self.sticky: dict[tuple[str, str], int] = {}
+        self.sticky: dict[tuple[str, str | None], int] = {}
         self.stopped: dict[str, Any] | None = None  # {app, read, position, value}
         self.switched: list[dict[str, Any]] = []  # {app, read, position, condition}
 
@@ -208,7 +208,9 @@ class Request:
             raise RequestError("the prompt has been processed already")
         if chunk is not None and chunk < 1:
             raise RequestError("chunk must be at least 1")
-        logits = None
+        if self.n_done >= self.prompt_len:
+            raise RequestError("the prompt is already prefilled: decode the next token")
+        logits = torch.empty(0)
         while self.n_done < self.prompt_len:
             end = self.prompt_len if chunk is None else min(self.prompt_len, self.n_done + chunk)
             logits = self._forward(self.prompt[self.n_done : end])
@@ -522,7 +524,7 @@ class Pass:
             out=out.data_ptr() if out is not None else None,
         )
         att.custom_fns[id(op)](ctypes.byref(args))
-        if op.is_read:
+        if out is not None:  # a read
             values = [float(out[t]) if mask_list[t] else NAN for t in range(n)]
             reported = {t: v for t, v in enumerate(values) if v == v}
             self._note_read(att, op, values, reported)
@@ -549,12 +551,16 @@ class Rows:
             )
         return tensor.view(self.B, self.T, tensor.shape[-1])
 
+    def _index(self, tensor: torch.Tensor) -> torch.Tensor:
+        assert self._idx is not None  # made whenever the columns are not one span
+        return self._idx.to(tensor.device)
+
     def take(self, tensor: torch.Tensor) -> torch.Tensor:
         g = self._grid(tensor)
         if self.span is not None:
             return g[self.b, self.span[0] : self.span[1]]  # a view: writes land in place
-        return g[self.b, self._idx.to(tensor.device)]
+        return g[self.b, self._index(tensor)]
 
     def put(self, tensor: torch.Tensor, rows: torch.Tensor) -> None:
         if self.span is None:
-            self._grid(tensor)[self.b, self._idx.to(tensor.device)] = rows
+            self._grid(tensor)[self.b, self._index(tensor)] = rows

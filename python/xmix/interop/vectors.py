@@ -163,13 +163,15 @@ def load_vector_app(
     refuse_pickle(path)
     fmt = format
     if fmt == "auto":
-        fmt = {".gguf": "gguf", ".safetensors": "safetensors"}.get(path.suffix.lower())
-        if fmt is None:
+        guessed = {".gguf": "gguf", ".safetensors": "safetensors"}.get(path.suffix.lower())
+        if guessed is None:
             raise InteropError(
                 f"{path}: cannot tell the vector format from the suffix; give "
                 f"--format ({', '.join(VECTOR_FORMATS)})"
             )
+        fmt = guessed
     name = name or re.sub(r"[^A-Za-z0-9_\-]", "_", path.stem)[:64] or "vectors"
+    dirs: dict[int, Any]
     if fmt == "gguf":
         dirs, meta = read_gguf_directions(path)
         hint = meta.get("controlvector.model_hint") or meta.get("steervector.model_hint")

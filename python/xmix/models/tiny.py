@@ -17,6 +17,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from xmix import settings
 
@@ -81,7 +82,7 @@ _GEMMA = {
     "hidden_activation": "gelu_pytorch_tanh",
     "sliding_window": 4096,
 }
-SPECS = {
+SPECS: dict[str, tuple[str, dict[str, Any]]] = {
     "tiny-llama": ("LlamaForCausalLM", _COMMON),
     "tiny-qwen3": ("Qwen3ForCausalLM", _COMMON),
     "tiny-mixtral": (

@@ -53,6 +53,8 @@ def _make_llm_class():
         docs/serving.md "State directory"); an app of ``apps`` whose name DIR holds is not
         deployed again."""
 
+        xmix: Any  # the Controller, a property register() gives every vllm.LLM
+
         def __init__(
             self,
             model: str,

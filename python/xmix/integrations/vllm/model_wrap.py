@@ -138,6 +138,7 @@ def place_sites(
     for mod, sid, tap, name in plan:
         _wrap(mod, sid, tap)
         counts[name] += 1
-    model._xmix_sites_placed = (counts, frozenset(sid for _, sid, _, _ in plan) | elsewhere)
+    placed = (counts, frozenset(sid for _, sid, _, _ in plan) | elsewhere)
+    setattr(model, "_xmix_sites_placed", placed)  # noqa: B010 (nn.Module types only tensors and submodules)
     logger.info("xmix: %s hook sites placed: %s", family.title, counts)
-    return model._xmix_sites_placed
+    return placed

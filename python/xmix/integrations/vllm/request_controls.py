@@ -72,9 +72,9 @@ def right_spelling(key: str) -> str | None:
 def has_control(extra_args: Mapping | None) -> bool:
     """Whether a request's extra args carry an xmix control in either form (a misspelt one
     too: it is refused, with the right spelling)."""
-    return bool(extra_args) and any(
-        k == JSON_KEY or is_flat_key(k) or looks_like_xmix(k) for k in extra_args
-    )
+    if not extra_args:
+        return False
+    return any(k == JSON_KEY or is_flat_key(k) or looks_like_xmix(k) for k in extra_args)
 
 
 def _short(v: Any, limit: int = 60) -> str:

@@ -84,7 +84,7 @@ def forbidden(msg: str) -> Exception:
                     super().__init__(message, HTTPStatus.FORBIDDEN)
         except ImportError:  # pragma: no cover - older vLLM
 
-            class XmixForbidden(ValueError):
+            class XmixForbidden(ValueError):  # type: ignore[no-redef]
                 status = 403
 
         _FORBIDDEN = XmixForbidden

@@ -187,7 +187,11 @@ class Usage:
         if rec.t_first is None:
             return
         ttft = rec.t_first - rec.t0
-        tpot = (rec.t_last - rec.t_first) / (rec.tokens - 1) if rec.tokens > 1 else None
+        tpot = (
+            (rec.t_last - rec.t_first) / (rec.tokens - 1)
+            if rec.tokens > 1 and rec.t_last is not None
+            else None
+        )
         if not rec.apps:
             self._observe("plain_ttft", ttft)
             if tpot is not None:
