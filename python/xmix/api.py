@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from xmix import conditions, settings
+from xmix import conditions, deploy_work, settings
 from xmix.catalog import FLT_MAX, KERNELS, MAX_SAE_FEATURES, MAX_TOP_K, SAE_KERNELS
 from xmix.hooks import SITE_NAMES
 
@@ -755,6 +755,7 @@ class App:
     def from_bytes(data: bytes, source: str = "<bytes>", allow_custom: bool = False) -> App:
         """Parse an app file. ``allow_custom=False`` (the network path) refuses apps that
         would load code (custom kernels)."""
+        deploy_work.count("app_parses")
         # Parsed here rather than by safetensors.torch.load, which copies every tensor of the
         # file before anything is checked: each claim of the header is checked against the
         # bytes first, the JSON is bounded before it is parsed, and only the tensors the spec
