@@ -123,3 +123,27 @@ def build_user_kernels(directory, source: str) -> str:
         check=True,
     )
     return str(out)
+
+
+def program_parts(data: bytes) -> tuple[dict, dict[str, torch.Tensor]]:
+    """A lowered program (xmix.program_codec) taken apart without its checks: the JSON and
+    the arrays, for tests that forge one (``program_from_parts`` puts it back together)."""
+    import json
+
+    from xmix.api import _materialise, _tensor_entries
+    from xmix.program_codec import META_KEY
+
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    prog = json.loads(header.pop("__metadata__")[META_KEY])
+    entries = _tensor_entries(header, len(data) - 8 - n, "program")
+    arrays = {k: v.clone() for k, v in _materialise(data, 8 + n, entries, entries).items()}
+    return prog, arrays
+
+
+def program_from_parts(prog: dict, arrays: dict[str, torch.Tensor]) -> bytes:
+    import json
+
+    from xmix.program_codec import _safetensors
+
+    return _safetensors(arrays, json.dumps(prog))

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from xmix import conditions
+from xmix import conditions, deploy_work
 from xmix.catalog import FLT_MAX, KERNELS, MAX_SAE_FEATURES, MAX_TOP_K, SAE_KERNELS
 from xmix.hooks import SITE_NAMES
 
@@ -570,6 +570,7 @@ class App:
         would load code (custom kernels). The checks: ``xmix.app_file``."""
         from xmix.app_file import app_from_bytes
 
+        deploy_work.count("app_parses")
         return app_from_bytes(data, source, allow_custom)
 
     @staticmethod

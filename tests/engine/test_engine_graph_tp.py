@@ -23,6 +23,7 @@ import torch
 import xmix
 from engine_util import PROMPTS, greedy, make_llm, shutdown, tokenize
 from xmix.models.tiny import tiny_model_path
+from xmix.program_codec import program_of
 
 pytestmark = pytest.mark.engine
 
@@ -151,7 +152,9 @@ def _refused_on_both_ranks(llm) -> None:
     frontend takes off and deploys again) used to shift every later control answer."""
     ghost = xmix.App("hidden")
     ghost.write("add", vector=torch.ones(256), scale=1.0).layers([0]).submodule("mlp.post")
-    llm.collective_rpc("xmix_deploy", args=(ghost.to_bytes(), "request", 77))
+    llm.collective_rpc(
+        "xmix_deploy", args=(program_of(ghost, llm.xmix.registry.shape), "request", 77)
+    )
     info = llm.xmix.deploy(ghost)
     assert info["version"] != 77
     status = llm.xmix.status()

@@ -20,6 +20,7 @@ from harness import Harness, Req, build_user_kernels
 from xmix import reference as R
 from xmix.api import App
 from xmix.hooks import ModelShape
+from xmix.program_codec import program_of
 
 D = 64
 SHAPE = ModelShape(n_layers=2, hidden_size=D, vocab_size=64)
@@ -292,7 +293,9 @@ def test_an_app_removed_behind_the_registrys_back_heals(llm):
     llm.xmix.undeploy("ghost")
     # the other way round: a worker holds an app the registry never saw
     other = _ghost_app("hidden", 2)
-    llm.collective_rpc("xmix_deploy", args=(other.to_bytes(), "request", 77))
+    llm.collective_rpc(
+        "xmix_deploy", args=(program_of(other, llm.xmix.registry.shape), "request", 77)
+    )
     info = llm.xmix.deploy(other)  # before: "already deployed" forever
     assert info["version"] != 77
     workers = llm.xmix.status()[0]["apps"]
@@ -301,3 +304,39 @@ def test_an_app_removed_behind_the_registrys_back_heals(llm):
     ]
     assert _answer(llm, ["hidden"]) != _answer(llm, [])
     llm.xmix.undeploy("hidden")
+
+
+@pytest.mark.engine
+def test_a_forged_program_sent_to_the_workers_is_refused_and_the_engine_serves_on(llm):
+    """Issue 30: a worker installs the frontend's lowered program without lowering it again
+    and checks what it relies on (program_codec.py). Forged programs sent to the workers'
+    install path (an artifact shorter than the hidden size the kernel reads, a site the
+    model does not have, bytes cut short, an app file instead of a program) are refused
+    naming what is wrong; nothing is left installed or prepared, the engine answers as
+    before, and a deploy through the control plane goes through."""
+    from harness import program_from_parts, program_parts
+
+    shape = llm.xmix.registry.shape
+    app = _ghost_app("forged", 3)
+    plain = _answer(llm, [])
+    good = program_of(app, shape)
+    prog, arrays = program_parts(good)
+    arrays[prog["ops"][0]["artifacts"]["a0"]] = torch.ones(3)
+    short = program_from_parts(prog, arrays)
+    prog, arrays = program_parts(good)
+    prog["ops"][0]["site_id"] = 10_000
+    far = program_from_parts(prog, arrays)
+    for data, fragment in [
+        (short, r"deploy \(app 'forged'\), op #0 .*reads \[256\]"),
+        (far, r"'site_id' must be an int in \[0, 25\)"),
+        (good[: len(good) // 2], "header claims|lowered|deploy"),
+        (app.to_bytes(), "no 'xmix.program'"),
+    ]:
+        with pytest.raises(Exception, match=fragment):
+            llm.collective_rpc("xmix_deploy", args=(data, "request", 5))
+    for status in llm.xmix.status():
+        assert "forged" not in [a["name"] for a in status["apps"]]
+    assert _answer(llm, []) == plain
+    llm.xmix.deploy(app)
+    assert _answer(llm, ["forged"]) != plain and _answer(llm, []) == plain
+    llm.xmix.undeploy("forged")

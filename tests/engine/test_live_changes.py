@@ -23,6 +23,7 @@ from xmix.control import ControlBlock, RequestError
 from xmix.hooks import ModelShape
 from xmix.lowering import DeployError, lower
 from xmix.models.tiny import tiny_model_path
+from xmix.program_codec import program_of
 
 SHAPE = ModelShape(n_layers=4, hidden_size=64, vocab_size=300)
 D = SHAPE.hidden_size
@@ -475,7 +476,7 @@ def test_refused_deploys_under_load_change_no_token_and_no_read(env):
 
     control = _run(env, reqs("control"))
     bad = _overflow_cond_app("overflow", env["shape"], terms=200, writes=11)  # 11 x 399 > 4096
-    data = bad.to_bytes()
+    data = program_of(bad, env["shape"])  # what a frontend would send: lowered once
     refused = []
 
     def refuse(step):

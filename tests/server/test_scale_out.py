@@ -86,6 +86,19 @@ def through(s, server_id, fn, tries=64):
     raise AssertionError(f"no answer from server {server_id} in {tries} connections")
 
 
+def deploy_work(s, server_ids) -> dict:
+    """Per API server: its own deploy work and its engine workers' (``/xmix/v1/status``)."""
+    out = {}
+    for sid in server_ids:
+        r, _ = through(s, sid, lambda: fresh(s, "GET", "/xmix/v1/status"))
+        body = r.json()
+        out[sid] = {
+            "server": body["server"]["deploy_work"],
+            "workers": [w["stats"]["deploy_work"] for w in body["workers"]],
+        }
+    return out
+
+
 def outcome(r):
     body = r.json()
     ch = body["choices"][0]
@@ -236,9 +249,13 @@ def runs(tmp_path_factory):
             (r.json()["usage"].get("prompt_tokens_details") or {}).get("cached_tokens"),
         )
         # a deploy through one server (whichever the connection reached: a POST is not
-        # repeated to pick one), used at once through the other
+        # repeated to pick one), used at once through the other; what each process did for
+        # it (app files parsed, apps lowered, programs decoded) from each server's status
+        rec["work_before"] = deploy_work(s, rec["api_ids"])
         r, a = fresh(s, "POST", "/xmix/v1/apps?mode=request", content=late.read_bytes())
         rec["deploy_a"] = (r.status_code, r.json())
+        rec["work_after"] = deploy_work(s, rec["api_ids"])
+        rec["deployed_by"] = a
         r, seen = through(s, other[a], lambda: complete(s, PROMPTS[0], {"xmix_apps": ["late"]}))
         rec["late_via_b"] = [
             (x.status_code, outcome(x) if x.status_code == 200 else x.text, sid) for x, sid in seen
@@ -319,6 +336,29 @@ def test_deploy_through_one_server_is_used_through_the_other(runs):
     assert all(c == 200 for c, _, _ in runs["late_via_b"]), runs["late_via_b"]
     assert [a["name"] for a in runs["list_b"]] == ["steer", "probe", "late"]
     assert runs["list_b"][-1]["version"] == info["version"]
+
+
+def test_a_deploy_is_parsed_and_lowered_once_across_api_servers_and_engines(runs):
+    """Issue 30: the API server the deploy reached parses and lowers the app; the engine's
+    worker and the other API server decode its lowered program (program_codec.py) and lower
+    nothing. Before: the worker and the other server parsed and lowered it again (3 of each)."""
+    before, after = runs["work_before"], runs["work_after"]
+    a = runs["deployed_by"]
+    (b,) = [sid for sid in runs["api_ids"] if sid != a]
+
+    def delta(sid, who):
+        return {k: v - before[sid][who][k] for k, v in after[sid][who].items()}
+
+    assert delta(a, "server") == {"app_parses": 1, "lowerings": 1, "program_decodes": 0}
+    assert delta(b, "server") == {"app_parses": 0, "lowerings": 0, "program_decodes": 1}
+    workers_before, workers_after = before[a]["workers"], after[a]["workers"]
+    assert len(workers_after) == 1  # one engine, one worker
+    for w0, w1 in zip(workers_before, workers_after):
+        assert {k: v - w0[k] for k, v in w1.items()} == {
+            "app_parses": 0,
+            "lowerings": 0,
+            "program_decodes": 1,
+        }
 
 
 def test_patch_through_one_server_reaches_requests_through_the_other(runs):

@@ -183,7 +183,7 @@ def test_changes_through_one_server_are_seen_by_the_other(fleet):
     assert x.pending["r"][W.DROPPED_KEY] == ["a"] and x.stats["stale_apps"] == 1
     # the ledger keeps no bytes of apps that are gone
     led = x.ledger
-    assert all(e.get("data") is None for e in led.entries if e["kind"] == "deploy")
+    assert all(e.get("program") is None for e in led.entries if e["kind"] == "deploy")
 
 
 def test_one_change_at_a_time_across_servers(fleet, monkeypatch):

@@ -146,3 +146,22 @@ def test_without_a_state_directory_nothing_is_restored(tmp_path, monkeypatch):
     monkeypatch.setenv("XMIX_STATE_DIR", str(tmp_path))  # set here, but the engines lack it
     with pytest.raises(StateError, match="no worker opened it"):
         R.restore(s1)
+
+
+def test_an_app_given_at_start_is_matched_with_the_restored_copy_on_every_server(tmp_path):
+    """restore.log_app_kept says whether a file given at start (``--app``) is the app the
+    state directory restored. The directory keeps the app as given; a server that did not
+    restore it holds only its lowered program, which carries the app's content digest: both
+    servers tell the same file from a changed one."""
+    d = tmp_path / "state"
+    _, st, s1, _ = fleet(d)
+    s1.deploy(app("a", 2.0).to_bytes(), allow_custom=False)
+    st.close()
+    _, st, t1, t2 = fleet(d)
+    R.restore(t1)
+    t2.sync()
+    for s in (t1, t2):
+        kept = s.registry.get("a").lowered
+        assert R.same_app(app("a", 2.0), kept)
+        assert not R.same_app(app("a", 3.0), kept)
+    st.close()

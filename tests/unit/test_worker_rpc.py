@@ -31,6 +31,7 @@ from xmix.integrations.vllm import worker as W
 from xmix.integrations.vllm.controller import Controller
 from xmix.integrations.vllm.errors import WorkerError
 from xmix.lowering import DeployError
+from xmix.program_codec import program_of
 
 D = 64
 HF = LlamaConfig(
@@ -96,7 +97,9 @@ def test_a_deploy_refused_on_every_rank_leaves_the_replies_in_step():
     ctl = controller(ex)
     first = ctl.deploy(app("a"))
     # a ghost: both workers hold "hidden" (version 77), the frontend's registry does not
-    ex.collective_rpc("xmix_deploy", (app("hidden", 2.0).to_bytes(), "request", 77))
+    ex.collective_rpc(
+        "xmix_deploy", (program_of(app("hidden", 2.0), ctl.registry.shape), "request", 77)
+    )
     info = ctl.deploy(app("hidden", 3.0))  # refused on both ranks, taken off, deployed again
     assert not any(ex.queues), "a reply was left for the next call to read"
     assert ex.held() == [sorted([("a", first["version"]), ("hidden", info["version"])])] * 2

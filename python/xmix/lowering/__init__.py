@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from xmix import deploy_work
 from xmix import conditions as C
 from xmix.api import App
 from xmix.catalog import CENTROIDS, EXPERTS, FLT_MAX, KERNELS, MAT_DD, SAE_KERNELS, VEC
@@ -50,7 +51,8 @@ def param_bounds(o: LoweredOp) -> dict[str, tuple[float, float]]:
         m = float(o.artifacts["a0"].abs().max()) if o.artifacts["a0"].numel() else 0.0
         return {"scale": (-WRITE_BOUND / m, WRITE_BOUND / m)} if m > 0 else {}
     if o.kernel == "sae_clamp":  # x += sum_f (value - a_f) W_dec[f]: |value| sum_f |W_dec[f]|
-        rows = o.sae.W_dec[list(o.features)].double().abs().sum(0)
+        # a1 is the SAE's W_dec [F, d] as the kernel reads it (a decoded program has no SAE)
+        rows = o.artifacts["a1"][list(o.features)].double().abs().sum(0)
         m = float(rows.max()) if rows.numel() else 0.0
         return {"value": (-WRITE_BOUND / m, WRITE_BOUND / m)} if m > 0 else {}
     if o.kernel == "clamp":  # a bound pulls the component along u to it
@@ -114,6 +116,9 @@ class LoweredApp:
     aliases: dict[str, tuple[str, int]] = field(default_factory=dict)
     # since(...) terms of the app's conditions by their text -> the op that decides them
     sinces: dict[str, LoweredOp] = field(default_factory=dict)
+    # program_codec.app_digest of the app it was lowered from, once the frontend computed it
+    # (a lowered program carries it: a server compares an app file given at start with it)
+    digest: str = ""
 
     @property
     def stop(self) -> LoweredOp | None:
@@ -273,6 +278,7 @@ def lower(
     (``_lower_op``, one packing function per kernel in ``pack.PACK``), the reads indexed by result
     name (``_index_reads``), one op per since(...) term (``_since_ops``), the conditions'
     references checked (``_check_conditions``), then the order of gates and since terms."""
+    deploy_work.count("lowerings")
     name = app.name
     if max_ops is not None:
         n = sum(_layers_of(op, shape) for op in app.ops)

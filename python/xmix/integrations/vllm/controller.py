@@ -222,7 +222,7 @@ class Controller:
         with self._change():
             self._capacity()
             app = _load_app(app, allow_custom)
-            lowered, data, needs = self.registry.prepare(app)
+            lowered, program, needs = self.registry.prepare(app)
             cols = param_columns(lowered)
             # checked first; the ledger and the state directory keep the names it resolved to
             lock_keys = sorted(
@@ -237,7 +237,7 @@ class Controller:
                 version = self.registry.next_version()
             try:
                 try:
-                    self._rpc("xmix_deploy_prepare", (data, mode, version))
+                    self._rpc("xmix_deploy_prepare", (program, mode, version))
                 except Exception as e:
                     if "is already deployed" not in _root(e):
                         raise
@@ -251,7 +251,7 @@ class Controller:
                         app.name,
                     )
                     self._rpc("xmix_undeploy_if_present", (app.name,))
-                    self._rpc("xmix_deploy_prepare", (data, mode, version))
+                    self._rpc("xmix_deploy_prepare", (program, mode, version))
             except Exception as e:
                 # One engine (or worker) refused: drop what the others prepared, everywhere.
                 self._undo("xmix_deploy_abort", app.name)
@@ -261,13 +261,15 @@ class Controller:
             entry = {
                 "kind": "deploy",
                 "name": app.name,
-                "data": data,
+                "program": program,
                 "mode": mode,
                 "version": version,
                 "locked": lock_keys,
             }
             try:
-                self._save(entry)
+                # the state directory keeps the app as given (its source of truth for an
+                # operator; a restore lowers it again): state_dir.py
+                self._save({**entry, "program": None, "data": app.to_bytes()})
             except Exception:
                 self._undo("xmix_deploy_abort", app.name)
                 raise

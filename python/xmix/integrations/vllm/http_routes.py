@@ -11,7 +11,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from xmix import settings
+from xmix import deploy_work, settings
 from xmix.api import AppError, LimitError
 from xmix.console.router import console_router
 from xmix.control import MODES, RequestError
@@ -219,7 +219,8 @@ async def status(request: Request):
         workers = await asyncio.to_thread(st.status)
     except EngineGone as e:
         return _error(503, str(e))
-    return {"workers": workers}
+    # this API server's own counts (app files parsed, apps lowered, programs decoded)
+    return {"workers": workers, "server": {"deploy_work": deploy_work.snapshot()}}
 
 
 async def deploy_app(request: Request, mode: str = "request", locked: str = "false"):
@@ -361,9 +362,12 @@ def build_router() -> APIRouter:
             200: _json_ok(
                 {
                     "type": "object",
-                    "properties": {"workers": {"type": "array", "items": {"type": "object"}}},
+                    "properties": {
+                        "workers": {"type": "array", "items": {"type": "object"}},
+                        "server": {"type": "object"},
+                    },
                 },
-                "what each worker reports",
+                "what each worker reports, and this API server's deploy work",
             )
         },
     )(status)

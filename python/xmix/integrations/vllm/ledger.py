@@ -5,14 +5,14 @@ vLLM runs each API server in its own process with its own engine client
 (``vllm/entrypoints/cli/serve.py: run_multi_api_server``), so a registry kept in API-server
 memory is one per server. The engines are the only state every server reaches, and they
 already hold the deployed apps: each worker keeps, next to its control block, this ordered
-ledger of the changes made through any server (deploy with the app's bytes, patch, undeploy)
-and a lease that serialises changes across servers. A server reads the ledger from the first
-worker of the first engine (``results[0]`` of a fan-out), so there is one order even when
-engines see two servers' RPCs in different orders; every worker appends the same entries so a
-ledger survives the loss of none of them in particular.
+ledger of the changes made through any server (deploy with the app's lowered program, patch,
+undeploy) and a lease that serialises changes across servers. A server reads the ledger from
+the first worker of the first engine (``results[0]`` of a fan-out), so there is one order even
+when engines see two servers' RPCs in different orders; every worker appends the same entries
+so a ledger survives the loss of none of them in particular.
 
-Memory: a deploy entry keeps the app's bytes until the app is undeployed (then only its name
-stays), i.e. what the control block holds anyway, once more.
+Memory: a deploy entry keeps the app's lowered program (program_codec.py) until the app is
+undeployed (then only its name stays), i.e. what the control block holds anyway, once more.
 
 With a state directory (state_dir.py) the worker that holds the ledger everyone reads also
 writes the changes to disk: ``save`` before the engines apply a change, under the same lease,
@@ -83,9 +83,9 @@ class Ledger:
             entry = dict(entry or {})
             entry["rev"] = len(self.entries) + 1
             if entry.get("kind") == "undeploy":
-                for e in self.entries:  # the bytes of an app that is gone are not needed
+                for e in self.entries:  # the program of an app that is gone is not needed
                     if e.get("kind") == "deploy" and e.get("name") == entry.get("name"):
-                        e["data"] = None
+                        e["program"] = None
             self.entries.append(entry)
             if self.state is not None:  # every engine applied it; the answer is on its way
                 self.state.point(str(entry.get("kind")), "applied")
@@ -106,7 +106,7 @@ class Ledger:
         for e in self.entries:
             h.update(
                 json.dumps(
-                    {k: v for k, v in e.items() if k != "data"}, sort_keys=True, default=str
+                    {k: v for k, v in e.items() if k != "program"}, sort_keys=True, default=str
                 ).encode()
             )
         return {"rev": len(self.entries), "holder": self.holder, "digest": h.hexdigest()[:16]}

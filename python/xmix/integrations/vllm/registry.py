@@ -16,7 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from xmix import settings
+from xmix import program_codec, settings
 from xmix.api import App
 from xmix.conditions import n_instructions
 from xmix.control import MODES, ParamCol, param_columns, resolve_params
@@ -228,8 +228,10 @@ class Registry:
 
     def prepare(self, app: App) -> tuple[LoweredApp, bytes, Needs]:
         """Check an app against the model and the room left in the engine; return it
-        lowered, its needs, and its bytes for the workers with token sets resolved to ids
-        (workers have no tokenizer). Nothing is sent to a worker before this passed."""
+        lowered, its lowered program for the workers and the other API servers
+        (program_codec: token sets resolved with this server's tokenizer, sites numbered
+        for the model; none of them lowers it again), and its needs. Nothing is sent to a
+        worker before this passed."""
         with self.lock:
             if app.name in self.apps:
                 raise DeployError(f"app {app.name!r} is already deployed")
@@ -283,10 +285,8 @@ class Registry:
                         f"app {app.name!r} needs {want} {what}; the engine has room "
                         f"for {have} more ({where(cap_key)})"
                     )
-        spec = app.spec()
-        spec["token_sets"] = [{"name": n, "ids": ids} for n, ids in lowered.token_sets.items()]
-        resolved = App.from_spec(spec, app.tensors(), source=f"app {app.name!r}", allow_custom=True)
-        return lowered, resolved.to_bytes(), needs
+        lowered.digest = program_codec.app_digest(app)
+        return lowered, program_codec.encode(lowered), needs
 
     def next_version(self) -> int:
         with self.lock:
@@ -381,18 +381,17 @@ class Registry:
     def follow(self, e: dict, mine: dict[tuple[str, int], tuple[App, LoweredApp, Needs]]) -> None:
         """Apply one entry of the engines' ledger (ledger.py; the Controller reads them in
         order). ``mine``: the deploys this process checked and lowered itself, by name and
-        version, taken from there instead of lowering their bytes again."""
+        version, taken from there instead of decoding their program."""
         name, kind = e["name"], e["kind"]
         if kind == "deploy":
-            if e.get("data") is None or name in self.apps:
-                return  # undeployed later in the ledger (its bytes were dropped)
+            if e.get("program") is None or name in self.apps:
+                return  # undeployed later in the ledger (its program was dropped)
             own = mine.pop((name, e["version"]), None)
             if own is None:
-                # Another server's deploy: the bytes passed every check there and on the
-                # workers; they are lowered here against this server's model and tokenizer.
-                app = App.from_bytes(e["data"], allow_custom=True)
-                lowered = lower(app, self.shape, self.tokenizer)
-                own = (app, lowered, Needs.of(lowered))
+                # Another server's deploy: lowered there, checked there and on every
+                # worker; decoded here (and checked again), not lowered.
+                lowered = program_codec.decode(e["program"], self.shape, f"app {name!r}")
+                own = (lowered.app, lowered, Needs.of(lowered))
             app, lowered, needs = own
             # A change and its revision under one hold of the lock: an admission between the
             # two would see the change with the revision its pre-stream check saw, and refuse

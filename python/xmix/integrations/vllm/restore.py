@@ -6,7 +6,10 @@ The directory is read by its one writer, the worker that holds the ledger (ledge
 server receives its apps as bytes from there (``xmix_ledger("state")``) and deploys each
 again through the ordinary transaction, with its mode, locks, deployment version and changed
 parameters, in the order they were first deployed (ops of two apps at one site run in that
-order). The writer finds each of those changes already written and writes nothing.
+order). The writer finds each of those changes already written and writes nothing. The
+directory keeps each app as it was given, not its lowered program: the restoring server parses
+and lowers each app once, as for any deploy, and the engines and the other API servers decode
+the program it sends (docs/architecture.md, "Deploy path").
 
 Several API servers: the restore holds the ledger's lease from its first change to its last
 and starts with a ``restore`` ledger entry; a server that gets the lease after it finds that
@@ -19,6 +22,7 @@ from __future__ import annotations
 import logging
 
 from xmix import settings
+from xmix.program_codec import app_digest
 
 from .controller import Controller
 from .state_dir import StateError
@@ -79,7 +83,7 @@ def log_app_kept(ctl: Controller, app, path: str, state_dir: str) -> None:
     holds: the state's copy is kept, with the changes made to it since. Said at start, louder
     when the file given differs from that copy."""
     d = ctl.registry.apps[app.name]
-    if same_app(app, d.app):
+    if same_app(app, d.lowered):
         logger.info(
             "xmix: app %s restored from the state directory %s (v%d, mode %s, its changes "
             "kept); %s not deployed again",
@@ -103,16 +107,8 @@ def log_app_kept(ctl: Controller, app, path: str, state_dir: str) -> None:
         )
 
 
-def same_app(a, b) -> bool:
-    """Whether two apps are the same file content apart from how token sets are written (a
-    deployed copy has them resolved to token ids)."""
-    sa, sb = a.spec(), b.spec()
-    sa.pop("token_sets", None)
-    sb.pop("token_sets", None)
-    if sa != sb:
-        return False
-    ta, tb = a.tensors(), b.tensors()
-    return ta.keys() == tb.keys() and all(
-        ta[k].dtype == tb[k].dtype and ta[k].shape == tb[k].shape and bool((ta[k] == tb[k]).all())
-        for k in ta
-    )
+def same_app(app, lowered) -> bool:
+    """Whether an app file is the app a deployed program was lowered from, apart from how
+    token sets are written (the program carries the app's content digest; the server that
+    deployed it may be another one, which sent only the program)."""
+    return bool(lowered.digest) and app_digest(app) == lowered.digest

@@ -18,8 +18,9 @@ writes it chooses the apps, custom kernels included, of the next start)::
     DIR/state.json        the state at revision R: apps (file, mode, parameters, locks,
                           version) in deployment order, the epoch and version floors
     DIR/journal.jsonl     the changes after R, one JSON object a line ("rev" R+1, R+2, ...)
-    DIR/apps/SHA256.xmix  app files (the bytes the workers deployed: safetensors + JSON spec;
-                          never pickle), named by their SHA-256
+    DIR/apps/SHA256.xmix  app files as they were deployed (safetensors + JSON spec; never
+                          pickle), named by their SHA-256; not the lowered programs the
+                          engines got: a restore lowers each app again (restore.py)
 
 Every record (state.json, each journal line) carries ``"sum"``: the SHA-256 of its own
 canonical JSON without that key. Writes are atomic: a new file is written under a temporary

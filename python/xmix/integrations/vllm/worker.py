@@ -19,12 +19,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from xmix import _C, ops, settings
-from xmix.api import App
+from xmix import _C, deploy_work, ops, program_codec, settings
 from xmix.architectures import Family, architecture_of, require_family
 from xmix.control import Capacity, ControlBlock, PendingReads
 from xmix.hooks import ModelShape, n_sites
-from xmix.lowering import lower
 from xmix.results_codec import DROPPED_KEY, ERROR_KEY, ResultOptions, merge_results  # noqa: F401 (re-exported)
 
 from . import enable, fence
@@ -298,15 +296,16 @@ class WorkerXmix:
     def deploy(
         self, data: bytes, mode: str, version: int = 0, commit: bool = True
     ) -> dict[str, Any]:
-        """Check and stage an app (its bytes come from the frontend, which checked them
-        too); ``commit`` swaps it in at once, else ``xmix_deploy_commit`` does."""
-        app = App.from_bytes(data, source="deploy", allow_custom=True)
-        lowered = lower(app, self.shape, None)
+        """Check and stage an app's lowered program (the frontend lowered it; it is decoded
+        and checked here, never lowered again: program_codec.py); ``commit`` swaps it in at
+        once, else ``xmix_deploy_commit`` does."""
+        lowered = program_codec.decode(data, self.shape, "deploy")
+        name = lowered.name
         if lowered.stop is not None and self.max_model_len > 1 << K_STOP_BITS:
             from xmix.lowering import DeployError
 
             raise DeployError(
-                f"app {app.name!r}: a stop records positions below 2^{K_STOP_BITS}; this "
+                f"app {name!r}: a stop records positions below 2^{K_STOP_BITS}; this "
                 f"engine's max_model_len is {self.max_model_len}"
             )
         if self.pp is not None:
@@ -320,7 +319,7 @@ class WorkerXmix:
 
             names = ", ".join(site_name(s, self.shape.n_layers) for s in missing[:8])
             raise DeployError(
-                f"app {app.name!r} needs site(s) {names}{' ...' if len(missing) > 8 else ''}, "
+                f"app {name!r} needs site(s) {names}{' ...' if len(missing) > 8 else ''}, "
                 f"which this engine did not place (additional_config['xmix'] sites / "
                 f"layers chose the placed sites at start)"
             )
@@ -705,6 +704,9 @@ def xmix_describe(self) -> dict:
             # which CPU site kernel serves: "native" makes no Python call per site
             "site_kernel": "native" if ops.NATIVE is not None else "python",
             "python_site_calls": ops.python_site_calls[0],
+            # app files parsed, apps lowered, programs decoded in this process (a deploy
+            # decodes one program here and lowers nothing: deploy_work.py)
+            "deploy_work": deploy_work.snapshot(),
         },
         "graphs": graphs.stats(),
         "ops_generation": x.cb.mem.ops_generation,
