@@ -37,8 +37,8 @@ import torch
 from xmix import _C, graphs, ops
 from xmix.api import App
 from xmix.control import Capacity, ControlBlock
-from xmix.hooks import ModelShape, site_id
 from xmix.lowering import lower
+from xmix.sites import ModelShape, site_id
 
 G = _C.graph
 SITES = ("residual.pre", "attention.post", "mlp.post")

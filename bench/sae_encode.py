@@ -27,9 +27,9 @@ def setup(d: int, F: int, K: int, n_sel: int, n_other: int, device: str):
     from xmix import ops
     from xmix.api import App
     from xmix.control import Capacity, ControlBlock
-    from xmix.hooks import ModelShape, site_id
     from xmix.lowering import lower
     from xmix.sae import SAE
+    from xmix.sites import ModelShape, site_id
 
     g = torch.Generator().manual_seed(0)
     W_enc = torch.randn(d, F, generator=g) / d**0.5

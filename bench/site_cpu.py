@@ -34,8 +34,8 @@ def setup(op: str, d: int, n: int, dtype: torch.dtype):
     from xmix import ops
     from xmix.api import App
     from xmix.control import Capacity, ControlBlock
-    from xmix.hooks import ModelShape, site_id
     from xmix.lowering import lower
+    from xmix.sites import ModelShape, site_id
 
     g = torch.Generator().manual_seed(0)
     u = torch.randn(d, generator=g)

@@ -51,9 +51,9 @@ SITES = ("residual.pre", "attention.post", "mlp.post", "residual.post")
 def build(config: str, d: int, n_layers: int, rows: int):
     import xmix
     from xmix.control import Capacity, ControlBlock
-    from xmix.hooks import ModelShape, site_id
     from xmix.integrations.vllm.worker import WorkerXmix
     from xmix.lowering import lower
+    from xmix.sites import ModelShape, site_id
 
     shape = ModelShape(n_layers=n_layers, hidden_size=d, vocab_size=32000)
     cb = ControlBlock(shape, "cpu", Capacity(max_tokens=max(rows, 512), max_slots=rows + 8))

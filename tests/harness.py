@@ -13,8 +13,8 @@ import torch
 
 from xmix import ops
 from xmix.control import Capacity, ControlBlock
-from xmix.hooks import ModelShape, site_id
 from xmix.lowering import lower
+from xmix.sites import ModelShape, site_id
 
 SMALL = Capacity(
     max_tokens=64,
@@ -130,7 +130,7 @@ def program_parts(data: bytes) -> tuple[dict, dict[str, torch.Tensor]]:
     the arrays, for tests that forge one (``program_from_parts`` puts it back together)."""
     import json
 
-    from xmix.api import _materialise, _tensor_entries
+    from xmix.app_file import _materialise, _tensor_entries
     from xmix.program_codec import META_KEY
 
     n = int.from_bytes(data[:8], "little")

@@ -25,7 +25,7 @@ import torch
 
 from xmix import conditions, deploy_work
 from xmix.catalog import FLT_MAX, KERNELS, MAX_SAE_FEATURES, MAX_TOP_K, SAE_KERNELS
-from xmix.hooks import SITE_NAMES
+from xmix.sites import SITE_NAMES
 
 if TYPE_CHECKING:
     from xmix.sae import SAE

@@ -63,7 +63,7 @@ class Site:
 def parse_sites(sites: str | Iterable[str], n_layers: int | None = None) -> list[Site]:
     """``layers.N.SUBMODULE`` (``layers.*.SUBMODULE``: every layer) and ``final.post``,
     comma-separated or as a list."""
-    from xmix.hooks import LAYER_SITES, MODEL_SITES
+    from xmix.sites import LAYER_SITES, MODEL_SITES
 
     items = [
         s.strip() for s in (sites.split(",") if isinstance(sites, str) else sites) if s.strip()
@@ -276,7 +276,7 @@ class CaptureRun:
         settings.set_env("XMIX_CAPTURE_MB", str(max(16, math.ceil(need / 2**20) + 1)))
 
     def _shape(self, llm):
-        from xmix.hooks import ModelShape
+        from xmix.sites import ModelShape
 
         cfg = llm.llm_engine.model_config
         return ModelShape.from_hf_config(cfg.hf_config, cfg.model), cfg

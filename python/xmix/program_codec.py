@@ -60,7 +60,6 @@ from xmix import deploy_work
 from xmix.api import App, AppError, CustomKernel, check_json_value
 from xmix.app_file import _json_budget, _materialise, _tensor_entries, max_app_header_bytes
 from xmix.catalog import KERNELS, MAX_SAE_FEATURES, MAX_TOP_K
-from xmix.hooks import SITE_NAMES, ModelShape, n_sites, site_id
 from xmix.lowering import (
     DeployError,
     LoweredApp,
@@ -71,6 +70,7 @@ from xmix.lowering import (
     param_bounds,
 )
 from xmix.lowering.pack import _K, SAE_ARCH, SAE_NORM
+from xmix.sites import SITE_NAMES, ModelShape, n_sites, site_id
 
 FORMAT = "xmix.program/1"
 META_KEY = "xmix.program"

@@ -141,7 +141,7 @@ class SmallBufferLLM:
     checked against hidden states; the code under test is collect_activations' planning."""
 
     def __init__(self, env, budget: int, max_tokens: int = 512):
-        from xmix.hooks import ModelShape
+        from xmix.sites import ModelShape
 
         self.env, self.budget, self.max_tokens = env, budget, max_tokens
         self.shape = ModelShape.from_hf_config(env["hf"].config)

@@ -25,8 +25,8 @@ from engine_util import (
     shutdown,
     tokenize,
 )
-from xmix.hooks import ModelShape
 from xmix.models.tiny import tiny_model_path
+from xmix.sites import ModelShape
 
 pytestmark = pytest.mark.engine
 

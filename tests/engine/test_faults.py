@@ -19,8 +19,8 @@ import torch
 from harness import Harness, Req, build_user_kernels
 from xmix import reference as R
 from xmix.api import App
-from xmix.hooks import ModelShape
 from xmix.program_codec import program_of
+from xmix.sites import ModelShape
 
 D = 64
 SHAPE = ModelShape(n_layers=2, hidden_size=D, vocab_size=64)

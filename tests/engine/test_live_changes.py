@@ -20,10 +20,10 @@ from harness import SMALL
 from xmix import conditions as C
 from xmix.api import AppError, LimitError
 from xmix.control import ControlBlock, RequestError
-from xmix.hooks import ModelShape
 from xmix.lowering import DeployError, lower
 from xmix.models.tiny import tiny_model_path
 from xmix.program_codec import program_of
+from xmix.sites import ModelShape
 
 SHAPE = ModelShape(n_layers=4, hidden_size=64, vocab_size=300)
 D = SHAPE.hidden_size

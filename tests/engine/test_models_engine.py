@@ -22,8 +22,8 @@ import torch
 import xmix
 from engine_util import PROMPTS, assert_reads_match, greedy, make_llm, shutdown, tokenize
 from xmix.architectures import FAMILIES
-from xmix.hooks import ModelShape
 from xmix.models.tiny import tiny_model_path
+from xmix.sites import ModelShape
 
 pytestmark = pytest.mark.engine
 

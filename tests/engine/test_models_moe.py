@@ -31,9 +31,9 @@ from test_models_engine import CONTROLS, READ_RTOL, _check_convention, build_app
 import xmix
 from engine_util import COMPILED, PROMPTS, assert_reads_match, greedy, make_llm, shutdown, tokenize
 from xmix.api import App
-from xmix.hooks import ModelShape
 from xmix.integrations.hf import attach
 from xmix.models.tiny import tiny_model_path
+from xmix.sites import ModelShape
 
 transformers = pytest.importorskip("transformers")
 

@@ -16,9 +16,9 @@ import torch
 
 import xmix
 from engine_util import PROMPTS, greedy, hf_model, make_llm, shutdown, tokenize
-from xmix.hooks import ModelShape
 from xmix.models.tiny import tiny_model_path
 from xmix.sae import SAE
+from xmix.sites import ModelShape
 
 pytestmark = pytest.mark.engine
 

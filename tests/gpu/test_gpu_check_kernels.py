@@ -15,7 +15,7 @@ from harness import Harness, Req
 from xmix import reference as R
 from xmix.api import App
 from xmix.control import Capacity
-from xmix.hooks import ModelShape
+from xmix.sites import ModelShape
 
 
 @pytest.mark.gpu

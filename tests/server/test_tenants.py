@@ -18,12 +18,12 @@ import torch
 
 import xmix
 from harness import SMALL
-from xmix.hooks import ModelShape
 from xmix.integrations.vllm import keyed, tenants
 from xmix.integrations.vllm.admission import admit, cache_salt
 from xmix.integrations.vllm.processor_patches import provenance
 from xmix.integrations.vllm.registry import Needs, Registry
 from xmix.lowering import lower
+from xmix.sites import ModelShape
 
 D = 64
 SHAPE = ModelShape(n_layers=2, hidden_size=D, vocab_size=64)

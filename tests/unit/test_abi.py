@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from xmix import _C, hooks
+from xmix import _C, sites
 from xmix.control import layout
 
 K = _C.constants()
@@ -25,21 +25,21 @@ FORWARD_ORDER = [
 
 
 def test_layer_sites_in_forward_order():
-    assert list(hooks.LAYER_SITES) == FORWARD_ORDER
-    assert list(hooks.LAYER_SITES.values()) == list(range(6)) and hooks.SITES_PER_LAYER == 6
+    assert list(sites.LAYER_SITES) == FORWARD_ORDER
+    assert list(sites.LAYER_SITES.values()) == list(range(6)) and sites.SITES_PER_LAYER == 6
 
 
 def test_site_ids_follow_forward_order_and_final_post_closes_the_model():
     n_layers = 3
     ids = [
-        hooks.site_id(n, layer, n_layers) for layer in range(n_layers) for n in hooks.LAYER_SITES
+        sites.site_id(n, layer, n_layers) for layer in range(n_layers) for n in sites.LAYER_SITES
     ]
     assert ids == list(range(n_layers * 6))
-    assert hooks.site_id("final.post", None, n_layers) == 18
-    assert hooks.n_sites(n_layers) == 19
-    assert hooks.site_name(2 * 6 + 3, n_layers) == "layers.2.router.logits"
-    assert hooks.site_name(18, n_layers) == "final.post"
-    assert hooks.site_of(7, n_layers) == (1, "attention.post")
+    assert sites.site_id("final.post", None, n_layers) == 18
+    assert sites.n_sites(n_layers) == 19
+    assert sites.site_name(2 * 6 + 3, n_layers) == "layers.2.router.logits"
+    assert sites.site_name(18, n_layers) == "final.post"
+    assert sites.site_of(7, n_layers) == (1, "attention.post")
 
 
 def test_condition_flag_bits():

@@ -18,8 +18,8 @@ from safetensors.torch import save as st_save
 from xmix import conditions as C
 from xmix.api import App, AppError
 from xmix.catalog import CENTROIDS, EXPERTS, KERNELS, MAT_DD, SAE_KERNELS, VEC
-from xmix.hooks import LAYER_SITES, ModelShape, site_id
 from xmix.lowering import DeployError, latch_from_generated, lower
+from xmix.sites import LAYER_SITES, ModelShape, site_id
 
 D, L, E, V = 32, 4, 4, 100
 S = ModelShape(n_layers=L, hidden_size=D, vocab_size=V, n_experts=E, moe_layers=(0, 1, 2, 3))

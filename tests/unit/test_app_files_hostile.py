@@ -223,8 +223,8 @@ def test_hostile_app_file_is_refused_with_the_reason(what, data, msg):
 
 
 def test_wrong_shape_is_refused_at_deploy_and_a_huge_header_is_a_limit(monkeypatch):
-    from xmix.hooks import ModelShape
     from xmix.lowering import DeployError, lower
+    from xmix.sites import ModelShape
 
     app = xmix.App.from_bytes(_good().to_bytes())  # a well-formed file still parses
     assert torch.equal(app.ops[0].artifacts["vector"], torch.arange(D, dtype=torch.float32))

@@ -31,9 +31,9 @@ from xmix.apps import (
 )
 from xmix.apps import artifacts as ART
 from xmix.apps import derive as D
-from xmix.hooks import ModelShape, site_id
 from xmix.lowering import DeployError, latch_from_generated, lower
 from xmix.models.tiny import tiny_model_path
+from xmix.sites import ModelShape, site_id
 
 F64 = torch.float64
 

@@ -15,8 +15,8 @@ import torch
 import xmix
 from xmix.console import console_url, live
 from xmix.console import decisions as D
-from xmix.hooks import ModelShape
 from xmix.lowering import lower
+from xmix.sites import ModelShape
 
 SHAPE = ModelShape(n_layers=4, hidden_size=8, vocab_size=50, model_name="m")
 F32_TENTH = struct.unpack("f", struct.pack("f", 0.1))[0]  # 0.10000000149011612

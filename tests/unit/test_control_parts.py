@@ -6,7 +6,7 @@ test_module_sizes.py's, for the whole package."""
 from __future__ import annotations
 
 from xmix.control import ControlBlock
-from xmix.hooks import ModelShape
+from xmix.sites import ModelShape
 
 
 def test_parts_share_the_memory_and_never_hold_the_block():

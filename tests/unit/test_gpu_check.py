@@ -14,7 +14,7 @@ import torch
 
 from xmix import _C
 from xmix.control import Capacity, ControlBlock
-from xmix.hooks import ModelShape
+from xmix.sites import ModelShape
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import gpu_check as gc  # noqa: E402
@@ -341,7 +341,7 @@ def test_cpu_orchestration_passes_every_case_at_every_checked_batch(capsys):
 def _broken_kernel(how: str):
     """xmix's site op, then one deliberate mistake of a kind a kernel could make."""
     from xmix import ops
-    from xmix.hooks import site_id
+    from xmix.sites import site_id
 
     def impl(h, r, site, layer):
         cb = ops.get_control()

@@ -19,7 +19,7 @@ from xmix import _C, graphs, ops
 from xmix import conditions as C
 from xmix.api import App
 from xmix.graphs import check, hook, replan, splice, state
-from xmix.hooks import ModelShape, site_id
+from xmix.sites import ModelShape, site_id
 
 G = _C.graph
 CB = 0x7F0000001000

@@ -18,9 +18,9 @@ from harness import Harness, Req
 from xmix import reference as R
 from xmix.api import App
 from xmix.cli import main as xmix_main
-from xmix.hooks import ModelShape
 from xmix.interop import InteropError, from_saelens_object, load_sae
 from xmix.sae import SAE
+from xmix.sites import ModelShape
 
 sae_lens = pytest.importorskip("sae_lens", reason="peer test needs sae-lens (scripts/setup.sh)")
 

@@ -15,7 +15,7 @@ import torch
 from harness import Harness, Req
 from xmix import reference as R
 from xmix.api import App
-from xmix.hooks import ModelShape
+from xmix.sites import ModelShape
 
 D = 64
 SHAPE = ModelShape(n_layers=3, hidden_size=D, vocab_size=100, n_experts=8, moe_layers=(0, 1, 2))

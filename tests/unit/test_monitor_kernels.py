@@ -18,9 +18,9 @@ from harness import SMALL, Harness, Req
 from xmix import _C
 from xmix import reference as R
 from xmix.control import ControlBlock
-from xmix.hooks import ModelShape, site_id
 from xmix.lowering import lower
 from xmix.results_codec import STOPPED_KEY, SWITCHED_KEY
+from xmix.sites import ModelShape, site_id
 
 D = 16
 SHAPE = ModelShape(n_layers=2, hidden_size=D, vocab_size=64)

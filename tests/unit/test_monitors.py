@@ -10,8 +10,8 @@ import torch
 
 from xmix import conditions as C
 from xmix.api import App, AppError
-from xmix.hooks import ModelShape, site_id
 from xmix.lowering import DeployError, lower
+from xmix.sites import ModelShape, site_id
 
 D, L, V = 32, 4, 100
 S = ModelShape(n_layers=L, hidden_size=D, vocab_size=V)

@@ -14,8 +14,8 @@ import xmix
 from harness import SMALL
 from xmix import ops
 from xmix.control import ControlBlock
-from xmix.hooks import ModelShape
 from xmix.lowering import lower
+from xmix.sites import ModelShape
 
 D = 32
 SHAPE = ModelShape(n_layers=1, hidden_size=D, vocab_size=64)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import xmix
-from xmix.hooks import ModelShape, site_id
 from xmix.lowering import DeployError, lower
+from xmix.sites import ModelShape, site_id
 
 pp = pytest.importorskip("xmix.integrations.vllm.pp")
 

@@ -27,7 +27,6 @@ from xmix.control.arena import Claims
 from xmix.control.layout import OP_DTYPE
 from xmix.control.link import build_tables, link_app
 from xmix.control.params import param_columns
-from xmix.hooks import ModelShape, site_id
 from xmix.lowering import lower
 from xmix.program_codec import (
     ProgramError,
@@ -38,6 +37,7 @@ from xmix.program_codec import (
     program_of,
 )
 from xmix.sae import SAE
+from xmix.sites import ModelShape, site_id
 
 D, L, V = 32, 4, 100
 SHAPE = ModelShape(n_layers=L, hidden_size=D, vocab_size=V)

@@ -315,10 +315,10 @@ def test_gate_counters_read_the_packed_results_the_engine_core_sends():
 
     from prometheus_client import CollectorRegistry
 
-    from xmix.hooks import ModelShape
     from xmix.integrations.vllm import metrics
     from xmix.integrations.vllm.usage import Usage
     from xmix.lowering import lower
+    from xmix.sites import ModelShape
 
     shape = ModelShape(n_layers=2, hidden_size=8, vocab_size=50, model_name="m")
     app = xmix.App("a")

@@ -20,9 +20,9 @@ from harness import SMALL, Harness, Req
 from xmix import _C
 from xmix import reference as R
 from xmix.control import ControlBlock
-from xmix.hooks import ModelShape, site_id
 from xmix.lowering import lower
 from xmix.results_codec import TRUNCATED_KEY, ReadShape, parse_options, position_bytes
+from xmix.sites import ModelShape, site_id
 
 D = 16
 SHAPE = ModelShape(n_layers=2, hidden_size=D, vocab_size=64)

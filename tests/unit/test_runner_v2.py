@@ -21,9 +21,9 @@ from fake_device import FakeDevice
 from harness import SMALL
 from xmix import _C
 from xmix.control import ControlBlock
-from xmix.hooks import ModelShape, site_id
 from xmix.integrations.vllm.worker import RESULTS_ATTR, WorkerXmix, patch_model_runner_v2
 from xmix.lowering import lower
+from xmix.sites import ModelShape, site_id
 
 D = 8
 F32 = _C.constants()["DT_F32"]

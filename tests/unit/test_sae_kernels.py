@@ -14,9 +14,9 @@ import torch
 from harness import Harness, Req
 from xmix import reference as R
 from xmix.api import App, AppError
-from xmix.hooks import ModelShape
 from xmix.lowering import DeployError, lower
 from xmix.sae import SAE, SAEError
+from xmix.sites import ModelShape
 
 D, F = 64, 300
 SHAPE = ModelShape(n_layers=3, hidden_size=D, vocab_size=100)

@@ -15,12 +15,12 @@ from transformers import LlamaConfig
 import xmix
 from harness import SMALL
 from xmix.control import ControlBlock
-from xmix.hooks import ModelShape
 from xmix.integrations.vllm import worker as W
 from xmix.integrations.vllm.admission import admit, cache_salt
 from xmix.integrations.vllm.controller import Controller
 from xmix.integrations.vllm.errors import EngineGone
 from xmix.lowering import DeployError
+from xmix.sites import ModelShape
 
 D = 64
 HF = LlamaConfig(

@@ -11,7 +11,7 @@ import torch
 import xmix
 from harness import Harness, Req
 from xmix import ops
-from xmix.hooks import ModelShape
+from xmix.sites import ModelShape
 
 D = 16
 SHAPE = ModelShape(n_layers=2, hidden_size=D, vocab_size=64)

@@ -24,7 +24,7 @@ from fake_device import FakeDevice
 from harness import SMALL
 from xmix import _C
 from xmix.control import Capacity, ControlBlock
-from xmix.hooks import ModelShape, site_id
+from xmix.device_queue import StreamQueue
 from xmix.integrations.vllm.worker import (
     RESULTS_ATTR,
     WorkerXmix,
@@ -32,7 +32,7 @@ from xmix.integrations.vllm.worker import (
     patch_model_runner,
 )
 from xmix.lowering import lower
-from xmix.staging import StreamQueue
+from xmix.sites import ModelShape, site_id
 
 D = 8
 SHAPE = ModelShape(n_layers=2, hidden_size=D, vocab_size=32)

@@ -26,12 +26,12 @@ from transformers import LlamaConfig
 import xmix
 from harness import SMALL
 from xmix.control import ControlBlock
-from xmix.hooks import ModelShape
 from xmix.integrations.vllm import worker as W
 from xmix.integrations.vllm.controller import Controller
 from xmix.integrations.vllm.errors import WorkerError
 from xmix.lowering import DeployError
 from xmix.program_codec import program_of
+from xmix.sites import ModelShape
 
 D = 64
 HF = LlamaConfig(

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from xmix.api import App
-from xmix.hooks import LAYER_SITES
+from xmix.sites import LAYER_SITES
 
 POSITIONS = ("last", "mean", "all")
 _counter = itertools.count()

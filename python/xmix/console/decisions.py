@@ -28,8 +28,8 @@ from typing import Any
 
 from xmix import conditions as C
 from xmix import reference as R
-from xmix.hooks import site_name
 from xmix.lowering import LoweredApp, LoweredOp, latch_from_generated
+from xmix.sites import site_name
 
 Unknown = None
 

@@ -29,7 +29,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, RedirectResponse, Response
 
 from xmix import __version__
-from xmix.hooks import LAYER_SITES, MODEL_SITES
+from xmix.sites import LAYER_SITES, MODEL_SITES
 
 from . import decisions as D
 from . import live

@@ -37,8 +37,8 @@ from xmix.control.memory import BlockMemory
 from xmix.control.site_state import SiteReports
 from xmix.control.slots import Slots
 from xmix.control.step import Step
-from xmix.hooks import ModelShape
-from xmix.staging import DeviceQueue
+from xmix.device_queue import DeviceQueue
+from xmix.sites import ModelShape
 
 
 class GraphHook(Protocol):

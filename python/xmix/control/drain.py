@@ -19,9 +19,9 @@ import numpy as np
 import torch
 
 from xmix.control.layout import GATHER_ROWS, Capacity, K
+from xmix.device_queue import DeviceQueue, PinnedRing, PinnedSet
 from xmix.lowering import LoweredOp
 from xmix.results_codec import STOPPED_KEY, SWITCHED_KEY, ReadResult, read_shape, to_dtype
-from xmix.staging import DeviceQueue, PinnedRing, PinnedSet
 
 if TYPE_CHECKING:
     from xmix.control.link import InstalledApp

@@ -33,8 +33,8 @@ from xmix.control.layout import (
 )
 from xmix.control.link import InstalledApp, SiteOp
 from xmix.control.stage import StepStaging
-from xmix.hooks import ModelShape, n_sites
-from xmix.staging import CudaQueue, DeviceQueue
+from xmix.device_queue import CudaQueue, DeviceQueue
+from xmix.sites import ModelShape, n_sites
 
 Arr = np.ndarray[Any, Any]
 

@@ -1,7 +1,7 @@
 """Staged engines (GPU, or a CPU with a device queue standing in for one): how a step's host
 data reaches the device.
 
-Per-step host data goes through a ring of pinned sets (xmix.staging), never through the host
+Per-step host data goes through a ring of pinned sets (xmix.device_queue), never through the host
 mirrors: a non-blocking copy reads its source when the stream reaches it, and vLLM queues the
 next step before the device has run this one. Slot rows changed since the last step
 (admission, release, set_params, deploy) go with the next step as (index, app mask, used
@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from xmix.control.layout import CTRL_LAYOUT, ROW_BUFFERS, ROW_MAPS, TOK_MAPS, Capacity
-from xmix.staging import DeviceQueue, PinnedRing, PinnedSet
+from xmix.device_queue import DeviceQueue, PinnedRing, PinnedSet
 
 
 class StepStaging:

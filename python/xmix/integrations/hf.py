@@ -64,7 +64,6 @@ import torch
 
 from xmix.api import App
 from xmix.architectures import Tap, require_family, resolve
-from xmix.hooks import ModelShape
 from xmix.integrations.hf_request import (
     AttachedApp,
     Pass,
@@ -75,6 +74,7 @@ from xmix.integrations.hf_request import (
 )
 from xmix.integrations.hf_routers import ROUTERS
 from xmix.lowering import APP_MODES, DeployError, LoweredOp, RequestError, lower
+from xmix.sites import ModelShape
 
 
 class Attachment:
@@ -348,7 +348,7 @@ _MISSING = object()
 
 def site_id_name(sid: int, n_layers: int):
     """ "final.post", or (layer, site name) of a per-layer site id."""
-    from xmix.hooks import site_of
+    from xmix.sites import site_of
 
     layer, name = site_of(sid, n_layers)
     return name if layer is None else (layer, name)

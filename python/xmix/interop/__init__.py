@@ -11,7 +11,7 @@ checkpoints with how to convert them. The command line is ``xmix import`` (docs/
 """
 
 from xmix.interop._files import InteropError
-from xmix.interop.hooks import from_hf_module, from_transformer_lens
+from xmix.interop.hook_names import from_hf_module, from_transformer_lens
 from xmix.interop.saes import detect_format, from_saelens_object, load_sae
 from xmix.interop.vectors import (
     from_control_vector,

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from xmix.interop import hooks
+from xmix.interop import hook_names
 from xmix.interop._files import InteropError, provenance, read_json, read_safetensors, refuse_pickle
 from xmix.sae import SAE, SAEError
 
@@ -90,7 +90,7 @@ def load_sae(
 
 def _hook(given: str | None, native: str | None, mapper, source: str) -> tuple[str, str | None]:
     if given is not None:
-        return hooks.resolve(given, source), native
+        return hook_names.resolve(given, source), native
     if not native:
         raise InteropError(
             f"{source}: the SAE does not say where it was trained; give hook= "
@@ -165,7 +165,7 @@ def _from_saelens_parts(
         # pre * ||W_dec[f]|| then decode acts / ||W_dec[f]||: the same SAE with the norms folded
         n = W_dec.norm(dim=1)
         W_enc, b_enc, W_dec = W_enc * n, b_enc * n, W_dec / n[:, None]
-    site, native = _hook(hook, native, hooks.from_transformer_lens, source)
+    site, native = _hook(hook, native, hook_names.from_transformer_lens, source)
     meta_out = provenance(
         "saelens",
         files,
@@ -252,7 +252,7 @@ def from_gemma_scope(path: Path, hook: str | None = None) -> SAE:
                 f"{f}: cannot tell the layer and site from the path; give hook= "
                 f"(e.g. layers.12.residual.post for a gemma-scope-*-res SAE)"
             )
-    site = hooks.resolve(hook, str(f))
+    site = hook_names.resolve(hook, str(f))
     return SAE(
         params["w_enc"],
         params["b_enc"],
@@ -293,7 +293,7 @@ def from_sparsify(path: Path, hook: str | None = None) -> SAE:
             raise InteropError(f"{src}: sae.safetensors lacks {key!r} (has {sorted(t)})")
     if "k" not in cfg:
         raise InteropError(f"{src}: cfg.json has no k")
-    site, native = _hook(hook, path.name, hooks.from_hf_module, src)
+    site, native = _hook(hook, path.name, hook_names.from_hf_module, src)
     return SAE(
         t["encoder.weight"].float().t(),
         t["encoder.bias"].float(),
@@ -348,7 +348,7 @@ def from_llama_scope(path: Path, hook: str | None = None) -> SAE:
         raise InteropError(f"{src}: norm_activation {norm!r} is not supported")
     thr = float(hp["jump_relu_threshold"]) * (s or 1.0)
     F = int(t["encoder.weight"].shape[0])
-    site, native = _hook(hook, h_in, hooks.from_transformer_lens, src)
+    site, native = _hook(hook, h_in, hook_names.from_transformer_lens, src)
     sae = SAE(
         t["encoder.weight"].float().t(),
         t["encoder.bias"].float(),

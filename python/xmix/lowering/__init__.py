@@ -18,15 +18,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from xmix import deploy_work
 from xmix import conditions as C
+from xmix import deploy_work
 from xmix.api import App
 from xmix.catalog import CENTROIDS, EXPERTS, FLT_MAX, KERNELS, MAT_DD, SAE_KERNELS, VEC
-from xmix.hooks import ModelShape, site_id, site_of
 from xmix.lowering.errors import DeployError as DeployError
 from xmix.lowering.errors import RequestError as RequestError
 from xmix.lowering.errors import fail
 from xmix.lowering.pack import PACK, OpAt, Shared
+from xmix.sites import ModelShape, site_id, site_of
 
 if TYPE_CHECKING:
     from xmix.api import Op
@@ -132,7 +132,7 @@ class LoweredApp:
 
     @property
     def sites(self) -> list[str]:
-        from xmix.hooks import site_name
+        from xmix.sites import site_name
 
         return sorted({site_name(o.site_id, self.shape.n_layers) for o in self.ops})
 
@@ -613,7 +613,7 @@ def _check_since_order(
     """An op sees a since(...) term from the next site after the one deciding it: the term
     is decided across every token of the step there (on a GPU by every token's block of that
     site's kernel), so an op at that site or before it would see it one step late."""
-    from xmix.hooks import site_name
+    from xmix.sites import site_name
 
     for o in ops:
         for s in C.sinces(o.cond):

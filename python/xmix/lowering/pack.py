@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from xmix import _C
-from xmix.hooks import ModelShape
 from xmix.lowering.errors import fail
+from xmix.sites import ModelShape
 
 if TYPE_CHECKING:
     from xmix.api import Op

@@ -15,8 +15,8 @@ from typing import Any
 from xmix import settings
 from xmix.api import App
 from xmix.control import MODES, param_columns
-from xmix.hooks import ModelShape
 from xmix.lowering import DeployError, LoweredApp
+from xmix.sites import ModelShape
 
 from . import admission, keyed
 from .errors import (

@@ -21,7 +21,7 @@ from torch import nn
 
 import xmix.ops  # noqa: F401  (registers torch.ops.xmix.site)
 from xmix.architectures import EngineMap, Family, Tap, engine_map, resolve
-from xmix.hooks import LAYER_SITES, MODEL_SITES, ModelShape, site_id
+from xmix.sites import LAYER_SITES, MODEL_SITES, ModelShape, site_id
 
 logger = logging.getLogger("vllm.xmix")  # vLLM's handlers and format apply
 

@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from xmix import conditions as C
-from xmix.hooks import SITES_PER_LAYER
+from xmix.sites import SITES_PER_LAYER
 
 KEY_CHANNELS = "xmix_gate_channels"
 KEY_VALUES = "xmix_gate_values"

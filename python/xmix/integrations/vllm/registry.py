@@ -20,9 +20,9 @@ from xmix import program_codec, settings
 from xmix.api import App
 from xmix.conditions import n_instructions
 from xmix.control import MODES, ParamCol, param_columns, resolve_params
-from xmix.hooks import ModelShape
 from xmix.lowering import DeployError, LoweredApp, lower
 from xmix.results_codec import ResultOptions, position_bytes, read_shape
+from xmix.sites import ModelShape
 
 from . import keyed, tenants
 from .errors import CapacityError, shown

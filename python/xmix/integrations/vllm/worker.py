@@ -22,8 +22,8 @@ import torch
 from xmix import _C, deploy_work, ops, program_codec, settings
 from xmix.architectures import Family, architecture_of, require_family
 from xmix.control import Capacity, ControlBlock, PendingReads
-from xmix.hooks import ModelShape, n_sites
 from xmix.results_codec import DROPPED_KEY, ERROR_KEY, ResultOptions, merge_results  # noqa: F401 (re-exported)
+from xmix.sites import ModelShape, n_sites
 
 from . import enable, fence
 from .model_wrap import place_sites
@@ -314,8 +314,8 @@ class WorkerXmix:
             check_deploy(lowered, self.pp.stages)
         missing = sorted({op.site_id for op in lowered.ops} - self.placed)
         if missing:
-            from xmix.hooks import site_name
             from xmix.lowering import DeployError
+            from xmix.sites import site_name
 
             names = ", ".join(site_name(s, self.shape.n_layers) for s in missing[:8])
             raise DeployError(
