@@ -132,6 +132,24 @@ class ReadResult(Mapping):
         r.add(positions, values, ids)
         return r
 
+    @classmethod
+    def views(
+        cls,
+        kind: str,
+        positions: np.ndarray,
+        values: np.ndarray,
+        ids: np.ndarray | None,
+        dtype: str,
+        features: Iterable[int],
+    ) -> ReadResult:
+        """``of`` for arrays already in their stored types (positions int32, values in
+        ``dtype``'s storage form, ids int32) and not empty: the drain's per-request views of
+        its per-step arrays, kept as they are."""
+        r = cls.__new__(cls)
+        r.kind, r.dtype, r.features = kind, dtype, tuple(features)
+        r._parts = [(positions, values, ids)]
+        return r
+
     def add(self, positions, values, ids=None) -> None:
         pos = np.asarray(positions, dtype=np.int32)
         if len(pos):
