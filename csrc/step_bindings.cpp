@@ -97,7 +97,8 @@ class HostStep {
 
   // The worker's step: request ids to slots through slot_of ({req id: slot}). None, with
   // nothing done, when a request has no slot (preempted or never admitted: the caller admits
-  // it and calls begin) or the step has more requests than slots.
+  // it and calls begin) or the step has more requests than slots. n_tok may be vLLM's
+  // {req id: scheduled tokens} (a KeyError, nothing done, for a request it lacks).
   py::object begin_ids(py::handle req_ids, const py::dict& slot_of, py::handle n_tok,
                        py::handle start, py::handle plen, int32_t padded, const HostStepMasks& m,
                        uint64_t ids, int32_t ids_dtype) {
@@ -117,7 +118,19 @@ class HostStep {
       if (v < 0 || v >= b_.max_slots) throw py::value_error("xmix: a slot out of range");
       row_slots_[i] = static_cast<int32_t>(v);
     }
-    return run(static_cast<int32_t>(n), n_tok, start, plen, padded, m, ids, ids_dtype, true);
+    const bool by_id = PyDict_Check(n_tok.ptr());
+    for (py::ssize_t i = 0; by_id && i < n; ++i) {
+      PyObject* c = PyDict_GetItemWithError(n_tok.ptr(), items[i]);
+      if (c == nullptr) {
+        if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, items[i]);
+        throw py::error_already_set();
+      }
+      const long long v = PyLong_AsLongLong(c);
+      if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
+      n_tok_[i] = static_cast<int64_t>(v);
+    }
+    return run(static_cast<int32_t>(n), by_id ? py::handle() : n_tok, start, plen, padded, m, ids,
+               ids_dtype, true);
   }
 
   void end(bool header) { end_host_step(b_, header); }
@@ -130,7 +143,7 @@ class HostStep {
         throw py::value_error("xmix: a row slot out of range");
       }
     }
-    read_ints(n_tok, n, n_tok_.data(), "token counts");
+    if (n_tok) read_ints(n_tok, n, n_tok_.data(), "token counts");  // else already read
     read_ints(start, n, start_.data(), "start positions");
     read_ints(plen, n, plen_.data(), "prompt lengths");
     const StepRows rows{n, row_slots_, n_tok_.data(), start_.data(), plen_.data(), padded};

@@ -68,7 +68,9 @@ def test_one_native_call_per_step_maps_extents_and_the_restart_check(monkeypatch
     x.after_forward()
     assert _header(cb) == (0, 0) and not cb.step.site_active.any()
 
-    x.begin(["a"], np.array([1]), np.array([3]), np.array([3]), ids[:1], 1)
+    # token counts as vLLM's scheduler gives them: {req id: tokens}, read per request natively
+    x.begin(["a"], {"a": 1, "gone": 5}, np.array([3]), np.array([3]), ids[:1], 1)
+    assert cb.host["tok_pos"][0] == 3 and _header(cb) == (1, 1)
     assert cb.slots.extent[sa] == 4
     x.after_forward()
 
@@ -101,3 +103,11 @@ def test_a_step_over_capacity_is_refused_naming_the_sizes():
         RuntimeError, match=r"step of 20 rows / 1 requests exceeds capacity \(16 / 4\)"
     ):
         x.begin(["a"], np.array([20]), np.array([0]), np.array([20]), torch.zeros(20), 20)
+
+
+def test_a_request_missing_from_the_token_counts_is_a_key_error_and_nothing_runs():
+    cb, x = _block()
+    cb.admit("a", ["mon"], {}, 2)
+    with pytest.raises(KeyError, match="'a'"):
+        x.begin(["a"], {"b": 1}, np.array([0]), np.array([2]), torch.arange(1), 1)
+    assert _header(cb) == (0, 0) and not cb.step.started.any()

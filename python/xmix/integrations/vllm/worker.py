@@ -184,13 +184,9 @@ class WorkerXmix:
             return
         ib = runner.input_batch
         n = ib.num_reqs
-        req_ids = ib.req_ids[:n]
-        n_tok = np.fromiter(
-            (sched.num_scheduled_tokens[r] for r in req_ids), dtype=np.int64, count=n
-        )
         self.begin(
-            req_ids,
-            n_tok,
+            ib.req_ids[:n],
+            sched.num_scheduled_tokens,  # {req id: tokens}: read per request where it is used
             ib.num_computed_tokens_cpu[:n],
             ib.num_prompt_tokens[:n],
             input_ids,
@@ -198,8 +194,9 @@ class WorkerXmix:
         )
 
     def begin(self, req_ids, n_tok, start, plen, input_ids, padded: int) -> None:
-        """Per-step maps and prologue for the scheduled requests (batch order). ``plen`` may
-        be None: the prompt lengths recorded at admission are used."""
+        """Per-step maps and prologue for the scheduled requests (batch order). ``n_tok``:
+        token counts in batch order, or vLLM's {req id: scheduled tokens}. ``plen`` may be
+        None: the prompt lengths recorded at admission are used."""
         cb = self.cb
         if cb.on_gpu:
             # Kept CUDA graphs follow deploys and mode changes before the next replay.
@@ -221,6 +218,8 @@ class WorkerXmix:
                 self._begun(got[0], got[1])
                 return
         n = len(req_ids)
+        if isinstance(n_tok, dict):
+            n_tok = np.fromiter((n_tok[r] for r in req_ids), dtype=np.int64, count=n)
         slots = np.empty(n, dtype=np.int32)
         slot_of = cb.slots.slot_of
         for i, rid in enumerate(req_ids):
