@@ -10,7 +10,8 @@ forward leaves the caches in a real step).
 
 --instructions counts instructions instead of seconds (issue 29): the same steps, hot, run
 under `valgrind --tool=callgrind`, collection switched on (valgrind's client requests, from
-xmix/_site_op.so) only around each configuration's --steps steps, once with the native site
+xmix/_site_op.so) only around each configuration's --steps steps (not the block, the apps
+and the inputs made before them), once with the native site
 kernel and once with the Python reference kernel in the dispatcher's CPU slot, each stretch
 dumped on its own; instructions per step are exact and repeatable where seconds on a shared
 2-core machine are not. One run takes minutes (torch imports under valgrind).
@@ -40,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -90,20 +92,25 @@ def build(config: str, d: int, n_layers: int, rows: int):
     return x, rids, sites
 
 
-def run(config: str, args, cold: bool) -> dict[str, float]:
+def run(config: str, args, cold: bool, counted: Any = None) -> dict[str, float]:
+    """The configuration's steps; ``counted``: (start, stop) called around the steps alone
+    (callgrind's collection), after the block, the apps and the inputs are made."""
     d, rows = args.d, args.rows
     x, rids, sites = build(config, d, args.layers, rows)
     h, res = torch.randn(rows, d), torch.randn(rows, d)
     ids = torch.randint(0, 32000, (rows,))
     n_tok, plen = np.ones(rows, dtype=np.int64), np.full(rows, 128, dtype=np.int64)
     evict = torch.randn(args.evict_mib * (1 << 18)) if cold else None
-    w = torch.randn(d, 4 * d)
+    w = torch.randn(d, 4 * d) if cold else None
+    starts = [np.full(rows, 128 + step, dtype=np.int64) for step in range(args.steps)]
     parts: dict[str, list[float]] = {"begin": [], "sites": [], "after": []}
+    if counted is not None:
+        counted[0]()
     for step in range(args.steps):
-        if evict is not None:
+        if evict is not None and w is not None:
             evict.mul_(1.0000001)
             (h @ w).sum()
-        start = np.full(rows, 128 + step, dtype=np.int64)
+        start = starts[step]
         t0 = time.perf_counter()
         x.begin(rids, n_tok, start, plen, ids, rows)
         t1 = time.perf_counter()
@@ -117,6 +124,8 @@ def run(config: str, args, cold: bool) -> dict[str, float]:
         parts["begin"].append(t1 - t0)
         parts["sites"].append(t2 - t1)
         parts["after"].append(t3 - t2)
+    if counted is not None:
+        counted[1]()
     return {k: statistics.median(v) * 1e6 for k, v in parts.items()}
 
 
@@ -151,11 +160,18 @@ def instructions_child(configs: list[str], args) -> None:
     warm = argparse.Namespace(**{**vars(hot), "steps": 3})
     for config in configs:
         for kernel in KERNELS:
+            label = f"{config}/{kernel}".encode()
             with site_kernel(kernel):
                 run(config, warm, cold=False)  # imports and first-call work, not counted
-                ops.NATIVE.xmix_cg_start()
-                run(config, hot, cold=False)
-                ops.NATIVE.xmix_cg_stop(f"{config}/{kernel}".encode())
+                run(
+                    config,
+                    hot,
+                    cold=False,
+                    counted=(
+                        ops.NATIVE.xmix_cg_start,
+                        lambda lb=label: ops.NATIVE.xmix_cg_stop(lb),
+                    ),
+                )
 
 
 def instructions(configs: list[str], args) -> dict[tuple[str, str], float]:

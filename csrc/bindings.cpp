@@ -21,6 +21,7 @@ namespace py = pybind11;
 using namespace xmix;
 
 void register_graph_bindings(py::module_& m);  // csrc/graph/graph_bindings.cpp
+void register_step_bindings(py::module_& m);   // csrc/step_bindings.cpp
 
 namespace {
 
@@ -367,6 +368,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("control_field_sizes", &control_field_sizes);
   m.def("op_field_sizes", &op_field_sizes);
   register_graph_bindings(m);
+  register_step_bindings(m);
 
   using G = py::call_guard<py::gil_scoped_release>;
   // None, or [(app index, message)] of the ops that failed (the rest of the site ran).

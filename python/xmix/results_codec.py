@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import base64
 import math
+import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -130,6 +131,24 @@ class ReadResult(Mapping):
     ) -> ReadResult:
         r = cls(kind, dtype, tuple(features))
         r.add(positions, values, ids)
+        return r
+
+    @classmethod
+    def views(
+        cls,
+        kind: str,
+        positions: np.ndarray,
+        values: np.ndarray,
+        ids: np.ndarray | None,
+        dtype: str,
+        features: Iterable[int],
+    ) -> ReadResult:
+        """``of`` for arrays already in their stored types (positions int32, values in
+        ``dtype``'s storage form, ids int32) and not empty: the drain's per-request views of
+        its per-step arrays, kept as they are."""
+        r = cls.__new__(cls)
+        r.kind, r.dtype, r.features = kind, dtype, tuple(features)
+        r._parts = [(positions, values, ids)]
         return r
 
     def add(self, positions, values, ids=None) -> None:
@@ -616,7 +635,28 @@ def _nonfinite_to_none(v: np.ndarray) -> tuple[list, int]:
     return out, k
 
 
+def _one_value_entry(r: ReadResult) -> dict | None:
+    """``_json_entry`` of a scalar read with one position (a streamed chunk's usual entry)
+    without numpy's array functions: the two numbers are read as Python scalars. None for
+    any other result."""
+    if r.kind != "scalar" or len(r._parts) != 1:
+        return None
+    pos, val, _ = r._parts[0]
+    if len(pos) != 1:
+        return None
+    raw = val.item(0)
+    if r.dtype == "bfloat16":  # uint16 bit pattern: the high half of a float32
+        raw = struct.unpack("<f", struct.pack("<I", raw << 16))[0]
+    x = float(raw)
+    if math.isfinite(x):
+        return {"positions": [pos.item(0)], "values": [x]}
+    return {"positions": [pos.item(0)], "values": [None], "nonfinite": 1}
+
+
 def _json_entry(r: ReadResult) -> dict:
+    one = _one_value_entry(r)
+    if one is not None:
+        return one
     v = r.values_f32()
     if r.kind == "topk":
         ids = r.ids

@@ -375,3 +375,31 @@ def test_flat_result_options_become_the_json_forms_keys():
         control_from_args({"xmix_positions": "1:x"})
     with pytest.raises(ValueError, match="unknown flat control 'xmix_encodings'"):
         control_from_args({"xmix_encodings": "base64"})
+
+
+def test_one_value_chunks_are_encoded_without_numpys_array_functions(monkeypatch):
+    """A streamed chunk's usual entry, one position of a scalar read, is written from the two
+    Python numbers (issue 29): the same JSON as the general path, hand-computed here for each
+    stored dtype, non-finite values null and counted."""
+    import xmix.results_codec as rc
+
+    def refuse(*a, **k):
+        raise AssertionError("numpy's array path ran for a one-value entry")
+
+    monkeypatch.setattr(rc, "to_float32", refuse)
+    monkeypatch.setattr(rc, "_nonfinite_to_none", refuse)
+
+    def one(dtype: str, value: float, pos: int = 7) -> dict:
+        stored = rc.to_dtype(np.array([value], np.float32), dtype)
+        res = {"a": {"p": ReadResult.of("scalar", [pos], stored, None, dtype)}}
+        return encode_results(res, ResultOptions(dtype=dtype))
+
+    # float32 0.1 is 13421773 * 2^-27; float16 0.1 is 1638 * 2^-14; bfloat16 0.1 is 0x3dcd
+    assert one("float32", 0.1) == {"a": {"p": {"positions": [7], "values": [13421773 / 2**27]}}}
+    assert one("float16", 0.1) == {"a": {"p": {"positions": [7], "values": [1638 / 2**14]}}}
+    assert one("bfloat16", 0.1) == {"a": {"p": {"positions": [7], "values": [205 / 2**11]}}}
+    assert one("bfloat16", -1.5, 0) == {"a": {"p": {"positions": [0], "values": [-1.5]}}}
+    for dtype in ("float32", "float16", "bfloat16"):
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            got = one(dtype, bad)["a"]["p"]
+            assert got == {"positions": [7], "values": [None], "nonfinite": 1}, (dtype, bad)

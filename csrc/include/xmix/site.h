@@ -27,6 +27,44 @@ struct StepMaps {
 // Per-token flags and maps of one step; returns the number of real tokens.
 int32_t fill_step_maps(const StepRows& in, StepMaps& out);
 
+// The host's per-step path of an unstaged CPU engine, in one call (HostStep below): the
+// restart check, which apps run, the step maps, the header, which sites are active, the
+// monitors' extents and the prologue. Its buffers are fixed for the engine's life (numpy and
+// torch own them; Python binds their addresses once).
+struct HostStepBuffers {
+  uint8_t* block = nullptr;             // the ControlBlock the site kernels read
+  uint8_t* block_host = nullptr;        // its host image (Python writes the header there)
+  int64_t block_size = 0;               // bytes of both
+  int32_t max_tokens = 0, max_slots = 0;
+  const int64_t* slot_apps = nullptr;   // [S] app bits per slot
+  const uint64_t* site_app_mask = nullptr;  // [n_sites] apps with an op at each site
+  uint8_t* site_active = nullptr;       // [n_sites] out: an app of this step has an op there
+  int32_t n_sites = 0;
+  uint8_t* started = nullptr;           // [S] the slot's request ran a step since admission
+  int64_t* extent = nullptr;            // [S] one past the last position a step ran on
+  int64_t* floor = nullptr;             // [S] what slot_floor holds (host copy)
+  int32_t* slot_floor = nullptr;        // [S] the block's slot_floor
+  StepMaps maps{};
+};
+// The step's apps by kind (BlockMemory's masks; they change only between steps).
+struct HostStepMasks {
+  uint64_t all = 0, on = 0, span = 0, monitor = 0, read = 0;
+};
+struct HostStepResult {
+  int32_t status = 0;      // 0: done; 1: over capacity (nothing written after the restarts)
+  bool ran = false;        // false: no app runs this step (site_active cleared, no maps)
+  uint64_t active = 0;     // bitmask of the apps that run
+  int64_t n_tok = 0;       // real tokens of the step
+  int32_t restarted = 0;   // requests that started again at position 0 in the slot they hold
+};
+// rows.slots must hold distinct slots. restart: do the restart check (the worker's path);
+// input_ids: run the prologue when the step runs apps (nullptr: the caller runs it).
+HostStepResult begin_host_step(const HostStepBuffers& b, const HostStepMasks& m,
+                               const StepRows& rows, bool restart, const void* input_ids,
+                               int32_t ids_dtype);
+// After the forward: the empty step (header n_tokens = n_rows = 0 when `header`), no site active.
+void end_host_step(const HostStepBuffers& b, bool header);
+
 // An op that failed inside a site program (a user kernel that threw, an allocation): the
 // other ops of the site still ran; the host fails the requests that used the app this step.
 struct SiteFailure {

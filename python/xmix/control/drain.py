@@ -158,8 +158,12 @@ def collect(
     """Per request, the hits of each planned read as arrays: ``res`` and ``valid`` the
     step's result channels and their flags, ``captured(cap, idx)`` the capture-buffer rows
     of the tokens idx (only those are copied). Each request's window and byte budget
-    apply here, so nothing it does not report leaves the worker."""
+    apply here, so nothing it does not report leaves the worker.
+
+    Each read keeps one array of positions and one of values for the step (every request's
+    reported tokens, in batch order); each request's ReadResult holds views of them."""
     out: Results = {}
+    budget: list[int] = []  # XMIX_MAX_RESULT_BYTES, read once per drain when a request needs it
     for app, key, ch, cap, op in plan:
         idx = np.flatnonzero(valid[:, ch])
         if not len(idx):
@@ -169,9 +173,10 @@ def collect(
         r = rows[idx]
         cuts = np.flatnonzero(np.diff(r)) + 1
         bounds = [0, *cuts.tolist(), len(idx)]
+        firsts = r[bounds[:-1]].tolist()
         picks: list[tuple[SlotState, Arr]] = []
-        for j in range(len(bounds) - 1):
-            st = state_of_row(int(r[bounds[j]]))
+        for j, row in enumerate(firsts):
+            st = state_of_row(row)
             if st is None:
                 continue
             sel = idx[bounds[j] : bounds[j + 1]]
@@ -180,11 +185,12 @@ def collect(
             # same values): report each position once.
             done = st.reported.get((app, key), -1)
             if p[0] <= done:
-                sel = sel[p > done]
+                keep = p > done
+                sel, p = sel[keep], p[keep]
                 if not len(sel):
                     continue
-            st.reported[(app, key)] = int(pos[sel[-1]])
-            sel = st.admit(sel, pos[sel], shape, app, out)
+            st.reported[(app, key)] = int(p[-1])
+            sel = st.admit(sel, p, shape, app, out, budget)
             if len(sel):
                 picks.append((st, sel))
         if not picks:
@@ -193,19 +199,25 @@ def collect(
             picks = copied_only(picks, cap[2], app, key)
         if not picks:
             continue
-        every = np.concatenate([sel for _, sel in picks])
+        every = picks[0][1] if len(picks) == 1 else np.concatenate([sel for _, sel in picks])
         values, ids = gather(
             op, shape, res, ch, every, captured(cap, every) if cap is not None else None
         )
+        positions = pos[every]
+        stored: dict[str, Arr] = {}  # values in each storage dtype the step's requests ask for
         at = 0
         for st, sel in picks:
             k = len(sel)
-            rr = ReadResult.of(
+            dtype = st.options.dtype
+            v = stored.get(dtype)
+            if v is None:
+                v = stored[dtype] = to_dtype(values, dtype)
+            rr = ReadResult.views(
                 shape.kind,
-                pos[sel],
-                to_dtype(values[at : at + k], st.options.dtype),
+                positions[at : at + k],
+                v[at : at + k],
                 None if ids is None else ids[at : at + k],
-                st.options.dtype,
+                dtype,
                 op.features,
             )
             at += k
@@ -458,6 +470,7 @@ class Drain:
     def __init__(self, mem: BlockMemory, slots: Slots, step: Step, reports: SiteReports):
         self.mem, self.slots, self.step, self.reports = mem, slots, step, reports
         self._mplan: tuple[tuple[int, int], MonitorPlan] | None = None
+        self._rplan: tuple[tuple[int, int], list[PlannedRead]] | None = None
 
     def drain(self) -> Results:
         """Read results of this step: {req_id: {app: {read: ReadResult}}} (arrays; each
@@ -495,7 +508,12 @@ class Drain:
         return out
 
     def _read_plan(self) -> list[PlannedRead]:
-        return read_plan(self.mem.apps.values(), self.step.active)
+        """This step's reads: made again only when the op list or the step's apps change
+        (the plan is a function of the deployed apps and which of them run)."""
+        key = (self.mem.ops_generation, self.step.active)
+        if self._rplan is None or self._rplan[0] != key:
+            self._rplan = (key, read_plan(self.mem.apps.values(), self.step.active))
+        return self._rplan[1]
 
     def _monitor_plan(self) -> MonitorPlan:
         key = (self.mem.ops_generation, self.step.active)

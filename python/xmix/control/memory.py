@@ -147,6 +147,7 @@ class BlockMemory:
         )
         # ---- the live tables: written only by Deployer (a swap or a mode change)
         self.apps: dict[str, InstalledApp] = {}
+        # rewritten in place (the step's native call reads it by address)
         self.site_app_mask = np.zeros(self.n_sites, dtype=np.uint64)
         self.site_ops: list[list[SiteOp]] = [[] for _ in range(self.n_sites)]
         self.site_custom: dict[int, list[tuple[int, SiteOp]]] = {}
@@ -160,6 +161,7 @@ class BlockMemory:
         # integer operations.
         self.all_mask = self.on_mask = self.read_mask = self.span_mask = 0
         self.monitor_mask = 0  # apps with a stop or a since(...) term
+        self.step_masks = _C.HostStepMasks(0, 0, 0, 0, 0)  # the same, for _C.HostStep
         self.write_header(n_tokens=0, n_rows=0)
         self.sync_all()
 
@@ -180,6 +182,7 @@ class BlockMemory:
                 span_m |= bit
         self.all_mask, self.on_mask, self.read_mask = all_m, on_m, read_m
         self.span_mask, self.monitor_mask = span_m, mon_m
+        self.step_masks = _C.HostStepMasks(all_m, on_m, span_m, mon_m, read_m)
 
     # ------------------------------------------------------------------ host -> device
     def staging_stats(self) -> dict[str, int]:

@@ -62,6 +62,7 @@ class SiteReports:
     def __init__(self, mem: BlockMemory, slots: Slots, step: Step):
         self.mem, self.slots, self.step = mem, slots, step
         self.state = new_state()  # the native kernel's
+        self._n_failed = self.state["n_failed"]  # a view: checked after every forward
         # Requests whose app failed inside a site program this step: req id -> message
         # (the worker finishes them with an error); failures per app name.
         self.failed: dict[str, str] = {}
@@ -116,7 +117,7 @@ class SiteReports:
     def collect(self) -> None:
         """Hand what the native site kernel recorded during the forward to site_failed
         (before the drain: a site that did not run must clear its apps' reads first)."""
-        if not self.state["n_failed"][0]:
+        if not self._n_failed[0]:
             return
         by_site, overflow = take_failures(self.state)
         if overflow:  # not every failure was kept: every app that ran fails

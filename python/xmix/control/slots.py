@@ -74,10 +74,12 @@ class SlotState:
         shape: Any,
         app: str,
         out: dict[str, dict[str, Any]],
+        server_cap: list[int] | None = None,
     ) -> Index:
         """The tokens of ``sel`` (positions ``pos``) this request reports: those in its window,
         up to its byte budget. Past the budget nothing more is reported, and the step's
-        results carry the marker."""
+        results carry the marker. ``server_cap``: where the server's cap, once read, is kept
+        for the rest of the drain (read here when empty)."""
         if self.truncated:
             return sel[:0]
         win = self.options.window
@@ -86,7 +88,12 @@ class SlotState:
             sel, pos = sel[keep], pos[keep]
         budget = self.options.max_bytes
         if budget is None:
-            budget = max_result_bytes()
+            if server_cap is None:
+                budget = max_result_bytes()
+            else:
+                if not server_cap:
+                    server_cap.append(max_result_bytes())
+                budget = server_cap[0]
         per = position_bytes(shape, self.options)
         fit = (budget - self.spent) // per
         if len(sel) > fit:

@@ -1,8 +1,11 @@
 """One forward pass on the host: which apps run, the step's per-token and per-row maps
 (``_C.fill_step_maps``), the prologue before the forward and the empty step after it.
 
-This is the per-step path (the worker calls ``begin``, ``prologue`` and ``end`` every step):
-a few integer operations when no app can run, one native call for the maps otherwise.
+This is the per-step path (the worker calls ``run`` or ``begin`` + ``prologue``, and ``end``,
+every step). On an unstaged (CPU) engine it is one native call before the forward and one
+after (``_C.HostStep``: request ids to slots, the restart check, which apps run, the maps, the
+header, the active sites, the monitors' extents, the prologue); staged (GPU) engines fill the
+next staging set here, one native call for the maps.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ import numpy as np
 import torch
 
 from xmix import _C
+from xmix.control.layout import CTRL_SIZE
+from xmix.control.memory import STEP_MAPS
 
 if TYPE_CHECKING:
     from xmix.control.memory import BlockMemory
@@ -34,6 +39,29 @@ class Step:
         self.rows: tuple[Arr, int] | None = None  # (slots of the step's rows, rows)
         self.tokens = 0
         self.active = 0  # bitmask of the apps that run this step
+        # Per slot: its request ran a step since admission (a step at position 0 after that
+        # is a restart: the worker's restart check; admission clears it)
+        self.started: Arr = np.zeros(mem.cap.max_slots, dtype=bool)
+        # The step's slots in batch order (first ``rows[1]``), rewritten each step
+        self.row_slots: Arr = np.zeros(mem.cap.max_slots, dtype=np.int32)
+        self.native: Any = None
+        if not mem.staged:
+            addrs = {k: mem.host[k].ctypes.data for k in STEP_MAPS}
+            addrs.update(
+                block=mem.block.data_ptr(),
+                block_host=mem.block_host.data_ptr(),
+                slot_apps=mem.host["slot_apps"].ctypes.data,
+                slot_floor=mem.host["slot_floor"].ctypes.data,
+                site_app_mask=mem.site_app_mask.ctypes.data,
+                site_active=self.site_active.ctypes.data,
+                started=self.started.ctypes.data,
+                extent=slots.extent.ctypes.data,
+                floor=slots.floor.ctypes.data,
+                row_slots=self.row_slots.ctypes.data,
+            )
+            self.native = _C.HostStep(
+                addrs, CTRL_SIZE, mem.cap.max_tokens, mem.cap.max_slots, mem.n_sites
+            )
 
     def begin(
         self,
@@ -51,6 +79,19 @@ class Step:
         beyond the real tokens are padding and stay inert.
         """
         m = self.mem
+        if self.native is not None:
+            got = self.native.begin(
+                row_slots,
+                row_n_tok,
+                row_start_pos,
+                row_prompt_len,
+                n_rows_padded or 0,
+                m.step_masks,
+                0,
+                0,
+                False,
+            )
+            return self._took(got, len(row_slots))
         n_req = len(row_slots)
         # Which apps run: those in mode "all" plus those of the batch's requests (not off).
         active = m.all_mask
@@ -111,6 +152,79 @@ class Step:
             self.slots.extent[slots] = start + n_tok_a
         return True
 
+    def run(
+        self,
+        req_ids: list[str],
+        n_tok: Arr,
+        start: Arr,
+        plen: Arr,
+        input_ids: torch.Tensor,
+        padded: int,
+    ) -> tuple[bool, int] | None:
+        """The worker's step on an unstaged engine, in one native call: the requests' slots
+        (``slot_of``), the restart check (a request at position 0 again in the slot it holds:
+        its monitors keep what they decided, the prologue resets the rest), ``begin``, and the
+        prologue when an app runs. Returns (whether an app runs, restarts), or None (nothing
+        done) when a request has no slot yet or this is a staged engine: the caller goes the
+        long way (``begin_slots``, or ``begin`` and ``prologue``)."""
+        if self.native is None:
+            return None
+        ids = input_ids if input_ids.ndim == 1 else input_ids.reshape(-1)
+        got = self.native.begin_ids(
+            req_ids,
+            self.slots.slot_of,
+            n_tok,
+            start,
+            plen,
+            padded,
+            self.mem.step_masks,
+            ids.data_ptr(),
+            ids.element_size(),
+        )
+        if got is None:
+            return None
+        return self._took(got, len(req_ids)), got[3]
+
+    def begin_slots(
+        self,
+        slots: Arr,
+        n_tok: Arr,
+        start: Arr,
+        plen: Arr,
+        input_ids: torch.Tensor,
+        padded: int,
+    ) -> tuple[bool, int]:
+        """``run`` with the rows' slots given (the caller resolved them), unstaged engines:
+        (whether an app runs, restarts)."""
+        ids = input_ids if input_ids.ndim == 1 else input_ids.reshape(-1)
+        got = self.native.begin(
+            slots,
+            n_tok,
+            start,
+            plen,
+            padded,
+            self.mem.step_masks,
+            ids.data_ptr(),
+            ids.element_size(),
+            True,
+        )
+        return self._took(got, len(slots)), got[3]
+
+    def _took(self, got: tuple[bool, int, int, int], n_req: int) -> bool:
+        """The native call's (ran, tokens, active apps, restarts) into the step's state."""
+        ran, n_tok, active, _ = got
+        if not ran:
+            self.any_active = self.reads = self.monitors = False
+            return False
+        m = self.mem
+        self.rows = (self.row_slots, n_req)
+        self.tokens = n_tok
+        self.active = active
+        self.any_active = bool(active)
+        self.reads = bool(active & m.read_mask)
+        self.monitors = bool(active & m.monitor_mask)
+        return True
+
     def could_run(self) -> bool:
         """Whether any app could run in a step (cheap; before the step's maps are built)."""
         m = self.mem
@@ -122,6 +236,10 @@ class Step:
         """After the forward: an empty step, so forwards outside the runner's step (dummy
         runs, graph captures) find every row inert."""
         m = self.mem
+        if self.native is not None:
+            self.native.end(bool(self.any_active or m.span_mask))
+            self.any_active = self.reads = self.monitors = False
+            return
         if m.stage is not None:
             m.stage.end_step()
         elif self.any_active or m.span_mask:

@@ -103,7 +103,7 @@ class WorkerXmix:
         # forward (admission, step maps, prologue, drain) and the active site programs inside
         # it (ops.py). Operators and bench/serve_paired.py read them as a share of the step.
         self.host_seconds = 0.0
-        self._started = np.zeros(cb.cap.max_slots, dtype=bool)
+        self._started = cb.step.started  # the restart check's (the step's native call reads it)
         self._pp_step = None  # (row slots, tokens) of a step that ran apps, for the next stage
 
     # ------------------------------------------------------------------ requests
@@ -182,13 +182,9 @@ class WorkerXmix:
             return
         ib = runner.input_batch
         n = ib.num_reqs
-        req_ids = ib.req_ids[:n]
-        n_tok = np.fromiter(
-            (sched.num_scheduled_tokens[r] for r in req_ids), dtype=np.int64, count=n
-        )
         self.begin(
-            req_ids,
-            n_tok,
+            ib.req_ids[:n],
+            sched.num_scheduled_tokens,  # {req id: tokens}: read per request where it is used
             ib.num_computed_tokens_cpu[:n],
             ib.num_prompt_tokens[:n],
             input_ids,
@@ -196,8 +192,9 @@ class WorkerXmix:
         )
 
     def begin(self, req_ids, n_tok, start, plen, input_ids, padded: int) -> None:
-        """Per-step maps and prologue for the scheduled requests (batch order). ``plen`` may
-        be None: the prompt lengths recorded at admission are used."""
+        """Per-step maps and prologue for the scheduled requests (batch order). ``n_tok``:
+        token counts in batch order, or vLLM's {req id: scheduled tokens}. ``plen`` may be
+        None: the prompt lengths recorded at admission are used."""
         cb = self.cb
         if cb.on_gpu:
             # Kept CUDA graphs follow deploys and mode changes before the next replay.
@@ -212,7 +209,15 @@ class WorkerXmix:
             # pays nothing more.
             step.no_sites()
             return
+        if plen is not None:
+            # unstaged (CPU) engines: slots, restart check, maps and prologue in one native call
+            got = step.run(req_ids, n_tok, start, plen, input_ids, padded)
+            if got is not None:
+                self._begun(got[0], got[1])
+                return
         n = len(req_ids)
+        if isinstance(n_tok, dict):
+            n_tok = np.fromiter((n_tok[r] for r in req_ids), dtype=np.int64, count=n)
         slots = np.empty(n, dtype=np.int32)
         slot_of = cb.slots.slot_of
         for i, rid in enumerate(req_ids):
@@ -230,6 +235,9 @@ class WorkerXmix:
             plen = np.fromiter(
                 (slot_req[s].prompt_len for s in slots.tolist()), dtype=np.int64, count=n
             )
+        if step.native is not None:
+            self._begun(*step.begin_slots(slots, n_tok, start, plen, input_ids, padded), slots)
+            return
         start = np.asarray(start)
         # A request that starts again at position 0 without having been preempted (V1 keeps
         # such a request's slot) recomputes too; the prologue resets its state.
@@ -239,13 +247,24 @@ class WorkerXmix:
             for s in slots[again].tolist():
                 cb.slots.recompute(s)  # its monitors keep what they decided
         self._started[slots] = True
-        if step.begin(slots, np.asarray(n_tok), start, np.asarray(plen), padded):
+        ran = step.begin(slots, np.asarray(n_tok), start, np.asarray(plen), padded)
+        if ran:
             step.prologue(input_ids)
+        self._begun(ran, 0, slots)
+
+    def _begun(self, ran: bool, restarts: int, slots: np.ndarray | None = None) -> None:
+        if restarts:
+            self.stats["restarts"] += restarts
+        if ran:
             self.stats["steps_with_apps"] += 1
             if self.pp is not None:
                 # after the prologue (which resets restarted requests' read state), before the forward
-                n_all = int(np.asarray(n_tok).sum())
-                self.pp.inject(cb, slots, n_all)
+                step = self.cb.step
+                if slots is None:
+                    assert step.rows is not None
+                    slots = step.rows[0][: step.rows[1]]
+                n_all = step.tokens
+                self.pp.inject(self.cb, slots, n_all)
                 self._pp_step = (slots, n_all)
 
     def after_forward(self) -> None:
