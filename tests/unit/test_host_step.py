@@ -14,7 +14,7 @@ import xmix
 from xmix.control import Capacity, ControlBlock
 from xmix.control.layout import CTRL_LAYOUT
 from xmix.control.step import Step
-from xmix.hooks import ModelShape, site_id
+from xmix.sites import ModelShape, site_id
 from xmix.integrations.vllm.worker import WorkerXmix
 from xmix.lowering import lower
 
