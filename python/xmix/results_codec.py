@@ -195,7 +195,7 @@ class ReadResult(Mapping):
         return self._joined()[0]
 
     @property
-    def values(self) -> np.ndarray:
+    def values(self) -> np.ndarray:  # type: ignore[override]  # the array; r["values"] is the JSON list
         """In the storage form of ``dtype`` (bfloat16 as uint16 bit patterns)."""
         return self._joined()[1]
 
@@ -204,6 +204,13 @@ class ReadResult(Mapping):
         if self.kind == "features":
             return np.asarray(self.features, dtype=np.int32)
         return self._joined()[2]
+
+    def topk_ids(self) -> np.ndarray:
+        """The ids of a top-k SAE read (every top-k read holds them)."""
+        ids = self.ids
+        if ids is None:
+            raise ValueError(f"a {self.kind} read has no feature ids")
+        return ids
 
     def values_f32(self) -> np.ndarray:
         return to_float32(self.values, self.dtype)
@@ -238,7 +245,7 @@ class ReadResult(Mapping):
     def json_values(self) -> list:
         v = self.values_f32()
         if self.kind == "topk":
-            ids = self.ids
+            ids = self.topk_ids()
             counts = np.count_nonzero(ids >= 0, axis=1).tolist()
             return [
                 {"ids": i[:c], "acts": a[:c]} for i, a, c in zip(ids.tolist(), v.tolist(), counts)
@@ -261,7 +268,7 @@ class ReadResult(Mapping):
             "values": to_tensor(self.values, self.dtype),
         }
         if self.kind == "topk":
-            out["ids"] = torch.from_numpy(self.ids.astype(np.int64))
+            out["ids"] = torch.from_numpy(self.topk_ids().astype(np.int64))
         elif self.kind == "features":
             out["ids"] = (
                 torch.tensor(self.features, dtype=torch.int64).expand(self.n, -1).contiguous()
@@ -405,9 +412,9 @@ class Window:
         spans = sorted((max(a, lo), min(b, hi)) for a, b in self.intervals(prompt_len))
         total, end = 0.0, -math.inf
         for a, b in spans:
-            a = max(a, end)
-            if b > a:
-                total += b - a
+            start = max(a, end)
+            if b > start:
+                total += b - start
                 end = b
         return total
 
@@ -477,7 +484,7 @@ def _window(spec: Any) -> Window:
         )
     if len(items) > MAX_WINDOW_ITEMS:
         raise ValueError(f'"positions" lists {len(items)} items; at most {MAX_WINDOW_ITEMS}')
-    out = []
+    out: list[str | tuple[int | None, int | None]] = []
     for it in items:
         if isinstance(it, str):
             if it not in WINDOW_NAMES:
@@ -659,7 +666,7 @@ def _json_entry(r: ReadResult) -> dict:
         return one
     v = r.values_f32()
     if r.kind == "topk":
-        ids = r.ids
+        ids = r.topk_ids()
         counts = np.count_nonzero(ids >= 0, axis=1).tolist()
         acts, bad = _nonfinite_to_none(v)
         values = [{"ids": i[:c], "acts": a[:c]} for i, a, c in zip(ids.tolist(), acts, counts)]
@@ -693,7 +700,7 @@ def _b64_entry(r: ReadResult, opts: ResultOptions) -> dict:
     e["positions"] = _b64_array(r.positions, "int32", zc)
     e["values"] = _b64_array(r.values, r.dtype, zc)
     if r.kind == "topk":
-        e["ids"] = _b64_array(r.ids, "int32", zc)
+        e["ids"] = _b64_array(r.topk_ids(), "int32", zc)
     elif r.kind == "features":
         e["ids"] = list(r.features)
     bad = int((~np.isfinite(r.values_f32())).sum())

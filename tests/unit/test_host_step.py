@@ -14,9 +14,9 @@ import xmix
 from xmix.control import Capacity, ControlBlock
 from xmix.control.layout import CTRL_LAYOUT
 from xmix.control.step import Step
-from xmix.sites import ModelShape, site_id
 from xmix.integrations.vllm.worker import WorkerXmix
 from xmix.lowering import lower
+from xmix.sites import ModelShape, site_id
 
 SHAPE = ModelShape(n_layers=2, hidden_size=8, vocab_size=64)
 

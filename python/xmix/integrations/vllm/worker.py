@@ -104,7 +104,8 @@ class WorkerXmix:
         # it (ops.py). Operators and bench/serve_paired.py read them as a share of the step.
         self.host_seconds = 0.0
         self._started = cb.step.started  # the restart check's (the step's native call reads it)
-        self._pp_step = None  # (row slots, tokens) of a step that ran apps, for the next stage
+        # (row slots, tokens) of a step that ran apps, for the next stage
+        self._pp_step: tuple[np.ndarray, int] | None = None
 
     # ------------------------------------------------------------------ requests
     def on_schedule(self, sched) -> None:
@@ -137,8 +138,9 @@ class WorkerXmix:
                     self._started[slot] = False
                     continue
                 apps, pins, params, forced, opts = _control(nr.sampling_params)
+                dropped: list = []
                 if pins is None:  # not resolved by xmix's frontend: by name, checked here
-                    slot, dropped = cb.admit(nr.req_id, apps, params, n_prompt, opts), []
+                    slot = cb.admit(nr.req_id, apps, params, n_prompt, opts)
                 else:
                     slot, dropped = slots.admit_pinned(
                         nr.req_id, apps, pins, n_prompt, forced, opts
