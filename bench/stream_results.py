@@ -22,7 +22,7 @@ import time
 import numpy as np
 
 from xmix.integrations.vllm.openai_results import APPLIED_KEY, _with_results, json_results
-from xmix.integrations.vllm.processor_patches import XMIX_KEY
+from xmix.integrations.vllm.result_keys import OUTPUT_ATTR
 from xmix.results_codec import DEFAULT_OPTIONS, ReadResult, ResultOptions
 
 
@@ -50,7 +50,7 @@ async def _before(stream, sink: list, applied: dict, n_choices: int, opts: Resul
                 merged: dict = {}
                 for r in mine:
                     merge_results(merged, r)
-                body[XMIX_KEY] = json_results(merged, opts)
+                body[OUTPUT_ATTR] = json_results(merged, opts)
                 touched = True
             done = [c.get("index") for c in choices if c.get("finish_reason")]
             prov = [applied.get((i or 0) // max(n_choices, 1)) for i in done]

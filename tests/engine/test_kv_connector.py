@@ -171,13 +171,13 @@ def test_reads_and_latches_match_without_connector(runs, app):
 def test_no_shipped_connector_uses_the_results_key():
     import vllm
 
-    from xmix.integrations.vllm.processor_patches import RESULTS_KEY
+    from xmix.integrations.vllm.result_keys import CARRIER
 
     root = pathlib.Path(vllm.__file__).parent
     hits = [
         p
         for d in ("distributed/kv_transfer", "v1/kv_offload", "distributed/ec_transfer")
         for p in (root / d).rglob("*.py")
-        if RESULTS_KEY in p.read_text(errors="replace")
+        if CARRIER in p.read_text(errors="replace")
     ]
     assert not hits

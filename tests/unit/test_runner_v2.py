@@ -21,7 +21,8 @@ from fake_device import FakeDevice
 from harness import SMALL
 from xmix import _C
 from xmix.control import ControlBlock
-from xmix.integrations.vllm.worker import RESULTS_ATTR, WorkerXmix, patch_model_runner_v2
+from xmix.integrations.vllm.result_keys import CARRIER
+from xmix.integrations.vllm.worker import WorkerXmix, patch_model_runner_v2
 from xmix.lowering import lower
 from xmix.sites import ModelShape, site_id
 
@@ -140,7 +141,7 @@ def test_v2_adapter_maps_and_results():
     assert torch.all(h[:3] == 2.0) and torch.all(h[3:] == 0.0)  # only a's prompt rows
     runner.execute_model(sched)
     out = runner.sample_tokens()
-    res = getattr(out, RESULTS_ATTR)
+    res = getattr(out, CARRIER)
     assert res == {"a": {"k": {"p": {"positions": [2], "values": [0.5]}}}}
     # preemption in V2: the request is dropped (its slot freed, its record kept) and added
     # again when it resumes; positions it reported are not reported twice
@@ -244,10 +245,10 @@ def test_v2_async_output_gets_reads_without_a_host_wait_in_the_step():
     sig = torch.sigmoid
     mro = outs[0].get_output()
     assert dev.host_waits == 1  # get_output waited, as vLLM's own copy event does
-    assert getattr(mro, RESULTS_ATTR) == {
+    assert getattr(mro, CARRIER) == {
         "a": {"k": {"p": {"positions": [0, 1], "values": sig(torch.tensor([1.0, 2.0])).tolist()}}}
     }
     mro = outs[1].get_output()
-    assert getattr(mro, RESULTS_ATTR) == {
+    assert getattr(mro, CARRIER) == {
         "a": {"k": {"p": {"positions": [2], "values": [sig(torch.tensor(6.0)).item()]}}}
     }

@@ -21,7 +21,6 @@ PKG = ROOT / "python" / "xmix"
 NAME = re.compile(r"\bXMIX_[A-Z0-9]+(?:_[A-Z0-9]+)*\b")
 # XMIX_ names in the package's source that are not environment variables
 NOT_VARIABLES = {
-    "XMIX_KEY": "processor_patches.XMIX_KEY, the results attribute's name",
     "XMIX_STATUSES": "http_routes.XMIX_STATUSES, the HTTP status table",
     "XMIX_APPS": "a misspelt request key in request_controls' examples",
 }

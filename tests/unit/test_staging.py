@@ -25,8 +25,8 @@ from harness import SMALL
 from xmix import _C
 from xmix.control import Capacity, ControlBlock
 from xmix.device_queue import StreamQueue
+from xmix.integrations.vllm.result_keys import CARRIER
 from xmix.integrations.vllm.worker import (
-    RESULTS_ATTR,
     WorkerXmix,
     _attach_results,
     patch_model_runner,
@@ -150,7 +150,7 @@ def run_steps(x: WorkerXmix, dev: FakeDevice, catch_up: str, steps=STEPS):
 
 
 def results_of(out) -> dict:
-    return getattr(out.get_output(), RESULTS_ATTR, {})
+    return getattr(out.get_output(), CARRIER, {})
 
 
 @pytest.mark.parametrize("order", ["main", "side"])
@@ -425,7 +425,7 @@ def test_v1_async_output_gets_reads_without_a_host_wait_in_the_step():
     assert dev.host_waits == 0 and dev.queue, "the step path waited for the device"
     for k in range(len(STEPS)):
         h_exp, res_exp = expected(k)
-        assert getattr(outs[k].get_output(), RESULTS_ATTR) == res_exp, f"step {k + 1}"
+        assert getattr(outs[k].get_output(), CARRIER) == res_exp, f"step {k + 1}"
         assert torch.equal(hs[k], h_exp)
 
 

@@ -12,8 +12,7 @@ import torch
 pytest.importorskip("vllm")
 
 from xmix.integrations.vllm import engine_core  # noqa: E402
-from xmix.integrations.vllm.processor_patches import RESULTS_KEY  # noqa: E402
-from xmix.integrations.vllm.worker import RESULTS_ATTR  # noqa: E402
+from xmix.integrations.vllm.result_keys import CARRIER  # noqa: E402
 from xmix.models.tiny import tiny_model_path  # noqa: E402
 from xmix.results_codec import STOPPED_KEY, unpack_results  # noqa: E402
 
@@ -81,7 +80,7 @@ def runner_output(sched_out, tokens: dict[str, int], results: dict | None = None
         sampled_token_ids=[[tokens[r]] if r in tokens else [] for r in ids],
     )
     if results:
-        setattr(out, RESULTS_ATTR, results)
+        setattr(out, CARRIER, results)
     return out
 
 
@@ -113,7 +112,7 @@ def test_a_stop_frees_the_request_in_the_update_that_sees_it(async_):
     )
     a = got["a"]
     assert a.finish_reason == FinishReason.STOP and a.new_token_ids == []  # 100 dropped
-    assert unpack_results(a.kv_transfer_params[RESULTS_KEY])[STOPPED_KEY] == STOP
+    assert unpack_results(a.kv_transfer_params[CARRIER])[STOPPED_KEY] == STOP
     assert got["b"].new_token_ids == [200] and got["b"].finish_reason is None
     # freed in this update: its slot (the request) and its KV blocks
     assert "a" not in s.requests and all(r.request_id != "a" for r in s.running)

@@ -3,7 +3,7 @@ frontend on the request's next EngineCoreOutput.
 
 The workers put a step's results on the ModelRunnerOutput (rank 0 only). The scheduler keeps
 them per request until it emits an output for that request (partial prefill chunks emit
-none), then rides them under the key ``RESULTS_KEY`` ("_xmix_results") of that output's
+none), then rides them under the key ``result_keys.CARRIER`` ("_xmix_results") of that output's
 ``kv_transfer_params``, which the frontend takes out again before anything else in vLLM
 looks at it.
 
@@ -44,8 +44,8 @@ import logging
 from xmix.results_codec import STOPPED_KEY, pack_results
 
 from . import fence
-from .processor_patches import RESULTS_KEY
-from .worker import RESULTS_ATTR, merge_results
+from .result_keys import CARRIER
+from .worker import merge_results
 
 logger = logging.getLogger("vllm.xmix")
 
@@ -57,8 +57,8 @@ def patch_scheduler(cls) -> None:
     orig_update, orig_finish = found
 
     def update_from_output(self, scheduler_output, model_runner_output):
-        store: dict = self.__dict__.setdefault("_xmix_results", {})
-        new = getattr(model_runner_output, RESULTS_ATTR, None)
+        store: dict = self.__dict__.setdefault(CARRIER, {})
+        new = getattr(model_runner_output, CARRIER, None)
         stopped: list = []
         if new:
             for rid, apps in new.items():
@@ -75,21 +75,21 @@ def patch_scheduler(cls) -> None:
                     res = store.pop(o.request_id, None)
                     if res:
                         kvp = o.kv_transfer_params
-                        if kvp and RESULTS_KEY in kvp:
+                        if kvp and CARRIER in kvp:
                             logger.error(
                                 "xmix: the KV connector's kv_transfer_params use the key "
                                 "%r; request %s's read results are dropped",
-                                RESULTS_KEY,
+                                CARRIER,
                                 o.request_id,
                             )
                             continue
-                        o.kv_transfer_params = {**(kvp or {}), RESULTS_KEY: pack_results(res)}
+                        o.kv_transfer_params = {**(kvp or {}), CARRIER: pack_results(res)}
             for rid in scheduler_output.finished_req_ids:
                 store.pop(rid, None)
         return outs
 
     def finish_requests(self, request_ids, finished_status):
-        store = self.__dict__.get("_xmix_results")
+        store = self.__dict__.get(CARRIER)
         if store:
             ids = (
                 [request_ids]
@@ -135,7 +135,7 @@ def _stopped_outputs(outs: dict, stopped: list) -> None:
             finish_reason=req.get_finished_reason(),
             stop_reason=None,
             events=req.take_events(),
-            kv_transfer_params={RESULTS_KEY: pack_results(res)} if res else None,
+            kv_transfer_params={CARRIER: pack_results(res)} if res else None,
             trace_headers=req.trace_headers,
             num_nans_in_logits=req.num_nans_in_logits,
         )

@@ -17,8 +17,8 @@ from xmix.results_codec import (
     options_of_control,
 )
 
-from .processor_patches import XMIX_KEY
 from .request_controls import control_from_args
+from .result_keys import OUTPUT_ATTR
 
 
 # ---------------------------------------------------------------------- responses
@@ -52,7 +52,9 @@ def _applied_of(outputs: list) -> Any:
 
 
 def _results_of(outputs: list, opts: ResultOptions) -> Any:
-    res = [json_results(getattr(o, XMIX_KEY, None) or {}, opts) for o in outputs if o is not None]
+    res = [
+        json_results(getattr(o, OUTPUT_ATTR, None) or {}, opts) for o in outputs if o is not None
+    ]
     if not res:
         return None
     return res[0] if len(res) == 1 else res
@@ -64,9 +66,9 @@ def _per_choice(choices: list, completions: list, opts: ResultOptions) -> bool:
     if len(completions) <= 1 or len(choices) != len(completions):
         return False
     for choice, co in zip(choices, completions):
-        res = getattr(co, XMIX_KEY, None)
+        res = getattr(co, OUTPUT_ATTR, None)
         if res:
-            setattr(choice, XMIX_KEY, json_results(res, opts))
+            setattr(choice, OUTPUT_ATTR, json_results(res, opts))
     return True
 
 
@@ -94,7 +96,7 @@ async def _tap(gen, sink: list, n_choices: int | None, applied: dict):
         if getattr(out, "xmix_error", None):
             applied["error"] = out.xmix_error
         for co in getattr(out, "outputs", None) or []:
-            new = getattr(co, XMIX_KEY, None)
+            new = getattr(co, OUTPUT_ATTR, None)
             if new:
                 sink.append((base + co.index, new))
             mon = getattr(co, "xmix_monitors", None)
@@ -153,7 +155,7 @@ async def _with_results(stream, sink: list, applied: dict, n_choices: int, opts:
             if len(mine) > 1:
                 for r in mine:
                     merge_results(merged, r)
-            extra.append((XMIX_KEY, json_results(merged, opts)))
+            extra.append((OUTPUT_ATTR, json_results(merged, opts)))
         if finishing:
             if body is None:
                 done = list(indices)
@@ -243,7 +245,7 @@ def patch_openai_results() -> None:
             if not _per_choice(
                 resp.choices, sorted(seen[0].outputs, key=lambda co: co.index), opts
             ):
-                setattr(resp, XMIX_KEY, res)
+                setattr(resp, OUTPUT_ATTR, res)
         applied = _applied_of(seen)
         if applied is not None and hasattr(resp, "choices"):
             setattr(resp, APPLIED_KEY, applied)
@@ -275,7 +277,7 @@ def patch_openai_results() -> None:
                 any(len(r.outputs) > 1 for r in done)
                 and _per_choice(resp.choices, [co for r in done for co in r.outputs], opts)
             ):
-                setattr(resp, XMIX_KEY, res)
+                setattr(resp, OUTPUT_ATTR, res)
         applied = _applied_of(final_res_batch)
         if applied is not None and hasattr(resp, "choices"):
             setattr(resp, APPLIED_KEY, applied)

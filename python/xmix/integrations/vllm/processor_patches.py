@@ -3,8 +3,8 @@
 its cache salt; ``OutputProcessor`` / ``RequestState`` / ``RequestOutput`` attach read results
 and provenance to the outputs.
 
-Results come back per step inside ``EngineCoreOutput.kv_transfer_params["_xmix_results"]``
-(``RESULTS_KEY``; set by the engine core, engine_core.py, as packed arrays, on a copy of a KV
+Results come back per step inside ``EngineCoreOutput.kv_transfer_params[CARRIER]``
+(``CARRIER``; set by the engine core, engine_core.py, as packed arrays, on a copy of a KV
 connector's dict that keeps its keys; engine_core.py says why that channel and why it cannot
 collide with a connector); ``OutputProcessor.process_outputs`` takes them out before vLLM sees
 them (the dict left is exactly the connector's, or None) and attaches them as ``.xmix``
@@ -29,14 +29,10 @@ from xmix.results_codec import (
 from . import admission, fence
 from .errors import _validation_error
 from .registry import Registry, registered
-from .request_controls import control_from_args
+from .request_controls import CONTROL_KEY, control_from_args
+from .result_keys import CARRIER, OUTPUT_ATTR
 
 logger = logging.getLogger("vllm.xmix")  # vLLM's handlers and format apply
-
-XMIX_KEY = "xmix"
-# Where read results ride on EngineCoreOutput.kv_transfer_params between the engine core and
-# the frontend (engine_core.py): a private name no KV connector uses.
-RESULTS_KEY = "_xmix_results"
 
 
 def _prompt_len(req) -> int:
@@ -85,7 +81,7 @@ def patch_input_processor(cls) -> None:
         )
         if adm.control is not None:
             # A new dict on the request's own copy: the caller's SamplingParams stays as given.
-            sp.extra_args = {**(sp.extra_args or {}), XMIX_KEY: adm.control}
+            sp.extra_args = {**(sp.extra_args or {}), CONTROL_KEY: adm.control}
         # Every salt on an xmix engine goes through the keyed MAC, the client's own too, so
         # no client can send the salt of another configuration (keyed.py).
         req.cache_salt = admission.cache_salt(reg, req.cache_salt, adm)
@@ -133,7 +129,7 @@ def _from_new_request(orig_from_new):
     def from_new_request(cls, tokenizer, request, *args, **kwargs):
         st = orig_from_new(cls, tokenizer, request, *args, **kwargs)
         ctl = (
-            (getattr(request.sampling_params, "extra_args", None) or {}).get(XMIX_KEY)
+            (getattr(request.sampling_params, "extra_args", None) or {}).get(CONTROL_KEY)
             if getattr(request, "sampling_params", None) is not None
             else None
         )
@@ -165,14 +161,14 @@ def _take_engine_results(processor, eco, failed: list[str]) -> None:
     """One EngineCoreOutput: its results, monitors, dropped versions and a worker's error onto
     the request's state (``failed`` gets the request if the error finishes it)."""
     kvp = eco.kv_transfer_params
-    if not kvp or RESULTS_KEY not in kvp:
+    if not kvp or CARRIER not in kvp:
         return
     from vllm.v1.engine import FinishReason
 
     from .worker import ERROR_KEY, merge_results
 
     kvp = dict(kvp)
-    res = unpack_results(kvp.pop(RESULTS_KEY) or {})
+    res = unpack_results(kvp.pop(CARRIER) or {})
     eco.kv_transfer_params = kvp or None
     err = res.pop(ERROR_KEY, None)
     dropped = res.pop(DROPPED_KEY, None)
@@ -277,7 +273,7 @@ def _make_request_output(orig_make):
             out.xmix_error = err
         outs = getattr(out, "outputs", None)
         if isinstance(outs, list) and outs:
-            out.xmix = getattr(outs[0], XMIX_KEY, None) or {}
+            out.xmix = getattr(outs[0], OUTPUT_ATTR, None) or {}
         else:  # pooling output: one per request
             out.xmix = _take_results(self)
         return out
@@ -293,11 +289,11 @@ def _add(orig_add):
         orig_add(self, next_output, aggregate)
         for nc in next_output.outputs:
             c = before.get(nc.index)
-            nxt = getattr(nc, XMIX_KEY, None)
+            nxt = getattr(nc, OUTPUT_ATTR, None)
             if c is not None and c is not nc and nxt:  # vLLM merged nc into c in place
-                c.xmix = merge_results(getattr(c, XMIX_KEY, None) or {}, nxt)
-        if self.outputs and hasattr(self.outputs[0], XMIX_KEY):
-            self.xmix = getattr(self.outputs[0], XMIX_KEY, None) or {}
+                c.xmix = merge_results(getattr(c, OUTPUT_ATTR, None) or {}, nxt)
+        if self.outputs and hasattr(self.outputs[0], OUTPUT_ATTR):
+            self.xmix = getattr(self.outputs[0], OUTPUT_ATTR, None) or {}
         # When the consumer falls behind, vLLM's RequestOutputCollector merges the finishing
         # output into an earlier one: provenance and a worker's error come only with the
         # output that finishes, so they move over with it or the response loses them.

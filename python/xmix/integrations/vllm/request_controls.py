@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-JSON_KEY = "xmix"
+CONTROL_KEY = "xmix"
 APPS_KEY = "xmix_apps"
 PARAM_PREFIX = "xmix."
 FLAT_PREFIXES = ("xmix_", PARAM_PREFIX)
@@ -45,7 +45,9 @@ def looks_like_xmix(key: Any) -> bool:
     """A key meant for xmix whatever its spelling: "xmix" in any case, alone or followed by
     "_", "." or "-" ("XMIX_APPS", "Xmix_apps", "xmix-apps", "XMIX.steer.scale")."""
     return (
-        isinstance(key, str) and key[:4].lower() == JSON_KEY and (len(key) == 4 or key[4] in "_.-")
+        isinstance(key, str)
+        and key[:4].lower() == CONTROL_KEY
+        and (len(key) == 4 or key[4] in "_.-")
     )
 
 
@@ -56,13 +58,13 @@ def _known_flat() -> tuple[str, ...]:
 def misspelt(key: Any) -> bool:
     """An xmix-looking key not spelt as xmix's keys start (lower-case "xmix_" / "xmix.");
     those that are, but name nothing xmix knows, are refused where the flat form is read."""
-    return looks_like_xmix(key) and key != JSON_KEY and not is_flat_key(key)
+    return looks_like_xmix(key) and key != CONTROL_KEY and not is_flat_key(key)
 
 
 def right_spelling(key: str) -> str | None:
     """The key xmix knows that a misspelt xmix-looking key stands for, or None."""
     if len(key) == 4:
-        return JSON_KEY
+        return CONTROL_KEY
     if key[4] == ".":
         return PARAM_PREFIX + key[5:]  # app and parameter names are case-sensitive: kept
     flat = OPTION_PREFIX + key[5:].lower().replace("-", "_")
@@ -74,7 +76,7 @@ def has_control(extra_args: Mapping | None) -> bool:
     too: it is refused, with the right spelling)."""
     if not extra_args:
         return False
-    return any(k == JSON_KEY or is_flat_key(k) or looks_like_xmix(k) for k in extra_args)
+    return any(k == CONTROL_KEY or is_flat_key(k) or looks_like_xmix(k) for k in extra_args)
 
 
 def _short(v: Any, limit: int = 60) -> str:
@@ -115,20 +117,20 @@ def control_from_args(
                 + (
                     f"did you mean {right!r}?"
                     if right is not None
-                    else f"xmix's keys are {JSON_KEY!r} (the JSON form), {APPS_KEY!r}, "
+                    else f"xmix's keys are {CONTROL_KEY!r} (the JSON form), {APPS_KEY!r}, "
                     f"'{PARAM_PREFIX}<app>.<parameter>' and "
                     f"{', '.join(repr(OPTION_PREFIX + o) for o in OPTION_NAMES)}, in lower case"
                 )
             )
     flat = sorted(k for k in extra_args if is_flat_key(k))
-    if JSON_KEY in extra_args:
+    if CONTROL_KEY in extra_args:
         if flat:
             raise error(
-                f'the request has both the JSON form "{JSON_KEY}" and the flat form '
+                f'the request has both the JSON form "{CONTROL_KEY}" and the flat form '
                 f"{', '.join(repr(k) for k in flat[:8])}{' ...' if len(flat) > 8 else ''}; "
                 "use one of them"
             )
-        return extra_args[JSON_KEY]
+        return extra_args[CONTROL_KEY]
     if not flat:
         return None
     apps: list[str] = []

@@ -38,7 +38,8 @@ from xmix.console.decisions import read_scalar
 from xmix.results_codec import STOPPED_KEY, SWITCHED_KEY, ReadResult
 
 from .metrics import shown
-from .processor_patches import RESULTS_KEY, XMIX_KEY
+from .request_controls import CONTROL_KEY
+from .result_keys import CARRIER
 
 logger = logging.getLogger("vllm.xmix")
 
@@ -238,7 +239,7 @@ def install(registry, output_processor_cls=None) -> Usage | None:
         orig_add(self, request, *args, **kwargs)
         try:
             sp = getattr(request, "sampling_params", None)
-            control = (sp.extra_args or {}).get(XMIX_KEY) if sp is not None else None
+            control = (sp.extra_args or {}).get(CONTROL_KEY) if sp is not None else None
             _usage.admitted(request.request_id, control)
         except Exception:  # counting must never fail a request
             logger.debug("xmix: usage not recorded", exc_info=True)
@@ -247,7 +248,7 @@ def install(registry, output_processor_cls=None) -> Usage | None:
         for eco in engine_core_outputs:
             try:
                 kvp = eco.kv_transfer_params
-                res = kvp.get(RESULTS_KEY) if isinstance(kvp, dict) else None
+                res = kvp.get(CARRIER) if isinstance(kvp, dict) else None
                 _usage.output(
                     eco.request_id, res, len(eco.new_token_ids or ()), eco.finish_reason is not None
                 )

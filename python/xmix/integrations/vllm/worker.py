@@ -27,10 +27,10 @@ from xmix.sites import ModelShape, n_sites
 
 from . import enable, fence
 from .model_wrap import place_sites
+from .result_keys import CARRIER
 
 logger = logging.getLogger("vllm.xmix")  # vLLM's handlers and format apply
 
-RESULTS_ATTR = "xmix_results"
 K_STOP_BITS = _C.constants()["STOP_POSITION_BITS"]
 # ERROR_KEY in a request's results: the worker could not serve it; the frontend ends it
 
@@ -507,12 +507,12 @@ def _attach_results(self, out):
 
         def get_output():
             o = orig_get()
-            setattr(o, RESULTS_ATTR, results())
+            setattr(o, CARRIER, results())
             return o
 
         out.get_output = get_output
     else:
-        setattr(out, RESULTS_ATTR, results())
+        setattr(out, CARRIER, results())
     return out
 
 
