@@ -64,6 +64,41 @@ def max_artifact_bytes() -> int:
     return int(settings.get("XMIX_MAX_ARTIFACT_BYTES"))
 
 
+def safetensors_header(
+    data: bytes,
+    source: str,
+    kind: str,
+    error: type[Exception] = AppError,
+    limit_error: type[Exception] = LimitError,
+) -> tuple[dict[str, Any], int]:
+    """The JSON header of safetensors bytes (an app file, a lowered program) and its length.
+    Every claim of the framing is checked against the bytes and the JSON is bounded before it
+    is parsed; ``kind`` names what the bytes should be in the errors."""
+    if len(data) < 8:
+        raise error(f"{source}: not {kind} (too short for safetensors)")
+    hlen = int.from_bytes(data[:8], "little")
+    if hlen == 0 or hlen > len(data) - 8:
+        raise error(
+            f"{source}: not {kind} (its header claims {hlen} bytes; the "
+            f"file has {len(data) - 8} after the length)"
+        )
+    if hlen > max_app_header_bytes():
+        raise limit_error(
+            f"{source}: header of {hlen} bytes; at most {max_app_header_bytes()} "
+            f"(XMIX_MAX_APP_HEADER_BYTES)"
+        )
+    _json_budget(data, source, "header", 8, 8 + hlen)
+    try:
+        header = json.loads(data[8 : 8 + hlen])
+    except RecursionError:
+        raise error(f"{source}: not {kind} (header nested too deeply)") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise error(f"{source}: not {kind} (header is not JSON: {e})") from None
+    if not isinstance(header, dict):
+        raise error(f"{source}: not {kind} (header is not an object)")
+    return header, hlen
+
+
 def _json_budget(
     text: bytes | str, source: str, what: str, start: int = 0, end: int | None = None
 ) -> None:
@@ -237,30 +272,7 @@ def app_from_bytes(data: bytes, source: str = "<bytes>", allow_custom: bool = Fa
     # file before anything is checked: each claim of the header is checked against the
     # bytes first, the JSON is bounded before it is parsed, and only the tensors the spec
     # names are read (once the spec's sizes passed the limits).
-    if len(data) < 8:
-        raise AppError(f"{source}: not an xmix app file (too short for safetensors)")
-    hlen = int.from_bytes(data[:8], "little")
-    if hlen == 0 or hlen > len(data) - 8:
-        raise AppError(
-            f"{source}: not an xmix app file (its header claims {hlen} bytes; the "
-            f"file has {len(data) - 8} after the length)"
-        )
-    if hlen > max_app_header_bytes():
-        raise LimitError(
-            f"{source}: header of {hlen} bytes; at most {max_app_header_bytes()} "
-            f"(XMIX_MAX_APP_HEADER_BYTES)"
-        )
-    _json_budget(data, source, "header", 8, 8 + hlen)
-    raw = data[8 : 8 + hlen]
-    try:
-        header = json.loads(raw)
-    except RecursionError:
-        raise AppError(f"{source}: not an xmix app file (header nested too deeply)") from None
-    except (ValueError, UnicodeDecodeError) as e:
-        raise AppError(f"{source}: not an xmix app file (header is not JSON: {e})") from None
-    del raw
-    if not isinstance(header, dict):
-        raise AppError(f"{source}: not an xmix app file (header is not an object)")
+    header, hlen = safetensors_header(data, source, "an xmix app file")
     meta = header.pop("__metadata__", None) or {}
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise AppError(f"{source}: not an xmix app file (__metadata__ must map names to strings)")

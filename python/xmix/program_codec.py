@@ -58,7 +58,7 @@ import torch
 from xmix import conditions as C
 from xmix import deploy_work
 from xmix.api import App, AppError, CustomKernel, check_json_value
-from xmix.app_file import _json_budget, _materialise, _tensor_entries, max_app_header_bytes
+from xmix.app_file import _materialise, _tensor_entries, safetensors_header
 from xmix.catalog import KERNELS, MAX_SAE_FEATURES, MAX_TOP_K
 from xmix.lowering import (
     DeployError,
@@ -295,26 +295,7 @@ def decode(data: bytes, shape: ModelShape, source: str = "lowered program") -> L
 
 
 def _decode(data: bytes, shape: ModelShape, source: str) -> LoweredApp:
-    if len(data) < 8:
-        raise ProgramError(f"{source}: not an xmix program (too short)")
-    hlen = int.from_bytes(data[:8], "little")
-    if hlen == 0 or hlen > len(data) - 8:
-        raise ProgramError(
-            f"{source}: not an xmix program (its header claims {hlen} bytes; "
-            f"{len(data) - 8} follow)"
-        )
-    if hlen > max_app_header_bytes():
-        raise ProgramError(
-            f"{source}: header of {hlen} bytes; at most {max_app_header_bytes()} "
-            f"(XMIX_MAX_APP_HEADER_BYTES)"
-        )
-    _json_budget(data, source, "header", 8, 8 + hlen)
-    try:
-        header = json.loads(data[8 : 8 + hlen])
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        raise ProgramError(f"{source}: not an xmix program (header is not JSON: {e})") from None
-    if not isinstance(header, dict):
-        raise ProgramError(f"{source}: not an xmix program (header is not an object)")
+    header, hlen = safetensors_header(data, source, "an xmix program", ProgramError, ProgramError)
     meta = header.pop("__metadata__", None)
     if not isinstance(meta, dict) or not isinstance(meta.get(META_KEY), str):
         raise ProgramError(f"{source}: not an xmix program (no {META_KEY!r} in its metadata)")
