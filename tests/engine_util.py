@@ -29,6 +29,9 @@ ENGINE_KW = dict(
     max_num_batched_tokens=64,
     max_num_seqs=32,
     enable_prefix_caching=True,
+    # an explicit KV cache: the auto size is 30 % of the machine's memory, zeroed at each start
+    # (7 GiB here, twice over on two test workers) for tests that hold a few thousand tokens
+    kv_cache_memory_bytes=1 << 30,
 )
 COMPILED = dict(enforce_eager=False)
 
@@ -56,30 +59,83 @@ def tokenize(tok, text: str) -> list[int]:
     return tok.encode(text)  # with the BOS the tokenizer adds, as vLLM does
 
 
-def make_llm(path: str, with_xmix: bool = True, plain: bool = False, **overrides):
+def make_llm(
+    path: str, with_xmix: bool = True, plain: bool = False, inproc: bool = True, **overrides
+):
     """An offline engine. ``with_xmix=False`` starts engine processes with the plugin off;
     ``plain=True`` builds a plain ``vllm.LLM`` that asks for xmix through its config
-    (``additional_config={"xmix": True}``) and relies on the entry-point plugin alone."""
+    (``additional_config={"xmix": True}``) and relies on the entry-point plugin alone.
+
+    ``inproc`` (xmix engines of one worker): the engine core and its worker run in the test's
+    process (vLLM's ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), as vLLM's own startup benchmark
+    runs them. A spawned engine core and worker each import torch and vLLM again: a tiny
+    eager engine starts in 57 s spawned and 17 s in-process here (8 s after the first). The
+    engine core's IPC for results stays covered by every server test (vLLM's AsyncLLM always
+    runs its core in a process of its own) and by test_engine's compiled Llama. A family vLLM
+    serves with its Transformers modeling backend (OLMo 2 in vLLM 0.32) stays spawned: that
+    backend applies vLLM's compile decorator to transformers' own model class, which would
+    change the transformers oracle of every later test in the process. One in-process engine
+    at a time: vLLM's parallel groups are per process, so while one is live (the paper apps'
+    session engines, one per model) the next is spawned."""
     import xmix
 
     kw = {**ENGINE_KW, **overrides}
-    if with_xmix and plain:
+    if not with_xmix:
         import vllm
 
-        return vllm.LLM(model=path, additional_config={"xmix": True}, **kw)
-    if with_xmix:
-        return xmix.LLM(model=path, **kw)
-    import vllm
+        # the plugin reads XMIX_DISABLE where vLLM loads it: in the engine's own processes
+        with _env(XMIX_DISABLE="1", VLLM_ENABLE_V1_MULTIPROCESSING="1"):
+            return vllm.LLM(model=path, **kw)
+    one_worker = kw.get("tensor_parallel_size", 1) == 1 and kw.get("pipeline_parallel_size", 1) == 1
+    inproc = inproc and one_worker and not _INPROC and not _transformers_backend(path)
+    with _env(VLLM_ENABLE_V1_MULTIPROCESSING="0" if inproc else "1"):
+        if plain:
+            import vllm
 
-    old = os.environ.get("XMIX_DISABLE")
-    os.environ["XMIX_DISABLE"] = "1"  # the engine core and workers are spawned with this env
-    try:
-        return vllm.LLM(model=path, **kw)
-    finally:
-        if old is None:
-            os.environ.pop("XMIX_DISABLE", None)
+            llm = vllm.LLM(model=path, additional_config={"xmix": True}, **kw)
         else:
-            os.environ["XMIX_DISABLE"] = old
+            llm = xmix.LLM(model=path, **kw)
+    _uncache_vllm_envs()
+    if inproc:
+        _INPROC.add(id(llm))
+    return llm
+
+
+_INPROC: set[int] = set()  # id() of the live in-process engine, if any
+
+
+def _transformers_backend(path: str) -> bool:
+    import json
+    from pathlib import Path
+
+    from vllm.model_executor.models import ModelRegistry
+
+    archs = json.loads((Path(path) / "config.json").read_text()).get("architectures") or []
+    entries = [ModelRegistry.models.get(a) for a in archs]
+    return any(getattr(e, "module_name", "").endswith(".transformers") for e in entries)
+
+
+@contextlib.contextmanager
+def _env(**values: str):
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _uncache_vllm_envs() -> None:
+    # an in-process engine core freezes vllm.envs (enable_envs_cache: "no more overrides after
+    # this point"); the test process goes on to set them for its next engines and servers
+    import vllm.envs
+
+    if vllm.envs._is_envs_cache_enabled():
+        vllm.envs.disable_envs_cache()
 
 
 def shutdown(llm) -> None:
@@ -87,7 +143,18 @@ def shutdown(llm) -> None:
     # default 5 s grace in any case, so a test engine is not made to wait for it (~40 engines a run)
     with contextlib.suppress(Exception):
         llm.llm_engine.engine_core.shutdown(timeout=0.5)
+    inproc = id(llm) in _INPROC
+    _INPROC.discard(id(llm))
     del llm
+    gc.collect()
+    if not inproc:
+        return
+    # an in-process engine left its parallel groups, a frozen GC heap and a frozen vllm.envs in
+    # this process; the next in-process engine (a MoE model's expert-parallel group, say) needs
+    # them gone. vLLM's own test teardown; with a spawned engine there is nothing to undo.
+    from vllm.distributed import cleanup_dist_env_and_memory
+
+    cleanup_dist_env_and_memory()
     gc.collect()
 
 

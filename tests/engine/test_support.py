@@ -132,7 +132,7 @@ def test_engine_start_refused_with_the_reason(capfd):
     """A real engine start with prompt embeddings: the worker refuses where xmix attaches
     (load_model), the engine does not start, and the reason is in the engine's log."""
     with pytest.raises(RuntimeError, match="Engine core initialization failed"):  # vLLM's words
-        make_llm(MODEL, enable_prompt_embeds=True)
+        make_llm(MODEL, inproc=False, enable_prompt_embeds=True)  # vLLM's engine-core process
     out = capfd.readouterr()
     text = out.out + out.err
     assert "xmix cannot serve this engine configuration correctly" in text
