@@ -69,10 +69,14 @@ quiet $VPY -m pip install -q "scikit-build-core>=0.10" "pybind11>=2.12" "cmake>=
 # vLLM (and with it its torch) first: xmix/_site_op.so, the native CPU site kernel, builds
 # against the torch of the build's Python, and pip builds xmix before installing its
 # dependencies. The pin is read from pyproject.toml's extra, so it is written down once.
+# --no-compile: pip would byte-compile all ~35 000 modules of the environment one by one
+# (torch, vLLM, transformers, ray); Python compiles the few thousand a run imports on first
+# import and keeps them, as it does for any module without a .pyc.
 if PIN=$($VPY -c "import tomllib, sys; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies'][sys.argv[1]]))" "$EXTRA" 2>/dev/null); then
-  quiet $VPY -m pip install -q $PIN
+  quiet $VPY -m pip install -q --no-compile $PIN
 fi
-quiet $VPY -m pip install -q --no-build-isolation -e ".[$EXTRA,test,ray]" \
+say "xmix[$EXTRA,test,ray]: its other dependencies, then the build"
+quiet $VPY -m pip install -q --no-compile --no-build-isolation -e ".[$EXTRA,test,ray]" \
   -C cmake.define.XMIX_BUILD_TESTS=ON
 $VPY -c "import xmix._C" >/dev/null
 # Python 3.10 has no tomllib: torch then arrives with the install above, after xmix was
