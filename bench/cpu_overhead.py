@@ -84,22 +84,22 @@ def main() -> None:
     d = llm.llm_engine.model_config.hf_config.hidden_size
     g = torch.Generator().manual_seed(0)
     steer = xmix.App("steer")
-    steer.write("add", vector=torch.randn(d, generator=g), scale=1.0).layers([1]).submodule(
+    steer.write("add", vector=torch.randn(d, generator=g), scale=1.0).layers([1]).at(
         "residual.post"
     )
     probe = xmix.App("probe")
     w_probe = torch.randn(d, generator=g) / 16
-    probe.read("probe", weight=w_probe).layers([2]).submodule("residual.post")
+    probe.read("probe", weight=w_probe).layers([2]).at("residual.post")
     monitor = xmix.App("monitor")  # the same probe, acting on nothing (a sigmoid never hits 2)
-    monitor.read("probe", weight=w_probe).layers([2]).submodule("residual.post").named("p")
-    monitor.write("add", vector=torch.randn(d, generator=g), scale=1.0).layers([3]).submodule(
+    monitor.read("probe", weight=w_probe).layers([2]).at("residual.post").named("p")
+    monitor.write("add", vector=torch.randn(d, generator=g), scale=1.0).layers([3]).at(
         "residual.post"
     ).cond(when="since(p > 2.0)")
     monitor.stop(when="p > 2.0")
     ablate = xmix.App("ablate")
     r = torch.randn(d, generator=g)
     for site in ("residual.pre", "attention.post", "mlp.post"):
-        ablate.write("ablate", direction=r).layers("all").submodule(site)
+        ablate.write("ablate", direction=r).layers("all").at(site)
     n = llm.llm_engine.model_config.hf_config.num_hidden_layers
     cast_app = cast(
         torch.randn(d, generator=g),

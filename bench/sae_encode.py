@@ -41,7 +41,7 @@ def setup(d: int, F: int, K: int, n_sel: int, n_other: int, device: str):
         architecture="relu",
     )
     app = App("bench")
-    app.read("sae", sae=sae, top_k=K).layers([0]).submodule("residual.post").named("s")
+    app.read("sae", sae=sae, top_k=K).layers([0]).at("residual.post").named("s")
     shape = ModelShape(n_layers=1, hidden_size=d, vocab_size=32)
     n = n_sel + n_other
     cap = Capacity(

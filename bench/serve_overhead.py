@@ -166,16 +166,16 @@ def write_apps(model: Path, out: Path) -> list[Path]:
     d, n = cfg.hidden_size, cfg.num_hidden_layers
     g = torch.Generator().manual_seed(0)
     steer = xmix.App("steer")
-    steer.write("add", vector=torch.randn(d, generator=g), scale=1.0).layers([n // 2]).submodule(
+    steer.write("add", vector=torch.randn(d, generator=g), scale=1.0).layers([n // 2]).at(
         "residual.post"
     )
     ablate = xmix.App("ablate")
     r = torch.randn(d, generator=g)
     for site in ("residual.pre", "attention.post", "mlp.post"):
-        ablate.write("ablate", direction=r).layers("all").submodule(site)
+        ablate.write("ablate", direction=r).layers("all").at(site)
     probe = xmix.App("probe")
     w = torch.randn(d, generator=g) / d**0.5
-    probe.read("probe", weight=w).layers([n // 2 + 1]).submodule("residual.post")
+    probe.read("probe", weight=w).layers([n // 2 + 1]).at("residual.post")
     c = cast(
         torch.randn(d, generator=g),
         torch.randn(d, generator=g) / d**0.5,
@@ -187,7 +187,7 @@ def write_apps(model: Path, out: Path) -> list[Path]:
     # the probe as a monitor (issue 31) whose thresholds no request reaches: a stop and a
     # write switched on for the rest of the request, neither ever firing
     monitor = xmix.App("monitor").param("theta", 1e9).param("stop_at", 1e9)
-    monitor.read("probe", weight=w).layers([n // 2 + 1]).submodule("residual.post").named("p")
+    monitor.read("probe", weight=w).layers([n // 2 + 1]).at("residual.post").named("p")
     # since(...) is decided after its read's site: the write it switches on comes later
     monitor.write("add", vector=torch.randn(d, generator=g), scale=1.0).at("final.post").cond(
         when="since(p > theta)"

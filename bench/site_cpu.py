@@ -42,11 +42,11 @@ def setup(op: str, d: int, n: int, dtype: torch.dtype):
     u /= u.norm()
     app = App("bench")
     if op == "add":
-        app.write("add", vector=u, scale=2.0).layers([0]).submodule("residual.pre")
+        app.write("add", vector=u, scale=2.0).layers([0]).at("residual.pre")
     elif op == "ablate":
-        app.write("ablate", direction=u).layers([0]).submodule("residual.pre")
+        app.write("ablate", direction=u).layers([0]).at("residual.pre")
     else:  # probe, and "none" (deployed, not used by the step's request)
-        app.read("probe", weight=u, bias=0.5).layers([0]).submodule("residual.pre").named("p")
+        app.read("probe", weight=u, bias=0.5).layers([0]).at("residual.pre").named("p")
     shape = ModelShape(n_layers=1, hidden_size=d, vocab_size=32)
     cap = Capacity(
         max_tokens=n,

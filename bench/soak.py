@@ -96,23 +96,17 @@ def build_apps(seed: int) -> dict[str, bytes]:
 
     out = {}
     steer = xmix.App("steer")
-    steer.write("add", vector=unit() * 6.0, scale=1.0).layers([1]).submodule("residual.post").named(
-        "push"
-    )
+    steer.write("add", vector=unit() * 6.0, scale=1.0).layers([1]).at("residual.post").named("push")
     probe = xmix.App("probe")
-    probe.read("probe", weight=unit() * 0.5, bias=0.0).layers([2]).submodule("residual.post").named(
-        "p"
-    )
+    probe.read("probe", weight=unit() * 0.5, bias=0.0).layers([2]).at("residual.post").named("p")
     out["steer"], out["probe"] = steer.to_bytes(), probe.to_bytes()
     # No two apps share a hook site: ops of different apps at one site run in deployment
     # order, so a read placed after another app's write at the same site would depend on
     # which was deployed first, and the oracle (copies deployed afresh) could not repeat it.
     for i, name in enumerate(CHURN):
         a = xmix.App(name)
-        a.write("add", vector=unit() * 4.0, scale=1.0).layers([i]).submodule("mlp.post").named("w")
-        a.read("probe", weight=unit() * 0.5, bias=0.0).layers([i]).submodule(
-            "attention.post"
-        ).named("r")
+        a.write("add", vector=unit() * 4.0, scale=1.0).layers([i]).at("mlp.post").named("w")
+        a.read("probe", weight=unit() * 0.5, bias=0.0).layers([i]).at("attention.post").named("r")
         out[name] = a.to_bytes()
     return out
 

@@ -64,18 +64,18 @@ def build(config: str, d: int, n_layers: int, rows: int):
     apps["steer"] = xmix.App("steer")
     apps["steer"].write("add", vector=torch.randn(d, generator=g), scale=1.0).layers(
         [n_layers // 2]
-    ).submodule("residual.post")
+    ).at("residual.post")
     apps["ablate"] = xmix.App("ablate")
     r = torch.randn(d, generator=g)
     for s in SITES[:3]:
-        apps["ablate"].write("ablate", direction=r).layers("all").submodule(s)
+        apps["ablate"].write("ablate", direction=r).layers("all").at(s)
     apps["probe"] = xmix.App("probe")
     w_probe = torch.randn(d, generator=g) / d**0.5
     at = min(n_layers // 2 + 1, n_layers - 1)
-    apps["probe"].read("probe", weight=w_probe).layers([at]).submodule("residual.post").named("p")
+    apps["probe"].read("probe", weight=w_probe).layers([at]).at("residual.post").named("p")
     apps["monitor"] = xmix.App("monitor")  # a sigmoid never reaches 2: nothing fires
-    apps["monitor"].read("probe", weight=w_probe).layers([at]).submodule("residual.post").named("p")
-    apps["monitor"].write("add", vector=torch.randn(d, generator=g), scale=1.0).submodule(
+    apps["monitor"].read("probe", weight=w_probe).layers([at]).at("residual.post").named("p")
+    apps["monitor"].write("add", vector=torch.randn(d, generator=g), scale=1.0).at(
         "final.post"
     ).cond(when="since(p > 2.0)")
     apps["monitor"].stop(when="p > 2.0")

@@ -422,13 +422,13 @@ def spec_steer_moe(mask: torch.Tensor, moe_layers: list[int], delta: float) -> S
 def observers(n_layers: int) -> tuple[xmix.App, xmix.App, Callable, Callable]:
     """Capture apps around the paper apps: "pre" (deployed first) and "post" (deployed last)."""
     pre = xmix.App("pre")
-    pre.read("capture").layers([2]).submodule("residual.pre").named("rp2")
-    pre.read("capture").layers([1]).submodule("residual.post").named("ro1")
-    pre.read("capture").submodule("final.post").named("fin").cond("last_token")
+    pre.read("capture").layers([2]).at("residual.pre").named("rp2")
+    pre.read("capture").layers([1]).at("residual.post").named("ro1")
+    pre.read("capture").at("final.post").named("fin").cond("last_token")
     post = xmix.App("post")
-    post.read("capture").layers([2]).submodule("residual.pre").named("rp2")
-    post.read("capture").layers(list(range(n_layers))).submodule("residual.post").named("ro")
-    post.read("capture").submodule("final.post").named("fin").cond("last_token")
+    post.read("capture").layers([2]).at("residual.pre").named("rp2")
+    post.read("capture").layers(list(range(n_layers))).at("residual.post").named("ro")
+    post.read("capture").at("final.post").named("fin").cond("last_token")
 
     def pre_ops(p):
         return [

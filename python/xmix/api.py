@@ -17,6 +17,7 @@ import json
 import math
 import re
 import reprlib
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -188,7 +189,15 @@ class Op:
         return self
 
     def submodule(self, site: str) -> Op:
-        """The same as ``at(site)`` (the name of the first releases)."""
+        """Deprecated: ``at(site)``. The name of the xMIx paper and of xmix's first releases,
+        kept so that their apps run; it warns (DeprecationWarning) and places the op at the
+        same site. Inside xmix a hook site is a *site* only."""
+        warnings.warn(
+            "Op.submodule(site) is deprecated; use Op.at(site), which places the op at the "
+            "same hook site",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return self.at(site)
 
     def named(self, name: str) -> Op:

@@ -36,7 +36,10 @@ import numpy as np
 from xmix import settings
 from xmix.results_codec import DTYPES, Window, _window, positions_from_text, to_tensor
 
-FORMAT = "xmix-capture-1"
+# One scheme for every format tag xmix writes: xmix.<what>/<version> (xmix.app/1,
+# xmix.program/1). Captures written before it say "xmix-capture-1": the same format.
+FORMAT = "xmix.capture/1"
+FORMER_TAGS = ("xmix-capture-1",)
 APP_NAME = "xmix_capture"
 _SITE = re.compile(r"^(?:layers\.(\d+|\*)\.)?([a-z_]+\.[a-z_]+)$")
 
@@ -49,19 +52,19 @@ class CaptureError(ValueError):
 class Site:
     spec: str  # "layers.10.residual.post", "final.post"
     layer: int | None
-    submodule: str
+    name: str  # the site at that layer: "residual.post"
 
     @property
     def read_name(self) -> str:
         return (
             ("final" if self.layer is None else f"l{self.layer}")
             + "_"
-            + self.submodule.replace(".", "_")
+            + self.name.replace(".", "_")
         )
 
 
 def parse_sites(sites: str | Iterable[str], n_layers: int | None = None) -> list[Site]:
-    """``layers.N.SUBMODULE`` (``layers.*.SUBMODULE``: every layer) and ``final.post``,
+    """``layers.N.SITE`` (``layers.*.SITE``: every layer) and ``final.post``,
     comma-separated or as a list."""
     from xmix.sites import LAYER_SITES, MODEL_SITES
 
@@ -74,7 +77,7 @@ def parse_sites(sites: str | Iterable[str], n_layers: int | None = None) -> list
     for s in items:
         m = _SITE.match(s)
         if not m:
-            raise CaptureError(f"site {s!r}: expected layers.N.SUBMODULE or final.post")
+            raise CaptureError(f"site {s!r}: expected layers.N.SITE or final.post")
         layer, sub = m.group(1), m.group(2)
         if layer is None:
             if sub not in MODEL_SITES:
@@ -286,7 +289,7 @@ class CaptureRun:
 
         app = xmix.App(APP_NAME)
         for s in sites:
-            r = app.read("capture").submodule(s.submodule).named(s.read_name)
+            r = app.read("capture").at(s.name).named(s.read_name)
             if s.layer is not None:
                 if not 0 <= s.layer < shape.n_layers:
                     raise CaptureError(
@@ -453,6 +456,8 @@ class CaptureRun:
         if not path.exists():
             return {}
         old = json.loads(path.read_text())
+        if old.get("format") in FORMER_TAGS:
+            old["format"] = FORMAT
         if not self.resume:
             raise CaptureError(
                 f"{self.out} already holds a capture (index.json); resume it or use "
@@ -542,7 +547,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument(
         "--sites",
         required=True,
-        help="comma-separated: layers.N.SUBMODULE (layers.* = all), final.post",
+        help="comma-separated: layers.N.SITE (layers.* = all), final.post",
     )
     ap.add_argument("--out", required=True, help="directory for shard-*.safetensors and index.json")
     ap.add_argument(

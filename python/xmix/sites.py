@@ -36,12 +36,12 @@ MODEL_SITES = ("final.post",)  # after the final norm
 SITE_NAMES = tuple(LAYER_SITES) + MODEL_SITES
 
 
-def site_id(submodule: str, layer: int | None, n_layers: int) -> int:
-    if submodule == "final.post":
+def site_id(site: str, layer: int | None, n_layers: int) -> int:
+    if site == "final.post":
         return n_layers * SITES_PER_LAYER
     if layer is None:
-        raise ValueError(f"site {submodule!r} is a layer site: it needs a layer")
-    return layer * SITES_PER_LAYER + LAYER_SITES[submodule]
+        raise ValueError(f"site {site!r} is a layer site: it needs a layer")
+    return layer * SITES_PER_LAYER + LAYER_SITES[site]
 
 
 def site_of(sid: int, n_layers: int) -> tuple[int | None, str]:

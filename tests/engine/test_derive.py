@@ -277,8 +277,8 @@ def test_derive_refusal_ablation_removes_the_direction(env, tmp_path):
     torch.testing.assert_close(r, hp.mean(0) - hn.mean(0), rtol=1e-4, atol=1e-5)
 
     watch = xmix.App("watch")
-    watch.read("capture").layers("all").submodule("residual.post").named("x")
-    watch.read("capture").layers("all").submodule("attention.post").named("a")
+    watch.read("capture").layers("all").at("residual.post").named("x")
+    watch.read("capture").layers("all").at("attention.post").named("a")
     llm.xmix.deploy(app)
     llm.xmix.deploy(watch)
     try:
@@ -362,8 +362,8 @@ def test_derive_cast_condition_and_behaviour(env, tmp_path):
     )  # CAST's sign: positives higher
 
     watch_pre, watch_post = xmix.App("wpre"), xmix.App("wpost")
-    watch_pre.read("capture").layers([2]).submodule("residual.pre").named("x").cond("last_token")
-    watch_post.read("capture").layers([2]).submodule("residual.pre").named("x").cond("last_token")
+    watch_pre.read("capture").layers([2]).at("residual.pre").named("x").cond("last_token")
+    watch_post.read("capture").layers([2]).at("residual.pre").named("x").cond("last_token")
     for a in (watch_pre, app, watch_post):
         llm.xmix.deploy(a)
     try:

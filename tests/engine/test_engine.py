@@ -69,57 +69,47 @@ def build_apps(
         return v / v.norm()
 
     steer = xmix.App("steer")
-    steer.write("add", vector=unit() * 6.0, scale=1.0).layers([1]).submodule("residual.post").named(
-        "push"
-    )
+    steer.write("add", vector=unit() * 6.0, scale=1.0).layers([1]).at("residual.post").named("push")
 
     probe = xmix.App("probe")
-    probe.read("probe", weight=unit() * 0.5, bias=0.1).layers([2]).submodule("residual.post").named(
-        "p2"
-    )
+    probe.read("probe", weight=unit() * 0.5, bias=0.1).layers([2]).at("residual.post").named("p2")
 
     guarded = xmix.App("guarded")
     guarded.token_set("trig", ids=sorted(set(tok.encode(" the a e", add_special_tokens=False))))
-    guarded.read("probe", weight=unit() * 0.5, bias=0.0).layers([1]).submodule(
-        "residual.mid"
-    ).named("g")
-    guarded.write("add", vector=unit() * 8.0, scale=1.0).layers([2]).submodule(
-        "attention.post"
-    ).cond(when="token_in(trig) or generated", gate="g >= 0.5")
+    guarded.read("probe", weight=unit() * 0.5, bias=0.0).layers([1]).at("residual.mid").named("g")
+    guarded.write("add", vector=unit() * 8.0, scale=1.0).layers([2]).at("attention.post").cond(
+        when="token_in(trig) or generated", gate="g >= 0.5"
+    )
 
     ablate = xmix.App("ablate")
     r = unit()
     for site in ("residual.pre", "attention.post", "mlp.post"):
-        ablate.write("ablate", direction=r).layers("all").submodule(site)
+        ablate.write("ablate", direction=r).layers("all").at(site)
 
     latch = xmix.App("latch")
     latch.param("theta", 0.5)
-    latch.read("probe", weight=unit() * 0.5, bias=0.0).layers([0]).submodule("residual.post").named(
-        "q"
+    latch.read("probe", weight=unit() * 0.5, bias=0.0).layers([0]).at("residual.post").named("q")
+    latch.write("add", vector=unit() * 8.0, scale=1.0).layers([2, 3]).at("residual.pre").cond(
+        gate="prompt_mean(q) >= theta"
     )
-    latch.write("add", vector=unit() * 8.0, scale=1.0).layers([2, 3]).submodule(
-        "residual.pre"
-    ).cond(gate="prompt_mean(q) >= theta")
 
     span = xmix.App("span")
     span.token_set("open", strings=["<think>"]).token_set("close", strings=["</think>"])
     span.token_set("nl2", contains=["\n\n"])
-    span.write("add", vector=unit() * 8.0, scale=1.0).layers([1]).submodule("residual.pre").cond(
+    span.write("add", vector=unit() * 8.0, scale=1.0).layers([1]).at("residual.pre").cond(
         "in_span(open, close) and (token_in(nl2) or generated)"
     )
 
     capture = xmix.App("capture")
-    capture.read("capture", dims=(0, 8)).submodule("final.post").named("h").cond("last_token")
+    capture.read("capture", dims=(0, 8)).at("final.post").named("h").cond("last_token")
 
     # a latch feeding writes before (layers 1, 2: from the first generated token) and after
     # (layer 3: from the last prompt token) its read at residual.mid of layer 2
     late = xmix.App("late")
-    late.read("probe", weight=unit() * 0.5, bias=0.0).layers([2]).submodule("residual.mid").named(
-        "q"
+    late.read("probe", weight=unit() * 0.5, bias=0.0).layers([2]).at("residual.mid").named("q")
+    late.write("add", vector=unit() * 8.0, scale=1.0).layers([1, 2, 3]).at("residual.pre").cond(
+        gate="prompt_mean(q) >= 0.0"
     )
-    late.write("add", vector=unit() * 8.0, scale=1.0).layers([1, 2, 3]).submodule(
-        "residual.pre"
-    ).cond(gate="prompt_mean(q) >= 0.0")
 
     # monitors: a probe's gate with theta 0 holds wherever it ran (a sigmoid is never
     # negative), so the trigger is where the token condition first holds; theta 2 never holds
@@ -127,27 +117,21 @@ def build_apps(
     halt = xmix.App("halt")
     halt.param("theta", 0.0)
     halt.token_set("trig", ids=sorted({chunk2, *halt_ids}))
-    halt.read("probe", weight=unit() * 0.5, bias=0.0).layers([1]).submodule("residual.post").named(
-        "h"
-    )
+    halt.read("probe", weight=unit() * 0.5, bias=0.0).layers([1]).at("residual.post").named("h")
     halt.stop(when="h >= theta and token_in(trig)")
 
     first = xmix.App("halt_first")  # stops at the first generated token
-    first.read("probe", weight=unit() * 0.5, bias=0.0).layers([2]).submodule("residual.mid").named(
-        "f"
-    )
+    first.read("probe", weight=unit() * 0.5, bias=0.0).layers([2]).at("residual.mid").named("f")
     first.stop(when="generated and f >= 0")
 
     switch = xmix.App("switch")  # steers from the first trigger to the end of the request
     switch.param("theta", 0.0)
     switch.token_set("trig", ids=sorted({chunk2, *switch_ids}))
-    switch.read("probe", weight=unit() * 0.5, bias=0.0).layers([0]).submodule(
-        "residual.post"
-    ).named("s")
-    switch.write("add", vector=unit() * 8.0, scale=1.0).layers([2]).submodule("residual.post").cond(
+    switch.read("probe", weight=unit() * 0.5, bias=0.0).layers([0]).at("residual.post").named("s")
+    switch.write("add", vector=unit() * 8.0, scale=1.0).layers([2]).at("residual.post").cond(
         when="since(s >= theta and token_in(trig))"
     )
-    switch.read("capture", dims=(0, 4)).layers([3]).submodule("residual.pre").named("x").cond(
+    switch.read("capture", dims=(0, 4)).layers([3]).at("residual.pre").named("x").cond(
         "since(s >= theta and token_in(trig))"
     )
 
@@ -156,7 +140,7 @@ def build_apps(
         mask = torch.zeros(shape.n_experts)
         mask[0], mask[1] = 1.0, -1.0
         router = xmix.App("router")
-        router.write("router", mask=mask).layers("all").submodule("router.logits")
+        router.write("router", mask=mask).layers("all").at("router.logits")
         apps.append(router)
     return apps
 
@@ -483,7 +467,7 @@ def test_in_flight_mode_changes_and_deploys(env):
         )
         engine.add_request(f"flight-{i}", {"prompt_token_ids": ids[i % len(ids)]}, sp)
     extra = xmix.App("extra")
-    extra.read("probe", weight=torch.ones(env["shape"].hidden_size) / 64).layers([0]).submodule(
+    extra.read("probe", weight=torch.ones(env["shape"].hidden_size) / 64).layers([0]).at(
         "residual.pre"
     ).named("e")
     finished = {}
@@ -545,14 +529,14 @@ def test_bad_input_offline(env):
     # rejected, nothing half-deployed
     before = llm.xmix.apps()
     wrong = xmix.App("wrong")
-    wrong.write("add", vector=torch.ones(env["shape"].hidden_size + 1)).layers([0]).submodule(
+    wrong.write("add", vector=torch.ones(env["shape"].hidden_size + 1)).layers([0]).at(
         "residual.pre"
     )
     with pytest.raises(xmix.DeployError, match="hidden size"):
         llm.xmix.deploy(wrong)
     huge = xmix.App("huge")
     for i in range(40):  # 40 capture buffers of T x d floats exceed the capture capacity
-        huge.read("capture").layers([0]).submodule("residual.pre").named(f"c{i}")
+        huge.read("capture").layers([0]).at("residual.pre").named(f"c{i}")
     with pytest.raises(xmix.DeployError, match="capture"):
         llm.xmix.deploy(huge)
     assert llm.xmix.apps() == before

@@ -88,17 +88,15 @@ def test_sites_add_no_copies_to_the_compiled_graph(tmp_path):
 def _apps(d: int):
     g = torch.Generator().manual_seed(3)
     steer = xmix.App("steer")
-    steer.write("add", vector=torch.randn(d, generator=g) * 4, scale=1.0).layers([1]).submodule(
+    steer.write("add", vector=torch.randn(d, generator=g) * 4, scale=1.0).layers([1]).at(
         "residual.post"
     )
     probe = xmix.App("probe")
-    probe.read("probe", weight=torch.randn(d, generator=g) / 8).layers([2]).submodule(
-        "mlp.post"
-    ).named("p")
-    ablate = xmix.App("ablate")
-    ablate.write("ablate", direction=torch.randn(d, generator=g)).layers("all").submodule(
-        "attention.post"
+    probe.read("probe", weight=torch.randn(d, generator=g) / 8).layers([2]).at("mlp.post").named(
+        "p"
     )
+    ablate = xmix.App("ablate")
+    ablate.write("ablate", direction=torch.randn(d, generator=g)).layers("all").at("attention.post")
     return [steer, probe, ablate]
 
 
@@ -151,7 +149,7 @@ def _refused_on_both_ranks(llm) -> None:
     A deploy refused on both ranks (a ghost of the same name on the workers, which the
     frontend takes off and deploys again) used to shift every later control answer."""
     ghost = xmix.App("hidden")
-    ghost.write("add", vector=torch.ones(256), scale=1.0).layers([0]).submodule("mlp.post")
+    ghost.write("add", vector=torch.ones(256), scale=1.0).layers([0]).at("mlp.post")
     llm.collective_rpc(
         "xmix_deploy", args=(program_of(ghost, llm.xmix.registry.shape), "request", 77)
     )

@@ -43,7 +43,7 @@ def test_an_add_that_would_overflow_leaves_those_elements_as_they_were(backend, 
     v = torch.full((D,), 1e-3)
     v[:8] = 1e3
     app = App("k")
-    app.write("add", vector=v, scale=100.0).layers([0]).submodule("residual.pre")
+    app.write("add", vector=v, scale=100.0).layers([0]).at("residual.pre")
     g = torch.Generator().manual_seed(0)
     h = torch.randn(5, D, generator=g).to(dtype).to(backend)
     h0 = h.clone()
@@ -67,7 +67,7 @@ def test_an_adversarial_affine_matrix_cannot_make_the_stream_infinite(backend, d
     g = torch.Generator().manual_seed(1)
     m = torch.eye(D) * 1e38
     app = App("k")
-    app.write("affine", matrix=m, mu_s=torch.zeros(D), mu_t=torch.zeros(D)).layers([0]).submodule(
+    app.write("affine", matrix=m, mu_s=torch.zeros(D), mu_t=torch.zeros(D)).layers([0]).at(
         "residual.pre"
     )
     h = (torch.randn(5, D, generator=g) * 4).to(dtype).to(backend)
@@ -94,7 +94,7 @@ def test_a_nan_in_the_stream_is_not_spread_by_a_projection(backend, dtype):
     g = torch.Generator().manual_seed(2)
     u = torch.randn(D, generator=g)
     app = App("k")
-    app.write("ablate", direction=u).layers([0]).submodule("residual.pre")
+    app.write("ablate", direction=u).layers([0]).at("residual.pre")
     h = torch.randn(5, D, generator=g).to(dtype)
     r = torch.randn(5, D, generator=g).to(dtype)
     h[1, 7] = float("nan")
@@ -153,9 +153,7 @@ def lib(tmp_path_factory):
 
 def test_a_user_kernel_that_writes_nan_gets_zeros_and_is_counted(lib):
     app = App("k")
-    app.write("custom", cpu_library=lib, cpu_symbol="nan_first").layers([0]).submodule(
-        "residual.pre"
-    )
+    app.write("custom", cpu_library=lib, cpu_symbol="nan_first").layers([0]).at("residual.pre")
     h = torch.arange(5 * D, dtype=torch.float32).reshape(5, D) / 100
     h0 = h.clone()
     hs = Harness(SHAPE, [app])
@@ -172,11 +170,9 @@ def test_a_failing_op_fails_its_requests_and_the_site_goes_on(lib):
     both, b only stamp, c neither. stamp still runs for a and b after bad failed; only a is
     recorded as failed, with the kernel's message; the next step runs normally."""
     bad = App("bad")
-    bad.write("custom", cpu_library=lib, cpu_symbol="always_throws").layers([0]).submodule(
-        "residual.pre"
-    )
+    bad.write("custom", cpu_library=lib, cpu_symbol="always_throws").layers([0]).at("residual.pre")
     stamp = App("stamp")
-    stamp.write("custom", cpu_library=lib, cpu_symbol="stamp_position").layers([0]).submodule(
+    stamp.write("custom", cpu_library=lib, cpu_symbol="stamp_position").layers([0]).at(
         "residual.pre"
     )
     hs = Harness(SHAPE, [bad, stamp])
@@ -204,9 +200,9 @@ def test_an_exception_before_the_site_runs_fails_the_sites_requests(monkeypatch,
     from xmix import ops
 
     steer = App("steer")
-    steer.write("add", vector=torch.ones(D)).layers([0]).submodule("residual.pre")
+    steer.write("add", vector=torch.ones(D)).layers([0]).at("residual.pre")
     other = App("other")
-    other.write("add", vector=torch.ones(D)).layers([1]).submodule("residual.pre")
+    other.write("add", vector=torch.ones(D)).layers([1]).at("residual.pre")
     hs = Harness(SHAPE, [steer, other])
     hs.step({"a": Req(2, 0, 2, ("steer",)), "b": Req(1, 0, 1, ("other",)), "c": Req(1, 0, 1, ())})
 
@@ -250,7 +246,7 @@ def _ghost_app(name: str, seed: int) -> App:
     app = App(name)
     app.write(
         "add", vector=torch.randn(256, generator=torch.Generator().manual_seed(seed)), scale=3.0
-    ).layers([1]).submodule("residual.post")
+    ).layers([1]).at("residual.post")
     return app
 
 

@@ -47,20 +47,16 @@ def _apps():
         return v / v.norm()
 
     cap = xmix.App("cap")
-    cap.read("capture", dims=(0, 16)).layers([1]).submodule("residual.post").named("h")
-    cap.read("probe", weight=unit() * 0.5, bias=0.1).layers([2]).submodule("residual.post").named(
-        "p"
-    )
+    cap.read("capture", dims=(0, 16)).layers([1]).at("residual.post").named("h")
+    cap.read("probe", weight=unit() * 0.5, bias=0.1).layers([2]).at("residual.post").named("p")
     # a latch over the prompt (state the prompt's computation builds) gating a read
     latch = xmix.App("latch")
-    latch.read("probe", weight=unit() * 0.5, bias=0.0).layers([0]).submodule("residual.post").named(
-        "q"
-    )
-    latch.read("probe", weight=unit() * 0.5, bias=0.0).layers([3]).submodule("residual.post").named(
+    latch.read("probe", weight=unit() * 0.5, bias=0.0).layers([0]).at("residual.post").named("q")
+    latch.read("probe", weight=unit() * 0.5, bias=0.0).layers([3]).at("residual.post").named(
         "r"
     ).cond(gate="prompt_mean(q) >= -100.0")
     steer = xmix.App("steer")
-    steer.write("add", vector=unit() * 6.0, scale=1.0).layers([1]).submodule("residual.post")
+    steer.write("add", vector=unit() * 6.0, scale=1.0).layers([1]).at("residual.post")
     return cap, latch, steer
 
 

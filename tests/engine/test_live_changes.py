@@ -53,26 +53,22 @@ def _overflow_cond_app(
     gated by long conditions, all at the first site, so that before the fix every later
     site's tables and masks were left half rewritten."""
     app = xmix.App(name)
-    app.read("probe", weight=_vec(1, shape.hidden_size)).layers([0]).submodule(
-        "residual.pre"
-    ).named("g")
+    app.read("probe", weight=_vec(1, shape.hidden_size)).layers([0]).at("residual.pre").named("g")
     cond = " or ".join(["g >= 0.5"] * terms)
     for i in range(writes):
-        app.write("add", vector=_vec(2 + i, shape.hidden_size)).layers([0]).submodule(
-            "residual.pre"
-        ).cond(cond)
+        app.write("add", vector=_vec(2 + i, shape.hidden_size)).layers([0]).at("residual.pre").cond(
+            cond
+        )
     return app
 
 
 def _steer_probe(cb: ControlBlock) -> None:
     steer = xmix.App("steer")
-    steer.write("add", vector=_vec(3), scale=4.0).layers([1]).submodule("residual.post").named(
-        "push"
-    )
+    steer.write("add", vector=_vec(3), scale=4.0).layers([1]).at("residual.post").named("push")
     gated = xmix.App("gated")
     gated.token_set("t", ids=[5, 6, 7])
-    gated.read("probe", weight=_vec(4)).layers([0]).submodule("residual.post").named("p")
-    gated.write("add", vector=_vec(5)).layers([2]).submodule("residual.pre").cond(
+    gated.read("probe", weight=_vec(4)).layers([0]).at("residual.post").named("p")
+    gated.write("add", vector=_vec(5)).layers([2]).at("residual.pre").cond(
         when="token_in(t)", gate="p >= 0.5"
     )
     cb.install(lower(steer, SHAPE), version=1)
@@ -92,7 +88,7 @@ def test_refused_install_leaves_the_live_control_block_untouched():
     before = _live_state(cb)
     too_many_ops = xmix.App("wide")
     for i in range(20):
-        too_many_ops.write("ablate", direction=_vec(10 + i)).layers("all").submodule("residual.pre")
+        too_many_ops.write("ablate", direction=_vec(10 + i)).layers("all").at("residual.pre")
     for bad in (_overflow_cond_app("cond"), too_many_ops):
         with pytest.raises(DeployError, match="max_cond|max_ops"):
             cb.install(lower(bad, SHAPE), version=9)
@@ -109,7 +105,7 @@ def test_refused_install_leaves_the_live_control_block_untouched():
     cb.patch("steer", mode="all")
     assert cb.mem.ops_generation == gen  # modes and parameters are not a new op list
     small = xmix.App("small")
-    small.write("add", vector=_vec(40)).layers([3]).submodule("mlp.post")
+    small.write("add", vector=_vec(40)).layers([3]).at("mlp.post")
     cb.install(lower(small, SHAPE), version=10)
     assert cb.mem.ops_generation == gen + 1
     cb.remove("small")
@@ -137,7 +133,7 @@ def test_staged_refusal_queues_no_device_work_and_a_commit_lands_between_steps()
     assert [k for k, t in cb.dev.items() if t.numpy().tobytes() != device_before[k]] == []
     assert cb.block.numpy().tobytes() == block_before
     small = xmix.App("small")
-    small.write("add", vector=_vec(40)).layers([3]).submodule("mlp.post")
+    small.write("add", vector=_vec(40)).layers([3]).at("mlp.post")
     cb.install(lower(small, SHAPE), version=10)
     assert not dev.queue  # the change's copies ran before install returned
     assert torch.equal(cb.dev["ops"], torch.from_numpy(cb.host["ops"]))
@@ -149,7 +145,7 @@ def test_prepared_deploy_is_not_live_until_committed():
     _steer_probe(cb)
     before = _live_state(cb)
     extra = xmix.App("extra")
-    extra.read("probe", weight=_vec(50)).layers([1]).submodule("residual.mid").named("e")
+    extra.read("probe", weight=_vec(50)).layers([1]).at("residual.mid").named("e")
     cb.deploy.prepare_install(lower(extra, SHAPE), "all", 3)
     _assert_same(before, _live_state(cb))
     assert "extra" not in cb.apps
@@ -160,7 +156,7 @@ def test_prepared_deploy_is_not_live_until_committed():
     assert inst.version == 3 and cb.deploy.describe()[-1]["mode"] == "all"
     # a prepared deploy made stale by another change is refused at commit
     other = xmix.App("other")
-    other.write("add", vector=_vec(51)).layers([0]).submodule("residual.pre")
+    other.write("add", vector=_vec(51)).layers([0]).at("residual.pre")
     cb.deploy.prepare_install(lower(other, SHAPE), "request", 4)
     cb.remove("extra")
     with pytest.raises(DeployError, match="changed since it was prepared"):
@@ -174,14 +170,14 @@ def test_pinned_admission_leaves_out_gone_or_redeployed_apps():
     nothing raises; with r1 still at version 1 its pinned column values are used."""
     cb = ControlBlock(SHAPE, "cpu", SMALL)
     r1 = xmix.App("r1")
-    r1.write("add", vector=_vec(60), scale=1.0).layers([1]).submodule("residual.post")
+    r1.write("add", vector=_vec(60), scale=1.0).layers([1]).at("residual.post")
     cb.install(lower(r1, SHAPE), version=1)
     slot, dropped = cb.slots.admit_pinned("a", ["r1"], {"r1": [1, [[0, 2.0]]]}, 5)
     assert dropped == []
     assert cb.host["slot_params"][slot * SMALL.max_params + cb.apps["r1"].param_base] == 2.0
     cb.remove("r1")
     r1b = xmix.App("r1")
-    r1b.write("ablate", direction=_vec(61)).layers([1]).submodule("residual.post")
+    r1b.write("ablate", direction=_vec(61)).layers([1]).at("residual.post")
     cb.install(lower(r1b, SHAPE), version=2)
     slot, dropped = cb.slots.admit_pinned("b", ["r1"], {"r1": [1, [[0, 2.0]]]}, 5)
     assert dropped == ["r1"] and int(cb.host["slot_apps"][slot]) == 0
@@ -196,12 +192,12 @@ def test_undeploy_forgets_the_overrides_of_running_requests():
     defaults, not its old override values."""
     cb = ControlBlock(SHAPE, "cpu", SMALL)
     a = xmix.App("a")
-    a.write("add", vector=_vec(70), scale=1.0).layers([1]).submodule("residual.post")
+    a.write("add", vector=_vec(70), scale=1.0).layers([1]).at("residual.post")
     cb.install(lower(a, SHAPE), version=1)
     slot = cb.admit("r", ["a"], {"a": {"scale": 5.0}}, 3)
     cb.remove("a")
     b = xmix.App("a")
-    b.write("add", vector=_vec(71), scale=0.25).layers([1]).submodule("residual.post")
+    b.write("add", vector=_vec(71), scale=0.25).layers([1]).at("residual.post")
     inst = cb.install(lower(b, SHAPE), "all", version=2)
     assert cb.host["slot_params"][slot * SMALL.max_params + inst.param_base] == 0.25
 
@@ -232,8 +228,8 @@ def test_strict_json_metadata_and_parameters():
 
 def test_hostile_conditions_and_gate_chains_are_refused_without_recursion():
     app = xmix.App("c")
-    app.read("probe", weight=_vec(80)).layers([0]).submodule("residual.pre").named("g")
-    op = app.write("add", vector=_vec(81)).layers([1]).submodule("residual.pre")
+    app.read("probe", weight=_vec(80)).layers([0]).at("residual.pre").named("g")
+    op = app.write("add", vector=_vec(81)).layers([1]).at("residual.pre")
     with pytest.raises(AppError, match="more than 256 terms"):
         op.cond(" or ".join(["g>0"] * 2000))
     with pytest.raises(AppError, match="nested more than"):
@@ -246,11 +242,11 @@ def test_hostile_conditions_and_gate_chains_are_refused_without_recursion():
     # a gate chain 1 100 reads deep lowers (iteratively) and is refused by the control
     # block for its reads, with a message, not a RecursionError
     chain = xmix.App("chain")
-    chain.read("probe", weight=_vec(82)).layers([0]).submodule("residual.pre").named("r0")
+    chain.read("probe", weight=_vec(82)).layers([0]).at("residual.pre").named("r0")
     for i in range(1, 1100):
-        chain.read("probe", weight=_vec(82)).layers([0]).submodule("residual.pre").named(
-            f"r{i}"
-        ).cond(gate=f"r{i - 1} >= 0")
+        chain.read("probe", weight=_vec(82)).layers([0]).at("residual.pre").named(f"r{i}").cond(
+            gate=f"r{i - 1} >= 0"
+        )
     lw = lower(chain, SHAPE)
     assert len(lw.ops) == 1100
     with pytest.raises(DeployError, match="not enough room|max_ops"):
@@ -311,18 +307,18 @@ def test_writes_are_bounded_to_1e30_per_element():
     v = torch.zeros(D)
     v[3] = 4.0
     add = xmix.App("add")
-    add.write("add", vector=v, scale=1.0).layers([1]).submodule("residual.post")
+    add.write("add", vector=v, scale=1.0).layers([1]).at("residual.post")
     cols = param_columns(lower(add, SHAPE))
     assert resolve_params(cols, {"scale": WRITE_BOUND / 4}, "a") == {0: WRITE_BOUND / 4}
     for bad in (WRITE_BOUND / 4 * 1.01, -3e38):
         with pytest.raises(RequestError, match="out of range"):
             resolve_params(cols, {"scale": bad}, "a")
     loud = xmix.App("loud")
-    loud.write("add", vector=v, scale=1e30).layers([1]).submodule("residual.post")
+    loud.write("add", vector=v, scale=1e30).layers([1]).at("residual.post")
     with pytest.raises(DeployError, match="beyond 1e"):
         lower(loud, SHAPE)
     clamp = xmix.App("clamp")
-    clamp.write("clamp", direction=_vec(5), min=-1.0).layers([1]).submodule("residual.post")
+    clamp.write("clamp", direction=_vec(5), min=-1.0).layers([1]).at("residual.post")
     cols = param_columns(lower(clamp, SHAPE))
     resolve_params(cols, {"max": 3e38}, "c")  # an upper bound far away moves nothing
     with pytest.raises(RequestError, match="out of range"):
@@ -332,12 +328,8 @@ def test_writes_are_bounded_to_1e30_per_element():
     W_dec[2, 0], W_dec[5, 0] = 2.0, -3.0
     sae = SAE(torch.randn(D, 8, generator=g), torch.zeros(8), W_dec, torch.zeros(D))
     app = xmix.App("sae")
-    app.write("sae_clamp", sae=sae, feature=[2, 5], value=1.0).layers([1]).submodule(
-        "residual.post"
-    )
-    app.write("sae_steer", sae=sae, feature=[2, 5], scale=1.0).layers([2]).submodule(
-        "residual.post"
-    )
+    app.write("sae_clamp", sae=sae, feature=[2, 5], value=1.0).layers([1]).at("residual.post")
+    app.write("sae_steer", sae=sae, feature=[2, 5], scale=1.0).layers([2]).at("residual.post")
     cols = param_columns(lower(app, SHAPE))
     bounds = {c.name: c.hi for c in cols}
     assert bounds == {"value": WRITE_BOUND / 5.0, "scale": WRITE_BOUND / 1.0}
@@ -347,7 +339,7 @@ def test_request_controls_with_huge_numbers_are_refused():
     from xmix.control import param_columns, resolve_params
 
     app = xmix.App("s")
-    app.write("add", vector=_vec(90), scale=1.0).layers([1]).submodule("residual.post")
+    app.write("add", vector=_vec(90), scale=1.0).layers([1]).at("residual.post")
     cols = param_columns(lower(app, SHAPE))
     for bad in (10**400, float("nan"), "x", [[[[]]]]):
         with pytest.raises(RequestError, match="finite number"):
@@ -376,11 +368,9 @@ def env():
         return v / v.norm()
 
     steer = xmix.App("steer")
-    steer.write("add", vector=unit() * 4.0, scale=1.0).layers([1]).submodule("residual.post")
+    steer.write("add", vector=unit() * 4.0, scale=1.0).layers([1]).at("residual.post")
     probe = xmix.App("probe")
-    probe.read("probe", weight=unit() * 0.5, bias=0.0).layers([2]).submodule("residual.post").named(
-        "p2"
-    )
+    probe.read("probe", weight=unit() * 0.5, bias=0.0).layers([2]).at("residual.post").named("p2")
     llm.xmix.deploy(steer)
     llm.xmix.deploy(probe)
     yield dict(llm=llm, tok=tok, shape=shape, unit=unit, d=d)
@@ -436,7 +426,7 @@ def test_redeploy_under_a_queued_request_does_not_kill_the_engine(env):
 
     llm = env["llm"]
     r1 = xmix.App("r1")
-    r1.write("add", vector=env["unit"]() * 8.0, scale=1.0).layers([1]).submodule("residual.post")
+    r1.write("add", vector=env["unit"]() * 8.0, scale=1.0).layers([1]).at("residual.post")
     llm.xmix.deploy(r1)
     victim = _ids(env, PROMPTS[3])
     plain = _run(env, [("ref", victim, None, 16)])["ref"]
@@ -448,7 +438,7 @@ def test_redeploy_under_a_queued_request_does_not_kill_the_engine(env):
         if step == 2:
             llm.xmix.undeploy("r1")
             r1b = xmix.App("r1")
-            r1b.write("ablate", direction=env["unit"]()).layers([1]).submodule("residual.post")
+            r1b.write("ablate", direction=env["unit"]()).layers([1]).at("residual.post")
             llm.xmix.deploy(r1b)
 
     done = _run(env, queue, redeploy)

@@ -44,36 +44,28 @@ def build_apps(shape: ModelShape, tok) -> list[xmix.App]:
         return v / v.norm()
 
     steer = xmix.App("steer")
-    steer.write("add", vector=unit() * 6.0, scale=1.0).layers([1]).submodule("residual.post")
+    steer.write("add", vector=unit() * 6.0, scale=1.0).layers([1]).at("residual.post")
     probe = xmix.App("probe")
-    probe.read("probe", weight=unit() * 0.5, bias=0.1).layers([2]).submodule("residual.post").named(
-        "p2"
-    )
+    probe.read("probe", weight=unit() * 0.5, bias=0.1).layers([2]).at("residual.post").named("p2")
     ablate = xmix.App("ablate")
     r = unit()
     for site in ("residual.pre", "attention.post", "mlp.post"):
-        ablate.write("ablate", direction=r.clone()).layers("all").submodule(site)
+        ablate.write("ablate", direction=r.clone()).layers("all").at(site)
     guarded = xmix.App("guarded")
     guarded.token_set("trig", ids=sorted(set(tok.encode(" the a e", add_special_tokens=False))))
-    guarded.read("probe", weight=unit() * 0.5, bias=0.0).layers([1]).submodule(
-        "residual.mid"
-    ).named("g")
-    guarded.write("add", vector=unit() * 8.0, scale=1.0).layers([2]).submodule(
-        "attention.post"
-    ).cond(when="token_in(trig) or generated", gate="g >= 0.5")
+    guarded.read("probe", weight=unit() * 0.5, bias=0.0).layers([1]).at("residual.mid").named("g")
+    guarded.write("add", vector=unit() * 8.0, scale=1.0).layers([2]).at("attention.post").cond(
+        when="token_in(trig) or generated", gate="g >= 0.5"
+    )
     latch = xmix.App("latch")
     latch.param("theta", 0.0)
-    latch.read("probe", weight=unit() * 0.5, bias=0.0).layers([0]).submodule("residual.post").named(
-        "q"
+    latch.read("probe", weight=unit() * 0.5, bias=0.0).layers([0]).at("residual.post").named("q")
+    latch.write("add", vector=unit() * 8.0, scale=1.0).layers([2, 3]).at("residual.pre").cond(
+        gate="prompt_mean(q) >= theta"
     )
-    latch.write("add", vector=unit() * 8.0, scale=1.0).layers([2, 3]).submodule(
-        "residual.pre"
-    ).cond(gate="prompt_mean(q) >= theta")
     cap = xmix.App("cap")
     for site in SITES:
-        cap.read("capture", dims=CAP_DIMS).layers("all").submodule(site).named(
-            site.replace(".", "_")
-        )
+        cap.read("capture", dims=CAP_DIMS).layers("all").at(site).named(site.replace(".", "_"))
     return [steer, probe, ablate, guarded, latch, cap]
 
 

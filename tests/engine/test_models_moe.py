@@ -145,7 +145,7 @@ def test_router_edit_on_the_transformers_path_routes_as_the_reference(kind):
         mask = torch.zeros(E)
         mask[on], mask[off] = 1.0, -1.0
         app = App("moe")
-        app.write("router", mask=mask, delta=DELTA).layers([l]).submodule("router.logits")
+        app.write("router", mask=mask, delta=DELTA).layers([l]).at("router.logits")
         with attach(model, [app], tokenizer=tok) as att:
             att.forward(ids, apps=["moe"])
             (_, x2), (_, logits, idx) = seen[-2:]
@@ -176,7 +176,7 @@ def test_a_deepseek_router_the_site_does_not_follow_is_refused_at_attach():
     gate = model.model.layers[3].mlp.gate
     gate.topk_method = "noaux_tc"  # DeepSeek-V3's scoring, not V2's
     app = App("moe")
-    app.write("router", mask=torch.ones(8)).layers([3]).submodule("router.logits")
+    app.write("router", mask=torch.ones(8)).layers([3]).at("router.logits")
     with pytest.raises(DeployError, match="topk_method 'noaux_tc'"):
         attach(model, [app], tokenizer=tok)
     assert "forward" not in gate.__dict__  # nothing left patched
@@ -210,11 +210,11 @@ def env(request):
     mask = torch.zeros(shape.n_experts)
     mask[on], mask[off] = 1.0, -1.0
     router = App("router")
-    router.write("router", mask=mask, delta=DELTA).layers("all").submodule("router.logits")
+    router.write("router", mask=mask, delta=DELTA).layers("all").at("router.logits")
     one = App("router1")
-    one.write("router", mask=mask, delta=DELTA).layers([l]).submodule("router.logits")
-    one.read("capture").layers([l]).submodule("residual.mid").named("mid")
-    one.read("capture").layers([l]).submodule("mlp.post").named("mlp")
+    one.write("router", mask=mask, delta=DELTA).layers([l]).at("router.logits")
+    one.read("capture").layers([l]).at("residual.mid").named("mid")
+    one.read("capture").layers([l]).at("mlp.post").named("mlp")
     apps += [router, one]
     oracle = attach(model, apps, tokenizer=tok)
     # DeepSeek-V2 compiled: vLLM 0.32 CPU runs it eagerly with tokens other than

@@ -26,29 +26,29 @@ D = 256
 def _apps():
     g = torch.Generator().manual_seed(11)
     steer = xmix.App("steer")
-    steer.write("add", vector=torch.randn(D, generator=g) * 4, scale=1.0).layers([3]).submodule(
+    steer.write("add", vector=torch.randn(D, generator=g) * 4, scale=1.0).layers([3]).at(
         "residual.post"
     )
     probe = xmix.App("probe")
-    probe.read("probe", weight=torch.randn(D, generator=g) / 8).layers([0]).submodule(
-        "mlp.post"
-    ).named("p")
+    probe.read("probe", weight=torch.randn(D, generator=g) / 8).layers([0]).at("mlp.post").named(
+        "p"
+    )
     gated = xmix.App("gated")
-    gated.read("probe", weight=torch.randn(D, generator=g) / 8).layers([1]).submodule(
+    gated.read("probe", weight=torch.randn(D, generator=g) / 8).layers([1]).at(
         "residual.post"
     ).named("g")
-    gated.write("add", vector=torch.randn(D, generator=g) * 6, scale=1.0).layers([2]).submodule(
+    gated.write("add", vector=torch.randn(D, generator=g) * 6, scale=1.0).layers([2]).at(
         "attention.post"
     ).cond("g >= 0.5")
     latched = xmix.App("latched")
-    latched.read("probe", weight=torch.randn(D, generator=g) / 8).layers([0]).submodule(
+    latched.read("probe", weight=torch.randn(D, generator=g) / 8).layers([0]).at(
         "residual.post"
     ).named("m")
-    latched.write("add", vector=torch.randn(D, generator=g) * 6, scale=1.0).layers([3]).submodule(
+    latched.write("add", vector=torch.randn(D, generator=g) * 6, scale=1.0).layers([3]).at(
         "mlp.post"
     ).cond("prompt_mean(m) >= 0.5")
     final = xmix.App("final")
-    final.read("probe", weight=torch.randn(D, generator=g) / 8).submodule("final.post").named("f")
+    final.read("probe", weight=torch.randn(D, generator=g) / 8).at("final.post").named("f")
     return [steer, probe, gated, latched, final]
 
 
@@ -127,10 +127,10 @@ def test_backward_condition_is_refused(runs):
     llm = runs["llm"]
     g = torch.Generator().manual_seed(5)
     back = xmix.App("back")
-    back.read("probe", weight=torch.randn(D, generator=g)).layers([3]).submodule(
-        "residual.post"
-    ).named("late")
-    back.write("add", vector=torch.randn(D, generator=g), scale=1.0).layers([0]).submodule(
+    back.read("probe", weight=torch.randn(D, generator=g)).layers([3]).at("residual.post").named(
+        "late"
+    )
+    back.write("add", vector=torch.randn(D, generator=g), scale=1.0).layers([0]).at(
         "mlp.post"
     ).cond("prompt_last(late) > 0.5")
     with pytest.raises(Exception) as e:
@@ -150,7 +150,7 @@ def test_control_change_while_streaming_loses_no_request(runs):
     engine = llm.llm_engine
     g = torch.Generator().manual_seed(9)
     extra = xmix.App("extra")
-    extra.write("add", vector=torch.randn(D, generator=g), scale=1.0).layers([2]).submodule(
+    extra.write("add", vector=torch.randn(D, generator=g), scale=1.0).layers([2]).at(
         "residual.post"
     )
     for i, p in enumerate(ids * 2):

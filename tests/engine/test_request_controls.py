@@ -100,11 +100,11 @@ def llm():
 
     g = torch.Generator().manual_seed(11)
     steer = xmix.App("steer")
-    steer.write("add", vector=torch.randn(D, generator=g), scale=4.0).layers([1]).submodule(
+    steer.write("add", vector=torch.randn(D, generator=g), scale=4.0).layers([1]).at(
         "residual.post"
     ).named("push")
     probe = xmix.App("probe")
-    probe.read("probe", weight=torch.randn(D, generator=g) / 16, bias=0.0).layers([2]).submodule(
+    probe.read("probe", weight=torch.randn(D, generator=g) / 16, bias=0.0).layers([2]).at(
         "residual.post"
     ).named("p2")
     engine = make_llm(str(tiny_model_path("tiny-llama")), apps=[steer, probe])

@@ -167,12 +167,12 @@ def lib(tmp_path_factory):
 def env(lib):
     g = torch.Generator().manual_seed(3)
     cap = xmix.App("cap")
-    cap.read("capture").layers([1]).submodule("residual.post").named("h")
-    cap.read("probe", weight=torch.randn(D, generator=g) / 16, bias=0.0).layers([2]).submodule(
+    cap.read("capture").layers([1]).at("residual.post").named("h")
+    cap.read("probe", weight=torch.randn(D, generator=g) / 16, bias=0.0).layers([2]).at(
         "residual.post"
     ).named("p")
     nan = xmix.App("nan")
-    nan.read("custom", cpu_library=lib, cpu_symbol="nan_at_even").layers([0]).submodule(
+    nan.read("custom", cpu_library=lib, cpu_symbol="nan_at_even").layers([0]).at(
         "residual.pre"
     ).named("n")
     path = str(tiny_model_path("tiny-llama"))

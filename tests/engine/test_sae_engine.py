@@ -93,7 +93,7 @@ def build_apps(model, tok) -> tuple[list[xmix.App], dict]:
 
     gated = xmix.App("sae_gated")
     gated.read("sae", sae=jump, features=[f_gate]).named("j")
-    gated.write("add", vector=relu.W_dec[busy] * 4.0).layers([3]).submodule("residual.pre").cond(
+    gated.write("add", vector=relu.W_dec[busy] * 4.0).layers([3]).at("residual.pre").cond(
         gate=f"j.f{f_gate} > {theta}"
     )
 

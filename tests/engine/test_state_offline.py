@@ -26,16 +26,16 @@ D = 256  # the tiny Llama
 def steer(name: str, scale: float) -> xmix.App:
     v = torch.randn(D, generator=torch.Generator().manual_seed(21))
     a = xmix.App(name)
-    a.write("add", vector=v / v.norm() * 6.0, scale=scale).layers([1]).submodule(
-        "residual.post"
-    ).named("push")
+    a.write("add", vector=v / v.norm() * 6.0, scale=scale).layers([1]).at("residual.post").named(
+        "push"
+    )
     return a
 
 
 def probe() -> xmix.App:
     w = torch.randn(D, generator=torch.Generator().manual_seed(22))
     a = xmix.App("probe")
-    a.read("probe", weight=w / w.norm(), bias=0.0).layers([2]).submodule("residual.post").named("p")
+    a.read("probe", weight=w / w.norm(), bias=0.0).layers([2]).at("residual.post").named("p")
     return a
 
 

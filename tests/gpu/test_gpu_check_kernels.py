@@ -35,7 +35,7 @@ def test_cast_score_over_many_blocks_is_the_reference_every_time():
     g = torch.Generator().manual_seed(11)
     v = torch.randn(d, generator=g)
     app = App("k")
-    app.read("cosine", vector=v).layers([0]).submodule("residual.pre").named("cast")
+    app.read("cosine", vector=v).layers([0]).at("residual.pre").named("cast")
     hs = Harness(shape, [app], "cuda", capacity=cap)
     h = torch.randn(t, d, generator=g)
     r = torch.randn(t, d, generator=g)

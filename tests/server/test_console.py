@@ -82,13 +82,13 @@ def _apps(model: Path, out: Path):
     u = w / w.norm()
     g = xmix.App("gated", metadata={"note": "<img src=x onerror=\"window.__xss='meta'\">"})
     g.param("theta", 0.5)
-    g.read("probe", weight=u, bias=0.0).layers([1]).submodule("residual.post").named("g")
-    g.write("add", vector=u, scale=6.0).layers([3]).submodule("residual.post").named("push").cond(
+    g.read("probe", weight=u, bias=0.0).layers([1]).at("residual.post").named("g")
+    g.write("add", vector=u, scale=6.0).layers([3]).at("residual.post").named("push").cond(
         gate="g >= theta"
     )
     paths.append(g.save(out / "gated.xmix"))
     up = xmix.App("uploaded", metadata={"note": "<script>window.__xss='upload'</script>"})
-    up.read("probe", weight=u, bias=0.0).layers([2]).submodule("residual.post").named("u")
+    up.read("probe", weight=u, bias=0.0).layers([2]).at("residual.post").named("u")
     return paths, up.save(out / "uploaded.xmix")
 
 

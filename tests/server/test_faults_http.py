@@ -75,17 +75,17 @@ def srv(tmp_path_factory):
     )
     g = torch.Generator().manual_seed(9)
     probe = xmix.App("probe")
-    probe.read("probe", weight=torch.randn(D, generator=g) / 16).layers([2]).submodule(
+    probe.read("probe", weight=torch.randn(D, generator=g) / 16).layers([2]).at(
         "residual.post"
     ).named("p")
     steer = xmix.App("steer")
-    steer.write("add", vector=torch.randn(D, generator=g), scale=2.0).layers([1]).submodule(
+    steer.write("add", vector=torch.randn(D, generator=g), scale=2.0).layers([1]).at(
         "residual.post"
     )
     bad = xmix.App("bad")  # a user kernel: only from a local file at start, never over HTTP
     bad.write("custom", cpu_library=str(lib), cpu_symbol="maybe_fail", params={"fail": 0.0}).layers(
         [1]
-    ).submodule("residual.pre")
+    ).at("residual.pre")
     args = ["--api-key", KEY, "--num-gpu-blocks-override", "128", "--max-num-seqs", "16"]
     for app in (probe, steer, bad):
         args += ["--app", str(app.save(tmp / f"{app.name}.xmix"))]
@@ -169,7 +169,7 @@ def test_a_write_driven_to_inf_poisons_no_other_request(srv):
     adv = xmix.App("adv")
     adv.write(
         "affine", matrix=torch.eye(D) * 1e38, mu_s=torch.zeros(D), mu_t=torch.zeros(D)
-    ).layers([1]).submodule("residual.post")
+    ).layers([1]).at("residual.post")
     assert c.post("/xmix/v1/apps", content=adv.to_bytes()).status_code == 201
     try:
         mixed = _bystanders("b2") + [
@@ -280,9 +280,7 @@ def _sets_app(name: str, n: int) -> xmix.App:
     v = torch.ones(D) / 16
     for i in range(n):
         app.token_set(f"t{i}", ids=[i + 5])
-        app.write("add", vector=v).layers([1]).submodule("residual.pre").cond(
-            when=f"token_in(t{i})"
-        )
+        app.write("add", vector=v).layers([1]).at("residual.pre").cond(when=f"token_in(t{i})")
     return app
 
 
@@ -294,7 +292,7 @@ def _spans_app(name: str, opens: int, closes: int) -> xmix.App:
     for i in range(closes):
         app.token_set(f"c{i}", ids=[i + 60])
     for i in range(opens * closes):
-        app.write("add", vector=v).layers([2]).submodule("residual.pre").cond(
+        app.write("add", vector=v).layers([2]).at("residual.pre").cond(
             when=f"in_span(o{i // closes}, c{i % closes})"
         )
     return app
@@ -303,7 +301,7 @@ def _spans_app(name: str, opens: int, closes: int) -> xmix.App:
 def _wide_app(name: str, ops: int, layers) -> xmix.App:
     app = xmix.App(name)
     for _ in range(ops):
-        app.write("add", vector=torch.ones(D) / 16).layers(layers).submodule("residual.post")
+        app.write("add", vector=torch.ones(D) / 16).layers(layers).at("residual.post")
     return app
 
 
@@ -343,7 +341,7 @@ def test_a_full_control_block_answers_507_naming_the_limit(srv):
     try:
         for i in range(6):
             small = xmix.App(f"fill{i}")
-            small.read("probe", weight=torch.ones(D) / 16).layers([3]).submodule("residual.post")
+            small.read("probe", weight=torch.ones(D) / 16).layers([3]).at("residual.post")
             r = c.post("/xmix/v1/apps", content=small.to_bytes())
             if r.status_code != 201:
                 break
@@ -372,7 +370,7 @@ def test_a_control_change_racing_a_shutdown(srv):
     for i in range(120):
         big.write(
             "affine", matrix=torch.eye(D) + i * 1e-3, mu_s=torch.zeros(D), mu_t=torch.zeros(D)
-        ).layers([i % 4]).submodule("residual.post")
+        ).layers([i % 4]).at("residual.post")
     data = big.to_bytes()
     answer: dict = {}
 

@@ -43,11 +43,11 @@ def srv(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fuzz")
     g = torch.Generator().manual_seed(13)
     steer = xmix.App("steer")
-    steer.write("add", vector=torch.randn(D, generator=g), scale=2.0).layers([1]).submodule(
+    steer.write("add", vector=torch.randn(D, generator=g), scale=2.0).layers([1]).at(
         "residual.post"
     )
     probe = xmix.App("probe")
-    probe.read("probe", weight=torch.randn(D, generator=g) / 16).layers([2]).submodule(
+    probe.read("probe", weight=torch.randn(D, generator=g) / 16).layers([2]).at(
         "residual.post"
     ).named("p")
     args = [

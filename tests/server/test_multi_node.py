@@ -68,31 +68,29 @@ def pp_apps() -> list[xmix.App]:
     stage-0 read and one latched on a stage-0 read's prompt mean."""
     g = torch.Generator().manual_seed(32)
     steer = xmix.App("steer")
-    steer.write("add", vector=torch.randn(D, generator=g) * 4, scale=1.0).layers([3]).submodule(
+    steer.write("add", vector=torch.randn(D, generator=g) * 4, scale=1.0).layers([3]).at(
         "residual.post"
     )
     ablate = xmix.App("ablate")
-    ablate.write("ablate", direction=torch.randn(D, generator=g)).layers("all").submodule(
-        "residual.post"
-    )
+    ablate.write("ablate", direction=torch.randn(D, generator=g)).layers("all").at("residual.post")
     probe = xmix.App("probe")
-    probe.read("probe", weight=torch.randn(D, generator=g) / 8).layers([0]).submodule(
-        "mlp.post"
-    ).named("p")
+    probe.read("probe", weight=torch.randn(D, generator=g) / 8).layers([0]).at("mlp.post").named(
+        "p"
+    )
     final = xmix.App("final")
-    final.read("probe", weight=torch.randn(D, generator=g) / 8).submodule("final.post").named("f")
+    final.read("probe", weight=torch.randn(D, generator=g) / 8).at("final.post").named("f")
     gated = xmix.App("gated")
-    gated.read("probe", weight=torch.randn(D, generator=g) / 8).layers([1]).submodule(
+    gated.read("probe", weight=torch.randn(D, generator=g) / 8).layers([1]).at(
         "residual.post"
     ).named("g")
-    gated.write("add", vector=torch.randn(D, generator=g) * 6, scale=1.0).layers([2]).submodule(
+    gated.write("add", vector=torch.randn(D, generator=g) * 6, scale=1.0).layers([2]).at(
         "attention.post"
     ).cond("g >= 0.5")
     latched = xmix.App("latched")
-    latched.read("probe", weight=torch.randn(D, generator=g) / 8).layers([0]).submodule(
+    latched.read("probe", weight=torch.randn(D, generator=g) / 8).layers([0]).at(
         "residual.post"
     ).named("m")
-    latched.write("add", vector=torch.randn(D, generator=g) * 6, scale=1.0).layers([3]).submodule(
+    latched.write("add", vector=torch.randn(D, generator=g) * 6, scale=1.0).layers([3]).at(
         "mlp.post"
     ).cond("prompt_mean(m) >= 0.5")
     return [steer, ablate, probe, final, gated, latched]
@@ -112,21 +110,19 @@ PP_CONTROLS = [
 def dp_apps() -> dict[str, xmix.App]:
     g = torch.Generator().manual_seed(33)
     steer = xmix.App("steer")
-    steer.write("add", vector=torch.randn(D, generator=g), scale=4.0).layers([1]).submodule(
+    steer.write("add", vector=torch.randn(D, generator=g), scale=4.0).layers([1]).at(
         "residual.post"
     )
     probe = xmix.App("probe")
-    probe.read("probe", weight=torch.randn(D, generator=g) / 16).layers([2]).submodule(
+    probe.read("probe", weight=torch.randn(D, generator=g) / 16).layers([2]).at(
         "residual.post"
     ).named("p2")
     extra = xmix.App("extra")
-    extra.write("add", vector=torch.randn(D, generator=g), scale=6.0).layers([0]).submodule(
+    extra.write("add", vector=torch.randn(D, generator=g), scale=6.0).layers([0]).at(
         "residual.post"
     )
     late = xmix.App("late")  # layer 3: host 1 places no site there
-    late.write("add", vector=torch.randn(D, generator=g), scale=6.0).layers([3]).submodule(
-        "residual.post"
-    )
+    late.write("add", vector=torch.randn(D, generator=g), scale=6.0).layers([3]).at("residual.post")
     return {"steer": steer, "probe": probe, "extra": extra, "late": late}
 
 
@@ -498,7 +494,7 @@ def data_parallel(api: Api, ids: list, tmp: Path, rec: dict) -> None:
     r = api.call("POST", "/xmix/v1/apps", content=(tmp / "dp_late.xmix").read_bytes())
     rec["refused"] = (r.status_code, r.text, before, snapshot(api))
     fixed = xmix.App("late")  # the same name, on a layer both hosts place: nothing blocks it
-    fixed.write("add", vector=torch.ones(D), scale=1.0).layers([2]).submodule("residual.post")
+    fixed.write("add", vector=torch.ones(D), scale=1.0).layers([2]).at("residual.post")
     fixed.save(tmp / "dp_late2.xmix")
     r = api.call("POST", "/xmix/v1/apps", content=(tmp / "dp_late2.xmix").read_bytes())
     rec["refused_then"] = (r.status_code, r.text, snapshot(api))

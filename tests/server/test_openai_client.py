@@ -39,11 +39,11 @@ def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("openai")
     g = torch.Generator().manual_seed(3)
     steer = xmix.App("steer")
-    steer.write("add", vector=torch.randn(D, generator=g), scale=4.0).layers([1]).submodule(
+    steer.write("add", vector=torch.randn(D, generator=g), scale=4.0).layers([1]).at(
         "residual.post"
     )
     probe = xmix.App("probe")
-    probe.read("probe", weight=torch.randn(D, generator=g) / 16, bias=0.0).layers([2]).submodule(
+    probe.read("probe", weight=torch.randn(D, generator=g) / 16, bias=0.0).layers([2]).at(
         "residual.post"
     ).named("p2")
     with xmix_server(

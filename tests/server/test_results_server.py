@@ -45,14 +45,14 @@ def server(tmp_path_factory):
     )
     g = torch.Generator().manual_seed(3)
     cap = xmix.App("cap")
-    cap.read("capture").layers([1]).submodule("residual.post").named("h")
-    cap.read("probe", weight=torch.randn(D, generator=g) / 16, bias=0.0).layers([2]).submodule(
+    cap.read("capture").layers([1]).at("residual.post").named("h")
+    cap.read("probe", weight=torch.randn(D, generator=g) / 16, bias=0.0).layers([2]).at(
         "residual.post"
     ).named("p")
     nan = xmix.App("nan")
-    nan.read("custom", cpu_library=str(tmp / "libk.so"), cpu_symbol="nan_at_even").layers(
-        [0]
-    ).submodule("residual.pre").named("n")
+    nan.read("custom", cpu_library=str(tmp / "libk.so"), cpu_symbol="nan_at_even").layers([0]).at(
+        "residual.pre"
+    ).named("n")
     paths = [cap.save(tmp / "cap.xmix"), nan.save(tmp / "nan.xmix")]
     from transformers import AutoTokenizer
 

@@ -34,17 +34,15 @@ CONTROL = {"xmix_apps": ["steer", "probe"]}
 def apps(tmp):
     g = torch.Generator().manual_seed(14)
     steer = xmix.App("steer")
-    steer.write("add", vector=torch.randn(D, generator=g), scale=4.0).layers([1]).submodule(
+    steer.write("add", vector=torch.randn(D, generator=g), scale=4.0).layers([1]).at(
         "residual.post"
     )
     probe = xmix.App("probe")
-    probe.read("probe", weight=torch.randn(D, generator=g) / 16, bias=0.0).layers([2]).submodule(
+    probe.read("probe", weight=torch.randn(D, generator=g) / 16, bias=0.0).layers([2]).at(
         "residual.post"
     ).named("p2")
     late = xmix.App("late")
-    late.write("add", vector=torch.randn(D, generator=g), scale=8.0).layers([2]).submodule(
-        "residual.post"
-    )
+    late.write("add", vector=torch.randn(D, generator=g), scale=8.0).layers([2]).at("residual.post")
     late.save(tmp / "late.xmix")
     return [steer.save(tmp / "steer.xmix"), probe.save(tmp / "probe.xmix")], tmp / "late.xmix"
 

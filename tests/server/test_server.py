@@ -24,11 +24,11 @@ D = 256
 def _apps(tmp):
     g = torch.Generator().manual_seed(7)
     steer = xmix.App("steer")
-    steer.write("add", vector=torch.randn(D, generator=g), scale=4.0).layers([1]).submodule(
+    steer.write("add", vector=torch.randn(D, generator=g), scale=4.0).layers([1]).at(
         "residual.post"
     )
     probe = xmix.App("probe")
-    probe.read("probe", weight=torch.randn(D, generator=g) / 16, bias=0.0).layers([2]).submodule(
+    probe.read("probe", weight=torch.randn(D, generator=g) / 16, bias=0.0).layers([2]).at(
         "residual.post"
     ).named("p2")
     return steer, probe, [steer.save(tmp / "steer.xmix"), probe.save(tmp / "probe.xmix")]
@@ -291,7 +291,7 @@ def test_bad_requests_are_rejected_and_serving_continues(server):
 def test_deploy_patch_delete_over_http(server):
     c = server["client"]
     extra = xmix.App("extra")
-    extra.read("probe", weight=torch.ones(D) / 64).layers([0]).submodule("residual.pre").named("e")
+    extra.read("probe", weight=torch.ones(D) / 64).layers([0]).at("residual.pre").named("e")
     data = extra.to_bytes()
     r = c.post("/xmix/v1/apps", content=data, headers={"Content-Type": "application/octet-stream"})
     assert r.status_code == 201, r.text
@@ -301,13 +301,11 @@ def test_deploy_patch_delete_over_http(server):
     assert c.post("/xmix/v1/apps", content=b"\x00" * 64).status_code == 400
     assert c.post("/xmix/v1/apps", content=b"").status_code == 400
     wrong = xmix.App("wrong")
-    wrong.write("add", vector=torch.ones(D + 2)).layers([0]).submodule("residual.pre")
+    wrong.write("add", vector=torch.ones(D + 2)).layers([0]).at("residual.pre")
     r = c.post("/xmix/v1/apps", content=wrong.to_bytes())
     assert r.status_code == 422 and "hidden size" in r.json()["error"]["message"]
     code = xmix.App("code")
-    code.write("custom", cpu_library="/tmp/libx.so", cpu_symbol="f").layers([0]).submodule(
-        "residual.pre"
-    )
+    code.write("custom", cpu_library="/tmp/libx.so", cpu_symbol="f").layers([0]).at("residual.pre")
     r = c.post("/xmix/v1/apps", content=code.to_bytes())
     assert r.status_code == 400 and "custom kernel" in r.json()["error"]["message"]
     assert c.post("/xmix/v1/apps?mode=sometimes", content=data).status_code == 400
@@ -336,7 +334,7 @@ def test_changes_while_requests_are_in_flight(server):
     base = server["base"]
     headers = {"Authorization": f"Bearer {KEY}"}
     flip = xmix.App("flip")
-    flip.read("probe", weight=torch.ones(D) / 64).layers([1]).submodule("residual.pre").named("f")
+    flip.read("probe", weight=torch.ones(D) / 64).layers([1]).at("residual.pre").named("f")
 
     async def one(client, i):
         ctl = [None, {"apps": ["steer"]}, {"apps": ["probe"]}, {"apps": ["steer", "probe"]}][i % 4]
@@ -647,7 +645,7 @@ def test_read_results_are_bounded(server):
     refused)."""
     c = server["client"]
     cap = xmix.App("cap")
-    cap.read("capture").submodule("final.post").named("h")
+    cap.read("capture").at("final.post").named("h")
     assert c.post("/xmix/v1/apps", content=cap.to_bytes()).status_code == 201
     try:
         # accounted: (256 values + 1 position) x 26 bytes a position
@@ -700,9 +698,7 @@ def test_non_finite_reads_are_null_in_strict_json(server):
     every stream chunk (before: NaN and Infinity in the JSON)."""
     c = server["client"]
     dist = xmix.App("dist")
-    dist.read("distance", centroids=torch.zeros(1, D)).layers([2]).submodule("residual.post").named(
-        "d"
-    )
+    dist.read("distance", centroids=torch.zeros(1, D)).layers([2]).at("residual.post").named("d")
     assert c.post("/xmix/v1/apps", content=dist.to_bytes()).status_code == 201
     try:
         ctl = {"apps": ["steer", "dist"], "params": {"steer": {"scale": _max_scale(server)}}}
@@ -790,19 +786,17 @@ def test_soak_live_changes_under_16_streams(server):
     valid = []
     for i in range(4):
         a = xmix.App(f"soak{i}")
-        a.write("add", vector=torch.randn(D, generator=g), scale=1.0).layers([i % 4]).submodule(
+        a.write("add", vector=torch.randn(D, generator=g), scale=1.0).layers([i % 4]).at(
             "residual.post"
         )
-        a.read("probe", weight=torch.randn(D, generator=g) / 16).layers([3]).submodule(
+        a.read("probe", weight=torch.randn(D, generator=g) / 16).layers([3]).at(
             "residual.post"
         ).named("q")
         valid.append(a.to_bytes())
     overflow = xmix.App("overflow")
-    overflow.read("probe", weight=torch.ones(D) / 64).layers([0]).submodule("residual.pre").named(
-        "g"
-    )
+    overflow.read("probe", weight=torch.ones(D) / 64).layers([0]).at("residual.pre").named("g")
     for _ in range(3):
-        overflow.write("add", vector=torch.ones(D)).layers("all").submodule("residual.post").cond(
+        overflow.write("add", vector=torch.ones(D)).layers("all").at("residual.post").cond(
             " or ".join(["g >= 0.5"] * 200)
         )
     refused = [

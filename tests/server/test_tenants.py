@@ -245,11 +245,11 @@ def _registry(safety: bool = True) -> Registry:
     for name, mode in apps if safety else apps[:2]:
         app = xmix.App(name)
         if name == "probe":
-            app.read("probe", weight=torch.randn(D, generator=g)).layers([1]).submodule(
+            app.read("probe", weight=torch.randn(D, generator=g)).layers([1]).at(
                 "residual.post"
             ).named("p")
         else:
-            app.write("add", vector=torch.randn(D, generator=g), scale=1.0).layers([0]).submodule(
+            app.write("add", vector=torch.randn(D, generator=g), scale=1.0).layers([0]).at(
                 "residual.post"
             ).named("push")
         lw = lower(app, SHAPE)
@@ -334,7 +334,7 @@ def test_request_limits(monkeypatch):
         admit(reg, {"apps": ["steer"], "params": {"steer": {"scale": 1.0, "push.scale": 2.0}}})
     monkeypatch.setenv("XMIX_MAX_APPS", "3")
     extra = xmix.App("extra")
-    extra.read("probe", weight=torch.ones(D)).layers([0]).submodule("residual.pre")
+    extra.read("probe", weight=torch.ones(D)).layers([0]).at("residual.pre")
     from xmix.integrations.vllm.errors import CapacityError
 
     with pytest.raises(
@@ -352,7 +352,7 @@ def test_provenance_lists_the_changes_a_request_lived_through():
     reg.changed("params", "steer")
     assert provenance(plain)["changed"] == [] and provenance(steered)["changed"] == ["steer"]
     late = xmix.App("late")
-    late.read("probe", weight=torch.ones(D)).layers([0]).submodule("residual.pre")
+    late.read("probe", weight=torch.ones(D)).layers([0]).at("residual.pre")
     lw = lower(late, SHAPE)
     reg.add(late, lw, "all", reg.next_version(), Needs.of(lw))
     reg.changed("deploy", "late")  # a mode-"all" deploy reaches every running request
@@ -412,7 +412,7 @@ def test_a_request_opted_out_of_a_mode_all_app_is_left_alone(backend):
 
     v = torch.arange(D, dtype=torch.float32) / D
     safety = xmix.App("safety")
-    safety.write("add", vector=v, scale=1.0).layers([0]).submodule("residual.pre")
+    safety.write("add", vector=v, scale=1.0).layers([0]).at("residual.pre")
     cb = ControlBlock(SHAPE, backend, SMALL)
     cb.install(lower(safety, SHAPE), "all", 1)
     slots = [
@@ -445,7 +445,7 @@ def test_a_request_opted_out_of_a_mode_all_app_is_left_alone(backend):
     cb.patch("safety", mode="all")
     assert applied(step(), v) == [True, False, True]
     second = xmix.App("second")
-    second.write("add", vector=torch.ones(D), scale=1.0).layers([0]).submodule("residual.pre")
+    second.write("add", vector=torch.ones(D), scale=1.0).layers([0]).at("residual.pre")
     cb.install(lower(second, SHAPE), "all", 2)
     h = step()
     assert applied(h, v + 1) == [True, False, False] and torch.allclose(h[4], v)
@@ -465,15 +465,15 @@ def srv(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tenants")
     g = torch.Generator().manual_seed(5)
     steer = xmix.App("steer")
-    steer.write("add", vector=torch.randn(DS, generator=g), scale=4.0).layers([1]).submodule(
+    steer.write("add", vector=torch.randn(DS, generator=g), scale=4.0).layers([1]).at(
         "residual.post"
     )
     probe = xmix.App("probe")
-    probe.read("probe", weight=torch.randn(DS, generator=g) / 16).layers([2]).submodule(
+    probe.read("probe", weight=torch.randn(DS, generator=g) / 16).layers([2]).at(
         "residual.post"
     ).named("p")
     safety = xmix.App("safety")
-    safety.write("add", vector=torch.randn(DS, generator=g), scale=6.0).layers([0]).submodule(
+    safety.write("add", vector=torch.randn(DS, generator=g), scale=6.0).layers([0]).at(
         "residual.post"
     ).named("push")
     policy = {

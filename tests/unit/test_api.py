@@ -139,7 +139,7 @@ def valid_apps(draw, custom=False):
         op = (app.read if primitive == "read" else app.write)(kernel, **kw)
         if layer_spec is not None:
             op.layers(layer_spec)
-        op.submodule(site)
+        op.at(site)
         name = next(names) if primitive == "read" or draw(st.booleans()) else None
         if name:
             op.named(name)
@@ -241,7 +241,7 @@ def test_network_loads_refuse_custom_kernels(app, at, primitive):
     op = (app.read if primitive == "read" else app.write)(
         "custom", cpu_library="/tmp/evil.so", cpu_symbol="run", params={"k": 1.0}
     )
-    op.layers([0]).submodule("residual.pre")
+    op.layers([0]).at("residual.pre")
     app.ops.insert(min(at, len(app.ops) - 1), app.ops.pop())  # anywhere in the app
     data = app.to_bytes()
     with pytest.raises(AppError, match="custom kernel"):
@@ -306,24 +306,22 @@ def _every_field_app() -> App:
     app.token_set("ids", ids=[1, 2]).token_set("strs", strings=["a"]).token_set(
         "subs", contains=["b"]
     )
-    app.read("probe", weight=torch.randn(D, generator=g), bias=0.1).layers([0, 1]).submodule(
+    app.read("probe", weight=torch.randn(D, generator=g), bias=0.1).layers([0, 1]).at(
         "residual.pre"
     ).named("p")
-    app.read("capture", dims=(1, 3)).layers("all").submodule("mlp.post").named("c").cond(
-        "last_token"
-    )
-    app.write("add", vector=torch.randn(L, D, generator=g), scale=2.0).layers("all").submodule(
+    app.read("capture", dims=(1, 3)).layers("all").at("mlp.post").named("c").cond("last_token")
+    app.write("add", vector=torch.randn(L, D, generator=g), scale=2.0).layers("all").at(
         "residual.post"
     ).cond("in_span(ids, strs)", when="prompt", gate="p.0 > theta")
-    app.write("clamp", direction=torch.randn(D, generator=g), min=-1.0, max=1.0).layers(
-        [2]
-    ).submodule("residual.mid").cond("prompt_mean(p.1) >= 0.25 or not token_in(subs)")
+    app.write("clamp", direction=torch.randn(D, generator=g), min=-1.0, max=1.0).layers([2]).at(
+        "residual.mid"
+    ).cond("prompt_mean(p.1) >= 0.25 or not token_in(subs)")
     app.write("router", mask=torch.tensor([1, 0, -1, 0], dtype=torch.int8), delta=0.1).layers(
         [3]
-    ).submodule("router.logits")
+    ).at("router.logits")
     app.write(
         "custom", cpu_library="/opt/k.so", cpu_symbol="k", params={"k": 1.0}, artifact=torch.ones(3)
-    ).layers([1]).submodule("attention.post").named("u")
+    ).layers([1]).at("attention.post").named("u")
     return app
 
 
@@ -445,7 +443,7 @@ def test_unknown_site_and_kernel_name_app_op_and_field(name, op, site):
     app = App(name)
     w = app.write("add", vector=torch.zeros(D)).named(op)
     with pytest.raises(AppError) as info:
-        w.submodule(site + "x")
+        w.at(site + "x")
     assert f"app {name!r}, op {op!r}: unknown site {site + 'x'!r}" in str(info.value)
     with pytest.raises(AppError) as info:
         app.read("prob", weight=torch.zeros(D))
@@ -480,7 +478,7 @@ def test_layer_out_of_range(name, op, n_layers, data):
     shape = ModelShape(n_layers=n_layers, hidden_size=D, vocab_size=V)
     bad = data.draw(st.integers(n_layers, 64) | st.integers(-64, -1))
     app = App(name)
-    app.write("add", vector=torch.zeros(D)).layers([0, bad]).submodule("residual.pre").named(op)
+    app.write("add", vector=torch.zeros(D)).layers([0, bad]).at("residual.pre").named(op)
     _raises(app, f"app {name!r}", f"op {op!r}", f"layer {bad} out of range", shape=shape)
 
 
@@ -490,29 +488,23 @@ def test_artifact_shape_that_does_not_fit(name, op, which, data):
     app = App(name)
     wrong = data.draw(st.integers(1, 40).filter(lambda n: n not in (D, E)))
     if which == "vector":
-        app.write("add", vector=torch.zeros(wrong)).layers([1]).submodule("mlp.post").named(op)
+        app.write("add", vector=torch.zeros(wrong)).layers([1]).at("mlp.post").named(op)
     elif which == "matrix":
         app.write(
             "affine", matrix=torch.zeros(D, wrong), mu_s=torch.zeros(D), mu_t=torch.zeros(D)
-        ).layers([1]).submodule("mlp.post").named(op)
+        ).layers([1]).at("mlp.post").named(op)
     elif which == "centroids":
-        app.read("distance", centroids=torch.zeros(2, wrong)).layers([1]).submodule(
-            "mlp.post"
-        ).named(op)
+        app.read("distance", centroids=torch.zeros(2, wrong)).layers([1]).at("mlp.post").named(op)
     else:
         which = "mask"
-        app.write("router", mask=torch.zeros(wrong)).layers([1]).submodule("router.logits").named(
-            op
-        )
+        app.write("router", mask=torch.zeros(wrong)).layers([1]).at("router.logits").named(op)
     _raises(app, f"app {name!r}", f"op {op!r}", f"artifact {which!r} has shape")
 
 
 @pytest.mark.parametrize("rows", [3, 5])
 def test_artifact_layer_rows_that_do_not_fit(rows):
     app = _app()
-    app.write("add", vector=torch.zeros(rows, D)).layers([0, 1]).submodule("residual.pre").named(
-        "st"
-    )
+    app.write("add", vector=torch.zeros(rows, D)).layers([0, 1]).at("residual.pre").named("st")
     _raises(
         app,
         "app 'myapp'",
@@ -543,13 +535,13 @@ def test_non_finite_artifact(name, op, bad, at, which):
     t = torch.zeros(D)
     t[at] = bad
     if which == "vector":
-        app.write("add", vector=t).layers("all").submodule("residual.post").named(op)
+        app.write("add", vector=t).layers("all").at("residual.post").named(op)
     elif which == "mu_s":
-        app.write("affine", matrix=torch.eye(D), mu_s=t, mu_t=torch.zeros(D)).layers([2]).submodule(
+        app.write("affine", matrix=torch.eye(D), mu_s=t, mu_t=torch.zeros(D)).layers([2]).at(
             "residual.post"
         ).named(op)
     else:
-        app.read("distance", centroids=torch.stack([torch.zeros(D), t])).layers([2]).submodule(
+        app.read("distance", centroids=torch.stack([torch.zeros(D), t])).layers([2]).at(
             "residual.post"
         ).named(op)
     _raises(app, f"app {name!r}", f"op {op!r}", f"artifact {which!r} contains NaN or Inf")
@@ -557,7 +549,7 @@ def test_non_finite_artifact(name, op, bad, at, which):
 
 def test_artifact_that_overflows_fp32_is_refused():
     app = _app()
-    app.write("add", vector=torch.full((D,), 1e39, dtype=torch.float64)).layers([0]).submodule(
+    app.write("add", vector=torch.full((D,), 1e39, dtype=torch.float64)).layers([0]).at(
         "residual.pre"
     ).named("st")
     _raises(app, "app 'myapp'", "op 'st'", "'vector'")
@@ -565,9 +557,7 @@ def test_artifact_that_overflows_fp32_is_refused():
 
 def test_cosine_of_a_tiny_vector_lowers_to_finite_artifacts():
     app = _app()
-    app.read("cosine", vector=torch.full((D,), 1e-25)).layers([0]).submodule("residual.pre").named(
-        "c"
-    )
+    app.read("cosine", vector=torch.full((D,), 1e-25)).layers([0]).at("residual.pre").named("c")
     lw = lower(app, S)
     assert all(torch.isfinite(t).all() for t in lw.ops[0].artifacts.values())
 
@@ -583,32 +573,32 @@ def test_gate_on_a_read_that_runs_later(name, gated, read, data):
     # the gated op is at the same site declared first, or at an earlier site
     earlier = [(s, l) for s in SITES[:-1] for l in range(L) if site_id(s, l, L) <= sid]
     site, layer = data.draw(st.sampled_from(earlier))
-    app.write("add", vector=torch.zeros(D)).layers([layer]).submodule(site).named(gated).cond(
+    app.write("add", vector=torch.zeros(D)).layers([layer]).at(site).named(gated).cond(
         gate=f"{read} > 0.5"
     )
-    app.read("probe", weight=torch.zeros(D)).layers([read_layer]).submodule(read_site).named(read)
+    app.read("probe", weight=torch.zeros(D)).layers([read_layer]).at(read_site).named(read)
     _raises(app, f"app {name!r}", f"op {gated!r}", f"gate on {read!r}", "runs later")
 
 
 def test_latch_at_any_site_and_cosine_gate_at_a_later_one():
     # a latch may feed an op at the read's site or before it (from the first generated token)
     app = _app()
-    app.read("probe", weight=torch.zeros(D)).layers([1]).submodule("residual.pre").named("p")
-    app.write("add", vector=torch.zeros(D)).layers([1]).submodule("residual.pre").named("w").cond(
+    app.read("probe", weight=torch.zeros(D)).layers([1]).at("residual.pre").named("p")
+    app.write("add", vector=torch.zeros(D)).layers([1]).at("residual.pre").named("w").cond(
         "prompt_last(p) > 0.5"
     )
-    app.write("add", vector=torch.zeros(D)).layers([0]).submodule("mlp.post").named("w0").cond(
+    app.write("add", vector=torch.zeros(D)).layers([0]).at("mlp.post").named("w0").cond(
         "prompt_mean(p) > 0.5"
     )
-    app.write("add", vector=torch.zeros(D)).layers([2]).submodule("residual.pre").named("w2").cond(
+    app.write("add", vector=torch.zeros(D)).layers([2]).at("residual.pre").named("w2").cond(
         "prompt_mean(p) > 0.5"
     )
     lw = lower(app, S)
     late = {o.name: latch_from_generated(lw, o, o.cond) for o in lw.ops if o.kernel == "add"}
     assert late == {"w": True, "w0": True, "w2": False}
     app = _app()
-    app.read("cosine", vector=torch.ones(D)).layers([1]).submodule("residual.pre").named("c")
-    app.write("add", vector=torch.zeros(D)).layers([1]).submodule("residual.pre").named("w").cond(
+    app.read("cosine", vector=torch.ones(D)).layers([1]).at("residual.pre").named("c")
+    app.write("add", vector=torch.zeros(D)).layers([1]).at("residual.pre").named("w").cond(
         gate="c > 0"
     )
     _raises(app, "app 'myapp'", "op 'w'", "gate on cosine read 'c'")
@@ -626,7 +616,7 @@ def test_cycle(name, reads, site, layer):
     # each read gated on the next, the last on the first: a cycle of len(reads) ops
     for i, r in enumerate(reads):
         nxt = reads[(i + 1) % len(reads)]
-        app.read("probe", weight=torch.zeros(D)).layers([layer]).submodule(site).named(r).cond(
+        app.read("probe", weight=torch.zeros(D)).layers([layer]).at(site).named(r).cond(
             gate=f"{nxt} >= 0"
         )
     msg = _raises(app, f"app {name!r}", "conditions form a cycle")
@@ -645,7 +635,7 @@ def test_unknown_token_set(name, op, missing, form):
     assume(missing != "known")
     app = App(name)
     app.token_set("known", ids=[1, 2])
-    app.write("add", vector=torch.zeros(D)).layers([0]).submodule("residual.pre").named(op).cond(
+    app.write("add", vector=torch.zeros(D)).layers([0]).at("residual.pre").named(op).cond(
         form.format(s=missing)
     )
     _raises(app, f"app {name!r}", f"op {op!r}", f"unknown token set {missing!r}")
@@ -654,7 +644,7 @@ def test_unknown_token_set(name, op, missing, form):
 def test_token_set_errors():
     app = _app()
     app.token_set("big", ids=[V])
-    app.write("add", vector=torch.zeros(D)).layers([0]).submodule("residual.pre").named("w").cond(
+    app.write("add", vector=torch.zeros(D)).layers([0]).at("residual.pre").named("w").cond(
         "token_in(big)"
     )
     _raises(app, "app 'myapp'", "token set 'big'", f"token id {V} is outside the vocabulary")
@@ -669,66 +659,60 @@ def test_token_set_errors():
 @given(app_names, ident)
 def test_name_clashes(name, op):
     app = App(name)
-    app.read("probe", weight=torch.zeros(D)).layers([0]).submodule("residual.pre").named(op)
-    w = app.write("add", vector=torch.zeros(D)).layers([1]).submodule("residual.pre")
+    app.read("probe", weight=torch.zeros(D)).layers([0]).at("residual.pre").named(op)
+    w = app.write("add", vector=torch.zeros(D)).layers([1]).at("residual.pre")
     with pytest.raises(AppError, match=f"app {name!r}: two ops are named {op!r}"):
         w.named(op)
     # two unnamed reads of one kernel report under the same result name
     app = App(name)
-    app.read("distance", centroids=torch.zeros(1, D)).layers([0]).submodule("residual.pre")
-    app.read("distance", centroids=torch.zeros(1, D)).layers([2]).submodule("mlp.post")
+    app.read("distance", centroids=torch.zeros(1, D)).layers([0]).at("residual.pre")
+    app.read("distance", centroids=torch.zeros(1, D)).layers([2]).at("mlp.post")
     _raises(app, f"app {name!r}", "op #1 (read 'distance')", "result name 'distance' is used twice")
     # a named read that takes the name another read reports under
     app = App(name)
-    app.read("capture").layers([0]).submodule("residual.pre")
-    app.read("probe", weight=torch.zeros(D)).layers([1]).submodule("residual.pre").named("capture")
+    app.read("capture").layers([0]).at("residual.pre")
+    app.read("probe", weight=torch.zeros(D)).layers([1]).at("residual.pre").named("capture")
     _raises(app, f"app {name!r}", "result name 'capture' is used twice")
 
 
 _Z = torch.zeros(D)
 OTHER_DEPLOY_ERRORS = {
     "no-site": (lambda a: a.write("add", vector=_Z).layers([0]), "no site"),
-    "no-layers": (lambda a: a.write("add", vector=_Z).submodule("mlp.post"), "needs .layers"),
+    "no-layers": (lambda a: a.write("add", vector=_Z).at("mlp.post"), "needs .layers"),
     "final-with-layers": (
-        lambda a: a.write("add", vector=_Z).layers([0]).submodule("final.post"),
+        lambda a: a.write("add", vector=_Z).layers([0]).at("final.post"),
         "model-level site",
     ),
     "router-elsewhere": (
-        lambda a: a.write("router", mask=torch.zeros(E)).layers([0]).submodule("mlp.post"),
+        lambda a: a.write("router", mask=torch.zeros(E)).layers([0]).at("mlp.post"),
         "only runs at router.logits",
     ),
     "router-mask": (
-        lambda a: (
-            a.write("router", mask=torch.full((E,), 0.5)).layers([0]).submodule("router.logits")
-        ),
+        lambda a: a.write("router", mask=torch.full((E,), 0.5)).layers([0]).at("router.logits"),
         "-1, 0 and 1",
     ),
     "router-delta": (
         lambda a: (
-            a.write("router", mask=torch.zeros(E), delta=-1.0)
-            .layers([0])
-            .submodule("router.logits")
+            a.write("router", mask=torch.zeros(E), delta=-1.0).layers([0]).at("router.logits")
         ),
         "'delta'=-1.0 out of range",
     ),
     "clamp-bounds": (
         lambda a: (
-            a.write("clamp", direction=torch.ones(D), min=1.0, max=0.0)
-            .layers([0])
-            .submodule("mlp.post")
+            a.write("clamp", direction=torch.ones(D), min=1.0, max=0.0).layers([0]).at("mlp.post")
         ),
         "min (1.0) is greater than max (0.0)",
     ),
     "zero-direction": (
-        lambda a: a.write("ablate", direction=_Z).layers([0]).submodule("mlp.post"),
+        lambda a: a.write("ablate", direction=_Z).layers([0]).at("mlp.post"),
         "'direction' has zero norm",
     ),
     "capture-dims": (
-        lambda a: a.read("capture", dims=(0, D + 1)).layers([0]).submodule("mlp.post"),
+        lambda a: a.read("capture", dims=(0, D + 1)).layers([0]).at("mlp.post"),
         "exceed the hidden size",
     ),
     "unknown-read": (
-        lambda a: a.write("add", vector=_Z).layers([0]).submodule("mlp.post").cond(gate="x > 0"),
+        lambda a: a.write("add", vector=_Z).layers([0]).at("mlp.post").cond(gate="x > 0"),
         "condition reads 'x'",
     ),
 }
@@ -746,17 +730,17 @@ def test_other_deploy_errors_name_app_op_and_field(case):
 def test_router_and_parameter_errors():
     dense = ModelShape(n_layers=L, hidden_size=D, vocab_size=V)
     app = _app()
-    app.write("router", mask=torch.zeros(E)).layers([0]).submodule("router.logits").named("r")
+    app.write("router", mask=torch.zeros(E)).layers([0]).at("router.logits").named("r")
     _raises(app, "app 'myapp'", "op 'r'", "mixture-of-experts", shape=dense)
     some = ModelShape(n_layers=L, hidden_size=D, vocab_size=V, n_experts=E, moe_layers=(1, 3))
     app = _app()
-    app.write("router", mask=torch.zeros(E)).layers([0, 1]).submodule("router.logits").named("r")
+    app.write("router", mask=torch.zeros(E)).layers([0, 1]).at("router.logits").named("r")
     _raises(app, "app 'myapp'", "op 'r'", "layer 0 has no router", shape=some)
     app = _app()
-    app.write("add", vector=torch.zeros(D)).layers([0]).submodule("mlp.post").named("w").cond(
+    app.write("add", vector=torch.zeros(D)).layers([0]).at("mlp.post").named("w").cond(
         gate="p > theta"
     )
-    app.read("probe", weight=torch.zeros(D)).layers([0]).submodule("residual.pre").named("p")
+    app.read("probe", weight=torch.zeros(D)).layers([0]).at("residual.pre").named("p")
     _raises(app, "app 'myapp'", "op 'w'", "unknown parameter 'theta'")
 
 
@@ -792,11 +776,11 @@ def test_control_block_refuses_two_apps_of_one_name():
 
     cb = ControlBlock(S, "cpu", SMALL)
     first = _app("same")
-    first.write("add", vector=torch.ones(D)).layers([0]).submodule("residual.pre")
+    first.write("add", vector=torch.ones(D)).layers([0]).at("residual.pre")
     second = _app("same")
-    second.read("probe", weight=torch.ones(D)).layers([1]).submodule("residual.post").named("p")
+    second.read("probe", weight=torch.ones(D)).layers([1]).at("residual.post").named("p")
     other = _app("other")
-    other.read("probe", weight=torch.ones(D)).layers([1]).submodule("residual.post").named("p")
+    other.read("probe", weight=torch.ones(D)).layers([1]).at("residual.post").named("p")
     cb.install(lower(first, S))
     with pytest.raises(DeployError, match="app 'same' is already deployed"):
         cb.install(lower(second, S))
@@ -963,3 +947,19 @@ def test_reserved_words_are_refused_as_op_names(word):
     op = _app().read("probe", weight=torch.zeros(D))
     with pytest.raises(AppError):
         op.named(word)
+
+
+def test_submodule_is_a_deprecated_alias_of_at():
+    """The paper's ``.submodule(site)`` still places the op (apps written for the first
+    releases run), with a DeprecationWarning that names ``at``; the saved app is the one
+    ``at`` gives, byte for byte."""
+    g = torch.Generator().manual_seed(0)
+    v = torch.randn(D, generator=g)
+    old, new = App("s"), App("s")
+    with pytest.warns(DeprecationWarning, match=r"use Op\.at\(site\)"):
+        old.write("add", vector=v, scale=2.0).layers([1]).submodule("mlp.post")
+    new.write("add", vector=v, scale=2.0).layers([1]).at("mlp.post")
+    assert old.ops[0].site == "mlp.post"
+    assert old.to_bytes() == new.to_bytes()
+    with pytest.warns(DeprecationWarning), pytest.raises(AppError, match="unknown site"):
+        old.write("add", vector=v).layers([0]).submodule("mlp.out")

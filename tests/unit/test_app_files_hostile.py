@@ -23,9 +23,7 @@ D = 16
 
 def _good() -> xmix.App:
     app = xmix.App("ok")
-    app.write("add", vector=torch.arange(D, dtype=torch.float32)).layers([0]).submodule(
-        "residual.pre"
-    )
+    app.write("add", vector=torch.arange(D, dtype=torch.float32)).layers([0]).at("residual.pre")
     return app
 
 

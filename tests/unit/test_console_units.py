@@ -29,30 +29,30 @@ def _app():
     a.token_set("open", ids=[3])
     a.token_set("close", ids=[4])
     w = torch.ones(8)
-    a.read("probe", weight=w, bias=0.0).layers([1]).submodule("residual.post").named("g")
-    a.read("capture", dims=(0, 2)).layers([1]).submodule("residual.post").named("cap")
-    a.write("add", vector=w, scale=1.0).layers([3]).submodule("residual.post").named("gate").cond(
+    a.read("probe", weight=w, bias=0.0).layers([1]).at("residual.post").named("g")
+    a.read("capture", dims=(0, 2)).layers([1]).at("residual.post").named("cap")
+    a.write("add", vector=w, scale=1.0).layers([3]).at("residual.post").named("gate").cond(
         gate="g >= theta"
     )
-    a.write("add", vector=w, scale=1.0).layers([3]).submodule("residual.post").named("tok").cond(
+    a.write("add", vector=w, scale=1.0).layers([3]).at("residual.post").named("tok").cond(
         "token_in(trig) and generated"
     )
-    a.write("add", vector=w, scale=1.0).layers([3]).submodule("residual.post").named("span").cond(
+    a.write("add", vector=w, scale=1.0).layers([3]).at("residual.post").named("span").cond(
         "in_span(open, close)"
     )
-    a.write("add", vector=w, scale=1.0).layers([3]).submodule("residual.post").named("late").cond(
+    a.write("add", vector=w, scale=1.0).layers([3]).at("residual.post").named("late").cond(
         "prompt_mean(g) >= 0.5"
     )
-    a.write("add", vector=w, scale=1.0).layers([0]).submodule("residual.post").named("early").cond(
+    a.write("add", vector=w, scale=1.0).layers([0]).at("residual.post").named("early").cond(
         "prompt_last(g) > 0.6"
     )
-    a.write("add", vector=w, scale=1.0).layers([3]).submodule("residual.post").named("capg").cond(
+    a.write("add", vector=w, scale=1.0).layers([3]).at("residual.post").named("capg").cond(
         "cap > 0"
     )
-    a.write("add", vector=w, scale=1.0).layers([3]).submodule("residual.post").named("mixed").cond(
+    a.write("add", vector=w, scale=1.0).layers([3]).at("residual.post").named("mixed").cond(
         "(cap > 0 and prompt) or last_token"
     )
-    a.write("add", vector=w, scale=1.0).layers([3]).submodule("residual.post").named("tenth").cond(
+    a.write("add", vector=w, scale=1.0).layers([3]).at("residual.post").named("tenth").cond(
         "g <= 0.1"
     )
     return a
@@ -136,12 +136,12 @@ def test_sae_reads_gate_on_their_first_channel_or_one_feature():
     )
     a = xmix.App("s")
     a.read("sae", sae=sae, features=[4, 11]).named("f")
-    a.write("add", vector=torch.ones(8), scale=1.0).layers([3]).submodule("residual.post").named(
-        "w"
-    ).cond(gate="f.f11 > 1.0")
-    a.write("add", vector=torch.ones(8), scale=1.0).layers([3]).submodule("residual.post").named(
-        "v"
-    ).cond(gate="prompt_mean(f.f4) >= 0.5")
+    a.write("add", vector=torch.ones(8), scale=1.0).layers([3]).at("residual.post").named("w").cond(
+        gate="f.f11 > 1.0"
+    )
+    a.write("add", vector=torch.ones(8), scale=1.0).layers([3]).at("residual.post").named("v").cond(
+        gate="prompt_mean(f.f4) >= 0.5"
+    )
     lw = lower(a, SHAPE)
     vals = [
         {"ids": [4, 11], "acts": [x, y]}
@@ -180,7 +180,7 @@ def test_usage_counts_gates_and_latency_per_app_and_live_reads_them_back():
 
     m = metrics._make(CollectorRegistry())
     plain = xmix.App("plain")
-    plain.write("add", vector=torch.ones(8), scale=1.0).layers([2]).submodule("residual.post")
+    plain.write("add", vector=torch.ones(8), scale=1.0).layers([2]).at("residual.post")
     reg = _registry({"a": (_app(), "request"), "plain": (plain, "all")})
     clock = Clock()
     u = Usage(reg, m, clock)

@@ -51,8 +51,8 @@ def test_custom_read_and_write_on_cpu(lib):
         cpu_symbol="scaled_first",
         artifact=torch.tensor([0.5]),
         params={"k": 2.0},
-    ).layers([0]).submodule("residual.pre").named("c")
-    app.write("custom", cpu_library=lib, cpu_symbol="stamp_position").layers([1]).submodule(
+    ).layers([0]).at("residual.pre").named("c")
+    app.write("custom", cpu_library=lib, cpu_symbol="stamp_position").layers([1]).at(
         "residual.pre"
     ).cond("not last_token")
     hs = Harness(SHAPE, [app])
@@ -77,13 +77,11 @@ def test_custom_read_and_write_on_cpu(lib):
 
 def test_missing_symbol_is_a_deploy_error(lib):
     app = xmix.App("bad")
-    app.write("custom", cpu_library=lib, cpu_symbol="no_such_kernel").layers([0]).submodule(
-        "residual.pre"
-    )
+    app.write("custom", cpu_library=lib, cpu_symbol="no_such_kernel").layers([0]).at("residual.pre")
     with pytest.raises(xmix.DeployError, match="no_such_kernel"):
         Harness(SHAPE, [app])
     app2 = xmix.App("bad2")
-    app2.write("custom", cpu_library="/nonexistent/lib.so", cpu_symbol="k").layers([0]).submodule(
+    app2.write("custom", cpu_library="/nonexistent/lib.so", cpu_symbol="k").layers([0]).at(
         "residual.pre"
     )
     with pytest.raises(xmix.DeployError, match="cannot load"):

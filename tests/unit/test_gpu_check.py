@@ -246,7 +246,7 @@ def test_piecewise_segments_compose_to_the_full_decoder():
         ),
     )
     app = App("abl")
-    app.write("ablate", direction=gc.vec(64, 2)).layers("all").submodule("mlp.post")
+    app.write("ablate", direction=gc.vec(64, 2)).layers("all").at("mlp.post")
     cb.install(lower(app, shape), mode="all")
     run = gc.Runner(cb)
     x = torch.randn(8, 64, generator=torch.Generator().manual_seed(5))

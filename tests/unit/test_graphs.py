@@ -117,21 +117,21 @@ SHAPE = ModelShape(n_layers=2, hidden_size=16, vocab_size=64)
 def _apps():
     g = torch.Generator().manual_seed(0)
     steer = App("steer")
-    steer.write("add", vector=torch.randn(16, generator=g), scale=2.0).layers([0, 1]).submodule(
+    steer.write("add", vector=torch.randn(16, generator=g), scale=2.0).layers([0, 1]).at(
         "residual.pre"
     ).cond("last_token")
     gated = App("gated")
     gated.param("theta", 0.5)
-    gated.read("probe", weight=torch.randn(16, generator=g), bias=0.0).layers([0]).submodule(
+    gated.read("probe", weight=torch.randn(16, generator=g), bias=0.0).layers([0]).at(
         "residual.pre"
     ).named("p")
-    gated.read("probe", weight=torch.randn(16, generator=g), bias=0.0).layers([0]).submodule(
+    gated.read("probe", weight=torch.randn(16, generator=g), bias=0.0).layers([0]).at(
         "mlp.post"
     ).named("q").cond("p >= theta")  # a gated read: no IF
-    gated.write("add", vector=torch.randn(16, generator=g), scale=1.0).layers([1]).submodule(
+    gated.write("add", vector=torch.randn(16, generator=g), scale=1.0).layers([1]).at(
         "mlp.post"
     ).cond("p >= theta")  # gated write: IF
-    gated.write("ablate", direction=torch.randn(16, generator=g)).layers([1]).submodule(
+    gated.write("ablate", direction=torch.randn(16, generator=g)).layers([1]).at(
         "residual.pre"
     ).cond("prompt_mean(p) >= 0.1 and generated")  # latch: IF
     return steer, gated
@@ -992,17 +992,17 @@ class TinyDecoder:
 def _gpu_apps():
     g = torch.Generator().manual_seed(1)
     steer = App("steer")
-    steer.write("add", vector=torch.randn(GD, generator=g), scale=0.5).layers([0]).submodule(
+    steer.write("add", vector=torch.randn(GD, generator=g), scale=0.5).layers([0]).at(
         "residual.pre"
     ).cond("last_token")
     abl = App("abl")
-    abl.write("ablate", direction=torch.randn(GD, generator=g)).layers("all").submodule("mlp.post")
+    abl.write("ablate", direction=torch.randn(GD, generator=g)).layers("all").at("mlp.post")
     gate = App("gate")
     gate.param("theta", 0.5)
-    gate.read("probe", weight=torch.randn(GD, generator=g), bias=0.0).layers([0]).submodule(
+    gate.read("probe", weight=torch.randn(GD, generator=g), bias=0.0).layers([0]).at(
         "residual.pre"
     ).named("p")
-    gate.write("add", vector=torch.randn(GD, generator=g), scale=1.0).layers([1]).submodule(
+    gate.write("add", vector=torch.randn(GD, generator=g), scale=1.0).layers([1]).at(
         "attention.post"
     ).cond("p >= theta")
     return steer, abl, gate

@@ -90,7 +90,7 @@ def test_add_at_final_post_steers_generation(models, kind):
     app = App("force")
     # Only generated tokens are pushed: the first sampled token comes from the last prompt
     # token (a prompt token), so it must be the model's own choice.
-    app.write("add", vector=wk, scale=1000.0).submodule("final.post").cond("generated")
+    app.write("add", vector=wk, scale=1000.0).at("final.post").cond("generated")
     with attach(model, [app], tokenizer=tok) as att:
         out, res = att.generate(ids, 4, apps=["force"])
         assert out == [natural[0], k, k, k]
@@ -113,14 +113,14 @@ def test_detach_restores_the_model_bit_identically(models, kind):
     k, wk = forcing_token(model)
     app = App("every_site")
     u = torch.randn(D, generator=torch.Generator().manual_seed(0))
-    app.write("ablate", direction=u).layers("all").submodule("residual.pre")
-    app.write("add", vector=u, scale=0.5).layers([1]).submodule("attention.post")
-    app.write("clamp", direction=u, min=-0.1, max=0.1).layers([2]).submodule("residual.mid")
-    app.write("add", vector=u, scale=0.5).layers([0]).submodule("mlp.post")
-    app.read("probe", weight=u).layers([3]).submodule("residual.post").named("p")
-    app.write("add", vector=wk, scale=1000.0).submodule("final.post")
+    app.write("ablate", direction=u).layers("all").at("residual.pre")
+    app.write("add", vector=u, scale=0.5).layers([1]).at("attention.post")
+    app.write("clamp", direction=u, min=-0.1, max=0.1).layers([2]).at("residual.mid")
+    app.write("add", vector=u, scale=0.5).layers([0]).at("mlp.post")
+    app.read("probe", weight=u).layers([3]).at("residual.post").named("p")
+    app.write("add", vector=wk, scale=1000.0).at("final.post")
     if kind == "tiny-mixtral":
-        app.write("router", mask=torch.tensor([1.0, -1.0, 0.0, 0.0])).layers("all").submodule(
+        app.write("router", mask=torch.tensor([1.0, -1.0, 0.0, 0.0])).layers("all").at(
             "router.logits"
         )
     att = attach(model, [app], tokenizer=tok)
@@ -156,9 +156,9 @@ def test_ablation_leaves_the_stream_orthogonal(models, kind, sites, layers):
     u = u / u.norm()
     app = App("abl")
     for s in sites:
-        app.write("ablate", direction=u).layers(layers).submodule(s)
-    app.read("capture").layers([3]).submodule("residual.post").named("out")
-    app.read("capture").submodule("final.post").named("final")
+        app.write("ablate", direction=u).layers(layers).at(s)
+    app.read("capture").layers([3]).at("residual.post").named("out")
+    app.read("capture").at("final.post").named("final")
     hs, _ = plain_hidden(model, ids)
     with attach(model, [app]) as att:
         _, res = att.forward(ids, apps=["abl"])
@@ -182,12 +182,10 @@ def test_affine_and_clamp_at_residual_post(models):
     u = torch.randn(D, generator=g)
     un = u / u.norm()
     app = App("aff")
-    app.write("affine", matrix=A, mu_s=mus, mu_t=mut).layers([1]).submodule("residual.post").cond(
-        "prompt"
-    )
-    app.read("capture").layers([1]).submodule("residual.post").named("after_affine")
-    app.write("clamp", direction=u, min=-0.5, max=0.25).layers([1]).submodule("residual.post")
-    app.read("capture").layers([1]).submodule("residual.post").named("after_clamp")
+    app.write("affine", matrix=A, mu_s=mus, mu_t=mut).layers([1]).at("residual.post").cond("prompt")
+    app.read("capture").layers([1]).at("residual.post").named("after_affine")
+    app.write("clamp", direction=u, min=-0.5, max=0.25).layers([1]).at("residual.post")
+    app.read("capture").layers([1]).at("residual.post").named("after_clamp")
     with attach(model, [app]) as att:
         _, res = att.forward(ids, apps=["aff"])
     x = hs[2]  # the output of layer 1, unhooked
@@ -209,11 +207,11 @@ def test_probe_equals_sigmoid_of_hidden_states(models, kind):
     hs, _ = plain_hidden(model, ids)
     w = torch.randn(D, generator=torch.Generator().manual_seed(3)) / 16
     app = App("pr")
-    app.read("probe", weight=w, bias=-0.3).layers([0, 2]).submodule("residual.post").named("p")
-    app.read("probe", weight=w, bias=0.7).layers([1]).submodule("residual.pre").named("q")
-    app.read("distance", centroids=torch.stack([w, -w])).layers([1]).submodule(
-        "residual.pre"
-    ).named("dist").cond("not prompt or last_token")
+    app.read("probe", weight=w, bias=-0.3).layers([0, 2]).at("residual.post").named("p")
+    app.read("probe", weight=w, bias=0.7).layers([1]).at("residual.pre").named("q")
+    app.read("distance", centroids=torch.stack([w, -w])).layers([1]).at("residual.pre").named(
+        "dist"
+    ).cond("not prompt or last_token")
     with attach(model, [app]) as att:
         _, res = att.forward(ids, apps=["pr"], params={"pr": {"q.bias": 0.1}})
     assert set(res["pr"]) == {"p.0", "p.2", "q", "dist"}
@@ -247,10 +245,10 @@ def test_capture_residual_mid_and_attention_post(models):
     h1.remove()
     h2.remove()
     app = App("cap")
-    app.read("capture", dims=(10, 20)).layers([2]).submodule("residual.mid").named("mid").cond(
+    app.read("capture", dims=(10, 20)).layers([2]).at("residual.mid").named("mid").cond(
         "last_token"
     )
-    app.read("capture").layers([2]).submodule("attention.post").named("attn")
+    app.read("capture").layers([2]).at("attention.post").named("attn")
     with attach(model, [app]) as att:
         _, res = att.forward(ids, apps=["cap"])
     t = len(ids) - 1
@@ -276,8 +274,8 @@ def test_cosine_over_the_prompt(models, chunk):
     assert len(the) == 1 and the[0] in ids
     app = App("cast")
     app.token_set("the", ids=the)
-    app.read("cosine", vector=v).layers([2]).submodule("residual.pre").named("all_tokens")
-    app.read("cosine", vector=v).layers([2]).submodule("residual.pre").named("the_tokens").cond(
+    app.read("cosine", vector=v).layers([2]).at("residual.pre").named("all_tokens")
+    app.read("cosine", vector=v).layers([2]).at("residual.pre").named("the_tokens").cond(
         "token_in(the)"
     )
     with attach(model, [app]) as att:
@@ -302,11 +300,9 @@ def test_gate_fires_on_exactly_the_tokens_whose_read_passes(models):
     theta = float(probe.median())
     app = App("gated")
     app.param("theta", theta)
-    app.read("probe", weight=w).layers([1]).submodule("residual.pre").named("p")
-    app.write("add", vector=v, scale=2.0).layers([2]).submodule("residual.post").cond(
-        gate="p >= theta"
-    )
-    app.read("capture").layers([2]).submodule("residual.post").named("x")
+    app.read("probe", weight=w).layers([1]).at("residual.pre").named("p")
+    app.write("add", vector=v, scale=2.0).layers([2]).at("residual.post").cond(gate="p >= theta")
+    app.read("capture").layers([2]).at("residual.post").named("x")
     with attach(model, [app]) as att:
         for th in (theta, float(probe.min()) - 1e-3, 2.0):
             _, res = att.forward(ids, apps=["gated"], params={"gated": {"theta": th}})
@@ -330,15 +326,13 @@ def test_gate_on_a_read_that_did_not_run_is_false(models):
     v = torch.ones(D)
     app = App("g")
     app.token_set("the", ids=[the])
-    app.read("probe", weight=torch.zeros(D)).layers([0]).submodule("residual.pre").named("p").cond(
+    app.read("probe", weight=torch.zeros(D)).layers([0]).at("residual.pre").named("p").cond(
         "token_in(the)"
     )
     # sigmoid(0) = 0.5 wherever p ran; "!=" and ">=" must both be false where it did not
-    app.write("add", vector=v, scale=1.0).layers([0]).submodule("residual.post").cond(gate="p >= 0")
-    app.write("add", vector=v, scale=10.0).layers([0]).submodule("residual.post").cond(
-        gate="p != 7"
-    )
-    app.read("capture", dims=(0, 1)).layers([0]).submodule("residual.post").named("x")
+    app.write("add", vector=v, scale=1.0).layers([0]).at("residual.post").cond(gate="p >= 0")
+    app.write("add", vector=v, scale=10.0).layers([0]).at("residual.post").cond(gate="p != 7")
+    app.read("capture", dims=(0, 1)).layers([0]).at("residual.post").named("x")
     with attach(model, [app]) as att:
         _, res = att.forward(ids, apps=["g"])
     p = by_pos(res, "g", "p")
@@ -364,12 +358,10 @@ def test_latch_is_decided_at_the_last_prompt_token(models, reduce):
     for theta, holds in ((stat - 1e-3, True), (stat + 1e-3, False)):
         app = App("latch")
         app.param("theta", theta)
-        app.read("probe", weight=w).layers([0]).submodule("residual.pre").named("p")
+        app.read("probe", weight=w).layers([0]).at("residual.pre").named("p")
         cond = f"{reduce}(p) > theta"
-        app.read("capture", dims=(0, 2)).layers([1]).submodule("residual.mid").named("where").cond(
-            cond
-        )
-        app.write("add", vector=wk, scale=1000.0).submodule("final.post").cond(cond)
+        app.read("capture", dims=(0, 2)).layers([1]).at("residual.mid").named("where").cond(cond)
+        app.write("add", vector=wk, scale=1000.0).at("final.post").cond(cond)
         with attach(model, [app]) as att:
             out, res = att.generate(ids, 3, apps=["latch"])
         if holds:
@@ -391,12 +383,12 @@ def test_spans_carry_across_forward_passes_and_reset_per_request(models):
     app = App("span")
     app.token_set("open", ids=[THINK])
     app.token_set("close", ids=[END_THINK])
-    app.read("capture", dims=(0, 1)).layers([0]).submodule("residual.pre").named("inside").cond(
+    app.read("capture", dims=(0, 1)).layers([0]).at("residual.pre").named("inside").cond(
         "in_span(open, close)"
     )
     # push the closer as the second generated token: the first generated token is still
     # inside (state carried from the prompt), the closer and what follows are not
-    app.write("add", vector=W[END_THINK], scale=1000.0).submodule("final.post").cond("generated")
+    app.write("add", vector=W[END_THINK], scale=1000.0).at("final.post").cond("generated")
     with attach(model, [app]) as att:
         out, res = att.generate(ids, 4, apps=["span"], chunk=2)
         assert out[0] not in (THINK, END_THINK)
@@ -415,7 +407,7 @@ def test_span_state_is_followed_while_the_app_is_off(models):
     app = App("late")
     app.token_set("open", ids=[THINK])
     app.token_set("close", ids=[END_THINK])
-    app.read("capture", dims=(0, 1)).layers([2]).submodule("mlp.post").named("inside").cond(
+    app.read("capture", dims=(0, 1)).layers([2]).at("mlp.post").named("inside").cond(
         "in_span(open, close)"
     )
     with attach(model, [app], enabled={"late": "off"}) as att:
@@ -439,16 +431,10 @@ def test_last_token_and_token_in_flags_over_decode_steps(models):
     k, wk = forcing_token(model)
     app = App("flags")
     app.token_set("k", ids=[k])
-    app.read("capture", dims=(0, 1)).layers([0]).submodule("residual.pre").named("last").cond(
-        "last_token"
-    )
-    app.read("capture", dims=(0, 1)).layers([0]).submodule("residual.pre").named("gen").cond(
-        "generated"
-    )
-    app.read("capture", dims=(0, 1)).layers([3]).submodule("mlp.post").named("k_in").cond(
-        "token_in(k)"
-    )
-    app.write("add", vector=wk, scale=1000.0).submodule("final.post").cond("prompt")
+    app.read("capture", dims=(0, 1)).layers([0]).at("residual.pre").named("last").cond("last_token")
+    app.read("capture", dims=(0, 1)).layers([0]).at("residual.pre").named("gen").cond("generated")
+    app.read("capture", dims=(0, 1)).layers([3]).at("mlp.post").named("k_in").cond("token_in(k)")
+    app.write("add", vector=wk, scale=1000.0).at("final.post").cond("prompt")
     with attach(model, [app]) as att:
         out, res = att.generate(ids, 4, apps=["flags"])
     assert out[0] == k
@@ -475,7 +461,7 @@ def test_router_mask_forces_and_suppresses_experts(models):
         mask = torch.tensor([1.0, 0.0, 0.0, -1.0])
         app = App("moe")
         app.token_set("the", ids=[the])
-        app.write("router", mask=mask, delta=0.05).layers([1]).submodule("router.logits").cond(
+        app.write("router", mask=mask, delta=0.05).layers([1]).at("router.logits").cond(
             "not token_in(the)"
         )
         with attach(model, [app]) as att:
@@ -502,7 +488,7 @@ def test_router_mask_forces_and_suppresses_experts(models):
 def test_router_site_needs_a_known_router(models):
     model, tok = models("tiny-llama")
     app = App("moe")
-    app.write("router", mask=torch.ones(4)).layers([0]).submodule("router.logits")
+    app.write("router", mask=torch.ones(4)).layers([0]).at("router.logits")
     with pytest.raises(DeployError, match="mixture-of-experts"):
         attach(model, [app])
 
@@ -515,14 +501,14 @@ def test_modes_params_and_app_order(models):
     e = torch.zeros(D)
     e[0] = 1.0
     first = App("first")
-    first.write("add", vector=e, scale=1.0).layers([0]).submodule("residual.post").named("one")
-    first.write("add", vector=e, scale=1.0).layers([0]).submodule("residual.post").named("two")
+    first.write("add", vector=e, scale=1.0).layers([0]).at("residual.post").named("one")
+    first.write("add", vector=e, scale=1.0).layers([0]).at("residual.post").named("two")
     second = App("second")
     # runs after both writes of "first" (apps in attachment order) and doubles the stream
     second.write(
         "affine", matrix=2 * torch.eye(D), mu_s=torch.zeros(D), mu_t=torch.zeros(D)
-    ).layers([0]).submodule("residual.post")
-    second.read("capture", dims=(0, 1)).layers([0]).submodule("residual.post").named("x")
+    ).layers([0]).at("residual.post")
+    second.read("capture", dims=(0, 1)).layers([0]).at("residual.post").named("x")
     x0 = float(hs[1][0, 0])
 
     def x_of(res):
@@ -589,12 +575,12 @@ def test_custom_cpu_kernels(models, tmp_path):
         cpu_symbol="read0",
         artifact=torch.tensor([0.25]),
         params={"k": 2.0},
-    ).layers([0]).submodule("residual.pre").named("c")
-    app.write("custom", cpu_library=str(lib), cpu_symbol="write_pos").layers([0]).submodule(
+    ).layers([0]).at("residual.pre").named("c")
+    app.write("custom", cpu_library=str(lib), cpu_symbol="write_pos").layers([0]).at(
         "residual.post"
     ).named("w").cond("not last_token")
-    app.read("capture", dims=(1, 2)).layers([0]).submodule("residual.post").named("x")
-    app.read("capture", dims=(1, 2)).layers([1]).submodule("residual.pre").named("y")
+    app.read("capture", dims=(1, 2)).layers([0]).at("residual.post").named("x")
+    app.read("capture", dims=(1, 2)).layers([1]).at("residual.pre").named("y")
     with attach(model, [app]) as att:
         _, res = att.forward(ids, apps=["cu"], params={"cu": {"c.k": 3.0}})
     c = by_pos(res, "cu", "c")
@@ -618,22 +604,20 @@ def _session_apps(tok, d=D):
         return v / v.norm()
 
     steer = App("steer")
-    steer.write("add", vector=unit() * 6.0, scale=1.0).layers([1]).submodule("residual.post")
+    steer.write("add", vector=unit() * 6.0, scale=1.0).layers([1]).at("residual.post")
     probe = App("probe")
-    probe.read("probe", weight=unit() * 0.5, bias=0.1).layers([2]).submodule("residual.post").named(
-        "p2"
-    )
+    probe.read("probe", weight=unit() * 0.5, bias=0.1).layers([2]).at("residual.post").named("p2")
     guarded = App("guarded")
     guarded.token_set("trig", ids=sorted(set(tok.encode(" the a e", add_special_tokens=False))))
-    guarded.read("probe", weight=unit() * 0.5).layers([1]).submodule("residual.mid").named("g")
-    guarded.write("add", vector=unit() * 8.0, scale=1.0).layers([2]).submodule(
-        "attention.post"
-    ).cond(when="token_in(trig) or generated", gate="g >= 0.5")
+    guarded.read("probe", weight=unit() * 0.5).layers([1]).at("residual.mid").named("g")
+    guarded.write("add", vector=unit() * 8.0, scale=1.0).layers([2]).at("attention.post").cond(
+        when="token_in(trig) or generated", gate="g >= 0.5"
+    )
     latch = App("latch")
-    latch.read("probe", weight=unit() * 0.5).layers([0]).submodule("residual.post").named("q")
-    latch.write("add", vector=unit() * 8.0, scale=1.0).layers([2, 3]).submodule(
-        "residual.pre"
-    ).cond(gate="prompt_mean(q) >= 0.0")
+    latch.read("probe", weight=unit() * 0.5).layers([0]).at("residual.post").named("q")
+    latch.write("add", vector=unit() * 8.0, scale=1.0).layers([2, 3]).at("residual.pre").cond(
+        gate="prompt_mean(q) >= 0.0"
+    )
     return [steer, probe, guarded, latch]
 
 

@@ -24,7 +24,7 @@ SHAPE = ModelShape(n_layers=2, hidden_size=8, vocab_size=64)
 def _block() -> tuple[ControlBlock, WorkerXmix]:
     cb = ControlBlock(SHAPE, "cpu", Capacity(max_tokens=16, max_slots=4))
     app = xmix.App("mon")  # a read used as a monitor: its stop keeps extents and floors
-    app.read("probe", weight=torch.ones(8)).layers([0]).submodule("residual.post").named("p")
+    app.read("probe", weight=torch.ones(8)).layers([0]).at("residual.post").named("p")
     app.stop(when="p > 1000.0")
     cb.install(lower(app, SHAPE))
     return cb, WorkerXmix.for_control_block(cb)

@@ -32,8 +32,8 @@ def kernel_read(sae: SAE, x: torch.Tensor, top_k: int, features: list[int]):
     d = x.shape[1]
     site, layer = "residual.post", 0
     app = App("k")
-    app.read("sae", sae=sae, top_k=top_k).layers([layer]).submodule(site).named("top")
-    app.read("sae", sae=sae, features=features).layers([layer]).submodule(site).named("feat")
+    app.read("sae", sae=sae, top_k=top_k).layers([layer]).at(site).named("top")
+    app.read("sae", sae=sae, features=features).layers([layer]).at(site).named("feat")
     hs = Harness(ModelShape(n_layers=2, hidden_size=d, vocab_size=10), [app])
     hs.step({"a": Req(len(x), 0, len(x), ("k",))})
     hs.run(site, layer, x.clone(), None)

@@ -71,9 +71,7 @@ def test_add(backend, dtype):
     v = torch.randn(D, generator=torch.Generator().manual_seed(1))
     app = App("k")
     app.token_set("trig", ids=[7])
-    app.write("add", vector=v, scale=1.5).layers([1]).submodule("residual.pre").cond(
-        "token_in(trig)"
-    )
+    app.write("add", vector=v, scale=1.5).layers([1]).at("residual.pre").cond("token_in(trig)")
     h, r = make(backend, dtype)
     h0 = h.clone()
     run(app, backend, "residual.pre", 1, h, r)
@@ -86,7 +84,7 @@ def test_add(backend, dtype):
 def test_ablate(backend, dtype):
     d = torch.randn(D, generator=torch.Generator().manual_seed(2))
     app = App("k")
-    app.write("ablate", direction=d).layers("all").submodule("residual.mid").cond("prompt")
+    app.write("ablate", direction=d).layers("all").at("residual.mid").cond("prompt")
     h, r = make(backend, dtype)
     h0 = h.clone()
     run(app, backend, "residual.mid", 2, h, r)
@@ -104,7 +102,7 @@ def test_ablate(backend, dtype):
 def test_clamp(backend, dtype):
     d = torch.randn(D, generator=torch.Generator().manual_seed(3))
     app = App("k")
-    app.write("clamp", direction=d, min=-0.5, max=0.25).layers([0]).submodule("mlp.post").cond(
+    app.write("clamp", direction=d, min=-0.5, max=0.25).layers([0]).at("mlp.post").cond(
         "not last_token"
     )
     h, _ = make(backend, dtype, residual=False)
@@ -121,7 +119,7 @@ def test_affine(backend, dtype):
     A = torch.randn(D, D, generator=g) / math.sqrt(D)
     mus, mut = torch.randn(D, generator=g), torch.randn(D, generator=g)
     app = App("k")
-    app.write("affine", matrix=A, mu_s=mus, mu_t=mut).layers([2]).submodule("residual.post").cond(
+    app.write("affine", matrix=A, mu_s=mus, mu_t=mut).layers([2]).at("residual.post").cond(
         "last_token"
     )
     h, r = make(backend, dtype)
@@ -136,7 +134,7 @@ def test_affine(backend, dtype):
 def test_router(backend, dtype):
     mask_e = torch.tensor([1, 0, -1, 0, 0, -1, 0, 0], dtype=torch.float32)
     app = App("k")
-    app.write("router", mask=mask_e, delta=0.05).layers("all").submodule("router.logits").cond(
+    app.write("router", mask=mask_e, delta=0.05).layers("all").at("router.logits").cond(
         "generated or token_in(t)"
     )
     app.token_set("t", ids=[7])
@@ -166,7 +164,7 @@ def test_probe(backend, dtype):
     g = torch.Generator().manual_seed(5)
     w = torch.randn(D, generator=g) / 4
     app = App("k")
-    app.read("probe", weight=w, bias=-0.25).layers([1]).submodule("residual.pre").named("p").cond(
+    app.read("probe", weight=w, bias=-0.25).layers([1]).at("residual.pre").named("p").cond(
         "not token_in(s)"
     )
     app.token_set("s", ids=[7])
@@ -190,7 +188,7 @@ def test_distance(backend, dtype):
     g = torch.Generator().manual_seed(6)
     mu = torch.randn(3, D, generator=g)
     app = App("k")
-    app.read("distance", centroids=mu).layers([0]).submodule("attention.post").named("dist")
+    app.read("distance", centroids=mu).layers([0]).at("attention.post").named("dist")
     h, _ = make(backend, dtype, residual=False)
     hs = run(app, backend, "attention.post", 0, h, None)
     vals = _read_values(hs, "dist")
@@ -206,7 +204,7 @@ def test_distance(backend, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_capture(backend, dtype):
     app = App("k")
-    app.read("capture", dims=(4, 12)).layers([2]).submodule("residual.post").named("cap").cond(
+    app.read("capture", dims=(4, 12)).layers([2]).at("residual.post").named("cap").cond(
         "last_token"
     )
     h, r = make(backend, dtype)
@@ -225,7 +223,7 @@ def test_cosine_over_prompt_chunks(backend, dtype):
     g = torch.Generator().manual_seed(7)
     v = torch.randn(D, generator=g)
     app = App("k")
-    app.read("cosine", vector=v).layers([1]).submodule("residual.pre").named("cast")
+    app.read("cosine", vector=v).layers([1]).at("residual.pre").named("cast")
     hs = Harness(SHAPE, [app], backend)
     x_all = []
     # chunk 1: 3 of 5 prompt tokens (no value yet); chunk 2: the last 2 (value at position 4)
@@ -249,7 +247,7 @@ def test_padding_rows_are_inert(backend):
     """Rows past the step's tokens (CUDA-graph padding) are never touched."""
     v = torch.ones(D)
     app = App("k")
-    app.write("add", vector=v, scale=3.0).layers([0]).submodule("residual.pre")
+    app.write("add", vector=v, scale=3.0).layers([0]).at("residual.pre")
     hs = Harness(SHAPE, [app], backend)
     hs.step({"a": Req(2, 0, 2, ("k",))}, pad_to=8)
     h = torch.zeros(8, D, device=backend)
@@ -261,7 +259,7 @@ def test_padding_rows_are_inert(backend):
 def test_mode_all_off_and_request_params(backend):
     v = torch.ones(D)
     app = App("k")
-    app.write("add", vector=v, scale=1.0).layers([0]).submodule("residual.pre")
+    app.write("add", vector=v, scale=1.0).layers([0]).at("residual.pre")
     hs = Harness(SHAPE, [app], backend)
     reqs = {"x": Req(1, 0, 1, ("k",), {"k": {"scale": 4.0}}), "y": Req(1, 0, 1, ())}
     hs.step(reqs)

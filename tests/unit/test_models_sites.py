@@ -64,8 +64,8 @@ def test_sites_mean_the_same_in_every_family(kind):
     L = model.config.num_hidden_layers
     app = App("cap")
     for site in SITES:
-        app.read("capture").layers("all").submodule(site).named(site.replace(".", "_"))
-    app.read("capture").submodule("final.post").named("final")
+        app.read("capture").layers("all").at(site).named(site.replace(".", "_"))
+    app.read("capture").at("final.post").named("final")
     with attach(model, [app], tokenizer=tok) as att:
         logits, res = att.forward(ids, apps=["cap"])
     torch.testing.assert_close(

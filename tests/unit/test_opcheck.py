@@ -26,7 +26,7 @@ def writing_control(request):
     dev = request.param
     v = torch.linspace(-1, 1, D)
     app = xmix.App("push")
-    app.write("add", vector=v, scale=2.0).layers([0]).submodule("residual.pre")
+    app.write("add", vector=v, scale=2.0).layers([0]).at("residual.pre")
     cb = ControlBlock(SHAPE, dev, SMALL)
     cb.install(lower(app, SHAPE), "request", 1)
     slot, left_out = cb.slots.admit_pinned("r0", ["push"], {"push": [1, []]}, 3)

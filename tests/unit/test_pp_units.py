@@ -29,8 +29,8 @@ def test_stage_of_site_follows_vllm_split():
 
 def _app(read_layer: int, op_layer: int, cond: str):
     a = xmix.App("a")
-    a.read("probe", weight=torch.ones(D)).layers([read_layer]).submodule("residual.post").named("p")
-    a.write("add", vector=torch.ones(D)).layers([op_layer]).submodule("mlp.post").cond(cond)
+    a.read("probe", weight=torch.ones(D)).layers([read_layer]).at("residual.post").named("p")
+    a.write("add", vector=torch.ones(D)).layers([op_layer]).at("mlp.post").cond(cond)
     return lower(a, SHAPE)
 
 

@@ -322,10 +322,8 @@ def test_gate_counters_read_the_packed_results_the_engine_core_sends():
 
     shape = ModelShape(n_layers=2, hidden_size=8, vocab_size=50, model_name="m")
     app = xmix.App("a")
-    app.read("probe", weight=torch.ones(8), bias=0.0).layers([0]).submodule("residual.post").named(
-        "p"
-    )
-    app.write("add", vector=torch.ones(8), scale=1.0).layers([1]).submodule("residual.post").cond(
+    app.read("probe", weight=torch.ones(8), bias=0.0).layers([0]).at("residual.post").named("p")
+    app.write("add", vector=torch.ones(8), scale=1.0).layers([1]).at("residual.post").cond(
         gate="p >= 0.5"
     )
     reg = SimpleNamespace(

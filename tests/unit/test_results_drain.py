@@ -32,7 +32,7 @@ BACKENDS = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 def probe_app():
     w = torch.linspace(-1, 1, D)
     app = xmix.App("k")
-    app.read("probe", weight=w, bias=0.1).layers([0]).submodule("residual.pre").named("p")
+    app.read("probe", weight=w, bias=0.1).layers([0]).at("residual.pre").named("p")
     return app, w
 
 
@@ -90,7 +90,7 @@ def test_a_nan_read_is_reported_through_the_staged_read_back():
 
 def capture_app(width=D):
     app = xmix.App("c")
-    app.read("capture", dims=(0, width)).layers([1]).submodule("residual.post").named("h")
+    app.read("capture", dims=(0, width)).layers([1]).at("residual.post").named("h")
     return app
 
 

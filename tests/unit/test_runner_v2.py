@@ -104,10 +104,8 @@ def _new_req(rid, prompt_len, apps):
 def test_v2_adapter_maps_and_results():
     patch_model_runner_v2(FakeRunnerV2)
     app = xmix.App("k")
-    app.write("add", vector=torch.ones(D), scale=2.0).layers([0]).submodule("residual.pre").cond(
-        "prompt"
-    )
-    app.read("probe", weight=torch.zeros(D), bias=0.0).layers([1]).submodule("residual.pre").named(
+    app.write("add", vector=torch.ones(D), scale=2.0).layers([0]).at("residual.pre").cond("prompt")
+    app.read("probe", weight=torch.zeros(D), bias=0.0).layers([1]).at("residual.pre").named(
         "p"
     ).cond("last_token")
     runner = FakeRunnerV2()
@@ -192,7 +190,7 @@ def test_v2_async_output_gets_reads_without_a_host_wait_in_the_step():
     app = xmix.App("k")
     e0 = torch.zeros(D)
     e0[0] = 1.0
-    app.read("probe", weight=e0, bias=0.0).layers([1]).submodule("residual.pre").named("p")
+    app.read("probe", weight=e0, bias=0.0).layers([1]).at("residual.pre").named("p")
     dev = FakeDevice()
     runner = FakeRunnerV2()
     runner._xmix = x = _worker([app], queue=dev)

@@ -99,7 +99,7 @@ def test_top_k_read(backend, dtype, arch, norm, b_dec_in):
     sae = make_sae(arch, norm, b_dec_in)
     app = App("k")
     app.token_set("s", ids=[7])
-    app.read("sae", sae=sae, top_k=8).layers([1]).submodule("residual.pre").named("s18").cond(
+    app.read("sae", sae=sae, top_k=8).layers([1]).at("residual.pre").named("s18").cond(
         "not token_in(s)"
     )
     h, r = make_rows(backend, dtype)
@@ -120,7 +120,7 @@ def test_top_k_reports_only_active_features(backend):
     """A TopK SAE with k=3 and top_k=8: at most 3 features per token, all active."""
     sae = make_sae("topk", k=3)
     app = App("k")
-    app.read("sae", sae=sae, top_k=8).layers([0]).submodule("mlp.post").named("s")
+    app.read("sae", sae=sae, top_k=8).layers([0]).at("mlp.post").named("s")
     h, _ = make_rows(backend, torch.float32)
     hs = run(app, backend, "mlp.post", 0, h, None)
     got = by_row(hs.drain(), "s")
@@ -143,10 +143,10 @@ def test_features_read_and_gate(backend, dtype, arch, norm):
     feats = [int(i) for i in x_probe[:6].sum(0).argsort(descending=True)[:3]] + [5]
     thr = float(x_probe[:6, feats[0]].median())
     app = App("k")
-    app.read("sae", sae=sae, features=feats).layers([2]).submodule("residual.post").named("sf")
+    app.read("sae", sae=sae, features=feats).layers([2]).at("residual.post").named("sf")
     v = torch.zeros(D)
     v[0] = 1.0
-    app.write("add", vector=v, scale=1.0).layers([2]).submodule("residual.post").cond(
+    app.write("add", vector=v, scale=1.0).layers([2]).at("residual.post").cond(
         gate=f"sf.f{feats[0]} > {thr}"
     )
     h, r = make_rows(backend, dtype)
@@ -176,9 +176,7 @@ def test_topk_membership_at_the_boundary(backend):
         "both candidates must have a positive pre-activation"
     )
     app = App("k")
-    app.read("sae", sae=sae, features=[inside, outside]).layers([0]).submodule(
-        "residual.pre"
-    ).named("b")
+    app.read("sae", sae=sae, features=[inside, outside]).layers([0]).at("residual.pre").named("b")
     hs = run(app, backend, "residual.pre", 0, h.to(backend), r.to(backend))
     got = by_row(hs.drain(), "b")[0]["acts"]
     assert got[0] == pytest.approx(float(pre[inside]), rel=1e-5) and got[1] == 0.0
@@ -196,9 +194,9 @@ def test_sae_clamp(backend, dtype, arch, norm):
     # one feature active on some rows, one never active: both are set to the value
     feats = [int(active.sum(0).argmax()), int(active.sum(0).argmin())]
     app = App("k")
-    app.write("sae_clamp", sae=sae, feature=feats, value=1.5).layers([1]).submodule(
-        "residual.mid"
-    ).cond("prompt or token_in(s)")
+    app.write("sae_clamp", sae=sae, feature=feats, value=1.5).layers([1]).at("residual.mid").cond(
+        "prompt or token_in(s)"
+    )
     app.token_set("s", ids=[7])
     h, r = make_rows(backend, dtype)
     h0 = h.clone()
@@ -220,7 +218,7 @@ def test_sae_clamp_keeps_the_error_term(backend):
     acts = R.sae_encode(h.cpu(), sae)
     f = int(acts[:6].sum(0).argmax())
     app = App("k")
-    app.write("sae_clamp", sae=sae, feature=f, value=0.0).layers([0]).submodule("residual.pre")
+    app.write("sae_clamp", sae=sae, feature=f, value=0.0).layers([0]).at("residual.pre")
     h0 = h.clone()
     hs = Harness(SHAPE, [app], backend)
     hs.step(STEP, IDS)
@@ -240,9 +238,9 @@ def test_sae_clamp_keeps_the_error_term(backend):
 def test_sae_steer_is_add_of_decoder_rows(backend):
     sae = make_sae("jumprelu")
     app = App("k")
-    app.write("sae_steer", sae=sae, feature=[4, 9], scale=2.5).layers([0]).submodule(
-        "residual.post"
-    ).cond("generated")
+    app.write("sae_steer", sae=sae, feature=[4, 9], scale=2.5).layers([0]).at("residual.post").cond(
+        "generated"
+    )
     h, r = make_rows(backend, torch.float32)
     h0 = h.clone()
     run(app, backend, "residual.post", 0, h, r)
@@ -262,8 +260,8 @@ def test_latch_on_sae_feature(backend):
     mean = float(acts[:5, f].mean())
     app = App("k")
     app.param("theta", mean - 0.01)
-    app.read("sae", sae=sae, features=[f]).layers([0]).submodule("residual.post").named("q")
-    app.write("add", vector=torch.ones(D), scale=1.0).layers([1]).submodule("residual.pre").cond(
+    app.read("sae", sae=sae, features=[f]).layers([0]).at("residual.post").named("q")
+    app.write("add", vector=torch.ones(D), scale=1.0).layers([1]).at("residual.pre").cond(
         gate=f"prompt_mean(q.f{f}) >= theta"
     )
     for theta, expect in ((mean - 0.01, True), (mean + 0.01, False)):
@@ -298,7 +296,7 @@ def test_app_stores_a_shared_sae_once(tmp_path):
     app = App("shared")
     app.read("sae", sae=sae, top_k=4).named("s")  # placed at the SAE's hook
     app.write("sae_clamp", sae=sae, feature=[1, 2], value=3.0).named("c")
-    app.write("sae_steer", sae=sae, feature=7, scale=-1.0).layers([0]).submodule("residual.pre")
+    app.write("sae_steer", sae=sae, feature=7, scale=-1.0).layers([0]).at("residual.pre")
     assert app.ops[0].site == "mlp.post" and app.ops[0].layer_spec == [2]
     names = sorted(app.tensors())
     assert [n for n in names if n.startswith("sae")] == [
@@ -337,18 +335,16 @@ def test_sae_op_errors(build, msg):
 
 def test_sae_deploy_errors():
     app = App("e")
-    app.read("sae", sae=make_sae(), top_k=4).layers([0, 1]).submodule("residual.post")
+    app.read("sae", sae=make_sae(), top_k=4).layers([0, 1]).at("residual.post")
     with pytest.raises(DeployError, match="give one layer"):
         lower(app, SHAPE)
     app = App("e")
-    app.read("sae", sae=make_sae(), top_k=4).layers([0]).submodule("residual.post")
+    app.read("sae", sae=make_sae(), top_k=4).layers([0]).at("residual.post")
     with pytest.raises(DeployError, match="width 64, the model's hidden size is 32"):
         lower(app, ModelShape(n_layers=3, hidden_size=32, vocab_size=100))
     app = App("e")
-    app.read("sae", sae=make_sae(), features=[1, 2]).layers([0]).submodule("residual.post").named(
-        "s"
-    )
-    app.write("add", vector=torch.ones(D)).layers([1]).submodule("residual.pre").cond(gate="s > 1")
+    app.read("sae", sae=make_sae(), features=[1, 2]).layers([0]).at("residual.post").named("s")
+    app.write("add", vector=torch.ones(D)).layers([1]).at("residual.pre").cond(gate="s > 1")
     with pytest.raises(DeployError, match="reads 2 SAE features; name one: s.f1, s.f2"):
         lower(app, SHAPE)
     with pytest.raises(AppError, match="no fixed direction"):
@@ -387,7 +383,7 @@ def test_app_file_with_a_broken_sae_is_refused():
 
     sae = make_sae()
     app = App("b")
-    app.read("sae", sae=sae, top_k=2).layers([0]).submodule("residual.post")
+    app.read("sae", sae=sae, top_k=2).layers([0]).at("residual.post")
     data = app.to_bytes()
     tensors = load(data)
     spec = app.spec()

@@ -80,7 +80,7 @@ def server(engines, rpc=None):
 
 def app(name, scale=1.0):
     a = xmix.App(name)
-    a.write("add", vector=torch.ones(D), scale=scale).layers([1]).submodule("residual.post")
+    a.write("add", vector=torch.ones(D), scale=scale).layers([1]).at("residual.post")
     return a
 
 

@@ -21,9 +21,9 @@ W = torch.linspace(1.0, -1.0, D)
 
 def apps():
     steer = xmix.App("steer")
-    steer.write("add", vector=V, scale=2.0).layers([0]).submodule("residual.pre")
+    steer.write("add", vector=V, scale=2.0).layers([0]).at("residual.pre")
     probe = xmix.App("k")
-    probe.read("probe", weight=W, bias=0.25).layers([1]).submodule("residual.pre").named("p")
+    probe.read("probe", weight=W, bias=0.25).layers([1]).at("residual.pre").named("p")
     return [steer, probe]
 
 

@@ -43,7 +43,7 @@ F32 = _C.constants()["DT_F32"]
 
 def write_app(scale: float = 2.0) -> xmix.App:
     app = xmix.App("w")
-    app.write("add", vector=torch.ones(D), scale=scale).layers([0]).submodule("residual.pre")
+    app.write("add", vector=torch.ones(D), scale=scale).layers([0]).at("residual.pre")
     return app
 
 
@@ -51,7 +51,7 @@ def read_app() -> xmix.App:
     e0 = torch.zeros(D)
     e0[0] = 1.0
     app = xmix.App("r")
-    app.read("probe", weight=e0, bias=0.0).layers([1]).submodule("residual.pre").named("p")
+    app.read("probe", weight=e0, bias=0.0).layers([1]).at("residual.pre").named("p")
     return app
 
 
@@ -447,9 +447,9 @@ def test_reads_through_the_capture_buffer_arrive_per_step():
         architecture="relu",
     )
     app = xmix.App("c")
-    app.read("capture", dims=(2, 6)).layers([1]).submodule("residual.pre").named("cap")
-    app.read("sae", sae=sae, top_k=3).layers([1]).submodule("residual.pre").named("top")
-    app.read("sae", sae=sae, features=[0, 5]).layers([1]).submodule("residual.pre").named("f")
+    app.read("capture", dims=(2, 6)).layers([1]).at("residual.pre").named("cap")
+    app.read("sae", sae=sae, top_k=3).layers([1]).at("residual.pre").named("top")
+    app.read("sae", sae=sae, features=[0, 5]).layers([1]).at("residual.pre").named("f")
     dev = FakeDevice()
     cb = ControlBlock(SHAPE, "cpu", SMALL, queue=dev)
     cb.install(lower(app, SHAPE))

@@ -29,9 +29,7 @@ D = 64
 
 def app_bytes(name: str, scale: float = 1.0) -> bytes:
     a = xmix.App(name)
-    a.write("add", vector=torch.full((D,), scale), scale=scale).layers([1]).submodule(
-        "residual.post"
-    )
+    a.write("add", vector=torch.full((D,), scale), scale=scale).layers([1]).at("residual.post")
     return a.to_bytes()
 
 

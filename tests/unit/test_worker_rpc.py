@@ -77,7 +77,7 @@ class Executor:
 
 def app(name: str, scale: float = 1.0) -> xmix.App:
     a = xmix.App(name)
-    a.write("add", vector=torch.ones(D), scale=scale).layers([1]).submodule("residual.post")
+    a.write("add", vector=torch.ones(D), scale=scale).layers([1]).at("residual.post")
     return a
 
 

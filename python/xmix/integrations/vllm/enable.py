@@ -29,8 +29,10 @@ from xmix import settings
 
 CONFIG_KEY = "xmix"
 # The hook-site placement: part of the compile-cache key (see canonical()). Bump it when
-# where sites sit in the traced graph changes.
-SITES_VERSION = "xmix-sites-2"
+# where sites sit in the traced graph changes. Spelled as every xmix format tag is
+# (xmix.<what>/<version>); it was "xmix-sites-2" for the same placement, so an engine
+# compiled before the respelling compiles once more.
+SITES_VERSION = "xmix.sites/2"
 OPTIONS = ("version", "sites", "layers")
 
 _OFF = {"0", "false", "off", "no", ""}
