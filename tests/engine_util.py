@@ -184,6 +184,18 @@ def hf_model(path: str):
     return m
 
 
+def hf_greedy(model, prompt_ids: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """transformers' own greedy continuation of each prompt (no EOS stop): the "unused"
+    oracle of the engine tests."""
+    with torch.no_grad():
+        return [
+            model.generate(
+                torch.tensor([i]), do_sample=False, max_new_tokens=max_tokens, eos_token_id=None
+            )[0, len(i) :].tolist()
+            for i in prompt_ids
+        ]
+
+
 def assert_reads_match(
     engine_res: dict,
     oracle_res: dict,

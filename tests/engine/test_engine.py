@@ -20,6 +20,7 @@ from engine_util import (
     PROMPTS,
     assert_reads_match,
     greedy,
+    hf_greedy,
     hf_model,
     make_llm,
     shutdown,
@@ -160,14 +161,7 @@ def env(request):
         van_out = [list(o.outputs[0].token_ids) for o in greedy(vanilla, van_ids, MAX_TOKENS)]
         shutdown(vanilla)
     else:
-        with torch.no_grad():
-            van_out = [
-                model.generate(
-                    torch.tensor([i]), do_sample=False, max_new_tokens=MAX_TOKENS, eos_token_id=None
-                )[0, len(i) :].tolist()
-                for i in van_ids
-            ]
-    # monitor triggers a few tokens into two requests' own (unmonitored) continuations
+        van_out = hf_greedy(model, van_ids, MAX_TOKENS)
     # monitor triggers a few tokens into two requests' own (unmonitored) continuations: the
     # first token seen there that neither the prompt nor the long prompt's trigger precedes
     chunk2 = first_seen_in(long_prompt(tok), 70, 120)

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import xmix
-from engine_util import PROMPTS, assert_reads_match, greedy, make_llm, shutdown, tokenize
+from engine_util import PROMPTS, assert_reads_match, greedy, hf_greedy, make_llm, shutdown, tokenize
 from xmix.architectures import FAMILIES
 from xmix.models.tiny import tiny_model_path
 from xmix.sites import ModelShape
@@ -96,13 +96,7 @@ def env(request):
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.float32, attn_implementation="eager"
     ).eval()
-    with torch.no_grad():
-        plain = [
-            model.generate(
-                torch.tensor([i]), do_sample=False, max_new_tokens=MAX_TOKENS, eos_token_id=None
-            )[0, len(i) :].tolist()
-            for i in ids
-        ]
+    plain = hf_greedy(model, ids, MAX_TOKENS)
     from xmix.integrations.hf import attach
 
     oracle = attach(model, apps, tokenizer=tok)

@@ -29,7 +29,16 @@ import torch
 from test_models_engine import CONTROLS, READ_RTOL, _check_convention, build_apps
 
 import xmix
-from engine_util import COMPILED, PROMPTS, assert_reads_match, greedy, make_llm, shutdown, tokenize
+from engine_util import (
+    COMPILED,
+    PROMPTS,
+    assert_reads_match,
+    greedy,
+    hf_greedy,
+    make_llm,
+    shutdown,
+    tokenize,
+)
 from xmix.api import App
 from xmix.integrations.hf import attach
 from xmix.models.tiny import tiny_model_path
@@ -190,13 +199,7 @@ def env(request):
     shape = ModelShape.from_hf_config(model.config)
     apps = build_apps(shape, tok)
     ids = [tokenize(tok, p) for p in PROMPTS[:N_PROMPTS]]
-    with torch.no_grad():
-        plain = [
-            model.generate(
-                torch.tensor([i]), do_sample=False, max_new_tokens=MAX_TOKENS, eos_token_id=None
-            )[0, len(i) :].tolist()
-            for i in ids
-        ]
+    plain = hf_greedy(model, ids, MAX_TOKENS)
     # routing of the plain model at the last MoE layer, to pick experts the edit moves
     l = shape.moe_layers[-1]
     got = []
