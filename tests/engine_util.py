@@ -102,6 +102,9 @@ def make_llm(
 
 
 _INPROC: set[int] = set()  # id() of the live in-process engine, if any
+# vLLM's CPU worker replaces torch.set_num_threads with a no-op in its process ("after the
+# thread binding"); an in-process engine's shutdown gives the test process the real one back
+_SET_NUM_THREADS = torch.set_num_threads
 
 
 def _transformers_backend(path: str) -> bool:
@@ -155,6 +158,7 @@ def shutdown(llm) -> None:
     from vllm.distributed import cleanup_dist_env_and_memory
 
     cleanup_dist_env_and_memory()
+    torch.set_num_threads = _SET_NUM_THREADS
     gc.collect()
 
 
