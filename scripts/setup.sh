@@ -69,9 +69,10 @@ quiet $VPY -m pip install -q "scikit-build-core>=0.10" "pybind11>=2.12" "cmake>=
 # vLLM (and with it its torch) first: xmix/_site_op.so, the native CPU site kernel, builds
 # against the torch of the build's Python, and pip builds xmix before installing its
 # dependencies. The pin is read from pyproject.toml's extra, so it is written down once.
-# --no-compile: pip would byte-compile all ~35 000 modules of the environment one by one
-# (torch, vLLM, transformers, ray); Python compiles the few thousand a run imports on first
-# import and keeps them, as it does for any module without a .pyc.
+# --no-compile: pip byte-compiles all ~35 000 modules of the environment one by one (torch,
+# vLLM, transformers, ray); compileall does it below on every core. The .pyc files are needed:
+# with PYTHONDONTWRITEBYTECODE set (this machine and CI) Python never writes them, and every
+# engine process would compile vLLM and torch from source at each start.
 if PIN=$($VPY -c "import tomllib, sys; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies'][sys.argv[1]]))" "$EXTRA" 2>/dev/null); then
   quiet $VPY -m pip install -q --no-compile $PIN
 fi
@@ -105,6 +106,10 @@ if [ "$EXTRA" = cpu ] && ! $VPY -c "import torchvision" >/dev/null 2>&1; then
   fi
 fi
 $VPY -c "import transformers, vllm" >/dev/null 2>&1 || { echo "[setup] import of transformers/vllm failed" >&2; exit 1; }
+
+say "byte-compiling the environment and xmix (compileall, every core)"
+# a few packages ship files for other Pythons that do not compile; the rest is written
+$VPY -m compileall -q -j 0 .venv/lib/python3*/site-packages python/xmix >/dev/null 2>&1 || true
 
 say "tiny models"
 .venv/bin/xmix models all >/dev/null
