@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+from typing import Any
 
 import numpy as np
 import torch
@@ -88,6 +89,7 @@ def make_llm(
             return vllm.LLM(model=path, **kw)
     one_worker = kw.get("tensor_parallel_size", 1) == 1 and kw.get("pipeline_parallel_size", 1) == 1
     inproc = inproc and one_worker and not _INPROC and not _transformers_backend(path)
+    before = _worker_globals() if inproc else None
     with _env(VLLM_ENABLE_V1_MULTIPROCESSING="0" if inproc else "1"):
         if plain:
             import vllm
@@ -97,11 +99,11 @@ def make_llm(
             llm = xmix.LLM(model=path, **kw)
     _uncache_vllm_envs()
     if inproc:
-        _INPROC.add(id(llm))
+        _INPROC[id(llm)] = before
     return llm
 
 
-_INPROC: set[int] = set()  # id() of the live in-process engine, if any
+_INPROC: dict[int, Any] = {}  # id() of the live in-process engine, if any: globals before it
 # vLLM's CPU worker replaces torch.set_num_threads with a no-op in its process ("after the
 # thread binding"); an in-process engine's shutdown gives the test process the real one back
 _SET_NUM_THREADS = torch.set_num_threads
@@ -147,7 +149,7 @@ def shutdown(llm) -> None:
     with contextlib.suppress(Exception):
         llm.llm_engine.engine_core.shutdown(timeout=0.5)
     inproc = id(llm) in _INPROC
-    _INPROC.discard(id(llm))
+    before = _INPROC.pop(id(llm), None)
     del llm
     gc.collect()
     if not inproc:
@@ -159,7 +161,30 @@ def shutdown(llm) -> None:
 
     cleanup_dist_env_and_memory()
     torch.set_num_threads = _SET_NUM_THREADS
+    _restore_worker_globals(before)
     gc.collect()
+
+
+def _worker_globals() -> tuple:
+    """What a vLLM worker sets "for the worker's lifetime" in its process (worker_base.py): the
+    vLLM IR ops' dispatch priority and whether they are wrapped as torch ops. An eager engine
+    unwraps them, and a graph traced afterwards in the process (tests/unit/test_models_tp.py
+    traces vLLM's decoder layers) then holds no vllm_ir nodes for the fusion patterns."""
+    from vllm.ir import op as ir_op
+
+    prio = {name: op._priority_impls for name, op in ir_op.IrOp.registry.items()}
+    return ir_op._ENABLE_TORCH_WRAP, prio
+
+
+def _restore_worker_globals(before: tuple | None) -> None:
+    if before is None:
+        return
+    from vllm.ir import op as ir_op
+
+    wrap, prio = before
+    ir_op.set_default_torch_wrap(wrap)
+    for name, impls in prio.items():
+        ir_op.IrOp.registry[name]._priority_impls = impls
 
 
 def greedy(llm, prompt_ids: list[list[int]], max_tokens: int = 32, controls=None):
