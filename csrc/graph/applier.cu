@@ -873,4 +873,8 @@ int32_t GraphPatch::n_segments() const {
 
 int32_t GraphPatch::n_parked() const { return static_cast<int32_t>(impl_->parked.size()); }
 
+bool GraphPatch::one_instance_at_a_time() const {
+  return !impl_->ifs.empty() || !impl_->parked.empty();
+}
+
 }  // namespace xmix::graph

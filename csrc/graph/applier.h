@@ -85,6 +85,10 @@ class GraphPatch {
 
   int32_t n_segments() const;
   int32_t n_parked() const;  // IF nodes kept with an empty body (see applier.cu)
+  // The template holds conditional nodes (live or parked IF nodes: they stay for the graph's
+  // life). The runtime then allows one executable graph of it at a time: try_instantiate()
+  // answers cudaErrorNotSupported while torch's (or our own) exists, whatever the template.
+  bool one_instance_at_a_time() const;
 
  private:
   struct Impl;

@@ -310,6 +310,7 @@ void register_graph_bindings(py::module_& m) {
           },
           py::arg("program"), py::arg("exec") = 0, py::arg("verify") = false)
       .def_property_readonly("n_segments", &GraphPatch::n_segments)
-      .def_property_readonly("n_parked", &GraphPatch::n_parked);
+      .def_property_readonly("n_parked", &GraphPatch::n_parked)
+      .def_property_readonly("one_instance_at_a_time", &GraphPatch::one_instance_at_a_time);
 #endif
 }

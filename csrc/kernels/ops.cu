@@ -650,7 +650,7 @@ __global__ void xmix_custom_guard(const ControlBlock* __restrict__ cbp, int32_t 
 struct KernelSmem {
   const void* kernel = nullptr;
   size_t static_bytes = 0;
-  size_t opted_in = kDefaultSmemPerBlock;  // the dynamic bytes the attribute allows so far
+  size_t opted_in = 0;  // MaxDynamicSharedMemorySize as this process set it (0: never)
 };
 
 int device_optin_limit(size_t* limit) {
@@ -693,7 +693,7 @@ int prepare_smem(const void* kernel, int32_t d) {
   if (int e = device_optin_limit(&limit)) return e;
   const SmemPlan p = plan_smem(k.static_bytes, site_dynamic_smem(d), limit);
   if (!p.fits) return static_cast<int>(cudaErrorInvalidValue);
-  if (!p.opt_in || p.dynamic_bytes <= k.opted_in) return 0;
+  if (!must_raise_attribute(p, k.opted_in)) return 0;
   const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                              static_cast<int>(p.dynamic_bytes));
   if (e != cudaSuccess) return static_cast<int>(e);

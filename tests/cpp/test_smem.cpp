@@ -38,6 +38,20 @@ TEST(Smem, StaticPlusDynamicDecidesTheOptIn) {
   EXPECT_TRUE(plan_smem(xmix::kDefaultSmemPerBlock - 1024, 1028, kOptinSm90).opt_in);
 }
 
+TEST(Smem, TheFirstOptInRaisesTheAttributeEvenBelow48KB) {
+  // d = 5 120: the opt-in's dynamic part (40 960) is under 48 KB, yet the attribute's default
+  // is 48 KB less the static part; a process that has not raised it yet must (the first H200
+  // run, 2026-12-04, launched without it: cudaErrorInvalidValue at capture)
+  const auto p = plan_smem(kStatic, site_dynamic_smem(5120), kOptinSm90);
+  EXPECT_TRUE(xmix::must_raise_attribute(p, 0));
+  EXPECT_FALSE(xmix::must_raise_attribute(p, p.dynamic_bytes));
+  EXPECT_TRUE(xmix::must_raise_attribute(plan_smem(kStatic, site_dynamic_smem(8192), kOptinSm90),
+                                         p.dynamic_bytes));
+  // no opt-in, nothing to raise
+  EXPECT_FALSE(
+      xmix::must_raise_attribute(plan_smem(kStatic, site_dynamic_smem(4096), kOptinSm90), 0));
+}
+
 TEST(Smem, LargeModelsFitAfterTheOptIn) {
   for (int32_t d : {6144, 8192, 12288, 16384, 18432}) {
     const auto p = plan_smem(kStatic, site_dynamic_smem(d), kOptinSm90);

@@ -320,6 +320,8 @@ class SimPatch:
 
     def __init__(self, graph_ptr):
         self.ir = SimPatch.graphs[graph_ptr]
+        self.ptr = graph_ptr
+        self.had_if = False  # the real applier parks an IF it removes: conditional for good
         SimPatch.live[graph_ptr] = self
         self.bound = []
         self.anchors_on = False
@@ -330,14 +332,22 @@ class SimPatch:
     def read(self):
         return self.ir
 
+    def _edit(self, plan):
+        self.ir = G.apply(self.ir, plan)
+        self.had_if |= any(n.role == G.Role.If for n in self.ir.nodes)
+
     def update(self, prog, exec_, verify):
         plan = G.plan(self.ir, prog)
-        self.ir = G.apply(self.ir, plan)
+        self._edit(plan)
         return plan, plan.needs_instantiate, SimPatch.mismatch if verify else ""
 
     def apply(self, plan, exec_):
-        self.ir = G.apply(self.ir, plan)
+        self._edit(plan)
         return plan.needs_instantiate
+
+    @property
+    def one_instance_at_a_time(self):
+        return self.had_if
 
     def bind(self, exec_):
         self.bound.append(exec_)
@@ -353,6 +363,11 @@ class SimPatch:
         self.config = {t.node: t.enabled for t in G.anchor_config(self.ir)} if anchors else None
 
     def try_instantiate(self):
+        # the runtime's rule for templates with conditional nodes: one executable graph at a
+        # time, refused with cudaErrorNotSupported whatever the template (seen on an H200)
+        torch_g = SimGraph.by_ptr.get(self.ptr)
+        if self.had_if and (self.own or (torch_g and torch_g.has_exec and not torch_g.stale)):
+            return "cudaErrorNotSupported (simulated: a second instance)"
         return "cudaErrorInvalidValue (simulated)" if SimDriver.refuses(self.ir) else ""
 
     def instantiate_own(self, stale):
@@ -379,7 +394,10 @@ class SimGraph:
     graph it has, then instantiates; when that fails, has_graph_exec_ stays true with the
     destroyed handle, which the next instantiate() destroys again (the driver's error)."""
 
+    by_ptr: dict[int, SimGraph] = {}
+
     def __init__(self, ptr):
+        SimGraph.by_ptr[ptr] = self
         self.ptr, self.execs = ptr, 0
         self.calls = 0
         self.has_exec = False
@@ -595,6 +613,41 @@ def test_torch_failing_after_the_trial_leaves_a_graph_on_the_appliers_own_exec(s
     assert graphs.stats()["own_exec"] == 1
     hs.cb.install(lower(_apps()[1], SHAPE))
     assert graphs.on_apps_changed(hs.cb)["graphs"] == 0, "a lost graph is not re-planned"
+
+
+def test_a_gated_graph_is_instantiated_again_while_torchs_executable_graph_lives(
+    sim, monkeypatch
+):
+    """A template with conditional nodes (a gated op's IF; the applier parks, never destroys
+    one) may have one executable graph at a time: the applier's trial instantiation, made
+    while torch's exists, was refused whatever the template, and every re-plan of a gated graph
+    fell back to its anchors (the first H200 run, 2026-12-04). Then torch's instantiate(),
+    which destroys its old one first, is the trial; a refusal there leaves the graph on its
+    anchors, replayed from an executable graph of the applier's own."""
+    from xmix.lowering import lower
+
+    hs = sim
+    monkeypatch.setattr(splice.G, "conditionals_supported", lambda: True)  # as on a GPU
+    steer, gated = _apps()
+    pre0, pre1 = site_id("residual.pre", 0, 2), site_id("residual.pre", 1, 2)
+    g = _sim_capture(hs, 13, [pre0, pre1])
+    hs.cb.install(lower(gated, SHAPE))
+    assert graphs.on_apps_changed(hs.cb)["reinstantiated"] == 1
+    assert g._xmix.one_instance_at_a_time and g.has_exec
+    assert g._xmix.try_instantiate().startswith("cudaErrorNotSupported")
+    hs.cb.install(lower(steer, SHAPE))
+    out = graphs.on_apps_changed(hs.cb)
+    assert out == {"graphs": 1, "reinstantiated": 1, "in_place": 0, "fallback": 0, "errors": 0}
+    assert g._xmix_state == "patched" and g.execs == 3 and not g.__dict__.get("_xmix_own_exec")
+    # the driver refusing the spliced template now: torch's instantiate() fails, the graph
+    # runs its anchors from the applier's own executable graph, and the step goes on
+    SimDriver.refuses = staticmethod(lambda ir: bool(ir.splices))
+    hs.cb.remove("steer")
+    out = graphs.on_apps_changed(hs.cb)
+    rec = g._xmix
+    assert g.stale and rec.own and splice.exec_of(g) == rec.own
+    assert g._xmix_state == "fallback" and not rec.ir.splices
+    assert graphs.stats()["own_exec"] == 1
 
 
 def test_anchor_recognition_forms_are_counted_and_logged_once(sim, monkeypatch, caplog):
@@ -1147,7 +1200,7 @@ def test_gpu_patching_off_keeps_anchors_and_stays_correct(gpu_env, monkeypatch):
 @pytest.mark.gpu
 def test_gpu_graph_without_sites_is_plain(gpu_env):
     hs = Harness(GSHAPE, [], "cuda")
-    hs.step(STEP, pad_to=N)
+    hs.step({"a": Req(3, 0, 3, ()), "c": Req(2, 0, 2, ())}, pad_to=N)  # nothing deployed
     w = torch.randn(GD, GD, device="cuda")
     g, out = _capture(lambda x: torch.tanh(x @ w), torch.randn(N, GD, device="cuda"))
     assert g.xmix_state == "plain" and g not in graphs.kept_graphs()

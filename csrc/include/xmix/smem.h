@@ -41,6 +41,15 @@ inline SmemPlan plan_smem(size_t static_bytes, size_t dynamic_bytes, size_t opti
   return p;
 }
 
+// Whether a launch must first raise the kernel's MaxDynamicSharedMemorySize attribute:
+// `attribute` is what this process last set it to, 0 when never set (the default then allows
+// 48 KB less the static part, which an opt-in plan's dynamic part never fits: starting from
+// 48 KB here skipped the raise at d = 5 120, 40 960 dynamic bytes, and the launch failed with
+// cudaErrorInvalidValue on an H200, 2026-12-04).
+inline bool must_raise_attribute(const SmemPlan& p, size_t attribute) {
+  return p.opt_in && p.dynamic_bytes > attribute;
+}
+
 // The refusal of a hidden size no launch can serve, naming it (empty when it fits).
 inline std::string smem_refusal(int32_t d, const SmemPlan& p, size_t optin_limit) {
   if (p.fits) return "";

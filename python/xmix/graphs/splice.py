@@ -264,7 +264,7 @@ def instantiate_or_fall_back(g, first: bool) -> bool:
     if rec is None:
         _instantiate(g)
         return True
-    why = rec.try_instantiate()
+    why = _trial(g, rec)
     if not why:
         _instantiate_checked(g, rec)
         return True
@@ -284,9 +284,22 @@ def instantiate_or_fall_back(g, first: bool) -> bool:
     return False
 
 
+def _trial(g, rec) -> str:
+    """The driver's answer to the template on trial (empty: accepted). A template with
+    conditional nodes (a gated op's IF, parked or live, stays for the graph's life) may have
+    one executable graph at a time, so while torch's exists the trial is refused whatever the
+    template (cudaErrorNotSupported: the first H200 run, 2026-12-04, failed every re-plan of a
+    gated graph so). Then torch's instantiate(), which destroys its old one first, is the
+    trial, and _instantiate_checked's fallback covers a refusal: the anchors, replayed from an
+    executable graph of the applier's own."""
+    if rec.one_instance_at_a_time and exec_of(g):
+        return ""
+    return rec.try_instantiate()
+
+
 def instantiate_captured(g, rec) -> None:
     """Instantiate a graph put back as captured (its anchors), the same careful way."""
-    why = rec.try_instantiate()
+    why = _trial(g, rec)
     if why:
         # the graph as captured: what vLLM would have instantiated without xmix
         raise RuntimeError(f"xmix: the driver refuses the CUDA graph as it was captured: {why}")
