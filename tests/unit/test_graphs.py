@@ -615,9 +615,7 @@ def test_torch_failing_after_the_trial_leaves_a_graph_on_the_appliers_own_exec(s
     assert graphs.on_apps_changed(hs.cb)["graphs"] == 0, "a lost graph is not re-planned"
 
 
-def test_a_gated_graph_is_instantiated_again_while_torchs_executable_graph_lives(
-    sim, monkeypatch
-):
+def test_a_gated_graph_is_instantiated_again_while_torchs_executable_graph_lives(sim, monkeypatch):
     """A template with conditional nodes (a gated op's IF; the applier parks, never destroys
     one) may have one executable graph at a time: the applier's trial instantiation, made
     while torch's exists, was refused whatever the template, and every re-plan of a gated graph
