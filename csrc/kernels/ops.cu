@@ -75,7 +75,10 @@ struct DRow {
 
 __device__ float dot_x(const DRow& row, const float* w, float* red) {
   float acc = 0.f;
-  for (int32_t i = threadIdx.x; i < row.d; i += blockDim.x) acc += row.x(i) * w[i];
+  // Unrolled, the weights read through the read-only path: each thread's loads of a row are in
+  // flight together instead of one round trip per element (a row of 4 096 is 16 per thread).
+#pragma unroll 4
+  for (int32_t i = threadIdx.x; i < row.d; i += blockDim.x) acc += row.x(i) * __ldg(&w[i]);
   return block_sum(acc, red);
 }
 
@@ -428,14 +431,18 @@ __device__ void run_op_row(const ControlBlock& cb, const OpDesc& op, int32_t t, 
       if (!sel) break;
       const float* v = ptr<const float>(op.a0);
       const float s = p[op.param_base + P_ADD_SCALE];
-      for (int32_t i = threadIdx.x; i < d; i += blockDim.x) row.set_h(i, row.hid(i) + s * v[i]);
+#pragma unroll 4
+      for (int32_t i = threadIdx.x; i < d; i += blockDim.x)
+        row.set_h(i, row.hid(i) + s * __ldg(&v[i]));
       break;
     }
     case OP_ABLATE: {
       if (!sel) break;
       const float* u = ptr<const float>(op.a0);
       const float proj = dot_x(row, u, red);
-      for (int32_t i = threadIdx.x; i < d; i += blockDim.x) row.set_h(i, row.hid(i) - proj * u[i]);
+#pragma unroll 4
+      for (int32_t i = threadIdx.x; i < d; i += blockDim.x)
+        row.set_h(i, row.hid(i) - proj * __ldg(&u[i]));
       break;
     }
     case OP_CLAMP: {
@@ -444,7 +451,9 @@ __device__ void run_op_row(const ControlBlock& cb, const OpDesc& op, int32_t t, 
       const float proj = dot_x(row, u, red);
       const float lo = p[op.param_base + P_CLAMP_LO], hi = p[op.param_base + P_CLAMP_HI];
       const float delta = fminf(fmaxf(proj, lo), hi) - proj;
-      for (int32_t i = threadIdx.x; i < d; i += blockDim.x) row.set_h(i, row.hid(i) + delta * u[i]);
+#pragma unroll 4
+      for (int32_t i = threadIdx.x; i < d; i += blockDim.x)
+        row.set_h(i, row.hid(i) + delta * __ldg(&u[i]));
       break;
     }
     case OP_AFFINE: {

@@ -360,12 +360,20 @@ XMIX_HD int32_t dtype_size(int32_t dtype) { return dtype == DT_F32 ? 4 : 2; }
 // element is not finite in the model's dtype (an fp16 overflow too) leaves the element as it
 // was; returns true when it did (the caller counts it in app_nonfinite).
 XMIX_HD bool is_finite_f(float v) { return fabsf(v) <= 3.402823466e38f; }  // false for NaN
+// The check is made on the rounded value in registers: storing first and reading the element
+// back put a load behind every store of a row, a chain of memory round trips that made an
+// ablation node about 20 us at B = 1 on an H200 (2026-12-04).
 XMIX_HD bool store_finite(void* base, int64_t i, int32_t dtype, float v) {
-  const float old = load(base, i, dtype);
-  store(base, i, dtype, v);
-  if (is_finite_f(load(base, i, dtype))) return false;
-  store(base, i, dtype, old);
-  return true;
+  if (dtype == DT_F32) {
+    if (!is_finite_f(v)) return true;
+    static_cast<float*>(base)[i] = v;
+    return false;
+  }
+  const bool bf = dtype == DT_BF16;
+  const uint16_t b = bf ? float_to_bf16(v) : float_to_f16(v);
+  if (!is_finite_f(bf ? bf16_to_float(b) : f16_to_float(b))) return true;
+  static_cast<uint16_t*>(base)[i] = b;
+  return false;
 }
 
 // ---------------------------------------------------------------- conditions
