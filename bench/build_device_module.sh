@@ -7,6 +7,7 @@
 # Output (ignored by git; carry it with the device call, see docs/cuda_graphs.md):
 #   build/device/_C.cpython-312-x86_64-linux-gnu.so
 #   build/device/xmix_cuda_tests
+#   build/device/graph_node_cost  bench/graph_node_cost.cu (what an idle node costs by position)
 #   build/device/STAMP       source hash (bench/source_stamp.sh) + toolchain, checked on use
 #
 # Needs: Python 3.12 with headers (PY312, else python3.12 on PATH or under pyenv), nvcc
@@ -79,6 +80,9 @@ bench/check_symbols.sh "$SO" || die "undefined xmix:: symbols in $SO (a source m
 
 rm -rf "$OUTDIR" && mkdir -p "$OUTDIR"
 cp "$SO" "$WORK/tests/cpp/xmix_cuda_tests" "$OUTDIR/"
+# The graph-node cost benchmark (docs/cuda_graphs.md, Results): plain CUDA, no project code.
+"$NVCC" -O2 -arch=sm_"$ARCH" bench/graph_node_cost.cu -o "$OUTDIR/graph_node_cost" \
+  || die "bench/graph_node_cost.cu does not build"
 strip --strip-debug "$OUTDIR"/* 2>/dev/null || true
 glibc=$(objdump -T "$OUTDIR"/* 2>/dev/null | grep -o 'GLIBC_[0-9.]*' | sort -uV | tail -1)
 glibcxx=$(objdump -T "$OUTDIR"/* 2>/dev/null | grep -o 'GLIBCXX_[0-9.]*' | sort -uV | tail -1)
