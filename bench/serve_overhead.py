@@ -11,6 +11,10 @@ operator's load generator sees. Configurations, all on the one xmix server:
   ablate        every request: directional ablation at residual.pre, attention.post and
                 mlp.post of every layer (3 sites x all layers)
   probe         every request: one probe read on every token, results streamed back
+  probe_last    the same probe on every token, reporting only the last prompt token's value
+                (`xmix_positions: "-1:"`): the probe's work without its results' transport
+                (issue 34's experiment: does a server with reads keep in lockstep for the
+                reads' work or for carrying them?)
   cast          every request: CAST (cosine read over the prompt, latch, add at the
                 behaviour layers)
   monitor       every request: the probe as a monitor that never fires (a stop and a write
@@ -57,7 +61,7 @@ from pathlib import Path
 
 import httpx
 
-CONFIGS = ("unused", "steer", "ablate", "probe", "cast", "monitor", "mixed")
+CONFIGS = ("unused", "steer", "ablate", "probe", "probe_last", "cast", "monitor", "mixed")
 API_KEY = "bench-inference-key"
 ADMIN_KEY = "bench-admin-key"
 METRICS = (
@@ -211,6 +215,8 @@ def request_bodies(config: str) -> list[dict]:
             for s in MIXED_SCALES
             for apps in MIXED_COMBOS
         ]
+    if config == "probe_last":
+        return [{"vllm_xargs": {"xmix_apps": ["probe"], "xmix_positions": "-1:"}}]
     return [{"vllm_xargs": {"xmix_apps": [config]}}]
 
 
