@@ -30,7 +30,10 @@ import torch
 OPS = ("none", "add", "ablate", "probe")
 
 
-def setup(op: str, d: int, n: int, dtype: torch.dtype):
+def setup(op: str, d: int, n: int, dtype: torch.dtype, device: str = "cpu"):
+    """A control block on `device` with one app doing `op` at one site, one request of n rows
+    using it (none for "none"), and rows h, r and the op's vector u in dtype there
+    (bench/site_cuda.py takes it too)."""
     from xmix import ops
     from xmix.api import App
     from xmix.control import Capacity, ControlBlock
@@ -49,7 +52,7 @@ def setup(op: str, d: int, n: int, dtype: torch.dtype):
         app.read("probe", weight=u, bias=0.5).layers([0]).at("residual.pre").named("p")
     shape = ModelShape(n_layers=1, hidden_size=d, vocab_size=32)
     cap = Capacity(
-        max_tokens=n,
+        max_tokens=max(n, 8),
         max_slots=2,
         max_apps=2,
         max_params=16,
@@ -58,15 +61,15 @@ def setup(op: str, d: int, n: int, dtype: torch.dtype):
         max_cond=4,
         capture_floats=4,
     )
-    cb = ControlBlock(shape, "cpu", cap)
+    cb = ControlBlock(shape, torch.device(device), cap)
     cb.install(lower(app, shape))
     slot = cb.admit("req", [] if op == "none" else ["bench"], None, n)
     cb.begin_step(np.array([slot], np.int32), np.array([n]), np.zeros(1, np.int64), np.array([n]))
-    cb.prologue(torch.zeros(n, dtype=torch.int32))
+    cb.prologue(torch.zeros(n, dtype=torch.int32, device=device))
     ops.set_control(cb)
-    h = torch.randn(n, d, generator=g).to(dtype)
-    r = torch.randn(n, d, generator=g).to(dtype)
-    return cb, h, r, u.to(dtype), site_id("residual.pre", 0, 1)
+    h = torch.randn(n, d, generator=g).to(dtype).to(device)
+    r = torch.randn(n, d, generator=g).to(dtype).to(device)
+    return cb, h, r, u.to(dtype).to(device), site_id("residual.pre", 0, 1)
 
 
 def torch_op(op: str, h: torch.Tensor, r: torch.Tensor, u: torch.Tensor):

@@ -21,60 +21,8 @@ from __future__ import annotations
 import argparse
 import statistics
 
-import numpy as np
 import torch
-
-OPS = ("none", "add", "ablate", "probe")
-
-
-def setup(op: str, d: int, n: int, dtype: torch.dtype):
-    from xmix import ops
-    from xmix.api import App
-    from xmix.control import Capacity, ControlBlock
-    from xmix.lowering import lower
-    from xmix.sites import ModelShape, site_id
-
-    g = torch.Generator().manual_seed(0)
-    u = torch.randn(d, generator=g)
-    u /= u.norm()
-    app = App("bench")
-    if op == "add":
-        app.write("add", vector=u, scale=2.0).layers([0]).at("residual.pre")
-    elif op == "ablate":
-        app.write("ablate", direction=u).layers([0]).at("residual.pre")
-    else:
-        app.read("probe", weight=u, bias=0.5).layers([0]).at("residual.pre").named("p")
-    shape = ModelShape(n_layers=1, hidden_size=d, vocab_size=32)
-    cap = Capacity(
-        max_tokens=max(n, 8),
-        max_slots=2,
-        max_apps=2,
-        max_params=16,
-        max_channels=4,
-        max_ops=4,
-        max_cond=4,
-        capture_floats=4,
-    )
-    cb = ControlBlock(shape, torch.device("cuda"), cap)
-    cb.install(lower(app, shape))
-    slot = cb.admit("req", [] if op == "none" else ["bench"], None, n)
-    cb.begin_step(np.array([slot], np.int32), np.array([n]), np.zeros(1, np.int64), np.array([n]))
-    cb.prologue(torch.zeros(n, dtype=torch.int32, device="cuda"))
-    ops.set_control(cb)
-    h = torch.randn(n, d, generator=g).to(dtype).cuda()
-    r = torch.randn(n, d, generator=g).to(dtype).cuda()
-    return cb, h, r, u.to(dtype).cuda(), site_id("residual.pre", 0, 1)
-
-
-def torch_op(op: str, h, r, u):
-    if op == "add":
-        return h.add_(u, alpha=2.0)
-    if op == "ablate":
-        proj = (h + r) @ u
-        return h.sub_(proj[:, None] * u)
-    if op == "probe":
-        return torch.sigmoid((h + r) @ u + 0.5)
-    return None
+from site_cpu import OPS, setup, torch_op  # bench/, beside this script
 
 
 def graph_of(fn, nodes: int):
@@ -137,7 +85,7 @@ def main() -> None:
     print(f"{'op':>7} {'rows':>5} {'xmix us':>8} {'torch us':>9} {'ratio':>6} {'max diff':>9}")
     for n in args.rows:
         for op in OPS:
-            cb, h, r, u, sid = setup(op, args.d, n, dtype)
+            cb, h, r, u, sid = setup(op, args.d, n, dtype, "cuda")
             nn, d, sh, sr, rp, dt = _args(h, r)
 
             def xmix_op(cb=cb, h=h, sid=sid, rp=rp, nn=nn, d=d, sh=sh, sr=sr, dt=dt):
