@@ -444,6 +444,7 @@ def sim(monkeypatch):
     graphs.reset_stats()
     SimPatch.mismatch = ""
     SimPatch.forms = {}
+    SimGraph.by_ptr.clear()  # a graph of an earlier test must not stand in for this one's
     SimDriver.refuses = staticmethod(lambda ir: False)
     SimDriver.torch_fail_at = set()
     yield hs
