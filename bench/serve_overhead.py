@@ -3,7 +3,7 @@
 `vllm serve` (plugins off: VLLM_PLUGINS=none, as tests/engine/test_do_no_harm.py gets a vanilla
 engine) and `xmix serve` (every app below deployed, mode `request`) are started in turn on the
 same model and flags, and each is driven with `vllm bench serve --save-result --save-detailed`
-(random dataset, streamed completions, fixed output length), so every figure is what an
+(random dataset, streamed completions), so every figure is what an
 operator's load generator sees. Configurations, all on the one xmix server:
 
   unused        apps deployed, no request names one
@@ -35,10 +35,17 @@ taken against the same round's vanilla run at the same concurrency; the table gi
 configuration, the median over rounds of each ratio and its range (min..max). This is a
 benchmark, not a test: nothing here asserts on speed.
 
+Two loads (issue 34, docs/benchmarks.md): equal output lengths (the default), whose requests
+travel in groups that start, finish and are replaced together, so a run settles into one
+group structure and its TTFT depends on which; and `--output-range R` (output lengths drawn
+from output-len x [1 - R, 1 + R], the same lengths for both servers), with or without a
+Poisson `--request-rate`, where no structure can last. `--trace DIR` records every server's
+scheduling events (bench/sched_trace; `python bench/sched_trace/report.py DIR` reads them).
+
     python bench/serve_overhead.py [--rounds 5] [--num-prompts 96] [--input-len 128]
-        [--output-len 64] [--concurrency 8] [--mixed-concurrency 64] [--request-rate inf]
-        [--model llama-8x512|tiny-llama|PATH] [--configs unused,steer,...]
-        [--results FILE.md] [--plot FILE.png] [--profile DIR]
+        [--output-len 64] [--output-range 0] [--concurrency 8] [--mixed-concurrency 64]
+        [--request-rate inf] [--model llama-8x512|tiny-llama|PATH] [--configs unused,steer,...]
+        [--results FILE.md] [--plot FILE.png] [--profile DIR] [--trace DIR]
 """
 
 from __future__ import annotations
@@ -230,7 +237,15 @@ def free_port() -> int:
 class Server:
     """One `vllm serve` (kind "vanilla") or `xmix serve` process group, up until stop()."""
 
-    def __init__(self, kind: str, model: Path, apps: list[Path], log: Path, extra: list[str]):
+    def __init__(
+        self,
+        kind: str,
+        model: Path,
+        apps: list[Path],
+        log: Path,
+        extra: list[str],
+        trace: Path | None = None,
+    ):
         self.kind, self.port, self.log = kind, free_port(), log
         common = [
             str(model),
@@ -248,6 +263,11 @@ class Server:
         ]
         env = {**os.environ}
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        if trace is not None:  # every process of the server records its scheduling events
+            env["BENCH_SCHED_TRACE"] = str(trace)
+            env["PYTHONPATH"] = os.pathsep.join(
+                [str(Path(__file__).with_name("sched_trace")), env.get("PYTHONPATH", "")]
+            )
         if kind == "vanilla":
             env["VLLM_PLUGINS"] = "none"
             cmd = [sys.executable, __file__, "--vllm-cli", "serve", *common]
@@ -335,6 +355,8 @@ def run_client(
         str(args.input_len),
         "--random-output-len",
         str(args.output_len),
+        "--random-range-ratio",  # prompts stay args.input_len long; outputs may vary
+        json.dumps({"input": 0.0, "output": args.output_range}),
         "--num-prompts",
         str(args.num_prompts),
         "--max-concurrency",
@@ -566,6 +588,13 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=96)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument(
+        "--output-range",
+        type=float,
+        default=0.0,
+        help="output lengths drawn from output-len x [1 - R, 1 + R] (vLLM's --random-range-ratio; "
+        "0: all equal, the load whose waves can keep in step)",
+    )
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--mixed-concurrency", type=int, default=64)
     ap.add_argument("--request-rate", default="inf")
@@ -582,6 +611,12 @@ def main() -> None:
     ap.add_argument("--plot", type=Path, help="write the ITL distributions here (PNG)")
     ap.add_argument(
         "--raw", type=Path, help="keep vLLM's result files (per request) in this folder"
+    )
+    ap.add_argument(
+        "--trace",
+        type=Path,
+        help="record every server's scheduling events here (bench/sched_trace; read them with "
+        "bench/sched_trace/report.py)",
     )
     ap.add_argument(
         "--profile", type=Path, help="instead of the rounds: py-spy profiles into this folder"
@@ -610,7 +645,8 @@ def main() -> None:
         shift = rnd % len(configs)
         row: dict[str, dict] = {}
         for kind in order:
-            server = Server(kind, model, apps, work / f"r{rnd}-{kind}.log", args.server_arg)
+            trace = args.trace / f"r{rnd}-{kind}" if args.trace else None
+            server = Server(kind, model, apps, work / f"r{rnd}-{kind}.log", args.server_arg, trace)
             try:
                 starts[kind].append(server.wait_ready())
                 todo = (
@@ -624,9 +660,13 @@ def main() -> None:
                         if kind == "vanilla"
                         else (name, conc[name])
                     )
+                    t0 = time.time()
                     res = run_client(
                         server, model, cfg, c, args, work, f"r{rnd}-{name.replace('@', '-c')}"
                     )
+                    if trace is not None:
+                        with open(trace / "runs.jsonl", "a") as f:
+                            f.write(json.dumps({"run": name, "t0": t0, "t1": time.time()}) + "\n")
                     row[name] = summarize(res)
                     raw_itls.setdefault(name, []).extend(x for per in res["itls"] for x in per)
                     print(
@@ -658,7 +698,8 @@ def main() -> None:
         f"command: {cmd}\n"
         f"code: {rev}\n"
         f"model: {args.model} ({model.name}), float32; random dataset, {args.input_len} input / "
-        f"{args.output_len} output tokens (ignore_eos), {args.num_prompts} prompts, "
+        f"{args.output_len} output tokens x [1 - {args.output_range}, 1 + {args.output_range}] "
+        f"(ignore_eos), {args.num_prompts} prompts, "
         f"request rate {args.request_rate}; {args.rounds} interleaved rounds\n"
         f"server start (s, to /health): vanilla {', '.join(f'{s:.0f}' for s in starts['vanilla'])}; "
         f"xmix {', '.join(f'{s:.0f}' for s in starts['xmix'])}\n"
