@@ -34,11 +34,12 @@ import gpu_check_reference as gref  # noqa: E402 - bench/, beside this script
 import numpy as np
 import torch
 
-from xmix import _C, graphs, ops
-from xmix.api import App
-from xmix.control import Capacity, ControlBlock
-from xmix.lowering import lower
-from xmix.sites import ModelShape, site_id
+from xmix import _C
+from xmix.lang.api import App
+from xmix.lang.lowering import lower
+from xmix.lang.sites import ModelShape, site_id
+from xmix.runtime import graphs, ops
+from xmix.runtime.control import Capacity, ControlBlock
 
 G = _C.graph
 SITES = ("residual.pre", "attention.post", "mlp.post")

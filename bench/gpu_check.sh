@@ -189,7 +189,7 @@ if [ "$CPU_ONLY" = 1 ] || [ "$HAVE_GPU" != 1 ]; then
 fi
 
 export PYTHONUNBUFFERED=1 XMIX_GRAPH_VERIFY=1
-# the custom-kernel case compiles its CUDA source with nvcc at deploy (xmix/control/custom.py)
+# the custom-kernel case compiles its CUDA source with nvcc at deploy (xmix/runtime/control/custom.py)
 [ -x "$CUDA_HOME/bin/nvcc" ] && export PATH="$CUDA_HOME/bin:$PATH"
 # quick runs at hidden size 5 120 (Qwen2.5-14B/32B, Llama-2-13B, Phi-4): the kernels' static
 # plus dynamic shared memory passes 48 KB there and needs the opt-in; full runs at 4 096.

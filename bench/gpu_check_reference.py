@@ -1,5 +1,5 @@
 """The oracle of bench/gpu_check.py: what each check case's app does to one step of the
-decoder, written out by hand per case over xmix.reference's PyTorch primitives.
+decoder, written out by hand per case over xmix.lang.reference's PyTorch primitives.
 
 The check compares its CUDA graph kinds with each other and with eager execution; all of those
 run xmix's kernels, so a kernel that is wrong the same way everywhere would pass them. The
@@ -8,7 +8,7 @@ reference decoder runs the same model with these functions at the hook sites ins
 
 Each case is written here again from its definition in gpu_check.check_cases (the app objects
 are read only for their artifacts and parameters, never for what they mean), with the
-documented semantics (python/xmix/conditions.py): ``last_token`` is every token whose logits
+documented semantics (python/xmix/lang/conditions.py): ``last_token`` is every token whose logits
 are sampled (the last prompt token and generated tokens); a latch is decided at the request's
 last prompt token and, for an op at a later site than its read, holds from that token on; a
 CAST read reports once, at the last prompt token, from the mean over the request's prompt;
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from xmix import reference as ref
+from xmix.lang import reference as ref
 
 
 @dataclass

@@ -24,12 +24,12 @@ import torch
 
 
 def setup(d: int, F: int, K: int, n_sel: int, n_other: int, device: str):
-    from xmix import ops
-    from xmix.api import App
-    from xmix.control import Capacity, ControlBlock
-    from xmix.lowering import lower
-    from xmix.sae import SAE
-    from xmix.sites import ModelShape, site_id
+    from xmix.lang.api import App
+    from xmix.lang.lowering import lower
+    from xmix.lang.sae import SAE
+    from xmix.lang.sites import ModelShape, site_id
+    from xmix.runtime import ops
+    from xmix.runtime.control import Capacity, ControlBlock
 
     g = torch.Generator().manual_seed(0)
     W_enc = torch.randn(d, F, generator=g) / d**0.5

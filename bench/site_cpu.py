@@ -9,7 +9,7 @@ removed), `probe` (sigmoid(w . x + b), a read). xmix: `torch.ops.xmix.site(h, r,
 the app deployed in a control block and every row's request using it, what the compiled
 graph calls at each hook site (the call from Python, the argument checks, the C++ site
 program): the native kernel the dispatcher calls (xmix/_site_op.so), and "python", the same
-call with the Python reference kernel (`xmix.ops._site_cpu`, what served every site before
+call with the Python reference kernel (`xmix.runtime.ops._site_cpu`, what served every site before
 issue 29) put in the dispatcher's CPU slot for the measurement. torch: the eager ops a PyTorch forward hook would run for the same result on the
 same tensors (`h += s * v`; `h -= ((h + r) @ u)[:, None] * u`; `sigmoid((h + r) @ w + b)`).
 Also: "none", a site no request's app uses (what every other site costs a step). Medians of
@@ -34,11 +34,11 @@ def setup(op: str, d: int, n: int, dtype: torch.dtype, device: str = "cpu"):
     """A control block on `device` with one app doing `op` at one site, one request of n rows
     using it (none for "none"), and rows h, r and the op's vector u in dtype there
     (bench/site_cuda.py takes it too)."""
-    from xmix import ops
-    from xmix.api import App
-    from xmix.control import Capacity, ControlBlock
-    from xmix.lowering import lower
-    from xmix.sites import ModelShape, site_id
+    from xmix.lang.api import App
+    from xmix.lang.lowering import lower
+    from xmix.lang.sites import ModelShape, site_id
+    from xmix.runtime import ops
+    from xmix.runtime.control import Capacity, ControlBlock
 
     g = torch.Generator().manual_seed(0)
     u = torch.randn(d, generator=g)
@@ -110,7 +110,7 @@ def main() -> None:
     )
     import warnings
 
-    from xmix import ops
+    from xmix.runtime import ops
 
     warnings.filterwarnings("ignore", message=".*[Oo]verrid")  # the Python kernel put in
     if ops.NATIVE is None:

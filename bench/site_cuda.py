@@ -68,7 +68,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("site_cuda: needs a CUDA GPU (torch.cuda.is_available() is False)")
     from xmix import _C
-    from xmix.ops import _args
+    from xmix.runtime.ops import _args
 
     if not _C.built_with_cuda():
         raise SystemExit("site_cuda: xmix._C was built without CUDA")

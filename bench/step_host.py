@@ -52,10 +52,10 @@ SITES = ("residual.pre", "attention.post", "mlp.post", "residual.post")
 
 def build(config: str, d: int, n_layers: int, rows: int):
     import xmix
-    from xmix.control import Capacity, ControlBlock
-    from xmix.integrations.vllm.worker import WorkerXmix
-    from xmix.lowering import lower
-    from xmix.sites import ModelShape, site_id
+    from xmix.integrations.vllm.worker.worker import WorkerXmix
+    from xmix.lang.lowering import lower
+    from xmix.lang.sites import ModelShape, site_id
+    from xmix.runtime.control import Capacity, ControlBlock
 
     shape = ModelShape(n_layers=n_layers, hidden_size=d, vocab_size=32000)
     cb = ControlBlock(shape, "cpu", Capacity(max_tokens=max(rows, 512), max_slots=rows + 8))
@@ -139,7 +139,7 @@ def site_kernel(kernel: str):
     if kernel == "native":
         yield
         return
-    from xmix import ops
+    from xmix.runtime import ops
 
     with ops.reference_site_kernel():
         yield
@@ -150,7 +150,7 @@ def instructions_child(configs: list[str], args) -> None:
     xmix_cg_stop, which dumps their instructions as a part file labelled config/kernel."""
     import warnings
 
-    from xmix import ops
+    from xmix.runtime import ops
 
     warnings.filterwarnings("ignore", message=".*[Oo]verrid")
     if ops.NATIVE is None or not ops.NATIVE.xmix_cg_available():

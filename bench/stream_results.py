@@ -21,13 +21,13 @@ import time
 
 import numpy as np
 
-from xmix.integrations.vllm.openai_results import APPLIED_KEY, _with_results, json_results
+from xmix.integrations.vllm.http.openai_results import APPLIED_KEY, _with_results, json_results
 from xmix.integrations.vllm.result_keys import OUTPUT_ATTR
-from xmix.results_codec import DEFAULT_OPTIONS, ReadResult, ResultOptions
+from xmix.lang.results_codec import DEFAULT_OPTIONS, ReadResult, ResultOptions
 
 
 async def _before(stream, sink: list, applied: dict, n_choices: int, opts: ResultOptions):
-    from xmix.integrations.vllm.worker import merge_results
+    from xmix.integrations.vllm.worker.worker import merge_results
 
     async for chunk in stream:
         if isinstance(chunk, str) and chunk.startswith('data: {"error"') and applied.get("error"):

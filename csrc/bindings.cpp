@@ -1,5 +1,5 @@
 // xmix._C: the small Python surface of the compiled half. Raw pointers and sizes in, no
-// libtorch: the torch glue lives in python/xmix/ops.py.
+// libtorch: the torch glue lives in python/xmix/runtime/ops.py.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 

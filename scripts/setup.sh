@@ -82,7 +82,7 @@ quiet $VPY -m pip install -q --no-compile --no-build-isolation -e ".[$EXTRA,test
 $VPY -c "import xmix._C" >/dev/null
 # Python 3.10 has no tomllib: torch then arrives with the install above, after xmix was
 # built, and xmix is built once more against it.
-native() { $VPY -c "import sys, xmix.ops; sys.exit(xmix.ops.NATIVE is None)" >/dev/null 2>&1; }
+native() { $VPY -c "import sys, xmix.runtime.ops; sys.exit(xmix.runtime.ops.NATIVE is None)" >/dev/null 2>&1; }
 if ! native; then
   say "building xmix again against the torch just installed (the native site kernel)"
   quiet $VPY -m pip install -q --no-build-isolation --no-deps -e . \

@@ -7,7 +7,7 @@ and MLP outputs (Arditi et al.); SEAL's add on "\\n\\n" tokens inside <think>…
 cos(h̄, tanh(P h̄)) on the prompt mean and its latched behaviour add; a logistic probe on
 mlp.post (Orgad et al.); SAKE's A(h - mu_s) + mu_t when ||h - mu_s|| <= t; KTS's probe-gated
 add at block outputs; SteerMoE's log-softmax rewrite of the router scores before top-k. It does
-not use xmix.reference or xmix.integrations.hf. Greedy generation recomputes the whole sequence
+not use xmix.lang.reference or xmix.integrations.hf. Greedy generation recomputes the whole sequence
 each step, so every position sees exactly the writes that the serving semantics give it
 (last_token = last prompt token and fed-back generated tokens; latches decided at the last
 prompt token; spans opener-inclusive, closer-exclusive; the last generated token never fed back).

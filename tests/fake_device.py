@@ -1,5 +1,5 @@
-"""GPU streams as the host sees them, on the CPU: the stand-in for ``xmix.device_queue.CudaStreams``
-under the real ``xmix.device_queue.StreamQueue``.
+"""GPU streams as the host sees them, on the CPU: the stand-in for ``xmix.runtime.device_queue.CudaStreams``
+under the real ``xmix.runtime.device_queue.StreamQueue``.
 
 What matters for the control block is when things happen, not where: on a GPU a
 ``copy_(non_blocking=True)`` from pinned memory and every kernel are only queued, and the copy
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from xmix.device_queue import StreamQueue, Streams
+from xmix.runtime.device_queue import StreamQueue, Streams
 
 
 class FakeEvent:

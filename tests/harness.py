@@ -11,10 +11,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from xmix import ops
-from xmix.control import Capacity, ControlBlock
-from xmix.lowering import lower
-from xmix.sites import ModelShape, site_id
+from xmix.lang.lowering import lower
+from xmix.lang.sites import ModelShape, site_id
+from xmix.runtime import ops
+from xmix.runtime.control import Capacity, ControlBlock
 
 SMALL = Capacity(
     max_tokens=64,
@@ -81,7 +81,7 @@ class Harness:
     def run_reference(
         self, submodule: str, layer: int | None, h: torch.Tensor, r: torch.Tensor | None = None
     ):
-        """The site through the Python reference kernel (xmix.ops._site_cpu) instead of the
+        """The site through the Python reference kernel (xmix.runtime.ops._site_cpu) instead of the
         dispatcher's, which on the CPU is the native one."""
         ops._site_cpu(h, r, site_id(submodule, layer, self.shape.n_layers))
 
@@ -126,12 +126,12 @@ def build_user_kernels(directory, source: str) -> str:
 
 
 def program_parts(data: bytes) -> tuple[dict, dict[str, torch.Tensor]]:
-    """A lowered program (xmix.program_codec) taken apart without its checks: the JSON and
+    """A lowered program (xmix.lang.program_codec) taken apart without its checks: the JSON and
     the arrays, for tests that forge one (``program_from_parts`` puts it back together)."""
     import json
 
-    from xmix.app_file import _materialise, _tensor_entries
-    from xmix.program_codec import META_KEY
+    from xmix.lang.app_file import _materialise, _tensor_entries
+    from xmix.lang.program_codec import META_KEY
 
     n = int.from_bytes(data[:8], "little")
     header = json.loads(data[8 : 8 + n])
@@ -144,6 +144,6 @@ def program_parts(data: bytes) -> tuple[dict, dict[str, torch.Tensor]]:
 def program_from_parts(prog: dict, arrays: dict[str, torch.Tensor]) -> bytes:
     import json
 
-    from xmix.program_codec import _safetensors
+    from xmix.lang.program_codec import _safetensors
 
     return _safetensors(arrays, json.dumps(prog))

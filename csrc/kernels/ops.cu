@@ -194,7 +194,7 @@ __device__ float cosine_of_mean(const float* sum, float count, const OpDesc& op,
 // One block per selected row, as every op: rows of requests without the app return before
 // any encoder work. The encoder input sits in shared memory; each warp computes whole
 // pre-activations (lanes over d, butterfly sum: the same value in every lane); top-K keeps
-// one candidate list per warp, merged by ranks. Semantics: ops_cpu.cpp, xmix.reference.
+// one candidate list per warp, merged by ranks. Semantics: ops_cpu.cpp, xmix.lang.reference.
 constexpr int kWarps = kThreads / 32;
 
 __device__ __forceinline__ float warp_dot(const float* w, const float* xs, int32_t d) {

@@ -1,5 +1,5 @@
 // CPU twins of the built-in primitives. The CUDA twins (ops.cu) compute the same formulas
-// with the same fp32 accumulation; tests/test_kernels.py checks both against xmix.reference.
+// with the same fp32 accumulation; tests/test_kernels.py checks both against xmix.lang.reference.
 #include <algorithm>
 #include <cmath>
 #include <cstring>

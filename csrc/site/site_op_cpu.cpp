@@ -2,7 +2,7 @@
 //
 // Every active hook site of a CPU engine calls torch.ops.xmix.site once per step; with this
 // kernel the call goes from the dispatcher straight into the site program (run_site_cpu) with
-// no Python in between. The op itself is defined in Python (xmix/ops.py, with its fake for
+// no Python in between. The op itself is defined in Python (xmix/runtime/ops.py, with its fake for
 // torch.compile); this library only registers the CPU implementation. It is built against
 // PyTorch's stable ABI (torch/csrc/stable), so it links none of libtorch's C++ symbols: like
 // xmix._C, one build serves every torch from the targeted version on.
@@ -71,7 +71,7 @@ int32_t dtype_of(const Tensor& t, bool* ok) {
   }
 }
 
-// The same checks and row geometry as xmix/ops.py's _args (the Python reference kernel).
+// The same checks and row geometry as xmix/runtime/ops.py's _args (the Python reference kernel).
 bool geometry(const Tensor& h, const std::optional<Tensor>& r, int32_t* n, int32_t* d, int64_t* sh,
               int64_t* sr, const void** rp, int32_t* dt, std::string* why) {
   bool ok;

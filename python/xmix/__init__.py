@@ -7,9 +7,9 @@ outs = llm.generate(prompts, SamplingParams(extra_args={"xmix": {"apps": ["steer
 xmix.results(outs[0])
 """
 
-from xmix.api import App, AppError
-from xmix.lowering import DeployError
-from xmix.sae import SAE
+from xmix.lang.api import App, AppError
+from xmix.lang.lowering import DeployError
+from xmix.lang.sae import SAE
 
 __version__ = "0.1.0"
 __all__ = [
@@ -31,8 +31,8 @@ def results(output, as_tensors: bool = False) -> dict:
     """Read results of a request: {app: {read: {"positions": [...], "values": [...]}}}; with
     ``as_tensors`` {app: {read: {"positions", "values"[, "ids"]}}} as torch tensors (values
     in the request's "dtype"). A request cut at its byte cap carries ``"!truncated"``."""
-    from xmix.results_codec import as_lists
-    from xmix.results_codec import as_tensors as tensors_of
+    from xmix.lang.results_codec import as_lists
+    from xmix.lang.results_codec import as_tensors as tensors_of
 
     res = getattr(output, "xmix", None) or {}
     return tensors_of(res) if as_tensors else as_lists(res)
@@ -53,20 +53,16 @@ def monitors(output) -> dict:
 def decode_results(payload) -> dict:
     """The ``"xmix"`` payload of a server response (or the payloads of a stream's chunks, in
     order) as torch tensors, whatever its encoding (JSON, base64, zstd)."""
-    from xmix.results_codec import decode_results as decode
+    from xmix.lang.results_codec import decode_results as decode
 
     return decode(payload)
 
 
 def custom_include_dir() -> str:
     """Include directory for user kernels: ``#include "xmix/custom.h"`` (the fixed ABI)."""
-    from pathlib import Path
+    from xmix.runtime.control.custom import include_dir
 
-    here = Path(__file__).resolve().parent
-    for cand in (here / "include", here.parent.parent / "csrc" / "include"):
-        if (cand / "xmix" / "custom.h").is_file():
-            return str(cand)
-    raise FileNotFoundError("xmix/custom.h not found next to the package or in the source tree")
+    return include_dir()
 
 
 def __getattr__(name):

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from xmix import settings
-from xmix.results_codec import DTYPES, Window, _window, positions_from_text, to_tensor
+from xmix.lang.results_codec import DTYPES, Window, _window, positions_from_text, to_tensor
 
 # One scheme for every format tag xmix writes: xmix.<what>/<version> (xmix.app/1,
 # xmix.program/1). Captures written before it say "xmix-capture-1": the same format.
@@ -66,7 +66,7 @@ class Site:
 def parse_sites(sites: str | Iterable[str], n_layers: int | None = None) -> list[Site]:
     """``layers.N.SITE`` (``layers.*.SITE``: every layer) and ``final.post``,
     comma-separated or as a list."""
-    from xmix.sites import LAYER_SITES, MODEL_SITES
+    from xmix.lang.sites import LAYER_SITES, MODEL_SITES
 
     items = [
         s.strip() for s in (sites.split(",") if isinstance(sites, str) else sites) if s.strip()
@@ -279,7 +279,7 @@ class CaptureRun:
         settings.set_env("XMIX_CAPTURE_MB", str(max(16, math.ceil(need / 2**20) + 1)))
 
     def _shape(self, llm):
-        from xmix.sites import ModelShape
+        from xmix.lang.sites import ModelShape
 
         cfg = llm.llm_engine.model_config
         return ModelShape.from_hf_config(cfg.hf_config, cfg.model), cfg

@@ -19,7 +19,7 @@ def _cmd_models(argv: list[str]) -> int:
 
 
 def _cmd_serve(argv: list[str]) -> int:
-    from xmix.integrations.vllm.serve_cli import serve_main
+    from xmix.integrations.vllm.http.serve_cli import serve_main
 
     return serve_main(argv)
 

@@ -1,6 +1,6 @@
 // begin_host_step / end_host_step: the unstaged CPU engine's per-step host path in one call
 // (csrc/site/step_cpu.cpp). Expected values are worked out by hand from the rules in
-// xmix/control/step.py and the worker's restart check.
+// xmix/runtime/control/step.py and the worker's restart check.
 #include <gtest/gtest.h>
 
 #include <cstring>

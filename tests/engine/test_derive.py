@@ -22,9 +22,9 @@ import torch
 import xmix
 from apps_oracle import CMP, cast_score, lines, shared_llm
 from engine_util import hf_model
-from xmix import conditions as C
 from xmix.apps import collect as AC
 from xmix.apps import derive_cli as DC
+from xmix.lang import conditions as C
 from xmix.models.tiny import tiny_model_path
 
 pytestmark = pytest.mark.engine
@@ -141,7 +141,7 @@ class SmallBufferLLM:
     checked against hidden states; the code under test is collect_activations' planning."""
 
     def __init__(self, env, budget: int, max_tokens: int = 512):
-        from xmix.sites import ModelShape
+        from xmix.lang.sites import ModelShape
 
         self.env, self.budget, self.max_tokens = env, budget, max_tokens
         self.shape = ModelShape.from_hf_config(env["hf"].config)
@@ -153,7 +153,7 @@ class SmallBufferLLM:
             registry = type("R", (), {"shape": outer.shape})()
 
             def deploy(self, app):
-                from xmix.lowering import DeployError, lower
+                from xmix.lang.lowering import DeployError, lower
 
                 lw = lower(app, outer.shape)
                 used = sum(

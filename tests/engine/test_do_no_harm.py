@@ -26,8 +26,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from xmix.architectures import UnsupportedArchitecture, supported_architectures
 from xmix.integrations.vllm import enable
+from xmix.lang.architectures import UnsupportedArchitecture, supported_architectures
 from xmix.models.tiny import tiny_model_path
 
 UNSUPPORTED = "InternLM3ForCausalLM"
@@ -71,7 +71,7 @@ def test_xmix_entry_point_options():
 
 
 def test_xmix_serve_merges_the_operators_additional_config():
-    from xmix.integrations.vllm.serve_cli import _ask_for_xmix
+    from xmix.integrations.vllm.http.serve_cli import _ask_for_xmix
 
     want = {"xmix": {"version": enable.SITES_VERSION}}
     out = _ask_for_xmix(["m", "--port", "1"])
@@ -92,7 +92,7 @@ def test_xmix_serve_merges_the_operators_additional_config():
 def test_worker_gate(monkeypatch):
     """Stand-in runner: vLLM's load_model is all that runs when xmix is not asked for; asked
     for on a family without a site table, the start stops before the weights load."""
-    from xmix.integrations.vllm import worker
+    from xmix.integrations.vllm.worker.worker import worker
 
     monkeypatch.delenv("XMIX_ENABLE", raising=False)
     monkeypatch.delenv("XMIX_DISABLE", raising=False)

@@ -4,7 +4,7 @@ Oracles: for requests without apps, vanilla vLLM with the xmix plugin off (same 
 settings) for the compiled Llama, and transformers' greedy decoding of the unhooked model for
 the eager Qwen3 and Mixtral (as in test_models_engine.py: an eager vanilla engine gave the same
 tokens when these tests were written, and cost ~50 s each); ``xmix.integrations.hf``
-(transformers + xmix.reference) for requests with apps.
+(transformers + xmix.lang.reference) for requests with apps.
 Engine settings force chunked prefill (64-token budget) and keep prefix caching on.
 """
 
@@ -26,8 +26,8 @@ from engine_util import (
     shutdown,
     tokenize,
 )
+from xmix.lang.sites import ModelShape
 from xmix.models.tiny import tiny_model_path
-from xmix.sites import ModelShape
 
 pytestmark = pytest.mark.engine
 

@@ -22,8 +22,8 @@ import torch
 
 import xmix
 from engine_util import PROMPTS, greedy, make_llm, shutdown, tokenize
+from xmix.lang.program_codec import program_of
 from xmix.models.tiny import tiny_model_path
-from xmix.program_codec import program_of
 
 pytestmark = pytest.mark.engine
 

@@ -10,8 +10,8 @@ from test_engine import assert_monitors_match, build_apps
 
 import xmix
 from engine_util import PROMPTS, greedy, hf_model, make_llm, shutdown, tokenize
+from xmix.lang.sites import ModelShape
 from xmix.models.tiny import tiny_model_path
-from xmix.sites import ModelShape
 
 pytestmark = pytest.mark.engine
 

@@ -2,7 +2,7 @@
 
 - A write whose result would not be finite (an fp16 overflow within the allowed scale range,
   an adversarial `affine` matrix, a user kernel that writes NaN) leaves the stream finite and
-  is counted per app; the expected rows come from ``xmix.reference`` (whose ``written`` keeps
+  is counted per app; the expected rows come from ``xmix.lang.reference`` (whose ``written`` keeps
   the old value of such an element) and hand-computed masks.
 - An op that fails inside a site program (a user kernel that throws) fails the requests that
   used its app in that step; the other ops of the site still run, for every other request.
@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from harness import Harness, Req, build_user_kernels
-from xmix import reference as R
-from xmix.api import App
-from xmix.program_codec import program_of
-from xmix.sites import ModelShape
+from xmix.lang import reference as R
+from xmix.lang.api import App
+from xmix.lang.program_codec import program_of
+from xmix.lang.sites import ModelShape
 
 D = 64
 SHAPE = ModelShape(n_layers=2, hidden_size=D, vocab_size=64)
@@ -197,7 +197,7 @@ def test_an_exception_before_the_site_runs_fails_the_sites_requests(monkeypatch,
     """Anything that raises around the site program fails the requests of the step whose
     apps have ops at the site, instead of leaving the forward: _C itself for the Python
     reference kernel, rows that are not contiguous for both."""
-    from xmix import ops
+    from xmix.runtime import ops
 
     steer = App("steer")
     steer.write("add", vector=torch.ones(D)).layers([0]).at("residual.pre")
@@ -305,7 +305,7 @@ def test_an_app_removed_behind_the_registrys_back_heals(llm):
 @pytest.mark.engine
 def test_a_forged_program_sent_to_the_workers_is_refused_and_the_engine_serves_on(llm):
     """Issue 30: a worker installs the frontend's lowered program without lowering it again
-    and checks what it relies on (program_codec.py). Forged programs sent to the workers'
+    and checks what it relies on (lang/program_codec.py). Forged programs sent to the workers'
     install path (an artifact shorter than the hidden size the kernel reads, a site the
     model does not have, bytes cut short, an app file instead of a program) are refused
     naming what is wrong; nothing is left installed or prepared, the engine answers as

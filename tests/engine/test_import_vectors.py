@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from xmix.api import App
 from xmix.cli import main as xmix_main
 from xmix.interop import InteropError, from_control_vector, from_steering_vector, load_vector_app
+from xmix.lang.api import App
 from xmix.models.tiny import tiny_model_path
 
 D = 32

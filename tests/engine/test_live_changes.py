@@ -17,13 +17,13 @@ import torch
 
 import xmix
 from harness import SMALL
-from xmix import conditions as C
-from xmix.api import AppError, LimitError
-from xmix.control import ControlBlock, RequestError
-from xmix.lowering import DeployError, lower
+from xmix.lang import conditions as C
+from xmix.lang.api import AppError, LimitError
+from xmix.lang.lowering import DeployError, lower
+from xmix.lang.program_codec import program_of
+from xmix.lang.sites import ModelShape
 from xmix.models.tiny import tiny_model_path
-from xmix.program_codec import program_of
-from xmix.sites import ModelShape
+from xmix.runtime.control import ControlBlock, RequestError
 
 SHAPE = ModelShape(n_layers=4, hidden_size=64, vocab_size=300)
 D = SHAPE.hidden_size
@@ -300,9 +300,9 @@ def test_writes_are_bounded_to_1e30_per_element():
     """A write may not drive the stream past 1e30 (Inf/NaN in the KV cache would reach later
     requests given the same blocks): the bound is |param| x the largest element it scales,
     checked for app defaults at deploy and for every request's parameters."""
-    from xmix.control import param_columns, resolve_params
-    from xmix.lowering import WRITE_BOUND
-    from xmix.sae import SAE
+    from xmix.lang.lowering import WRITE_BOUND
+    from xmix.lang.sae import SAE
+    from xmix.runtime.control import param_columns, resolve_params
 
     v = torch.zeros(D)
     v[3] = 4.0
@@ -336,7 +336,7 @@ def test_writes_are_bounded_to_1e30_per_element():
 
 
 def test_request_controls_with_huge_numbers_are_refused():
-    from xmix.control import param_columns, resolve_params
+    from xmix.runtime.control import param_columns, resolve_params
 
     app = xmix.App("s")
     app.write("add", vector=_vec(90), scale=1.0).layers([1]).at("residual.post")

@@ -21,9 +21,9 @@ import torch
 
 import xmix
 from engine_util import PROMPTS, assert_reads_match, greedy, hf_greedy, make_llm, shutdown, tokenize
-from xmix.architectures import FAMILIES
+from xmix.lang.architectures import FAMILIES
+from xmix.lang.sites import ModelShape
 from xmix.models.tiny import tiny_model_path
-from xmix.sites import ModelShape
 
 pytestmark = pytest.mark.engine
 

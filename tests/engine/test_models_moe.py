@@ -39,10 +39,10 @@ from engine_util import (
     shutdown,
     tokenize,
 )
-from xmix.api import App
 from xmix.integrations.hf import attach
+from xmix.lang.api import App
+from xmix.lang.sites import ModelShape
 from xmix.models.tiny import tiny_model_path
-from xmix.sites import ModelShape
 
 transformers = pytest.importorskip("transformers")
 
@@ -179,7 +179,7 @@ def test_router_edit_on_the_transformers_path_routes_as_the_reference(kind):
 
 
 def test_a_deepseek_router_the_site_does_not_follow_is_refused_at_attach():
-    from xmix.lowering import DeployError
+    from xmix.lang.lowering import DeployError
 
     _, tok, model = load("tiny-deepseek-v2")
     gate = model.model.layers[3].mlp.gate

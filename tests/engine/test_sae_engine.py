@@ -1,5 +1,5 @@
 """The three SAE primitives on the vLLM CPU engine against the transformers oracle
-(xmix.integrations.hf with xmix.reference): greedy tokens exact, reads within 1e-4 relative.
+(xmix.integrations.hf with xmix.lang.reference): greedy tokens exact, reads within 1e-4 relative.
 
 One engine (tiny Llama, chunked prefill, prefix caching on) for the module. The SAEs are tiny
 (d = model width, F = 384) and calibrated on the model's own activations so that a tenth of
@@ -16,9 +16,9 @@ import torch
 
 import xmix
 from engine_util import PROMPTS, greedy, hf_model, make_llm, shutdown, tokenize
+from xmix.lang.sae import SAE
+from xmix.lang.sites import ModelShape
 from xmix.models.tiny import tiny_model_path
-from xmix.sae import SAE
-from xmix.sites import ModelShape
 
 pytestmark = pytest.mark.engine
 

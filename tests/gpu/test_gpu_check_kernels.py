@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from harness import Harness, Req
-from xmix import reference as R
-from xmix.api import App
-from xmix.control import Capacity
-from xmix.sites import ModelShape
+from xmix.lang import reference as R
+from xmix.lang.api import App
+from xmix.lang.sites import ModelShape
+from xmix.runtime.control import Capacity
 
 
 @pytest.mark.gpu

@@ -402,7 +402,7 @@ def test_a_control_change_racing_a_shutdown(srv):
     log = s.log_text()
     tail = log[log.find("[shutdown]") :] if "[shutdown]" in log else log
     # every module of the vLLM integration, so a module split keeps being checked
-    mods = "|".join(p.stem for p in Path(vllm_integration.__file__).parent.glob("*.py"))
+    mods = "|".join(p.stem for p in Path(vllm_integration.__file__).parent.rglob("*.py"))
     ours = re.findall(rf"ERROR .*\[(?:{mods})\.py:\d+\].*", tail)
     assert not ours, ours[:10]
     assert code is not None

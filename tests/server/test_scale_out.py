@@ -348,7 +348,7 @@ def test_deploy_through_one_server_is_used_through_the_other(runs):
 
 def test_a_deploy_is_parsed_and_lowered_once_across_api_servers_and_engines(runs):
     """Issue 30: the API server the deploy reached parses and lowers the app; the engine's
-    worker and the other API server decode its lowered program (program_codec.py) and lower
+    worker and the other API server decode its lowered program (lang/program_codec.py) and lower
     nothing. Before: the worker and the other server parsed and lowered it again (3 of each)."""
     before, after = runs["work_before"], runs["work_after"]
     a = runs["deployed_by"]

@@ -687,7 +687,7 @@ def _strict(text: str):
 
 
 def _max_scale(server) -> float:
-    from xmix.lowering import WRITE_BOUND
+    from xmix.lang.lowering import WRITE_BOUND
 
     return WRITE_BOUND / float(server["steer"].ops[0].artifacts["vector"].abs().max())
 

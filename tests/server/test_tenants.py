@@ -19,11 +19,11 @@ import torch
 import xmix
 from harness import SMALL
 from xmix.integrations.vllm import keyed, tenants
-from xmix.integrations.vllm.admission import admit, cache_salt
-from xmix.integrations.vllm.processor_patches import provenance
-from xmix.integrations.vllm.registry import Needs, Registry
-from xmix.lowering import lower
-from xmix.sites import ModelShape
+from xmix.integrations.vllm.frontend.admission import admit, cache_salt
+from xmix.integrations.vllm.frontend.processor_patches import provenance
+from xmix.integrations.vllm.frontend.registry import Needs, Registry
+from xmix.lang.lowering import lower
+from xmix.lang.sites import ModelShape
 
 D = 64
 SHAPE = ModelShape(n_layers=2, hidden_size=D, vocab_size=64)
@@ -150,8 +150,8 @@ def test_one_response_shares_one_byte_budget(monkeypatch):
     budget, so the sequences' caps never add up to more than it."""
     import contextvars
 
-    from xmix.integrations.vllm import admission
-    from xmix.results_codec import max_response_bytes
+    from xmix.integrations.vllm.frontend import admission
+    from xmix.lang.results_codec import max_response_bytes
 
     monkeypatch.delenv("XMIX_MAX_RESPONSE_BYTES", raising=False)
     assert max_response_bytes() == 64 << 20
@@ -315,7 +315,7 @@ def test_locked_parameters_cannot_be_overridden_by_requests():
     admit(reg, {"apps": ["steer"], "params": {"steer": {"scale": 0.0}}})  # other apps: as before
     _, lock = reg.check_patch("safety", None, None, ["push.scale"])
     assert lock == {0}
-    with pytest.raises(xmix.lowering.DeployError, match="cannot lock unknown parameter"):
+    with pytest.raises(xmix.lang.lowering.DeployError, match="cannot lock unknown parameter"):
         reg.check_patch("safety", None, None, ["volume"])
     _, lock = reg.check_patch("safety", None, None, False)
     reg.patch("safety", None, {}, lock)
@@ -369,7 +369,7 @@ def test_an_app_gone_after_the_pre_stream_check_is_a_change_not_a_refusal():
     and named in provenance "changed"; without one, the same control is still refused."""
     import contextvars
 
-    from xmix.integrations.vllm import admission
+    from xmix.integrations.vllm.frontend import admission
 
     def in_request(fn):
         return contextvars.copy_context().run(fn)  # one request's context, as the server has
@@ -408,7 +408,7 @@ def test_a_request_opted_out_of_a_mode_all_app_is_left_alone(backend):
     """control.h app_active: in mode "all" a request's bit opts it out. a: every mode-all
     app applies; b: none (forced=[]); c: only 'safety'. Mode switches and a later mode-all
     deploy keep each request's choice."""
-    from xmix.control import ControlBlock
+    from xmix.runtime.control import ControlBlock
 
     v = torch.arange(D, dtype=torch.float32) / D
     safety = xmix.App("safety")
@@ -420,7 +420,7 @@ def test_a_request_opted_out_of_a_mode_all_app_is_left_alone(backend):
         cb.slots.admit_pinned("b", [], {}, 2, forced=[])[0],
         cb.slots.admit_pinned("c", [], {}, 2, forced=["safety"])[0],
     ]
-    from xmix import ops
+    from xmix.runtime import ops
 
     def step(site_layer: int = 0) -> torch.Tensor:
         cb.begin_step(
@@ -770,7 +770,7 @@ def test_one_response_has_one_byte_cap_for_all_its_prompts(srv):
 
 @pytest.mark.engine
 def test_apps_a_key_may_not_see_do_not_leak(srv):
-    """Issue 33 item 5: a key limited to 'steer' saw every app in console/live, console/
+    """Issue 33 item 5: a key limited to 'steer' saw every app in integrations/vllm/http/console/live, integrations/vllm/http/console/
     decisions answered for apps it may not name, and the unauthenticated /metrics carried
     app names. Now the console answers within the caller's policy (another app is "not
     deployed") and /metrics shows keyed hashes (--xmix-metrics-app-labels hashed); the

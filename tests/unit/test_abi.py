@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from xmix import _C, sites
-from xmix.control import layout
+from xmix import _C
+from xmix.lang import sites
+from xmix.runtime.control import layout
 
 K = _C.constants()
 
@@ -94,8 +95,8 @@ def test_sae_flags_decode_as_the_kernels_read_them():
     sae_arch, sae_norm, SAE_B_DEC_IN, SAE_FEATURES) must read back what was packed."""
     from types import SimpleNamespace
 
-    from xmix import catalog
-    from xmix.lowering.pack import sae_flags
+    from xmix.lang import catalog
+    from xmix.lang.lowering.pack import sae_flags
 
     for arch, norm, b_dec_in, feats in (
         ("relu", "none", False, False),

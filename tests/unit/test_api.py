@@ -15,11 +15,11 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save as st_save
 
-from xmix import conditions as C
-from xmix.api import App, AppError
-from xmix.catalog import CENTROIDS, EXPERTS, KERNELS, MAT_DD, SAE_KERNELS, VEC
-from xmix.lowering import DeployError, latch_from_generated, lower
-from xmix.sites import LAYER_SITES, ModelShape, site_id
+from xmix.lang import conditions as C
+from xmix.lang.api import App, AppError
+from xmix.lang.catalog import CENTROIDS, EXPERTS, KERNELS, MAT_DD, SAE_KERNELS, VEC
+from xmix.lang.lowering import DeployError, latch_from_generated, lower
+from xmix.lang.sites import LAYER_SITES, ModelShape, site_id
 
 D, L, E, V = 32, 4, 4, 100
 S = ModelShape(n_layers=L, hidden_size=D, vocab_size=V, n_experts=E, moe_layers=(0, 1, 2, 3))
@@ -772,7 +772,7 @@ def test_huge_param_is_an_app_error():
 # ------------------------------------------------------------------------------ control block
 def test_control_block_refuses_two_apps_of_one_name():
     from harness import SMALL
-    from xmix.control import ControlBlock
+    from xmix.runtime.control import ControlBlock
 
     cb = ControlBlock(S, "cpu", SMALL)
     first = _app("same")

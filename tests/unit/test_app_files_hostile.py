@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import xmix
-from xmix.api import AppError, LimitError
+from xmix.lang.api import AppError, LimitError
 
 D = 16
 
@@ -221,8 +221,8 @@ def test_hostile_app_file_is_refused_with_the_reason(what, data, msg):
 
 
 def test_wrong_shape_is_refused_at_deploy_and_a_huge_header_is_a_limit(monkeypatch):
-    from xmix.lowering import DeployError, lower
-    from xmix.sites import ModelShape
+    from xmix.lang.lowering import DeployError, lower
+    from xmix.lang.sites import ModelShape
 
     app = xmix.App.from_bytes(_good().to_bytes())  # a well-formed file still parses
     assert torch.equal(app.ops[0].artifacts["vector"], torch.arange(D, dtype=torch.float32))
@@ -268,7 +268,7 @@ PEAK = textwrap.dedent("""
     try:
         xmix.App.from_bytes(data)
         outcome = "parsed"
-    except xmix.api.AppError as e:
+    except xmix.lang.api.AppError as e:
         outcome = type(e).__name__
     print(json.dumps({"grew_kib": kib("VmHWM") - base, "file_kib": len(data) >> 10, "outcome": outcome}))
 """)

@@ -15,8 +15,6 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
-from xmix import conditions as C
-from xmix.api import App, AppError
 from xmix.apps import (
     APPS,
     MONITORS,
@@ -31,9 +29,11 @@ from xmix.apps import (
 )
 from xmix.apps import artifacts as ART
 from xmix.apps import derive as D
-from xmix.lowering import DeployError, latch_from_generated, lower
+from xmix.lang import conditions as C
+from xmix.lang.api import App, AppError
+from xmix.lang.lowering import DeployError, latch_from_generated, lower
+from xmix.lang.sites import ModelShape, site_id
 from xmix.models.tiny import tiny_model_path
-from xmix.sites import ModelShape, site_id
 
 F64 = torch.float64
 

@@ -13,10 +13,11 @@ import pytest
 import torch
 
 import xmix
-from xmix.console import console_url, live
-from xmix.console import decisions as D
-from xmix.lowering import lower
-from xmix.sites import ModelShape
+from xmix.integrations.vllm.http.console import console_url, live
+from xmix.integrations.vllm.http.console import decisions as D
+from xmix.lang import conditions as C
+from xmix.lang.lowering import lower
+from xmix.lang.sites import ModelShape
 
 SHAPE = ModelShape(n_layers=4, hidden_size=8, vocab_size=50, model_name="m")
 F32_TENTH = struct.unpack("f", struct.pack("f", 0.1))[0]  # 0.10000000149011612
@@ -117,14 +118,14 @@ def test_decisions_use_the_requests_parameters_and_missing_reads():
 
 
 def test_sae_reads_gate_on_their_first_channel_or_one_feature():
-    assert D.read_scalar({"ids": [3, 9], "acts": [2.5, 0.5]}) == 2.5  # top-K: largest
-    assert D.read_scalar({"ids": [], "acts": []}) == 0.0  # none active
-    assert D.read_scalar({"ids": [40, 12], "acts": [0.0, 1.5]}) == 0.0  # features: first
-    assert D.read_scalar({"ids": [40, 12], "acts": [0.0, 1.5]}, 1) == 1.5  # name.f12
-    assert D.read_scalar([1.0, 2.0]) is None
-    assert math.isnan(D.read_scalar(None))
+    assert C.read_scalar({"ids": [3, 9], "acts": [2.5, 0.5]}) == 2.5  # top-K: largest
+    assert C.read_scalar({"ids": [], "acts": []}) == 0.0  # none active
+    assert C.read_scalar({"ids": [40, 12], "acts": [0.0, 1.5]}) == 0.0  # features: first
+    assert C.read_scalar({"ids": [40, 12], "acts": [0.0, 1.5]}, 1) == 1.5  # name.f12
+    assert C.read_scalar([1.0, 2.0]) is None
+    assert math.isnan(C.read_scalar(None))
 
-    from xmix.sae import SAE
+    from xmix.lang.sae import SAE
 
     g = torch.Generator().manual_seed(0)
     sae = SAE(
@@ -175,8 +176,8 @@ def _registry(apps: dict):
 def test_usage_counts_gates_and_latency_per_app_and_live_reads_them_back():
     from prometheus_client import CollectorRegistry
 
-    from xmix.integrations.vllm import metrics
-    from xmix.integrations.vllm.usage import Usage
+    from xmix.integrations.vllm.frontend import metrics
+    from xmix.integrations.vllm.frontend.usage import Usage
 
     m = metrics._make(CollectorRegistry())
     plain = xmix.App("plain")
@@ -245,9 +246,9 @@ def test_usage_counts_monitors_per_app_and_read_and_live_shows_them():
     request (the engine reports each once) from the packed results the engine core sends."""
     from prometheus_client import CollectorRegistry
 
-    from xmix.integrations.vllm import metrics
-    from xmix.integrations.vllm.usage import Usage
-    from xmix.results_codec import STOPPED_KEY, SWITCHED_KEY
+    from xmix.integrations.vllm.frontend import metrics
+    from xmix.integrations.vllm.frontend.usage import Usage
+    from xmix.lang.results_codec import STOPPED_KEY, SWITCHED_KEY
 
     m = metrics._make(CollectorRegistry())
     reg = _registry({"a": (_app(), "request")})
@@ -279,16 +280,17 @@ def test_app_names_hidden_on_metrics_and_named_again_for_those_who_may_see_them(
     only."""
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from xmix.integrations.vllm import keyed, metrics
-    from xmix.integrations.vllm.usage import Usage, gates_of
+    from xmix.integrations.vllm import keyed
+    from xmix.integrations.vllm.frontend import metrics
+    from xmix.integrations.vllm.frontend.usage import Usage, gates_of
 
     monkeypatch.setenv("XMIX_METRICS_APP_LABELS", "hashed")
     monkeypatch.setattr(metrics, "_label_keys", None)
     keys = keyed.Keys(b"metrics test secret")
     metrics.set_app_labels(keys)
     m = metrics._make(CollectorRegistry())
-    from xmix.integrations.vllm.admission import admit
-    from xmix.integrations.vllm.registry import Needs, Registry
+    from xmix.integrations.vllm.frontend.admission import admit
+    from xmix.integrations.vllm.frontend.registry import Needs, Registry
 
     reg = Registry(SHAPE)  # the frontend's: it counts admissions under the app's label
     reg.metrics = m
@@ -336,7 +338,7 @@ def test_console_url_follows_the_server_arguments():
 def test_static_files_ship_with_the_package_and_load_nothing_from_outside():
     import re
 
-    from xmix.console.router import STATIC, static_file
+    from xmix.integrations.vllm.http.console.router import STATIC, static_file
 
     for name in STATIC:
         text = static_file(name).decode()

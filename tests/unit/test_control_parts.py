@@ -5,8 +5,8 @@ test_module_sizes.py's, for the whole package."""
 
 from __future__ import annotations
 
-from xmix.control import ControlBlock
-from xmix.sites import ModelShape
+from xmix.lang.sites import ModelShape
+from xmix.runtime.control import ControlBlock
 
 
 def test_parts_share_the_memory_and_never_hold_the_block():

@@ -9,7 +9,7 @@ import torch
 
 import xmix
 from harness import Harness, Req, build_user_kernels
-from xmix.sites import ModelShape
+from xmix.lang.sites import ModelShape
 
 D = 16
 SHAPE = ModelShape(n_layers=2, hidden_size=D, vocab_size=64)

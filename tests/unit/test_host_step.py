@@ -11,12 +11,12 @@ import pytest
 import torch
 
 import xmix
-from xmix.control import Capacity, ControlBlock
-from xmix.control.layout import CTRL_LAYOUT
-from xmix.control.step import Step
-from xmix.integrations.vllm.worker import WorkerXmix
-from xmix.lowering import lower
-from xmix.sites import ModelShape, site_id
+from xmix.integrations.vllm.worker.worker import WorkerXmix
+from xmix.lang.lowering import lower
+from xmix.lang.sites import ModelShape, site_id
+from xmix.runtime.control import Capacity, ControlBlock
+from xmix.runtime.control.layout import CTRL_LAYOUT
+from xmix.runtime.control.step import Step
 
 SHAPE = ModelShape(n_layers=2, hidden_size=8, vocab_size=64)
 

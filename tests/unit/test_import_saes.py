@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from harness import Harness, Req
-from xmix import reference as R
-from xmix.api import App
 from xmix.cli import main as xmix_main
 from xmix.interop import InteropError, from_saelens_object, load_sae
-from xmix.sae import SAE
-from xmix.sites import ModelShape
+from xmix.lang import reference as R
+from xmix.lang.api import App
+from xmix.lang.sae import SAE
+from xmix.lang.sites import ModelShape
 
 sae_lens = pytest.importorskip("sae_lens", reason="peer test needs sae-lens (scripts/setup.sh)")
 

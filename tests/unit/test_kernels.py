@@ -1,4 +1,4 @@
-"""Every built-in kernel, CPU twin and CUDA twin, against xmix.reference.
+"""Every built-in kernel, CPU twin and CUDA twin, against xmix.lang.reference.
 
 Each case runs a step of three requests: "a" (prefill of 5 prompt tokens) and "b" (one
 decode token) use the app, "c" (prefill) does not. The op's condition selects a strict
@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from harness import Harness, Req
-from xmix import reference as R
-from xmix.api import App
-from xmix.sites import ModelShape
+from xmix.lang import reference as R
+from xmix.lang.api import App
+from xmix.lang.sites import ModelShape
 
 D = 64
 SHAPE = ModelShape(n_layers=3, hidden_size=D, vocab_size=100, n_experts=8, moe_layers=(0, 1, 2))

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from xmix.api import AppError
 from xmix.apps import seal, truth_probe
 from xmix.apps._common import KNOWN_MODELS
-from xmix.architectures import FAMILIES
+from xmix.lang.api import AppError
+from xmix.lang.architectures import FAMILIES
 
 
 def test_known_models_name_supported_families():

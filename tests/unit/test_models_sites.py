@@ -12,16 +12,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from xmix.api import App
-from xmix.architectures import (
+from xmix.integrations.hf import attach
+from xmix.lang.api import App
+from xmix.lang.architectures import (
     FAMILIES,
     UnsupportedArchitecture,
     family_of,
     require_family,
     supported_architectures,
 )
-from xmix.integrations.hf import attach
-from xmix.lowering import DeployError
+from xmix.lang.lowering import DeployError
 from xmix.models.tiny import KINDS, tiny_model_path
 
 transformers = pytest.importorskip("transformers")

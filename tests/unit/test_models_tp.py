@@ -26,7 +26,7 @@ from torch import nn
 
 pm = pytest.importorskip("torch._inductor.pattern_matcher")
 
-from xmix.architectures import family_of  # noqa: E402
+from xmix.lang.architectures import family_of  # noqa: E402
 
 D = 16
 EPS = 1e-5
@@ -213,7 +213,7 @@ def _matches(model) -> int:
 
 
 def _with_sites(kind: str, **opts):
-    from xmix.integrations.vllm.model_wrap import place_sites
+    from xmix.integrations.vllm.worker.model_wrap import place_sites
 
     model = _model(kind)
     arch = {"llama": "LlamaForCausalLM", "gemma2": "Gemma2ForCausalLM"}[kind]

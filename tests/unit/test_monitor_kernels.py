@@ -4,7 +4,7 @@ since(...) term holds from the first position its condition held, across prefill
 and a recompute after preemption, on the CPU twin, the CUDA twin (gpu) and through the staged
 read-back. A request whose monitor never fires is written exactly as without it.
 
-Oracles: xmix.reference (probe, stream, add) and positions counted by hand."""
+Oracles: xmix.lang.reference (probe, stream, add) and positions counted by hand."""
 
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ import xmix
 from fake_device import FakeDevice
 from harness import SMALL, Harness, Req
 from xmix import _C
-from xmix import reference as R
-from xmix.control import ControlBlock
-from xmix.lowering import lower
-from xmix.results_codec import STOPPED_KEY, SWITCHED_KEY
-from xmix.sites import ModelShape, site_id
+from xmix.lang import reference as R
+from xmix.lang.lowering import lower
+from xmix.lang.results_codec import STOPPED_KEY, SWITCHED_KEY
+from xmix.lang.sites import ModelShape, site_id
+from xmix.runtime.control import ControlBlock
 
 D = 16
 SHAPE = ModelShape(n_layers=2, hidden_size=D, vocab_size=64)

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from xmix import conditions as C
-from xmix.api import App, AppError
-from xmix.lowering import DeployError, lower
-from xmix.sites import ModelShape, site_id
+from xmix.lang import conditions as C
+from xmix.lang.api import App, AppError
+from xmix.lang.lowering import DeployError, lower
+from xmix.lang.sites import ModelShape, site_id
 
 D, L, V = 32, 4, 100
 S = ModelShape(n_layers=L, hidden_size=D, vocab_size=V)

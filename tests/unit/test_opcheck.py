@@ -12,10 +12,10 @@ import torch
 
 import xmix
 from harness import SMALL
-from xmix import ops
-from xmix.control import ControlBlock
-from xmix.lowering import lower
-from xmix.sites import ModelShape
+from xmix.lang.lowering import lower
+from xmix.lang.sites import ModelShape
+from xmix.runtime import ops
+from xmix.runtime.control import ControlBlock
 
 D = 32
 SHAPE = ModelShape(n_layers=1, hidden_size=D, vocab_size=64)

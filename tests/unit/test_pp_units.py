@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import xmix
-from xmix.lowering import DeployError, lower
-from xmix.sites import ModelShape, site_id
+from xmix.lang.lowering import DeployError, lower
+from xmix.lang.sites import ModelShape, site_id
 
-pp = pytest.importorskip("xmix.integrations.vllm.pp")
+pp = pytest.importorskip("xmix.integrations.vllm.worker.pp")
 
 D, L = 16, 6
 SHAPE = ModelShape(n_layers=L, hidden_size=D, vocab_size=64)

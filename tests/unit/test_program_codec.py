@@ -1,4 +1,4 @@
-"""The lowered program (python/xmix/program_codec.py): what the frontend sends the workers and
+"""The lowered program (python/xmix/lang/program_codec.py): what the frontend sends the workers and
 the other API servers instead of the app, so an app is lowered once per deploy.
 
 Oracle: ``lowering.lower`` itself, the path a worker took before (it lowered the app again):
@@ -20,15 +20,10 @@ from test_scale_out_units import Engine, app, server
 
 import xmix
 from harness import SMALL, program_from_parts, program_parts
-from xmix import deploy_work
-from xmix.api import App
-from xmix.control import ControlBlock
-from xmix.control.arena import Claims
-from xmix.control.layout import OP_DTYPE
-from xmix.control.link import build_tables, link_app
-from xmix.control.params import param_columns
-from xmix.lowering import lower
-from xmix.program_codec import (
+from xmix.lang import deploy_work
+from xmix.lang.api import App
+from xmix.lang.lowering import lower
+from xmix.lang.program_codec import (
     ProgramError,
     _safetensors,
     app_digest,
@@ -36,8 +31,13 @@ from xmix.program_codec import (
     encode,
     program_of,
 )
-from xmix.sae import SAE
-from xmix.sites import ModelShape, site_id
+from xmix.lang.sae import SAE
+from xmix.lang.sites import ModelShape, site_id
+from xmix.runtime.control import ControlBlock
+from xmix.runtime.control.arena import Claims
+from xmix.runtime.control.layout import OP_DTYPE
+from xmix.runtime.control.link import build_tables, link_app
+from xmix.runtime.control.params import param_columns
 
 D, L, V = 32, 4, 100
 SHAPE = ModelShape(n_layers=L, hidden_size=D, vocab_size=V)
@@ -354,7 +354,7 @@ def test_a_deploy_is_parsed_and_lowered_once_across_servers_and_engines():
 def test_a_forged_program_on_a_worker_is_refused_and_it_serves_on():
     """The install path of a worker (the RPC the frontend calls) refuses a forged program
     naming the field, and keeps what it had."""
-    from xmix.integrations.vllm import worker as W
+    from xmix.integrations.vllm.worker.worker import worker as W
 
     e = Engine(0)
     good = program_of(app("a"), e.cb.shape)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import xmix
-from xmix.results_codec import (
+from xmix.lang.results_codec import (
     DEFAULT_OPTIONS,
     TRUNCATED_KEY,
     ReadResult,
@@ -315,10 +315,10 @@ def test_gate_counters_read_the_packed_results_the_engine_core_sends():
 
     from prometheus_client import CollectorRegistry
 
-    from xmix.integrations.vllm import metrics
-    from xmix.integrations.vllm.usage import Usage
-    from xmix.lowering import lower
-    from xmix.sites import ModelShape
+    from xmix.integrations.vllm.frontend import metrics
+    from xmix.integrations.vllm.frontend.usage import Usage
+    from xmix.lang.lowering import lower
+    from xmix.lang.sites import ModelShape
 
     shape = ModelShape(n_layers=2, hidden_size=8, vocab_size=50, model_name="m")
     app = xmix.App("a")
@@ -379,7 +379,7 @@ def test_one_value_chunks_are_encoded_without_numpys_array_functions(monkeypatch
     """A streamed chunk's usual entry, one position of a scalar read, is written from the two
     Python numbers (issue 29): the same JSON as the general path, hand-computed here for each
     stored dtype, non-finite values null and counted."""
-    import xmix.results_codec as rc
+    import xmix.lang.results_codec as rc
 
     def refuse(*a, **k):
         raise AssertionError("numpy's array path ran for a one-value entry")

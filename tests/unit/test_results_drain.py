@@ -3,7 +3,7 @@ is reported (the kernels say where a read ran; NaN is a value, never "no result"
 CPU twin, the CUDA twin (gpu) and the staged read-back; windows, dtypes and byte caps apply
 in the drain, before anything leaves the worker.
 
-Oracles: xmix.reference (probe, stream), torch's dtype conversions, hand-counted positions
+Oracles: xmix.lang.reference (probe, stream), torch's dtype conversions, hand-counted positions
 and bytes."""
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ import xmix
 from fake_device import FakeDevice
 from harness import SMALL, Harness, Req
 from xmix import _C
-from xmix import reference as R
-from xmix.control import ControlBlock
-from xmix.lowering import lower
-from xmix.results_codec import TRUNCATED_KEY, ReadShape, parse_options, position_bytes
-from xmix.sites import ModelShape, site_id
+from xmix.lang import reference as R
+from xmix.lang.lowering import lower
+from xmix.lang.results_codec import TRUNCATED_KEY, ReadShape, parse_options, position_bytes
+from xmix.lang.sites import ModelShape, site_id
+from xmix.runtime.control import ControlBlock
 
 D = 16
 SHAPE = ModelShape(n_layers=2, hidden_size=D, vocab_size=64)
@@ -134,7 +134,7 @@ def test_the_drain_rounds_to_the_requests_dtype(dtype):
     hs.step({"a": Req(3, 0, 3, ("c",))})
     hs.run("residual.post", 1, h, r)
     got = hs.drain()["a"]["c"]["h"]
-    t = xmix.results_codec.ReadResult.tensors(got)
+    t = xmix.lang.results_codec.ReadResult.tensors(got)
     want = R.stream(h, r).to({"bfloat16": torch.bfloat16, "float16": torch.float16}[dtype])
     assert t["values"].dtype == want.dtype and torch.equal(t["values"], want)
 
@@ -202,7 +202,7 @@ def test_a_site_that_did_not_run_leaves_no_earlier_results(monkeypatch, kernel):
     the whole site program fails before any op ran (the Python reference kernel: _C raises;
     the native one: rows that are not contiguous). The flags of step 1 must not be reported
     for "b" (nor anything for "a", which fails)."""
-    from xmix import ops
+    from xmix.runtime import ops
 
     app, _ = probe_app()
     hs = Harness(SHAPE, [app])

@@ -20,11 +20,11 @@ import xmix
 from fake_device import FakeDevice
 from harness import SMALL
 from xmix import _C
-from xmix.control import ControlBlock
 from xmix.integrations.vllm.result_keys import CARRIER
-from xmix.integrations.vllm.worker import WorkerXmix, patch_model_runner_v2
-from xmix.lowering import lower
-from xmix.sites import ModelShape, site_id
+from xmix.integrations.vllm.worker.worker import WorkerXmix, patch_model_runner_v2
+from xmix.lang.lowering import lower
+from xmix.lang.sites import ModelShape, site_id
+from xmix.runtime.control import ControlBlock
 
 D = 8
 F32 = _C.constants()["DT_F32"]

@@ -1,5 +1,5 @@
 """The SAE kernels (sae read, sae_steer, sae_clamp), CPU twin and CUDA twin, against
-xmix.reference (SAELens's conventions, written in plain PyTorch).
+xmix.lang.reference (SAELens's conventions, written in plain PyTorch).
 
 Each case runs one step of three requests as tests/unit/test_kernels.py does: "a" (5 prompt
 tokens) and "b" (one decode token) use the app, "c" does not. Rows of "c" and rows the
@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from harness import Harness, Req
-from xmix import reference as R
-from xmix.api import App, AppError
-from xmix.lowering import DeployError, lower
-from xmix.sae import SAE, SAEError
-from xmix.sites import ModelShape
+from xmix.lang import reference as R
+from xmix.lang.api import App, AppError
+from xmix.lang.lowering import DeployError, lower
+from xmix.lang.sae import SAE, SAEError
+from xmix.lang.sites import ModelShape
 
 D, F = 64, 300
 SHAPE = ModelShape(n_layers=3, hidden_size=D, vocab_size=100)

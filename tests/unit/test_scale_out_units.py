@@ -14,13 +14,13 @@ from transformers import LlamaConfig
 
 import xmix
 from harness import SMALL
-from xmix.control import ControlBlock
-from xmix.integrations.vllm import worker as W
-from xmix.integrations.vllm.admission import admit, cache_salt
-from xmix.integrations.vllm.controller import Controller
 from xmix.integrations.vllm.errors import EngineGone
-from xmix.lowering import DeployError
-from xmix.sites import ModelShape
+from xmix.integrations.vllm.frontend.admission import admit, cache_salt
+from xmix.integrations.vllm.frontend.controller import Controller
+from xmix.integrations.vllm.worker.worker import worker as W
+from xmix.lang.lowering import DeployError
+from xmix.lang.sites import ModelShape
+from xmix.runtime.control import ControlBlock
 
 D = 64
 HF = LlamaConfig(
@@ -205,7 +205,7 @@ def test_a_request_finishing_while_a_change_is_on_its_way_names_it(fleet):
     "all" or deployed in it (which read and wrote the request), a parameter change of its own
     app. The bounded soak (tests/server/test_soak.py) saw both as a leak and as a wrong
     answer before the registry knew changes as pending."""
-    from xmix.integrations.vllm.processor_patches import provenance
+    from xmix.integrations.vllm.frontend.processor_patches import provenance
 
     engines, s1, _ = fleet
     s1.deploy(app("own"))
@@ -256,7 +256,7 @@ def test_an_admission_never_sees_a_change_without_its_revision(fleet, change):
     import contextvars
     import threading
 
-    from xmix.integrations.vllm.admission import mark_prechecked
+    from xmix.integrations.vllm.frontend.admission import mark_prechecked
 
     _, s1, _ = fleet
     s1.deploy(app("c0"))
@@ -344,7 +344,7 @@ def test_a_server_not_heard_from_is_not_waited_for_and_syncs_before_admitting(fl
     ledger.LIVE_S; until it reads again it does not admit against what it holds."""
     import time
 
-    from xmix.integrations.vllm import ledger
+    from xmix.integrations.vllm.worker.worker import ledger
 
     engines, s1, s2 = fleet
     s1.deploy(app("a"))
@@ -483,8 +483,8 @@ def test_fan_out_names_an_engine_that_does_not_answer_and_does_not_wait_on_it_ag
     import asyncio
     import time
 
-    from xmix.integrations.vllm import engine_rpc as S
     from xmix.integrations.vllm.errors import EngineUnreachable
+    from xmix.integrations.vllm.frontend import engine_rpc as S
 
     monkeypatch.setenv("XMIX_RPC_TIMEOUT_S", "0.5")
     monkeypatch.setattr(S, "SLOW_RPC_S", 0.1)

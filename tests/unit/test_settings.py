@@ -264,13 +264,13 @@ def test_settings_imports_neither_vllm_nor_torch():
 
 # ---------------------------------------------------------------------- refused at start
 def test_xmix_serve_refuses_a_bad_value_before_anything_starts(monkeypatch, capsys):
-    from xmix.integrations.vllm import serve_cli
+    from xmix.integrations.vllm.http import serve_cli
 
     def no(*a, **k):
         raise AssertionError("reached past the settings check")
 
     monkeypatch.setattr(serve_cli, "_run_vllm_serve", no)
-    monkeypatch.setattr("xmix.architectures.check_architecture", no)
+    monkeypatch.setattr("xmix.lang.architectures.check_architecture", no)
     monkeypatch.setenv("XMIX_MAX_APPS", "1")  # serve_main sets it below; put back after
     monkeypatch.setenv("XMIX_SYNC_S", "abc")
     assert serve_cli.serve_main(["some/model"]) == 2

@@ -1,5 +1,5 @@
 """xmix::site on the CPU: the native kernel the dispatcher calls (xmix/_site_op.so) and its
-Python reference (xmix.ops._site_cpu) give the hand-computed result, the same bits, and the
+Python reference (xmix.runtime.ops._site_cpu) give the hand-computed result, the same bits, and the
 same failures; the dispatcher never reaches Python; torch.compile traces a site without a
 graph break."""
 
@@ -10,8 +10,8 @@ import torch
 
 import xmix
 from harness import Harness, Req
-from xmix import ops
-from xmix.sites import ModelShape
+from xmix.lang.sites import ModelShape
+from xmix.runtime import ops
 
 D = 16
 SHAPE = ModelShape(n_layers=2, hidden_size=D, vocab_size=64)

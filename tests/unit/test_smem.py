@@ -90,8 +90,8 @@ def test_without_a_gpu_the_start_check_says_nothing():
 
 @pytest.mark.gpu
 def test_a_gpu_control_block_refuses_a_hidden_size_its_kernels_cannot_serve():
-    from xmix.control import ControlBlock
-    from xmix.sites import ModelShape
+    from xmix.lang.sites import ModelShape
+    from xmix.runtime.control import ControlBlock
 
     with pytest.raises(ValueError, match="hidden size 40000"):
         ControlBlock(ModelShape(n_layers=1, hidden_size=40000, vocab_size=64), "cuda")

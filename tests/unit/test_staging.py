@@ -23,16 +23,16 @@ import xmix
 from fake_device import FakeDevice
 from harness import SMALL
 from xmix import _C
-from xmix.control import Capacity, ControlBlock
-from xmix.device_queue import StreamQueue
 from xmix.integrations.vllm.result_keys import CARRIER
-from xmix.integrations.vllm.worker import (
+from xmix.integrations.vllm.worker.worker import (
     WorkerXmix,
     _attach_results,
     patch_model_runner,
 )
-from xmix.lowering import lower
-from xmix.sites import ModelShape, site_id
+from xmix.lang.lowering import lower
+from xmix.lang.sites import ModelShape, site_id
+from xmix.runtime.control import Capacity, ControlBlock
+from xmix.runtime.device_queue import StreamQueue
 
 D = 8
 SHAPE = ModelShape(n_layers=2, hidden_size=D, vocab_size=32)
@@ -209,7 +209,7 @@ def test_a_read_back_that_does_not_wait_for_the_forward_is_caught(monkeypatch):
 
 def test_a_forward_that_does_not_wait_for_the_read_back_is_caught(monkeypatch):
     """The next step's forward rewrites the results buffer: it must wait for the previous
-    step's read-back (control/stage.py: x.wait(after)). Without that wait, a device that runs
+    step's read-back (runtime/control/stage.py: x.wait(after)). Without that wait, a device that runs
     the model's stream first overwrites step 1's results before they are copied."""
     want = [expected(k)[1] for k in range(len(STEPS))]
     x, dev = make_rank(True, order="main")
@@ -433,9 +433,9 @@ def test_reads_through_the_capture_buffer_arrive_per_step():
     """Reads whose values live in the capture buffer (capture, top-K SAE) and an SAE features
     read, two steps in flight: each step's rows are copied out before the next forward
     rewrites the buffer, and land on the right request and positions. Oracle: the rows of h
-    and xmix.reference's SAE encoder."""
-    from xmix import reference as R
-    from xmix.sae import SAE
+    and xmix.lang.reference's SAE encoder."""
+    from xmix.lang import reference as R
+    from xmix.lang.sae import SAE
 
     g = torch.Generator().manual_seed(0)
     F_ = 20

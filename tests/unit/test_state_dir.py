@@ -21,8 +21,8 @@ import torch
 
 import xmix
 from xmix.integrations.vllm import state_dir as S
-from xmix.integrations.vllm.ledger import Ledger
 from xmix.integrations.vllm.state_dir import POINTS, StateDir, StateError
+from xmix.integrations.vllm.worker.ledger import Ledger
 
 D = 64
 

@@ -14,11 +14,11 @@ import errno
 import pytest
 from test_scale_out_units import Engine, app, held, server
 
-from xmix.integrations.vllm import restore as R
 from xmix.integrations.vllm.errors import EngineGone, NotSaved
-from xmix.integrations.vllm.ledger import Ledger
+from xmix.integrations.vllm.frontend import restore as R
 from xmix.integrations.vllm.state_dir import StateDir, StateError
-from xmix.lowering import DeployError
+from xmix.integrations.vllm.worker.ledger import Ledger
+from xmix.lang.lowering import DeployError
 
 
 def fleet(d):

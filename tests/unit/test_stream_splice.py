@@ -12,8 +12,8 @@ import json
 
 import numpy as np
 
-from xmix.integrations.vllm.openai_results import _with_results
-from xmix.results_codec import DEFAULT_OPTIONS, ReadResult
+from xmix.integrations.vllm.http.openai_results import _with_results
+from xmix.lang.results_codec import DEFAULT_OPTIONS, ReadResult
 
 
 def _chunk(choices: list[dict]) -> str:

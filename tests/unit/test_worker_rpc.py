@@ -25,13 +25,13 @@ from transformers import LlamaConfig
 
 import xmix
 from harness import SMALL
-from xmix.control import ControlBlock
-from xmix.integrations.vllm import worker as W
-from xmix.integrations.vllm.controller import Controller
 from xmix.integrations.vllm.errors import WorkerError
-from xmix.lowering import DeployError
-from xmix.program_codec import program_of
-from xmix.sites import ModelShape
+from xmix.integrations.vllm.frontend.controller import Controller
+from xmix.integrations.vllm.worker.worker import worker as W
+from xmix.lang.lowering import DeployError
+from xmix.lang.program_codec import program_of
+from xmix.lang.sites import ModelShape
+from xmix.runtime.control import ControlBlock
 
 D = 64
 HF = LlamaConfig(

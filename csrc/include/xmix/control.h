@@ -63,7 +63,7 @@ XMIX_HD bool op_is_read(int32_t kind) { return kind >= OP_PROBE && kind <= OP_SA
 // transposed), a1 = W_dec float[F*d], a2 = float[2F + d + 1]: b_enc | threshold | b_dec | k,
 // a3 = listed feature ids as float[n] (exact below 2^24), n = top-K or listed features,
 // m = F, flags = architecture | normalisation << 4 | SAE_B_DEC_IN | SAE_FEATURES.
-// Semantics: xmix.reference.sae_encode (SAELens's conventions).
+// Semantics: xmix.lang.reference.sae_encode (SAELens's conventions).
 enum SaeFlag : int32_t {
   SAE_ARCH_MASK = 0xf,  // SAE_RELU, SAE_JUMPRELU, SAE_TOPK
   SAE_NORM_SHIFT = 4,  // SAE_NORM_* << 4

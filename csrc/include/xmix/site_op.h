@@ -1,5 +1,5 @@
 // What the native xmix::site CPU kernel (csrc/site/site_op_cpu.cpp) shares with Python: one
-// host struct owned by numpy (xmix/control/native_site.py spells the same layout and checks
+// host struct owned by numpy (xmix/runtime/control/native_site.py spells the same layout and checks
 // its size against xmix_site_state_size()).
 #pragma once
 #include <cstdint>

@@ -1,7 +1,7 @@
 """The seven MI apps of the paper (its Table 1 and section 5) as ready-made xmix apps.
 
 Each factory takes the app's artifacts (derived with ``xmix.apps.derive``) and returns an
-``xmix.api.App`` to save, load and deploy like any other; ``metadata`` records the source
+``xmix.lang.api.App`` to save, load and deploy like any other; ``metadata`` records the source
 paper, the model, the sites and layers and how the artifacts were derived.
 
     from xmix.apps import refusal, derive

@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from xmix.api import App, AppError
 from xmix.apps.artifacts import SCHEMAS, ArtifactError, validate_artifacts
+from xmix.lang.api import App, AppError
 
 
 @dataclass(frozen=True)
@@ -20,7 +20,7 @@ class PaperModel:
     hidden_size: int
     n_experts: int = 0
     top_k: int = 0
-    family: str = ""  # xmix.architectures family name
+    family: str = ""  # xmix.lang.architectures family name
 
 
 # The three models of the paper's evaluation (section 5).

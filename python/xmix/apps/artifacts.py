@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from xmix.api import AppError
+from xmix.lang.api import AppError
 
 
 class ArtifactError(AppError):

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from xmix.api import App
-from xmix.sites import LAYER_SITES
+from xmix.lang.api import App
+from xmix.lang.sites import LAYER_SITES
 
 POSITIONS = ("last", "mean", "all")
 _counter = itertools.count()
@@ -148,7 +148,7 @@ def _capture_app(pieces, cond: str) -> tuple[App, list[str]]:
 def _deploy_groups(llm, pieces, cond):
     """Deploy the capture ops in as few apps as the control block's capture buffer allows:
     a group that does not fit is halved, a single site that does not fit is split by dims."""
-    from xmix.lowering import DeployError
+    from xmix.lang.lowering import DeployError
 
     todo = [list(pieces)]
     while todo:

@@ -29,10 +29,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from xmix.api import App, AppError
 from xmix.apps import derive as D
 from xmix.apps.collect import DeriveError, resolve_model
 from xmix.apps.derivers import DERIVERS
+from xmix.lang.api import App, AppError
 
 DERIVABLE = (
     "refusal",

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import torch
 
-from xmix.api import App
 from xmix.apps import derive as D
 from xmix.apps.collect import (
     DeriveError,
@@ -22,6 +21,7 @@ from xmix.apps.collect import (
     read_prompts,
     read_traces,
 )
+from xmix.lang.api import App
 
 
 def _one_layer(args, default: int, what: str = "--layer") -> int:

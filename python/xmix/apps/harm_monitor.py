@@ -24,9 +24,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from xmix.api import App
 from xmix.apps import _common as c
 from xmix.apps.refusal import DEFAULTS as REFUSAL_DEFAULTS
+from xmix.lang.api import App
 
 APP = "harm_monitor"
 DEFAULTS: dict[str, dict[str, Any]] = REFUSAL_DEFAULTS  # the refusal direction's layer

@@ -29,8 +29,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from xmix.api import App
 from xmix.apps import _common as c
+from xmix.lang.api import App
 
 APP = "kl_then_steer"
 REDUCES = ("prompt_mean", "prompt_last")

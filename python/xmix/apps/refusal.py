@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from xmix.api import App
 from xmix.apps import _common as c
+from xmix.lang.api import App
 
 APP = "refusal"
 ABLATE_SITES = ("residual.pre", "attention.post", "mlp.post")

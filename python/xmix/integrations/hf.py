@@ -10,13 +10,13 @@ oracle for the serving integration.
     s.results[i]                                              # reads of row i
     attachment.detach()
 
-Where the hooks go comes from the model family's site table (``xmix.architectures``, the
+Where the hooks go comes from the model family's site table (``xmix.lang.architectures``, the
 same table the vLLM integration reads); a family without an entry is refused.
 
-Only ``xmix.lowering`` (validation, per-layer fp32 artifacts, resolved token sets, op order)
-and ``xmix.reference`` (the math of every primitive) are shared with the engine. Conditions,
+Only ``xmix.lang.lowering`` (validation, per-layer fp32 artifacts, resolved token sets, op order)
+and ``xmix.lang.reference`` (the math of every primitive) are shared with the engine. Conditions,
 token flags, spans, latches, request parameters and result reporting are implemented again
-here, in plain Python, from their documented semantics (xmix.conditions, xmix.reference,
+here, in plain Python, from their documented semantics (xmix.lang.conditions, xmix.lang.reference,
 csrc/include/xmix/control.h), so that a disagreement between this module and the engine
 points at a bug instead of being reproduced by both.
 
@@ -62,8 +62,6 @@ from typing import Any
 
 import torch
 
-from xmix.api import App
-from xmix.architectures import Tap, require_family, resolve
 from xmix.integrations.hf_request import (
     AttachedApp,
     Pass,
@@ -73,8 +71,10 @@ from xmix.integrations.hf_request import (
     resolve_params,
 )
 from xmix.integrations.hf_routers import ROUTERS
-from xmix.lowering import APP_MODES, DeployError, LoweredOp, RequestError, lower
-from xmix.sites import ModelShape
+from xmix.lang.api import App
+from xmix.lang.architectures import Tap, require_family, resolve
+from xmix.lang.lowering import APP_MODES, DeployError, LoweredOp, RequestError, lower
+from xmix.lang.sites import ModelShape
 
 
 class Attachment:
@@ -348,7 +348,7 @@ _MISSING = object()
 
 def site_id_name(sid: int, n_layers: int):
     """ "final.post", or (layer, site name) of a per-layer site id."""
-    from xmix.sites import site_of
+    from xmix.lang.sites import site_of
 
     layer, name = site_of(sid, n_layers)
     return name if layer is None else (layer, name)
@@ -463,7 +463,7 @@ class Session:
 def attach(
     model, apps: Iterable[App], enabled: dict[str, str] | None = None, tokenizer=None
 ) -> Attachment:
-    """Lower ``apps`` for ``model`` (a transformers *ForCausalLM of a family in xmix.architectures)
+    """Lower ``apps`` for ``model`` (a transformers *ForCausalLM of a family in xmix.lang.architectures)
     and hook them in. ``enabled``: app name -> "off" | "request" | "all" (default
     "request": an app runs for the requests that list it)."""
     return Attachment(model, list(apps), enabled, tokenizer)

@@ -1,6 +1,6 @@
 """One request on the transformers path (``xmix.integrations.hf``): its per-request state
 (apps, parameters, spans, latches, CAST sums, results), each forward pass of it (token flags,
-conditions, every op through ``xmix.reference``, reads), user kernels called through their C
+conditions, every op through ``xmix.lang.reference``, reads), user kernels called through their C
 ABI, and a request's rows in a batch's site tensors. The module docstring of
 ``xmix.integrations.hf`` gives the semantics implemented here."""
 
@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
-from xmix import conditions as C
-from xmix import reference as R
-from xmix.catalog import FLT_MAX, KERNELS
-from xmix.lowering import (
+from xmix.lang import conditions as C
+from xmix.lang import reference as R
+from xmix.lang.catalog import FLT_MAX, KERNELS
+from xmix.lang.lowering import (
     DeployError,
     LoweredApp,
     LoweredOp,

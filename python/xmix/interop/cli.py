@@ -11,10 +11,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from xmix.api import App, AppError
 from xmix.interop._files import InteropError
 from xmix.interop.saes import FORMATS, load_sae
 from xmix.interop.vectors import VECTOR_FORMATS, load_vector_app
+from xmix.lang.api import App, AppError
 
 
 def _parser() -> argparse.ArgumentParser:

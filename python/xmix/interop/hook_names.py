@@ -69,7 +69,7 @@ def from_hf_module(name: str, source: str = "") -> str:
 
 def resolve(hook: str, source: str = "") -> str:
     """An explicit hook from the user: an xmix site, a TransformerLens name or an HF path."""
-    from xmix.sae import SAEError, parse_hook
+    from xmix.lang.sae import SAEError, parse_hook
 
     try:
         parse_hook(hook)

@@ -18,7 +18,7 @@ import torch
 
 from xmix.interop import hook_names
 from xmix.interop._files import InteropError, provenance, read_json, read_safetensors, refuse_pickle
-from xmix.sae import SAE, SAEError
+from xmix.lang.sae import SAE, SAEError
 
 FORMATS = ("saelens", "gemma-scope", "sparsify", "llama-scope")
 

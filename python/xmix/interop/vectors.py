@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from xmix.api import App
 from xmix.interop._files import InteropError, provenance, read_safetensors, refuse_pickle
+from xmix.lang.api import App
 
 VECTOR_FORMATS = ("gguf", "safetensors")
 _LAYER_KEY = re.compile(r"^(?:(?:direction|layer|layers|model\.layers|blocks)[._])?(\d+)$")

@@ -72,7 +72,7 @@ def options(value: Any) -> dict[str, Any]:
     Apps that need a site not placed are refused at deploy. Fewer sites cost nothing where
     they are absent: at tensor_parallel_size >= 2 this keeps vLLM's all-reduce + RMSNorm
     fusion at the layers without sites (docs/models.md)."""
-    from xmix.sites import SITE_NAMES
+    from xmix.lang.sites import SITE_NAMES
 
     if not isinstance(value, dict):
         return {}

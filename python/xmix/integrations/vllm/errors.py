@@ -9,7 +9,7 @@ from __future__ import annotations
 import reprlib
 from typing import Any
 
-from xmix.lowering import DeployError
+from xmix.lang.lowering import DeployError
 
 _short = reprlib.Repr()
 _short.maxlevel, _short.maxstring, _short.maxother, _short.maxlist, _short.maxdict = 2, 60, 60, 6, 6

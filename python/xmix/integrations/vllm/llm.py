@@ -9,15 +9,14 @@ import os
 from typing import Any
 
 from xmix import settings
-from xmix.architectures import check_architecture
-from xmix.lowering import DeployError
-
-from . import enable, fence
-from .controller import _load_app
-from .offline import controller  # noqa: F401  (kept importable from here)
-from .plugin import register
-from .restore import log_app_kept
-from .state_dir import StateDir, StateError
+from xmix.integrations.vllm import enable, fence
+from xmix.integrations.vllm.frontend.controller import _load_app
+from xmix.integrations.vllm.frontend.offline import controller  # noqa: F401  (kept importable from here)
+from xmix.integrations.vllm.frontend.restore import log_app_kept
+from xmix.integrations.vllm.plugin import register
+from xmix.integrations.vllm.state_dir import StateDir, StateError
+from xmix.lang.architectures import check_architecture
+from xmix.lang.lowering import DeployError
 
 logger = logging.getLogger("vllm.xmix")
 

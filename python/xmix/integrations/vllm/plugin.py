@@ -47,9 +47,9 @@ def _patch_all() -> None:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     from vllm.v1.worker.worker_base import WorkerBase
 
-    import xmix.ops  # noqa: F401  (the torch op must exist before any model is traced)
-
-    from . import engine_core, processor_patches, worker
+    import xmix.runtime.ops  # noqa: F401  (the torch op must exist before any model is traced)
+    from xmix.integrations.vllm.frontend import processor_patches
+    from xmix.integrations.vllm.worker.worker import engine_core, worker
 
     worker.patch_model_runner(GPUModelRunner)
     worker.patch_load_model(GPUModelRunner)
@@ -72,8 +72,8 @@ def _patch_all() -> None:
     processor_patches.patch_output_processor(OutputProcessor, RequestState, RequestOutput)
     from vllm.entrypoints.llm import LLM
 
-    from . import fence
-    from .offline import controller
+    from xmix.integrations.vllm import fence
+    from xmix.integrations.vllm.frontend.offline import controller
 
     # llm.xmix on any offline vllm.LLM: deploy, modes, params, status
     fence.add(
@@ -83,7 +83,7 @@ def _patch_all() -> None:
         by="plugin",
     )
     try:
-        from . import openai_precheck, openai_results
+        from xmix.integrations.vllm.http import openai_precheck, openai_results
 
         openai_precheck.patch_openai_prechecks()
         openai_results.patch_openai_results()

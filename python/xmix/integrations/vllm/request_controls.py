@@ -15,7 +15,7 @@ with one key per item:
     "xmix_positions": "-1:"              "prompt", "-8:", "0:4,generated" (or a list of
     "xmix_max_result_bytes": 65536       such strings), as vllm_xargs has no null
 
-App names are letters, digits and '_' (``xmix.api``), so the first dot after ``xmix.`` ends
+App names are letters, digits and '_' (``xmix.lang.api``), so the first dot after ``xmix.`` ends
 the app name. The same keys work in offline ``SamplingParams.extra_args``. A request carries
 either the JSON form or the flat form: both at once is refused, naming the keys of each.
 Every other key that starts with ``xmix_`` or ``xmix.`` is refused too (a misspelt control
@@ -144,7 +144,7 @@ def control_from_args(
         option = key[len(OPTION_PREFIX) :] if key.startswith(OPTION_PREFIX) else None
         if option in OPTION_NAMES:
             if option == "positions":
-                from xmix.results_codec import positions_from_text
+                from xmix.lang.results_codec import positions_from_text
 
                 try:
                     value = positions_from_text(value)

@@ -346,7 +346,7 @@ class StateDir:
             raise StateError(f"{p} (app {app.name!r}): cannot be read ({e})") from None
         if hashlib.sha256(data).hexdigest() + ".xmix" != app.file:
             raise StateError(f"{p} (app {app.name!r}): its SHA-256 does not match its name")
-        from xmix.api import App, AppError
+        from xmix.lang.api import App, AppError
 
         try:
             parsed = App.from_bytes(data, str(p), allow_custom=True)

@@ -33,8 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from xmix import settings
-
-from . import keyed
+from xmix.integrations.vllm import keyed
 
 logger = logging.getLogger("vllm.xmix")
 audit_logger = logging.getLogger("vllm.xmix.audit")
