@@ -1,6 +1,6 @@
 // xmix._C.HostStep: the per-step host path of an unstaged CPU engine in one call per step
-// (xmix/runtime/control/step.py holds one). Before the forward: the step's request ids to slots, the
-// restart check, which apps run, the step maps, the header, which sites are active, the
+// (xmix/runtime/control/step.py holds one). Before the forward: the step's request ids to slots,
+// the restart check, which apps run, the step maps, the header, which sites are active, the
 // monitors' extents and the prologue (begin_host_step, csrc/site/step_cpu.cpp); after it, the
 // empty step. The buffers are bound once, by address; per step only the step's rows cross.
 #include <Python.h>

@@ -92,7 +92,7 @@ def test_xmix_serve_merges_the_operators_additional_config():
 def test_worker_gate(monkeypatch):
     """Stand-in runner: vLLM's load_model is all that runs when xmix is not asked for; asked
     for on a family without a site table, the start stops before the weights load."""
-    from xmix.integrations.vllm.worker.worker import worker
+    from xmix.integrations.vllm.worker import worker
 
     monkeypatch.delenv("XMIX_ENABLE", raising=False)
     monkeypatch.delenv("XMIX_DISABLE", raising=False)

@@ -69,7 +69,7 @@ def test_every_applied_patch_is_in_the_table():
 def test_wrong_signature_in_the_table_stops_the_start_naming_the_method(monkeypatch):
     """A table entry that no longer matches vLLM: the worker's load_model (where an engine
     that asked for xmix attaches) refuses before loading anything, naming class and method."""
-    from xmix.integrations.vllm.worker.worker import worker
+    from xmix.integrations.vllm.worker import worker
 
     wrong = tuple(
         dataclasses.replace(p, params=p.params + ("new_arg",))

@@ -354,7 +354,7 @@ def test_a_deploy_is_parsed_and_lowered_once_across_servers_and_engines():
 def test_a_forged_program_on_a_worker_is_refused_and_it_serves_on():
     """The install path of a worker (the RPC the frontend calls) refuses a forged program
     naming the field, and keeps what it had."""
-    from xmix.integrations.vllm.worker.worker import worker as W
+    from xmix.integrations.vllm.worker import worker as W
 
     e = Engine(0)
     good = program_of(app("a"), e.cb.shape)

@@ -17,7 +17,7 @@ from harness import SMALL
 from xmix.integrations.vllm.errors import EngineGone
 from xmix.integrations.vllm.frontend.admission import admit, cache_salt
 from xmix.integrations.vllm.frontend.controller import Controller
-from xmix.integrations.vllm.worker.worker import worker as W
+from xmix.integrations.vllm.worker import worker as W
 from xmix.lang.lowering import DeployError
 from xmix.lang.sites import ModelShape
 from xmix.runtime.control import ControlBlock
@@ -344,7 +344,7 @@ def test_a_server_not_heard_from_is_not_waited_for_and_syncs_before_admitting(fl
     ledger.LIVE_S; until it reads again it does not admit against what it holds."""
     import time
 
-    from xmix.integrations.vllm.worker.worker import ledger
+    from xmix.integrations.vllm.worker import ledger
 
     engines, s1, s2 = fleet
     s1.deploy(app("a"))

@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("vllm")
 
 from xmix.integrations.vllm.result_keys import CARRIER  # noqa: E402
-from xmix.integrations.vllm.worker.worker import engine_core  # noqa: E402
+from xmix.integrations.vllm.worker import engine_core  # noqa: E402
 from xmix.lang.results_codec import STOPPED_KEY, unpack_results  # noqa: E402
 from xmix.models.tiny import tiny_model_path  # noqa: E402
 

@@ -27,7 +27,7 @@ import xmix
 from harness import SMALL
 from xmix.integrations.vllm.errors import WorkerError
 from xmix.integrations.vllm.frontend.controller import Controller
-from xmix.integrations.vllm.worker.worker import worker as W
+from xmix.integrations.vllm.worker import worker as W
 from xmix.lang.lowering import DeployError
 from xmix.lang.program_codec import program_of
 from xmix.lang.sites import ModelShape

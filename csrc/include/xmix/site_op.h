@@ -13,7 +13,7 @@ constexpr int32_t kSiteOpMaxMessages = 16;
 constexpr int32_t kSiteOpFailureLen = 240;
 
 struct SiteOpState {
-  double seconds;    // host seconds spent in active site programs
+  double seconds;  // host seconds spent in active site programs
   int64_t n_failed;  // failures since Python last collected them
   int32_t failed_site[kSiteOpMaxFailures];
   int32_t failed_app[kSiteOpMaxFailures];  // -1: the whole site did not run

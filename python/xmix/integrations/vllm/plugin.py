@@ -49,7 +49,7 @@ def _patch_all() -> None:
 
     import xmix.runtime.ops  # noqa: F401  (the torch op must exist before any model is traced)
     from xmix.integrations.vllm.frontend import processor_patches
-    from xmix.integrations.vllm.worker.worker import engine_core, worker
+    from xmix.integrations.vllm.worker import engine_core, worker
 
     worker.patch_model_runner(GPUModelRunner)
     worker.patch_load_model(GPUModelRunner)
