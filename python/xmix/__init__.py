@@ -10,8 +10,8 @@ xmix.results(outs[0])
 from xmix.lang.api import App, AppError
 from xmix.lang.lowering import DeployError
 from xmix.lang.sae import SAE
+from xmix.version import __version__
 
-__version__ = "0.1.0"
 __all__ = [
     "App",
     "AppError",
@@ -68,9 +68,9 @@ def custom_include_dir() -> str:
 def __getattr__(name):
     # vLLM is imported only when the engine side is used.
     if name == "LLM":
-        from xmix.integrations.vllm.llm import _make_llm_class
+        from xmix.integrations.vllm.llm import llm_class
 
-        cls = _make_llm_class()
+        cls = llm_class()
         globals()["LLM"] = cls
         return cls
     if name == "capture":

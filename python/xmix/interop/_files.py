@@ -64,7 +64,7 @@ def sha256(path: Path) -> str:
 def provenance(fmt: str, files: list[Path], **extra: Any) -> dict[str, Any]:
     """Where an artifact came from: the format, each file with its size and sha256, and the
     original names (hook point, layers) the importer mapped."""
-    from xmix import __version__
+    from xmix.version import __version__
 
     return {
         "imported": {

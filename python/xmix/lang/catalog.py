@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from xmix import _C
+import xmix._C as _C
 
 FLT_MAX = 3.4028234663852886e38
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from xmix import _C
+import xmix._C as _C
 
 _K = _C.constants()
 SITES_PER_LAYER: int = _K["SITES_PER_LAYER"]

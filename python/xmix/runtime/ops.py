@@ -26,7 +26,7 @@ from time import perf_counter
 
 import torch
 
-from xmix import _C
+import xmix._C as _C
 from xmix.runtime.control import site_state
 
 logger = logging.getLogger(__name__)

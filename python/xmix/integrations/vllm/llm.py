@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 from typing import Any
@@ -37,6 +38,12 @@ def _state_dir_env(path):
         ) from None
     with settings.overridden("XMIX_STATE_DIR", path):
         yield
+
+
+@functools.cache
+def llm_class():
+    """``xmix.LLM``: made on first use (vLLM is imported only then), one class per process."""
+    return _make_llm_class()
 
 
 def _make_llm_class():

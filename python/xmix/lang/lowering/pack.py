@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from xmix import _C
+import xmix._C as _C
 from xmix.lang.lowering.errors import fail
 from xmix.lang.sites import ModelShape
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from xmix import _C
+import xmix._C as _C
 from xmix.lang.lowering import DeployError, LoweredApp, LoweredOp
 
 if TYPE_CHECKING:

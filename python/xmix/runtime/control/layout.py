@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from xmix import _C
+import xmix._C as _C
 from xmix.lang.lowering import APP_MODES
 
 K: dict[str, int] = _C.constants()

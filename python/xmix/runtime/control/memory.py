@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from xmix import _C
+import xmix._C as _C
 from xmix.lang.sites import ModelShape, n_sites
 from xmix.runtime.control.arena import Arena
 from xmix.runtime.control.drain import ReadBack

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from xmix import _C
+import xmix._C as _C
 from xmix.runtime.control.layout import CTRL_SIZE
 from xmix.runtime.control.memory import STEP_MAPS
 

@@ -8,7 +8,7 @@ import importlib
 import types
 from typing import Any
 
-from xmix import _C
+import xmix._C as _C
 from xmix.runtime.graphs import state
 from xmix.runtime.graphs.check import replay
 from xmix.runtime.graphs.splice import after_capture, begin_capture, bind, end_capture

@@ -11,7 +11,8 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
-from xmix import _C, settings
+import xmix._C as _C
+from xmix import settings
 
 logger = logging.getLogger("vllm.xmix.graphs")
 G = _C.graph

@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from xmix import _C, settings
+import xmix._C as _C
+from xmix import settings
 from xmix.integrations.vllm import enable, fence
 from xmix.integrations.vllm.result_keys import CARRIER
 from xmix.integrations.vllm.worker.model_wrap import place_sites

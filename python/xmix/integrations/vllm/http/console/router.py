@@ -28,8 +28,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, RedirectResponse, Response
 
-from xmix import __version__
 from xmix.lang.sites import LAYER_SITES, MODEL_SITES
+from xmix.version import __version__
 
 from . import decisions as D
 from . import live
