@@ -43,7 +43,7 @@ def run(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("restart")
     args = argparse.Namespace(
-        restart_requests=16,  # per kill
+        restart_requests=32,  # per kill
         restart_changes=6,
         concurrency=8,
         deadline=300.0,
