@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from package_tree import modules
 from xmix.integrations.vllm import fence
 
 PKG = Path(fence.__file__).parent
@@ -204,12 +205,7 @@ def _module_imports(root: Path, prefix: str) -> dict[str, set[str]]:
     """Every module under ``root`` (package ``prefix``) -> the modules of the same tree it
     imports anywhere in its text, function-level imports included, relative imports
     resolved."""
-    mods = {}
-    for p in root.rglob("*.py"):
-        parts = [prefix, *p.relative_to(root).with_suffix("").parts]
-        if parts[-1] == "__init__":
-            parts = parts[:-1]
-        mods[".".join(parts)] = p
+    mods = modules(root, prefix)
     graph: dict[str, set[str]] = {}
     for name, p in mods.items():
         pkg = name if p.name == "__init__.py" else name.rsplit(".", 1)[0]

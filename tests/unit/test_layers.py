@@ -7,6 +7,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from package_tree import modules
+
 PKG = Path(__file__).resolve().parents[2] / "python" / "xmix"
 
 # ground first; a module belongs to the floor of the longest prefix that names it
@@ -39,16 +41,6 @@ def floor_of(module: str, floors: list[list[str]]) -> int | None:
             if (module == n or module.startswith(n + ".")) and len(n) > best_len:
                 best, best_len = i, len(n)
     return best
-
-
-def modules(root: Path, prefix: str) -> dict[str, Path]:
-    out = {}
-    for p in root.rglob("*.py"):
-        parts = [prefix, *p.relative_to(root).with_suffix("").parts]
-        if parts[-1] == "__init__":
-            parts = parts[:-1]
-        out[".".join(parts)] = p
-    return out
 
 
 def imports(name: str, path: Path, known: set[str]) -> set[str]:
