@@ -894,18 +894,22 @@ def cpu_orchestration(
 
 # ---------------------------------------------------------------- GPU: capture
 @contextlib.contextmanager
-def patch_env(value: str | None):
-    old = os.environ.get("XMIX_GRAPH_PATCH")
+def setting_env(name: str, value: str | None):
+    old = os.environ.get(name)
     if value is not None:
-        os.environ["XMIX_GRAPH_PATCH"] = value
+        os.environ[name] = value
     try:
         yield
     finally:
         if value is not None:
             if old is None:
-                os.environ.pop("XMIX_GRAPH_PATCH", None)
+                os.environ.pop(name, None)
             else:
-                os.environ["XMIX_GRAPH_PATCH"] = old
+                os.environ[name] = old
+
+
+def patch_env(value: str | None):
+    return setting_env("XMIX_GRAPH_PATCH", value)
 
 
 def capture(cls, model, x, sites=True, patch: str | None = None):
@@ -1106,6 +1110,7 @@ def gpu_part(args, shape: ModelShape, table: Table) -> None:
 
     d = shape.hidden_size
     xs, ids, g_base, g_anchor, g_patch, pw_base, pw_patch = {}, {}, {}, {}, {}, {}, {}
+    g_plain, g_torch_anchor = {}, {}
     t = time.time()
     for B in args.batches:
         xs[B] = torch.randn(B, d, device="cuda", dtype=torch.bfloat16)
@@ -1114,12 +1119,14 @@ def gpu_part(args, shape: ModelShape, table: Table) -> None:
         g_base[B] = capture(torch.cuda.CUDAGraph, model, xs[B], sites=False)
         g_anchor[B] = capture(cls, model, xs[B], patch="0")
         g_patch[B] = capture(cls, model, xs[B])
+        g_plain[B] = capture(cls, model, xs[B], sites=False)
+        g_torch_anchor[B] = capture(torch.cuda.CUDAGraph, model, xs[B])
         if args.piecewise:
             pw_base[B] = Piecewise(torch.cuda.CUDAGraph, model, xs[B], sites=False)
             pw_patch[B] = Piecewise(cls, model, xs[B])
     n_anchors = 3 * shape.n_layers
     say(
-        f"   captured {len(graphs.kept_graphs()) + 2 * len(args.batches)} graphs in {time.time() - t:.1f}s; "
+        f"   captured {len(graphs.kept_graphs()) + 4 * len(args.batches)} graphs in {time.time() - t:.1f}s; "
         f"stats {graphs.stats()}"
     )
     st = graphs.stats()
@@ -1198,8 +1205,21 @@ def gpu_part(args, shape: ModelShape, table: Table) -> None:
         say(f"   {label}: " + ", ".join(f"B={b} {v:.1f}" for b, v in vals.items()))
 
     measure("no xmix (graph without sites)", g_base, base=True)
+    # Where the sites' cost lies: the graph class alone (no sites), the anchors alone (torch's
+    # own class, no xmix graph class).
+    measure("  no sites, captured by xmix's graph class", g_plain)
+    measure("  anchors, captured by torch's class", g_torch_anchor)
     measure("anchors only, no app (XMIX_GRAPH_PATCH=0)", g_anchor)
     measure("patched, no app deployed", g_patch)
+    for form in ("leaf", "chain"):  # the other places of an idle anchor, side by side
+        with setting_env("XMIX_GRAPH_IDLE_ANCHORS", form):
+            graphs.on_apps_changed(cb)
+            measure(f"  the same, idle anchors: {form} (XMIX_GRAPH_IDLE_ANCHORS={form})", g_patch)
+    graphs.on_apps_changed(cb)
+    cb.install(lower(apps["add"], shape), mode="all")
+    graphs.on_apps_changed(cb)
+    measure("one single-layer add on every token, the only app deployed", g_patch)
+    cb.remove("bench_add")
     for a in apps.values():
         cb.install(lower(a, shape), mode="off")
     graphs.on_apps_changed(cb)
