@@ -1211,15 +1211,6 @@ def gpu_part(args, shape: ModelShape, table: Table) -> None:
     measure("  anchors, captured by torch's class", g_torch_anchor)
     measure("anchors only, no app (XMIX_GRAPH_PATCH=0)", g_anchor)
     measure("patched, no app deployed", g_patch)
-    for form in ("leaf", "chain"):  # the other places of an idle anchor, side by side
-        with setting_env("XMIX_GRAPH_IDLE_ANCHORS", form):
-            graphs.on_apps_changed(cb)
-            measure(f"  the same, idle anchors: {form} (XMIX_GRAPH_IDLE_ANCHORS={form})", g_patch)
-    graphs.on_apps_changed(cb)
-    cb.install(lower(apps["add"], shape), mode="all")
-    graphs.on_apps_changed(cb)
-    measure("one single-layer add on every token, the only app deployed", g_patch)
-    cb.remove("bench_add")
     for a in apps.values():
         cb.install(lower(a, shape), mode="off")
     graphs.on_apps_changed(cb)

@@ -16,11 +16,9 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <set>
 #include <sstream>
 #include <stdexcept>
 #include <string>
-#include <tuple>
 #include <unordered_map>
 #include <unordered_set>
 #include <vector>
@@ -369,10 +367,8 @@ struct GraphPatch::Impl {
   std::vector<IfRec> parked;
   std::unordered_set<cudaGraphNode_t> parked_nodes;
   std::vector<Splice> splices;
-  std::vector<Bypass> bypasses;                // idle anchors off the chain (planner.h)
   std::unordered_map<int32_t, bool> enabled;   // exec state we want, per switchable node id
   std::vector<int32_t> pending;                // top-level nodes added by the apply under way
-  const Plan* in_flight = nullptr;             // the plan being applied, for restore_captured
 
   int32_t id_of(cudaGraphNode_t n) {
     auto it = ids.find(n);
@@ -466,51 +462,7 @@ struct GraphPatch::Impl {
     read_into(g, graph, -1);
     for (auto& [id, rec] : ifs) read_into(g, rec.body, id);
     g.splices = splices;
-    g.bypasses = bypasses;
     return g;
-  }
-
-  // Top-level edges between existing nodes, one call per direction of change.
-  void edit_edges(const std::vector<Edge>& v, bool add) {
-    if (v.empty()) return;
-    std::vector<cudaGraphNode_t> from, to;
-    std::vector<cudaGraphEdgeData> data;
-    for (const Edge& e : v) {
-      from.push_back(handle(e.from));
-      to.push_back(handle(e.to));
-      data.push_back(to_cuda(e.data));
-    }
-    if (add)
-      XG_CHECK(cudaGraphAddDependencies(graph, from.data(), to.data(), data.data(), v.size()));
-    else
-      XG_CHECK(cudaGraphRemoveDependencies(graph, from.data(), to.data(), data.data(), v.size()));
-  }
-
-  // The captured edges of idle anchors, whatever a failed apply left: every bridge that is
-  // in the graph goes, every cut edge that is missing comes back (recorded ones and those of
-  // the plan under way).
-  void restore_edges() {
-    std::vector<const Bypass*> all;
-    for (const Bypass& b : bypasses) all.push_back(&b);
-    if (in_flight)
-      for (const Bypass& b : in_flight->bypasses) all.push_back(&b);
-    std::set<std::tuple<cudaGraphNode_t, cudaGraphNode_t>> now;
-    for (const RawEdge& e : graph_edges(graph)) now.insert({e.from, e.to});
-    std::vector<Edge> drop, back;
-    std::set<std::tuple<int32_t, int32_t>> seen;
-    for (const Bypass* b : all) {
-      for (const Edge& e : b->bridge)
-        if (!is_fresh(e.from) && !is_fresh(e.to) && handles.count(e.from) && handles.count(e.to) &&
-            now.count({handle(e.from), handle(e.to)}) && seen.insert({e.from, e.to}).second)
-          drop.push_back(e);
-      for (const Edge& e : b->cut)
-        if (handles.count(e.from) && handles.count(e.to) &&
-            !now.count({handle(e.from), handle(e.to)}) && seen.insert({e.from, e.to}).second)
-          back.push_back(e);
-    }
-    edit_edges(drop, false);
-    edit_edges(back, true);
-    bypasses.clear();
   }
 
   // Removes an IF node of ours without destroying it (see the file comment).
@@ -596,7 +548,6 @@ struct GraphPatch::Impl {
           remove_node(id);
         }
     splices.clear();
-    restore_edges();
     for (auto& [id, on] : enabled) on = true;
   }
 
@@ -621,9 +572,7 @@ struct GraphPatch::Impl {
   bool apply(const Plan& plan, uint64_t exec_u) {
     cudaGraphExec_t exec = from_addr<cudaGraphExec_t>(exec_u);
     pending.clear();
-    in_flight = &plan;
     for (int32_t id : plan.remove) remove_node(id);
-    edit_edges(plan.cut, false);
 
     // Fresh nodes: IF nodes first (their handles go into the gate kernels' arguments).
     std::vector<int32_t> fresh(plan.add.size(), -1);
@@ -712,18 +661,7 @@ struct GraphPatch::Impl {
       next.push_back(std::move(s));
     }
     splices = std::move(next);
-    std::vector<Bypass> idle;
-    for (const Bypass& b : plan.bypasses) {
-      Bypass nb = b;
-      for (Edge& e : nb.bridge) {
-        e.from = resolve(e.from);
-        e.to = resolve(e.to);
-      }
-      idle.push_back(std::move(nb));
-    }
-    bypasses = std::move(idle);
     pending.clear();
-    in_flight = nullptr;
 
     const bool in_place = exec && !plan.needs_instantiate;
     for (const Repoint& rp : plan.repoint) {
@@ -829,9 +767,7 @@ bool GraphPatch::apply(const Plan& plan, uint64_t exec) {
   } catch (...) {
     try {
       impl_->restore_captured();
-      impl_->in_flight = nullptr;
     } catch (const std::exception& e) {
-      impl_->in_flight = nullptr;
       throw std::runtime_error(std::string("xmix graph patch: applying a plan failed and the "
                                            "graph could not be put back as captured: ") +
                                e.what());

@@ -167,19 +167,6 @@ void register_graph_bindings(py::module_& m) {
       .def_readwrite("anchor", &Splice::anchor)
       .def_readwrite("segments", &Splice::segments);
 
-  py::enum_<IdleAnchors>(g, "IdleAnchors")
-      .value("Chain", IdleAnchors::Chain)
-      .value("Leaf", IdleAnchors::Leaf)
-      .value("Isolated", IdleAnchors::Isolated);
-
-  py::class_<Bypass>(g, "Bypass")
-      .def(py::init<>())
-      .def_readwrite("anchor", &Bypass::anchor)
-      .def_readwrite("off_chain", &Bypass::off_chain)
-      .def_readwrite("isolated", &Bypass::isolated)
-      .def_readwrite("cut", &Bypass::cut)
-      .def_readwrite("bridge", &Bypass::bridge);
-
   py::class_<Graph>(g, "Graph")
       .def(py::init([](std::vector<Node> nodes, std::vector<Edge> edges) {
              Graph gr;
@@ -191,7 +178,6 @@ void register_graph_bindings(py::module_& m) {
       .def_readwrite("nodes", &Graph::nodes)
       .def_readwrite("edges", &Graph::edges)
       .def_readwrite("splices", &Graph::splices)
-      .def_readwrite("bypasses", &Graph::bypasses)
       .def("find",
            [](const Graph& gr, int32_t id) -> py::object {
              const Node* n = gr.find(id);
@@ -224,25 +210,22 @@ void register_graph_bindings(py::module_& m) {
 
   py::class_<Program>(g, "Program")
       .def(py::init([](uint64_t cb, int32_t n_sites, std::vector<OpSpec> ops,
-                       int32_t expected_anchors, bool use_conditionals, IdleAnchors idle_anchors) {
+                       int32_t expected_anchors, bool use_conditionals) {
              Program p;
              p.cb = cb;
              p.n_sites = n_sites;
              p.ops = std::move(ops);
              p.expected_anchors = expected_anchors;
              p.use_conditionals = use_conditionals;
-             p.idle_anchors = idle_anchors;
              return p;
            }),
            py::arg("cb"), py::arg("n_sites"), py::arg("ops") = std::vector<OpSpec>{},
-           py::arg("expected_anchors") = -1, py::arg("use_conditionals") = true,
-           py::arg("idle_anchors") = IdleAnchors::Isolated)
+           py::arg("expected_anchors") = -1, py::arg("use_conditionals") = true)
       .def_readwrite("cb", &Program::cb)
       .def_readwrite("n_sites", &Program::n_sites)
       .def_readwrite("ops", &Program::ops)
       .def_readwrite("expected_anchors", &Program::expected_anchors)
       .def_readwrite("use_conditionals", &Program::use_conditionals)
-      .def_readwrite("idle_anchors", &Program::idle_anchors)
       .def_readwrite("threads", &Program::threads);
 
   py::class_<NewNode>(g, "NewNode")
@@ -264,21 +247,18 @@ void register_graph_bindings(py::module_& m) {
       .def_readonly("fallback", &Plan::fallback)
       .def_readonly("reason", &Plan::reason)
       .def_readonly("remove", &Plan::remove)
-      .def_readonly("cut", &Plan::cut)
       .def_readonly("add", &Plan::add)
       .def_readonly("edges", &Plan::edges)
       .def_readonly("repoint", &Plan::repoint)
       .def_readonly("enable", &Plan::enable)
       .def_readonly("splices", &Plan::splices)
-      .def_readonly("bypasses", &Plan::bypasses)
       .def_readonly("needs_instantiate", &Plan::needs_instantiate)
       .def_readonly("n_anchors", &Plan::n_anchors)
       .def_readonly("n_kept", &Plan::n_kept)
       .def_readonly("n_rebuilt", &Plan::n_rebuilt)
-      .def_readonly("n_off_chain", &Plan::n_off_chain)
       .def("is_noop", [](const Plan& p) {
-        return !p.fallback && p.remove.empty() && p.cut.empty() && p.add.empty() &&
-               p.edges.empty() && p.repoint.empty() && !p.needs_instantiate;
+        return !p.fallback && p.remove.empty() && p.add.empty() && p.edges.empty() &&
+               p.repoint.empty() && !p.needs_instantiate;
       });
 
   g.def("plan", &plan, py::arg("graph"), py::arg("program"),

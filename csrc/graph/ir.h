@@ -131,33 +131,10 @@ struct Splice {
   std::vector<Segment> segments;
 };
 
-// An anchor whose site has nothing deployed, taken off the chain: its successors wait for its
-// predecessors directly (`bridge`) and its captured edges out (and, isolated, in) are removed
-// (`cut`): the disabled anchor is a leaf, or a node with no edge at all. A disabled node on
-// the chain still costs its place in the launch order (docs/cuda_graphs.md, Results).
-// `off_chain` false: the anchor stays on the chain because a bridge would weaken an edge that
-// is already there (a programmatic edge where a full one is needed); the record still says
-// the site was planned idle, so that the next plan sees the same idle set.
-struct Bypass {
-  int32_t anchor = -1;
-  bool off_chain = true;
-  bool isolated = false;  // its edges in were cut too
-  std::vector<Edge> cut;
-  std::vector<Edge> bridge;
-};
-
-// Where the anchors of sites with nothing deployed go (XMIX_GRAPH_IDLE_ANCHORS).
-enum class IdleAnchors : int32_t {
-  Chain = 0,     // they stay on the chain, disabled
-  Leaf = 1,      // edges out cut: a leaf hanging off its predecessors
-  Isolated = 2,  // edges in and out cut: a node on no path
-};
-
 struct Graph {
   std::vector<Node> nodes;
   std::vector<Edge> edges;
   std::vector<Splice> splices;
-  std::vector<Bypass> bypasses;
 
   const Node* find(int32_t id) const;
   Node* find(int32_t id);
@@ -182,8 +159,7 @@ struct Program {
   std::vector<OpSpec> ops;
   int32_t expected_anchors = -1;  // anchors noted while capturing; -1: unknown
   bool use_conditionals = true;   // false: gated ops become plain op nodes
-  IdleAnchors idle_anchors = IdleAnchors::Isolated;
-  uint32_t threads = 256;  // block size of anchors and op kernels
+  uint32_t threads = 256;         // block size of anchors and op kernels
 };
 
 // ---------------------------------------------------------------- the planner's output
@@ -193,7 +169,7 @@ inline int32_t fresh_index(int32_t id) { return -2 - id; }
 
 struct NewNode {
   Role role = Role::Op;
-  int32_t anchor = -1;  // the anchor whose arguments (h, r, d, rows...) the node copies
+  int32_t anchor = -1;   // the anchor whose arguments (h, r, d, rows...) the node copies
   int32_t segment = -1;  // index into the new Splice of that anchor
   int32_t body_of = -1;  // fresh index of the IF node whose body holds it; -1: top level
 };
@@ -218,20 +194,17 @@ struct Toggle {
 
 struct Plan {
   bool fallback = false;  // the graph keeps its self-dispatching anchors
-  std::string reason;  // why it fell back
-  std::vector<int32_t> remove;  // our nodes to destroy (an IF takes its body with it)
-  std::vector<Edge> cut;  // edges between nodes that stay, removed after `remove`
-  std::vector<NewNode> add;  // an IF comes before the nodes of its body
+  std::string reason;     // why it fell back
+  std::vector<int32_t> remove;   // our nodes to destroy (an IF takes its body with it)
+  std::vector<NewNode> add;      // an IF comes before the nodes of its body
   std::vector<NewEdge> edges;
   std::vector<Repoint> repoint;
-  std::vector<Toggle> enable;  // exec state of every anchor and every switchable node
-  std::vector<Splice> splices;  // bookkeeping after the plan (existing or fresh ids)
-  std::vector<Bypass> bypasses;  // the same for idle anchors (bridges may name fresh ids)
+  std::vector<Toggle> enable;    // exec state of every anchor and every switchable node
+  std::vector<Splice> splices;   // bookkeeping after the plan (existing or fresh ids)
   bool needs_instantiate = false;  // topology or a conditional body changed
   int32_t n_anchors = 0;
-  int32_t n_kept = 0;  // anchors whose splice was kept as it was (possibly repointed)
+  int32_t n_kept = 0;     // anchors whose splice was kept as it was (possibly repointed)
   int32_t n_rebuilt = 0;  // anchors whose splice was (re)built
-  int32_t n_off_chain = 0;  // idle anchors taken off the chain after the plan
 };
 
 }  // namespace xmix::graph

@@ -120,35 +120,6 @@ struct Adj {
   std::vector<std::pair<int32_t, EdgeData>> in, out;
 };
 
-using EdgeKey = std::tuple<int32_t, int32_t, uint8_t, uint8_t, uint8_t>;
-EdgeKey key_of(int32_t from, int32_t to, const EdgeData& d) {
-  return {from, to, d.from_port, d.to_port, d.type};
-}
-
-std::set<EdgeKey> edge_keys(const Graph& g) {
-  std::set<EdgeKey> out;
-  for (const Edge& e : g.edges) out.insert(key_of(e.from, e.to, e.data));
-  return out;
-}
-
-// What undoes the idle anchors' edits, for the edges that can be undone: bridges that are in
-// the graph and whose ends stay are removed (a bridge from a spliced node goes with it), cut
-// edges that are missing and whose ends exist come back.
-void undo_bypasses(const Graph& g, const std::set<int32_t>& removed, Plan& out) {
-  const std::set<EdgeKey> have = edge_keys(g);
-  std::unordered_set<int32_t> ids;
-  for (const Node& n : g.nodes) ids.insert(n.id);
-  for (const Bypass& b : g.bypasses) {
-    for (const Edge& e : b.bridge)
-      if (!removed.count(e.from) && !removed.count(e.to) &&
-          have.count(key_of(e.from, e.to, e.data)))
-        out.cut.push_back(e);
-    for (const Edge& e : b.cut)
-      if (ids.count(e.from) && ids.count(e.to) && !have.count(key_of(e.from, e.to, e.data)))
-        out.edges.push_back({e.from, e.to, e.data});
-  }
-}
-
 }  // namespace
 
 Plan fallback_plan(const Graph& g, const std::string& reason) {
@@ -165,28 +136,21 @@ Plan fallback_plan(const Graph& g, const std::string& reason) {
         if (it != by_id.end() && it->second->parent == -1) remove.insert(id);
       }
   out.remove.assign(remove.begin(), remove.end());
-  undo_bypasses(g, remove, out);
   for (const Node& n : g.nodes)
     if (n.role == Role::Anchor) {
       out.enable.push_back({n.id, true});
       ++out.n_anchors;
     }
-  out.needs_instantiate = !out.remove.empty() || !out.cut.empty() || !out.edges.empty();
+  out.needs_instantiate = !out.remove.empty();
   return out;
 }
 
 std::vector<Toggle> anchor_config(const Graph& g) {
   std::unordered_map<int32_t, const Node*> by_id;
   for (const Node& n : g.nodes) by_id.emplace(n.id, &n);
-  // An anchor off the chain stays off: its site has nothing deployed (it would do nothing),
-  // and off the chain nothing after it would wait for it.
-  std::unordered_set<int32_t> off_chain;
-  for (const Bypass& b : g.bypasses)
-    if (b.off_chain) off_chain.insert(b.anchor);
   std::vector<Toggle> out;
   for (const Node& n : g.nodes)
-    if (n.role == Role::Anchor && n.parent == -1 && !off_chain.count(n.id))
-      out.push_back({n.id, true});
+    if (n.role == Role::Anchor && n.parent == -1) out.push_back({n.id, true});
   for (const Splice& sp : g.splices)
     for (const Segment& s : sp.segments)
       for (int32_t id : switch_nodes(s)) {
@@ -284,45 +248,6 @@ Plan plan(const Graph& g, const Program& p) {
           return fallback_plan(g, "custom op (" + std::to_string(op.site) + ", " +
                                       std::to_string(op.op_index) + ") has no CUDA kernel");
 
-  // ---- the idle anchors' bookkeeping must match the graph
-  const std::set<EdgeKey> edges_now = edge_keys(g);
-  std::set<int32_t> idle_have;
-  for (const Bypass& b : g.bypasses) {
-    const std::string at = "idle anchor " + std::to_string(b.anchor);
-    if (!anchor_set.count(b.anchor) || have.count(b.anchor) || !idle_have.insert(b.anchor).second)
-      return fallback_plan(g, at + ": bookkeeping does not match the graph's anchors");
-    for (const Edge& e : b.bridge)
-      if (!edges_now.count(key_of(e.from, e.to, e.data)))
-        return fallback_plan(g, at + ": a bridge edge is missing from the graph");
-    for (const Edge& e : b.cut)
-      if (edges_now.count(key_of(e.from, e.to, e.data)) || !pos.count(e.to))
-        return fallback_plan(g, at + ": a cut edge is back in the graph");
-  }
-
-  static const std::vector<const OpSpec*> kNone;
-  std::map<int32_t, std::vector<Segment>> want;
-  std::set<int32_t> idle_want;
-  bool changed = !stale.empty();
-  for (int32_t a : anchors) {
-    const int32_t site = g.nodes[pos[a]].anchor.site;
-    auto bs = by_site.find(site);
-    std::vector<Segment> w = desired(bs == by_site.end() ? kNone : bs->second, p.use_conditionals);
-    auto h = have.find(a);
-    const bool same = h != have.end() ? same_shape(h->second->segments, w) : w.empty();
-    changed |= !same;
-    if (w.empty() && p.idle_anchors != IdleAnchors::Chain) idle_want.insert(a);
-    want[a] = std::move(w);
-  }
-  // Bridges name the nodes of neighbouring chains, and an idle anchor's bridges stand for
-  // whatever ran before it: a change anywhere, with idle anchors off the chain, plans the
-  // graph again from its captured form (every splice rebuilt, every bridge and cut undone).
-  // A change of splices needs a re-instantiation anyway; switches and parameters do not come
-  // here.
-  bool other_form = false;  // idle anchors off the chain in another form than asked for
-  for (const Bypass& b : g.bypasses)
-    other_form |= b.off_chain && b.isolated != (p.idle_anchors == IdleAnchors::Isolated);
-  const bool reset = idle_want != idle_have || other_form || (!idle_have.empty() && changed);
-
   Plan out;
   out.n_anchors = static_cast<int32_t>(anchors.size());
   std::set<int32_t> removed;  // top-level nodes
@@ -332,11 +257,15 @@ Plan plan(const Graph& g, const Program& p) {
         if (g.nodes[pos[id]].parent == -1) removed.insert(id);
   };
 
+  static const std::vector<const OpSpec*> kNone;
+  std::map<int32_t, std::vector<Segment>> want;
   std::unordered_set<int32_t> rebuild;
   for (int32_t a : anchors) {
-    std::vector<Segment>& w = want[a];
+    const int32_t site = g.nodes[pos[a]].anchor.site;
+    auto bs = by_site.find(site);
+    std::vector<Segment> w = desired(bs == by_site.end() ? kNone : bs->second, p.use_conditionals);
     auto h = have.find(a);
-    if (!reset && h != have.end() && same_shape(h->second->segments, w)) {
+    if (h != have.end() && same_shape(h->second->segments, w)) {
       const std::vector<Segment>& old = h->second->segments;
       for (size_t i = 0; i < w.size(); ++i) {
         const Segment& o = old[i];
@@ -360,32 +289,21 @@ Plan plan(const Graph& g, const Program& p) {
       rebuild.insert(a);
       if (!w.empty()) ++out.n_rebuilt;
     }
+    want[a] = std::move(w);
   }
   for (const Splice* sp : stale) remove_splice(*sp);
   out.remove.assign(removed.begin(), removed.end());
-  if (reset) {
-    undo_bypasses(g, removed, out);
-  } else {
-    out.bypasses = g.bypasses;
-    for (const Bypass& b : g.bypasses) out.n_off_chain += b.off_chain ? 1 : 0;
-  }
 
-  // ---- working graph: top-level nodes that stay, and the edges between them (after the
-  // undone bypasses: the captured edges)
+  // ---- working graph: top-level nodes that stay, and the edges between them
   std::unordered_map<int32_t, Adj> adj;
   for (const Node& n : g.nodes)
     if (n.parent == -1 && !removed.count(n.id)) adj[n.id];
-  std::set<EdgeKey> undone;
-  for (const Edge& e : out.cut) undone.insert(key_of(e.from, e.to, e.data));
-  auto link = [&](int32_t from, int32_t to, const EdgeData& d) {
-    auto f = adj.find(from), t = adj.find(to);
-    if (f == adj.end() || t == adj.end()) return;
-    f->second.out.push_back({to, d});
-    t->second.in.push_back({from, d});
-  };
-  for (const Edge& e : g.edges)
-    if (!undone.count(key_of(e.from, e.to, e.data))) link(e.from, e.to, e.data);
-  for (const NewEdge& e : out.edges) link(e.from, e.to, e.data);
+  for (const Edge& e : g.edges) {
+    auto f = adj.find(e.from), t = adj.find(e.to);
+    if (f == adj.end() || t == adj.end()) continue;
+    f->second.out.push_back({e.to, e.data});
+    t->second.in.push_back({e.from, e.data});
+  }
 
   // Kahn's algorithm, ties broken by position in g.nodes so plans are deterministic.
   std::vector<int32_t> order;
@@ -412,86 +330,20 @@ Plan plan(const Graph& g, const Program& p) {
     out.add.push_back({role, anchor, seg, body_of});
     return fresh_id(static_cast<int32_t>(out.add.size()) - 1);
   };
-  std::set<EdgeKey> edge_seen;
-  for (const NewEdge& e : out.edges) edge_seen.insert(key_of(e.from, e.to, e.data));
-  std::set<EdgeKey> laid, unlaid;  // edges this plan lays (chains, bridges); those taken back
+  std::set<std::tuple<int32_t, int32_t, uint8_t, uint8_t, uint8_t>> edge_seen;
   auto add_edge = [&](int32_t from, int32_t to, EdgeData d, bool top_level) {
-    if (!edge_seen.insert(key_of(from, to, d)).second) return;
-    laid.insert(key_of(from, to, d));
+    if (!edge_seen.insert({from, to, d.from_port, d.to_port, d.type}).second) return;
     out.edges.push_back({from, to, d});
     if (top_level) {
       adj[from].out.push_back({to, d});
       adj[to].in.push_back({from, d});
     }
   };
-  auto is_foreign_kernel = [&](int32_t id) {
-    if (is_fresh(id)) return false;
-    const Node& n = g.nodes[pos[id]];
-    return n.role == Role::Foreign && n.type == NodeType::Kernel;
-  };
-
-  // An idle anchor leaves the chain: each successor waits for each predecessor directly. A
-  // bridge keeps the anchor's edge data (a PDL successor keeps its early launch) only from a
-  // foreign kernel; from anything else (a disabled anchor, our chains, other node types) it
-  // is a full edge. A pair already joined needs no bridge, unless the edge there is weaker
-  // than the bridge would be: then the anchor stays on the chain.
-  auto bypass = [&](int32_t a) {
-    const std::vector<std::pair<int32_t, EdgeData>> preds = adj[a].in, succs = adj[a].out;
-    std::vector<Edge> bridges;
-    for (auto& [from, dp] : preds)
-      for (auto& [to, ds] : succs) {
-        const EdgeData d = is_foreign_kernel(from) ? ds : EdgeData{};
-        bool joined = false;
-        for (auto& [t, de] : adj[from].out)
-          if (t == to) {
-            if (!(de.is_default() || de == d)) {
-              out.bypasses.push_back({a, false, {}, {}});
-              return;
-            }
-            joined = true;
-          }
-        bool listed = false;
-        for (const Edge& b : bridges) listed |= b.from == from && b.to == to;
-        if (!joined && !listed) bridges.push_back({from, to, d});
-      }
-    Bypass b;
-    b.anchor = a;
-    b.isolated = p.idle_anchors == IdleAnchors::Isolated;
-    if (b.isolated)
-      for (auto& [from, dp] : preds) {
-        // An edge this plan laid into the anchor (an earlier chain's or bridge) is taken back;
-        // a captured one is cut.
-        if (laid.count(key_of(from, a, dp))) {
-          unlaid.insert(key_of(from, a, dp));
-        } else {
-          b.cut.push_back({from, a, dp});
-          out.cut.push_back({from, a, dp});
-        }
-        auto& o = adj[from].out;
-        o.erase(std::remove_if(o.begin(), o.end(), [&](auto& x) { return x.first == a; }), o.end());
-      }
-    if (b.isolated) adj[a].in.clear();
-    for (auto& [to, ds] : succs) {
-      b.cut.push_back({a, to, ds});
-      out.cut.push_back({a, to, ds});
-      auto& o = adj[a].out;
-      o.erase(std::remove_if(o.begin(), o.end(), [&](auto& x) { return x.first == to; }), o.end());
-      auto& i = adj[to].in;
-      i.erase(std::remove_if(i.begin(), i.end(), [&](auto& x) { return x.first == a; }), i.end());
-    }
-    for (const Edge& e : bridges) add_edge(e.from, e.to, e.data, true);
-    b.bridge = std::move(bridges);
-    out.bypasses.push_back(std::move(b));
-    ++out.n_off_chain;
-  };
 
   for (int32_t a : order) {
     if (!rebuild.count(a)) continue;
     std::vector<Segment>& segs = want[a];
-    if (segs.empty()) {
-      if (reset && idle_want.count(a)) bypass(a);
-      continue;
-    }
+    if (segs.empty()) continue;
     const std::vector<std::pair<int32_t, EdgeData>> preds = adj[a].in, succs = adj[a].out;
     int32_t prev_last = -1;
     bool last_is_kernel = true;
@@ -559,36 +411,7 @@ Plan plan(const Graph& g, const Program& p) {
       for (int32_t id : switch_nodes(s)) out.enable.push_back({id, s.enabled});
     if (!segs.empty()) out.splices.push_back({a, segs});
   }
-  auto taken_back = [&](int32_t f, int32_t t, const EdgeData& d) {
-    return unlaid.count(key_of(f, t, d)) > 0;
-  };
-  out.edges.erase(
-      std::remove_if(out.edges.begin(), out.edges.end(),
-                     [&](const NewEdge& e) { return taken_back(e.from, e.to, e.data); }),
-      out.edges.end());
-  for (Bypass& b : out.bypasses)
-    b.bridge.erase(std::remove_if(b.bridge.begin(), b.bridge.end(),
-                                  [&](const Edge& e) { return taken_back(e.from, e.to, e.data); }),
-                   b.bridge.end());
-  // An edge both cut and added (a captured edge cut again after it was restored, a bridge
-  // laid again) stays as it is: neither edit is made.
-  {
-    std::set<EdgeKey> cut, added;
-    for (const Edge& e : out.cut) cut.insert(key_of(e.from, e.to, e.data));
-    for (const NewEdge& e : out.edges) added.insert(key_of(e.from, e.to, e.data));
-    auto both = [&](int32_t f, int32_t t, const EdgeData& d) {
-      const EdgeKey k = key_of(f, t, d);
-      return cut.count(k) && added.count(k);
-    };
-    out.cut.erase(std::remove_if(out.cut.begin(), out.cut.end(),
-                                 [&](const Edge& e) { return both(e.from, e.to, e.data); }),
-                  out.cut.end());
-    out.edges.erase(std::remove_if(out.edges.begin(), out.edges.end(),
-                                   [&](const NewEdge& e) { return both(e.from, e.to, e.data); }),
-                    out.edges.end());
-  }
-  if (!out.remove.empty() || !out.add.empty() || !out.cut.empty() || !out.edges.empty())
-    out.needs_instantiate = true;
+  if (!out.remove.empty() || !out.add.empty()) out.needs_instantiate = true;
   return out;
 }
 
@@ -598,9 +421,6 @@ Graph apply(const Graph& g, const Plan& p) {
     if (n.parent != -1 && gone.count(n.parent)) gone.insert(n.id);
   const int32_t base = g.next_id();
   auto map_id = [&](int32_t id) { return is_fresh(id) ? base + fresh_index(id) : id; };
-
-  std::set<EdgeKey> cut;
-  for (const Edge& e : p.cut) cut.insert(key_of(e.from, e.to, e.data));
 
   Graph out;
   for (const Node& n : g.nodes)
@@ -615,17 +435,8 @@ Graph apply(const Graph& g, const Plan& p) {
     out.nodes.push_back(n);
   }
   for (const Edge& e : g.edges)
-    if (!gone.count(e.from) && !gone.count(e.to) && !cut.count(key_of(e.from, e.to, e.data)))
-      out.edges.push_back(e);
+    if (!gone.count(e.from) && !gone.count(e.to)) out.edges.push_back(e);
   for (const NewEdge& e : p.edges) out.edges.push_back({map_id(e.from), map_id(e.to), e.data});
-  for (const Bypass& b : p.bypasses) {
-    Bypass nb = b;
-    for (Edge& e : nb.bridge) {
-      e.from = map_id(e.from);
-      e.to = map_id(e.to);
-    }
-    out.bypasses.push_back(std::move(nb));
-  }
   for (const Splice& sp : p.splices) {
     Splice s = sp;
     s.anchor = map_id(s.anchor);
@@ -703,16 +514,6 @@ std::string describe(const Graph& g) {
       o << " (" << s.site << "," << s.op_index << " app " << s.app << (s.gated ? " gated" : "")
         << (s.custom ? " custom" : "") << (s.enabled ? "" : " off") << ")";
     splices.push_back(o.str());
-  }
-  for (const Bypass& b : g.bypasses) {
-    std::ostringstream x;
-    x << "idle " << lab[b.anchor]
-      << (!b.off_chain ? " on the chain:"
-          : b.isolated ? " isolated:"
-                       : " a leaf:");
-    for (const Edge& e : b.cut) x << " cut " << edge_text(lab[e.from], lab[e.to], e.data);
-    for (const Edge& e : b.bridge) x << " bridge " << edge_text(lab[e.from], lab[e.to], e.data);
-    splices.push_back(x.str());
   }
   std::sort(splices.begin(), splices.end());
   std::ostringstream o;

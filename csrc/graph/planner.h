@@ -4,9 +4,7 @@
 //
 // - Every anchor node stays in the graph and is disabled in the executable graph; the ops
 //   of its site run in a chain added next to it: preds(A) -> chain -> succs(A). With
-//   nothing deployed at the site (an idle anchor) the anchor leaves the chain
-//   (Program::idle_anchors): its edges out (isolated: and in) are cut and its predecessors
-//   joined to its successors (ir.h Bypass), and the site launches nothing.
+//   nothing deployed at the site the chain is empty and the site launches nothing.
 // - Chain order is the anchor's: built-in ops in site order, then custom ops in site order.
 //   A gated op is gate -> IF{op}; a custom op is select -> user -> finish (inside the IF when
 //   gated). The first custom op of a site also waits for the anchor node itself (an empty
@@ -19,12 +17,10 @@
 //   right after another anchor waits for the first one's chain, not just for its disabled
 //   anchor.
 // - A re-plan keeps an anchor's splice when its shape (gated/custom per op, in order) is
-//   unchanged and only re-points parameters; otherwise it removes and rebuilds it. A change
-//   of the idle set, or any rebuild while idle anchors are off the chain, plans the whole
-//   graph again from its captured form. Planning a graph against the program it was planned
-//   for yields no edit at all.
-// - A graph the planner cannot handle falls back: every spliced node and bridge is removed,
-//   every cut edge restored and every anchor enabled again: the captured graph exactly.
+//   unchanged and only re-points parameters; otherwise it removes and rebuilds it. Planning
+//   a graph against the program it was planned for yields no edit at all.
+// - A graph the planner cannot handle falls back: every spliced node is removed and every
+//   anchor is enabled again, which is the captured graph exactly.
 #pragma once
 #include <string>
 

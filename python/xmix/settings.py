@@ -327,13 +327,6 @@ SETTINGS: tuple[Setting, ...] = (
         "patch captured CUDA graphs to run the deployed apps' kernels; off: graphs keep anchors",
     ),
     Setting(
-        "XMIX_GRAPH_IDLE_ANCHORS",
-        Choice("isolated", "leaf", "chain"),
-        "isolated",
-        "where a patched graph keeps the anchors of sites with nothing deployed: isolated (no "
-        "edge), leaf (edges out cut), chain (on the chain, disabled)",
-    ),
-    Setting(
         "XMIX_GRAPH_VERIFY",
         Bool(),
         False,

@@ -55,24 +55,13 @@ OpSpec op(int32_t site, int32_t k, int32_t app, bool enabled = true, bool gated 
   return o;
 }
 
-Program program(std::vector<OpSpec> ops, int32_t expected = -1,
-                IdleAnchors idle = IdleAnchors::Leaf) {
+Program program(std::vector<OpSpec> ops, int32_t expected = -1) {
   Program p;
   p.cb = kCb;
   p.n_sites = 64;
   p.ops = std::move(ops);
   p.expected_anchors = expected;
-  p.idle_anchors = idle;
   return p;
-}
-
-// Idle anchors kept on the chain, and with no edge at all (the tests' default is Leaf, whose
-// edges show where an anchor was).
-Program on_chain(std::vector<OpSpec> ops) {
-  return program(std::move(ops), -1, IdleAnchors::Chain);
-}
-Program isolated(std::vector<OpSpec> ops) {
-  return program(std::move(ops), -1, IdleAnchors::Isolated);
 }
 
 std::set<std::string> edges(const Graph& g) {
@@ -141,10 +130,9 @@ TEST(Planner, ManySitesEachGetTheirOwnChain) {
   EXPECT_EQ(pl.n_anchors, 3);
   const Graph g = apply(b.g, pl);
   const std::set<std::string> want = {
-      "n0->n1", "n1->n2", "n2->n3", "n3->n4", "n4->n5",  // captured, untouched
-      "n0->op@1.0", "op@1.0->n2",                        // site 0
-      "n2->op@3.0", "op@3.0->op@3.1", "op@3.1->n4",      // site 1: two ops in order
-      "n4->n6",                                          // site 2 idle: its anchor a leaf
+      "n0->n1", "n1->n2", "n2->n3", "n3->n4", "n4->n5", "n5->n6",  // captured, untouched
+      "n0->op@1.0", "op@1.0->n2",                                    // site 0
+      "n2->op@3.0", "op@3.0->op@3.1", "op@3.1->n4",                  // site 1: two ops in order
   };
   EXPECT_EQ(edges(g), want);
   for (int32_t a : {a0, a1, a2}) EXPECT_FALSE(enabled(g, a)) << "anchor " << a;
@@ -251,27 +239,11 @@ TEST(Planner, DisableAllLaunchesNothingAtTheSite) {
   const Graph g = apply(l.b.g, p);
   EXPECT_FALSE(enabled(g, l.a));
   EXPECT_EQ(enabled_spliced_kernels(g), 0) << describe(g);
-  // Nothing deployed at all: no node is added and the anchor is off too; with idle anchors
-  // kept on the chain nothing changes but the anchor's state.
-  Plan kept = plan(l.b.g, on_chain({}));
-  EXPECT_TRUE(kept.add.empty());
-  EXPECT_FALSE(kept.needs_instantiate);
-  EXPECT_FALSE(enabled(apply(l.b.g, kept), l.a));
-  // By default the idle anchor leaves the chain: its successor waits for its predecessor.
+  // Nothing deployed at all: no node is added and the anchor is off too.
   Plan none = plan(l.b.g, program({}));
   EXPECT_TRUE(none.add.empty());
-  EXPECT_TRUE(none.needs_instantiate);
-  const Graph g0 = apply(l.b.g, none);
-  EXPECT_EQ(edges(g0), (std::set<std::string>{"n0->n1", "n0->n2"}));
-  EXPECT_FALSE(enabled(g0, l.a));
-  // Isolated: no edge left at the anchor.
-  const Graph gi = apply(l.b.g, plan(l.b.g, isolated({})));
-  EXPECT_EQ(edges(gi), (std::set<std::string>{"n0->n2"}));
-  EXPECT_FALSE(enabled(gi, l.a));
-  // From one form to another: the captured edges back, then the other form.
-  EXPECT_EQ(edges(apply(g0, plan(g0, isolated({})))), edges(gi));
-  EXPECT_EQ(edges(apply(gi, plan(gi, program({})))), edges(g0));
-  EXPECT_EQ(describe(apply(gi, fallback_plan(gi, "test"))), describe(l.b.g));
+  EXPECT_FALSE(none.needs_instantiate);
+  EXPECT_FALSE(enabled(apply(l.b.g, none), l.a));
 }
 
 TEST(Planner, ReplanAgainstTheSameProgramChangesNothing) {
@@ -300,7 +272,7 @@ TEST(Planner, UndeployRestoresTheCapturedGraph) {
   const Graph g1 = apply(g0, plan(g0, program({op(0, 0, 0, true, true), op(1, 0, 1), op(1, 1, 1, true, false, true)})));
   ASSERT_NE(edges(g1), edges(g0));
 
-  const Plan undeploy = plan(g1, on_chain({}));
+  const Plan undeploy = plan(g1, program({}));
   ASSERT_FALSE(undeploy.fallback);
   EXPECT_TRUE(undeploy.needs_instantiate);
   const Graph g2 = apply(g1, undeploy);
@@ -309,136 +281,10 @@ TEST(Planner, UndeployRestoresTheCapturedGraph) {
   EXPECT_TRUE(g2.splices.empty());
   EXPECT_FALSE(enabled(g2, a0));  // nothing to run: the anchors stay off
 
-  // With idle anchors off the chain the undeploy gives what planning nothing on the captured
-  // graph gives.
-  const Graph g4 = apply(g1, plan(g1, program({})));
-  EXPECT_EQ(describe(g4), describe(apply(g0, plan(g0, program({})))));
-  EXPECT_EQ(edges(g4), (std::set<std::string>{"n0->n1", "n0->n2", "n0->n3[1,0,1]"})) << describe(g4);
-
-  // The fallback plan gives back exactly what was captured, anchors running again, from
-  // either.
-  EXPECT_EQ(describe(apply(g1, fallback_plan(g1, "test"))), describe(g0));
-  EXPECT_EQ(describe(apply(g4, fallback_plan(g4, "test"))), describe(g0));
+  // The fallback plan gives back exactly what was captured, anchors running again.
+  const Graph g3 = apply(g1, fallback_plan(g1, "test"));
+  EXPECT_EQ(describe(g3), describe(g0));
   (void)p; (void)a1; (void)s;
-}
-
-TEST(Planner, IdleAnchorsLeaveTheChainAndComeBackWithOps) {
-  Builder b;
-  const int32_t p = b.node(), a0 = b.anchor(0), a1 = b.anchor(1), s = b.node();
-  b.edge(p, a0); b.edge(a0, a1); b.edge(a1, s);
-  const Graph g0 = b.g;
-
-  // Both idle: each is a leaf hanging off the predecessor, the successor waits for it.
-  const Plan none = plan(g0, program({}));
-  ASSERT_FALSE(none.fallback) << none.reason;
-  EXPECT_EQ(none.n_off_chain, 2);
-  const Graph g1 = apply(g0, none);
-  EXPECT_EQ(edges(g1), (std::set<std::string>{"n0->n1", "n0->n2", "n0->n3"})) << describe(g1);
-  EXPECT_TRUE(plan(g1, program({})).add.empty());
-  EXPECT_FALSE(plan(g1, program({})).needs_instantiate);
-  EXPECT_TRUE(plan(g1, program({})).cut.empty());
-
-  // An app at site 1: anchor 1 is back on the chain with its op; anchor 0 stays off.
-  const Program one = program({op(1, 0, 0)});
-  const Plan deploy = plan(g1, one);
-  ASSERT_FALSE(deploy.fallback) << deploy.reason;
-  EXPECT_EQ(deploy.n_off_chain, 1);
-  const Graph g2 = apply(g1, deploy);
-  EXPECT_EQ(edges(g2), (std::set<std::string>{"n0->n1", "n0->n2", "n2->n3", "n0->op@2.0",
-                                               "op@2.0->n3"}))
-      << describe(g2);
-  EXPECT_EQ(describe(g2), describe(apply(g0, plan(g0, one))));
-  const Plan again = plan(g2, one);
-  EXPECT_TRUE(again.add.empty() && again.remove.empty() && again.cut.empty() &&
-              again.edges.empty() && !again.needs_instantiate);
-  // A mode change is still a switch.
-  const Plan off = plan(g2, program({op(1, 0, 0, false)}));
-  EXPECT_FALSE(off.needs_instantiate);
-  EXPECT_TRUE(off.cut.empty() && off.edges.empty());
-
-  // The first-replay check's anchor configuration leaves an anchor off the chain off.
-  std::map<int32_t, bool> cfg;
-  for (const Toggle& t : anchor_config(g2)) cfg[t.node] = t.enabled;
-  EXPECT_FALSE(cfg.count(a0));
-  EXPECT_TRUE(cfg.at(a1));
-
-  // Idle anchors kept on the chain again: the captured edges come back.
-  const Graph g3 = apply(g2, plan(g2, on_chain({})));
-  EXPECT_EQ(edges(g3), edges(g0));
-  EXPECT_TRUE(g3.bypasses.empty());
-  (void)p; (void)s;
-}
-
-TEST(Planner, BridgesKeepPdlOnlyFromForeignKernels) {
-  const EdgeData pdl{1, 0, 1};
-  {
-    Builder b;
-    const int32_t p = b.node(), a = b.anchor(3), s = b.node();
-    b.edge(p, a);
-    b.edge(a, s, pdl);
-    EXPECT_EQ(edges(apply(b.g, plan(b.g, program({})))),
-              (std::set<std::string>{"n0->n1", "n0->n2[1,0,1]"}));
-    (void)s;
-  }
-  {
-    Builder b;  // a memcpy cannot start a programmatic edge
-    const int32_t p = b.node(NodeType::Memcpy), a = b.anchor(3), s = b.node();
-    b.edge(p, a);
-    b.edge(a, s, pdl);
-    EXPECT_EQ(edges(apply(b.g, plan(b.g, program({})))),
-              (std::set<std::string>{"n0->n1", "n0->n2"}));
-    (void)s;
-  }
-  {
-    // After a site with ops: from its (disabled) anchor and from its chain, full edges.
-    Builder b;
-    const int32_t p = b.node(), a0 = b.anchor(0), a1 = b.anchor(1), s = b.node();
-    b.edge(p, a0);
-    b.edge(a0, a1);
-    b.edge(a1, s, pdl);
-    const Graph g = apply(b.g, plan(b.g, program({op(0, 0, 0)})));
-    EXPECT_EQ(edges(g), (std::set<std::string>{"n0->n1", "n0->op@1.0", "n1->n2", "op@1.0->n2",
-                                                "n1->n3", "op@1.0->n3"}))
-        << describe(g);
-    (void)s;
-  }
-}
-
-TEST(Planner, AnEdgeABridgeWouldWeakenKeepsTheAnchorOnTheChain) {
-  Builder b;
-  const int32_t p = b.node(), a = b.anchor(3), s = b.node();
-  b.edge(p, a);
-  b.edge(a, s);
-  b.edge(p, s, {1, 0, 1});  // s may start early after p, but must wait for a in full
-  const Plan pl = plan(b.g, program({}));
-  ASSERT_FALSE(pl.fallback) << pl.reason;
-  EXPECT_EQ(pl.n_off_chain, 0);
-  ASSERT_EQ(pl.bypasses.size(), 1u);
-  EXPECT_FALSE(pl.bypasses[0].off_chain);
-  const Graph g = apply(b.g, pl);
-  EXPECT_EQ(edges(g), edges(b.g));
-  EXPECT_FALSE(plan(g, program({})).needs_instantiate);  // the same idle set: nothing to do
-  std::map<int32_t, bool> cfg;
-  for (const Toggle& t : anchor_config(g)) cfg[t.node] = t.enabled;
-  EXPECT_TRUE(cfg.at(a));  // on the chain: the check runs it as before
-  (void)s;
-}
-
-TEST(Planner, BookkeepingThatNoLongerMatchesFallsBack) {
-  Line l;
-  Graph g = apply(l.b.g, plan(l.b.g, program({})));
-  Graph missing = g;
-  missing.edges.erase(std::remove_if(missing.edges.begin(), missing.edges.end(),
-                                     [&](const Edge& e) { return e.from == l.p && e.to == l.s; }),
-                      missing.edges.end());
-  const Plan pm = plan(missing, program({}));
-  EXPECT_TRUE(pm.fallback);
-  EXPECT_EQ(edges(apply(missing, pm)), edges(l.b.g));  // the cut edge comes back
-  Graph back = g;
-  back.edges.push_back({l.a, l.s, {}});
-  const Plan pb = plan(back, program({}));
-  EXPECT_TRUE(pb.fallback);
-  EXPECT_EQ(edges(apply(back, pb)), edges(l.b.g));  // the bridge goes
 }
 
 TEST(Planner, PdlEdgeDataIsKept) {
@@ -687,8 +533,8 @@ std::vector<int32_t> chain_nodes(const Graph& g, const Splice& sp) {
 
 // What every plan must keep of the captured graph g0, in the patched graph g: the captured
 // nodes' order, each chain after everything before its anchor and before everything after
-// it, chains ordered as their anchors, idle anchors off the chain as leaves, programmatic
-// edges only from kernels and never into our nodes.
+// it, chains ordered as their anchors, programmatic edges only from kernels and never into
+// our nodes.
 void expect_order_kept(const Graph& g0, const Graph& g, const std::string& at) {
   const auto r0 = reachability(g0), r = reachability(g);
   auto is_anchor = [&](int32_t id) { return g0.find(id)->role == Role::Anchor; };
@@ -710,9 +556,6 @@ void expect_order_kept(const Graph& g0, const Graph& g, const std::string& at) {
             EXPECT_TRUE(r.at(c).count(c2)) << at << ": chain " << sp.anchor << " before " << later.anchor;
     }
   }
-  for (const Bypass& b : g.bypasses)
-    if (b.off_chain)
-      for (const Edge& e : g.edges) EXPECT_NE(e.from, b.anchor) << at << ": idle anchor with an edge out";
   for (const Edge& e : g.edges) {
     if (e.data.type == 0) continue;
     EXPECT_EQ(g.find(e.from)->type, NodeType::Kernel) << at;
@@ -751,20 +594,14 @@ TEST(Planner, RandomGraphsAndProgramsKeepTheCapturedOrder) {
         for (int i = 0; i < k; ++i)
           ops.push_back(op(site, i, pick(4), coin(0.7), coin(0.3), coin(0.2)));
       }
-      const IdleAnchors modes[] = {IdleAnchors::Chain, IdleAnchors::Leaf, IdleAnchors::Isolated};
-      const IdleAnchors mode = modes[pick(3)];
-      const Program prog = program(ops, -1, mode);
+      const Program prog = program(ops);
       const std::string at = "trial " + std::to_string(trial) + " step " + std::to_string(step);
       const Plan pl = plan(g, prog);
       ASSERT_FALSE(pl.fallback) << at << ": " << pl.reason;
       g = apply(g, pl);
       expect_order_kept(g0, g, at);
-      if (mode == IdleAnchors::Isolated)
-        for (const Bypass& b : g.bypasses)
-          if (b.off_chain)
-            for (const Edge& e : g.edges) EXPECT_NE(e.to, b.anchor) << at << ": isolated anchor with an edge in";
       const Plan again = plan(g, prog);
-      EXPECT_TRUE(again.add.empty() && again.remove.empty() && again.cut.empty() &&
+      EXPECT_TRUE(again.add.empty() && again.remove.empty() &&
                   again.edges.empty() && !again.needs_instantiate)
           << at << ": planning the same program again edits the graph\n" << describe(g);
       EXPECT_EQ(describe(apply(g, fallback_plan(g, "test"))), describe(g0)) << at;

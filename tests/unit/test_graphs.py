@@ -62,27 +62,10 @@ def test_planner_splices_one_op_per_anchor_and_disables_anchors():
     states = {n.id: n.enabled for n in after.nodes}
     assert states[1] is False and states[3] is False
     assert [s.app for s in after.splices[1].segments] == [1, 2]
-    # planning again against the same program is a no-op; an empty program with idle anchors
-    # kept on the chain undoes it
+    # planning again against the same program is a no-op; an empty program undoes it
     assert G.plan(after, prog).is_noop()
-    chain = G.IdleAnchors.Chain
-    undone = G.apply(after, G.plan(after, G.Program(CB, 16, idle_anchors=chain)))
+    undone = G.apply(after, G.plan(after, G.Program(CB, 16)))
     assert G.edge_list(undone) == G.edge_list(g)
-    # by default the idle anchors leave the chain, isolated: the next node after the last one
-    # before each
-    idle_plan = G.plan(after, G.Program(CB, 16))
-    assert idle_plan.n_off_chain == 2 and not idle_plan.splices
-    idle = G.apply(after, idle_plan)
-    assert set(G.edge_list(idle)) == {"n0->n2", "n2->n4"}
-    assert [(b.anchor, b.off_chain, b.isolated) for b in idle.bypasses] == [
-        (1, True, True),
-        (3, True, True),
-    ]
-    assert G.plan(idle, G.Program(CB, 16)).is_noop()
-    assert G.edge_list(G.apply(idle, G.fallback_plan(idle, "test"))) == G.edge_list(g)
-    # as leaves they keep their edges in
-    leaf = G.apply(idle, G.plan(idle, G.Program(CB, 16, idle_anchors=G.IdleAnchors.Leaf)))
-    assert set(G.edge_list(leaf)) == {"n0->n1", "n0->n2", "n2->n3", "n2->n4"}
 
 
 def test_planner_gated_custom_op_goes_inside_an_if_body():
@@ -494,9 +477,7 @@ def test_orchestration_capture_replan_toggle(sim):
     assert g._xmix_state == "patched" and g.execs == 1 and g._xmix.bound == [1001]
     assert plain._xmix_state == "plain" and plain not in graphs.kept_graphs()
     assert graphs.kept_graphs(hs.cb) == [g]
-    # nothing deployed: no node added, both anchors off and off the chain
-    assert not g._xmix.ir.splices
-    assert [b.off_chain for b in g._xmix.ir.bypasses] == [True, True]
+    assert not g._xmix.ir.splices  # nothing deployed: anchors off, nothing added
 
     hs.cb.install(lower(steer, SHAPE))
     out = graphs.on_apps_changed(hs.cb)

@@ -70,14 +70,7 @@ def program_for(cb, expected_anchors: int = -1, use_conditionals: bool | None = 
             if custom:
                 spec.custom_args = _custom_args(cb, so.linked)
             ops.append(spec)
-    return G.Program(
-        cb.ptr,
-        cb.n_sites,
-        ops,
-        expected_anchors,
-        use_conditionals,
-        getattr(G.IdleAnchors, state.idle_anchors().capitalize()),
-    )
+    return G.Program(cb.ptr, cb.n_sites, ops, expected_anchors, use_conditionals)
 
 
 def fingerprint(cb) -> tuple:

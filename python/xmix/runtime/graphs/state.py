@@ -83,10 +83,6 @@ def patching_enabled() -> bool:
     return bool(settings.get("XMIX_GRAPH_PATCH"))
 
 
-def idle_anchors() -> str:
-    return str(settings.get("XMIX_GRAPH_IDLE_ANCHORS"))
-
-
 def verify() -> bool:
     return bool(settings.get("XMIX_GRAPH_VERIFY"))
 
