@@ -235,7 +235,9 @@ def free_port() -> int:
 
 
 class Server:
-    """One `vllm serve` (kind "vanilla") or `xmix serve` process group, up until stop()."""
+    """One `vllm serve` (kind "vanilla") or `xmix serve` process group, up until stop().
+    `python` runs `vllm serve` from another environment (bench/peers.py: kind "plugins", the
+    entry-point plugins of that environment loaded, and "vanilla" there with them off)."""
 
     def __init__(
         self,
@@ -245,6 +247,8 @@ class Server:
         log: Path,
         extra: list[str],
         trace: Path | None = None,
+        python: str | None = None,
+        env_extra: dict[str, str] | None = None,
     ):
         self.kind, self.port, self.log = kind, free_port(), log
         common = [
@@ -268,9 +272,13 @@ class Server:
             env["PYTHONPATH"] = os.pathsep.join(
                 [str(Path(__file__).with_name("sched_trace")), env.get("PYTHONPATH", "")]
             )
-        if kind == "vanilla":
-            env["VLLM_PLUGINS"] = "none"
-            cmd = [sys.executable, __file__, "--vllm-cli", "serve", *common]
+        env.update(env_extra or {})
+        if kind in ("vanilla", "plugins"):
+            if kind == "vanilla":
+                env["VLLM_PLUGINS"] = "none"
+            else:
+                env.pop("VLLM_PLUGINS", None)
+            cmd = [python or sys.executable, __file__, "--vllm-cli", "serve", *common]
         else:
             env.pop("VLLM_PLUGINS", None)
             cmd = [
@@ -334,9 +342,17 @@ class Server:
 
 
 def run_client(
-    server: Server, model: Path, config: str, concurrency: int, args, out: Path, name: str
+    server: Server,
+    model: Path,
+    config: str,
+    concurrency: int,
+    args,
+    out: Path,
+    name: str,
+    bodies: list[dict] | None = None,
 ) -> dict:
-    """One `vllm bench serve` run against `server`; the saved detailed result."""
+    """One `vllm bench serve` run against `server`; the saved detailed result. `bodies`: the
+    per-request extra bodies (default: the configuration's, request_bodies)."""
     cmd = [
         sys.executable,
         __file__,
@@ -382,7 +398,7 @@ def run_client(
         f"{name}.json",
         "--disable-tqdm",
     ]
-    bodies = request_bodies(config)
+    bodies = bodies if bodies is not None else request_bodies(config)
     if len(bodies) > 1:
         body_file = out / f"{name}.bodies.json"
         body_file.write_text(json.dumps(bodies))
