@@ -351,13 +351,15 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=96)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
+    # varied output lengths: with equal ones the requests in flight can settle into groups that
+    # share prefill steps, and TTFT then depends on which pattern a run fell into (issue 34)
+    ap.add_argument("--output-range", type=float, default=0.5)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--capture-prompts", type=int, default=32)
     ap.add_argument("--capture-tokens", type=int, default=32)
     ap.add_argument("--results", type=Path)
     args = ap.parse_args()
-    # what run_client reads from serve_overhead's arguments
-    args.output_range, args.request_rate = 0.0, "inf"
+    args.request_rate = "inf"  # what run_client reads besides the arguments above
 
     py = peers_python()
     model = so.bench_model(args.model)
@@ -457,7 +459,8 @@ def report(args, py, model, w, rows, cap_rows, starts, nnsight: str) -> str:
         "server start, median s: " + ", ".join(f"{k} {_med(v):.0f}" for k, v in starts.items()),
         "",
         f"Streamed, `vllm bench serve` (random {args.input_len}-token prompts, "
-        f"{args.output_len} tokens, {args.num_prompts} prompts, {args.concurrency} in flight); "
+        f"{args.output_len} x [1 - {args.output_range}, 1 + {args.output_range}] tokens, "
+        f"{args.num_prompts} prompts, {args.concurrency} in flight); "
         "median over rounds, ms; ratio to the same environment's vanilla, median (range):",
         "",
         "| server, work | mean ITL | P99 ITL | mean TTFT | P99 TTFT | mean E2E | ITL ratio "
