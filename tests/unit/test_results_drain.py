@@ -232,3 +232,108 @@ def test_a_site_that_did_not_run_leaves_no_earlier_results(monkeypatch, kernel):
         hs.run("residual.pre", 0, strided, torch.zeros_like(strided))
     assert hs.drain() == {}
     assert list(hs.cb.take_failed()) == ["a"]
+
+
+# --------------------------------------------------------------------- the drain's selection
+WINDOWS = {  # a window and the same window as a hand-written test on a position
+    None: lambda p, plen: True,
+    "prompt": lambda p, plen: p < plen,
+    "generated": lambda p, plen: p >= plen,
+    ((2, 5),): lambda p, plen: 2 <= p < 5,
+    ((1, 3), (6, 7)): lambda p, plen: 1 <= p < 3 or p == 6,
+}
+
+
+def test_collect_reports_what_a_per_token_walk_reports():
+    """drain.collect over random steps (requests missing, preempted requests recomputing
+    positions they reported, windows, byte caps) against a walk over the step's tokens one
+    at a time, in plain Python: each request reports a position once, inside its window,
+    while its bytes fit, and the step it runs out carries the marker."""
+    from xmix.lang.results_codec import read_shape
+    from xmix.runtime.control.drain import PlannedRead, collect
+    from xmix.runtime.control.slots import SlotState
+
+    app, _ = probe_app()
+    op = lower(app, SHAPE).reads["p"]
+    shape = read_shape(op)
+    per = position_bytes(shape, parse_options({}))
+    plan = [PlannedRead("k", "p", 2, None, op)]
+    rng = np.random.default_rng(7)
+    for trial in range(40):
+        n_req = int(rng.integers(1, 7))
+        specs = [list(WINDOWS)[int(rng.integers(len(WINDOWS)))] for _ in range(n_req)]
+        caps = [None if rng.random() < 0.5 else int(rng.integers(0, 12)) * per + 7 for _ in specs]
+        plens = [int(rng.integers(1, 6)) for _ in specs]
+        states = []
+        for i in range(n_req):
+            spec = specs[i]
+            raw = (
+                {}
+                if spec is None
+                else {"positions": spec if isinstance(spec, str) else [list(x) for x in spec]}
+            )
+            if caps[i] is not None:
+                raw["max_result_bytes"] = caps[i]
+            states.append(SlotState(f"r{i}", {"k"}, {}, plens[i], options=parse_options(raw)))
+        # the walk's own record per request: last position reported, bytes, truncated
+        ref = [{"done": -1, "spent": 0, "cut": False} for _ in states]
+        nxt = [0] * n_req
+        got_all: dict = {}
+        want_all: dict = {}
+        for _step in range(6):
+            rows, pos = [], []
+            for i in range(n_req):
+                if rng.random() < 0.25:
+                    continue  # not in this step
+                if rng.random() < 0.2:
+                    nxt[i] = max(0, nxt[i] - int(rng.integers(1, 4)))  # preempted: recomputes
+                k = int(rng.integers(1, 5))
+                rows += [i] * k
+                pos += list(range(nxt[i], nxt[i] + k))
+                nxt[i] += k
+            if not rows:
+                continue
+            n = len(rows)
+            res = rng.standard_normal((n, 4)).astype(np.float32)
+            valid = (rng.random((n, 4)) < 0.85).astype(np.uint8)
+            gone = {i for i in set(rows) if rng.random() < 0.1}  # no state: left out
+            out = collect(
+                res,
+                valid,
+                np.asarray(pos, dtype=np.int32),
+                np.asarray(rows, dtype=np.int64),
+                lambda row, gone=gone, states=states: None if row in gone else states[row],
+                plan,
+                lambda cap, idx: None,
+            )
+            for rid, apps in out.items():
+                g = got_all.setdefault(rid, {"p": [], "v": [], "marks": 0})
+                if "k" in apps:
+                    g["p"] += apps["k"]["p"].positions.tolist()
+                    g["v"] += apps["k"]["p"].values.tolist()
+                g["marks"] += TRUNCATED_KEY in apps
+            # the walk
+            for i in sorted(set(rows), key=rows.index):
+                if i in gone:
+                    continue
+                toks = [t for t in range(n) if rows[t] == i and valid[t, 2]]
+                toks = [t for t in toks if pos[t] > ref[i]["done"]]
+                if not toks:
+                    continue
+                ref[i]["done"] = pos[toks[-1]]
+                if ref[i]["cut"]:
+                    continue
+                w = WINDOWS[specs[i]]
+                toks = [t for t in toks if w(pos[t], plens[i])]
+                budget = caps[i] if caps[i] is not None else 1 << 60
+                want = want_all.setdefault(f"r{i}", {"p": [], "v": [], "marks": 0})
+                for t in toks:
+                    if ref[i]["spent"] + per > budget:
+                        ref[i]["cut"] = True
+                        want["marks"] += 1
+                        break
+                    ref[i]["spent"] += per
+                    want["p"].append(pos[t])
+                    want["v"].append(float(res[t, 2]))
+        want_all = {k: v for k, v in want_all.items() if v["p"] or v["marks"]}
+        assert got_all == want_all, f"trial {trial}"

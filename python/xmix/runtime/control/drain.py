@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -161,53 +162,76 @@ def collect(
     apply here, so nothing it does not report leaves the worker.
 
     Each read keeps one array of positions and one of values for the step (every request's
-    reported tokens, in batch order); each request's ReadResult holds views of them."""
+    reported tokens, in batch order); each request's ReadResult holds views of them. The
+    work per request is integer arithmetic on one list of the step's rows and positions
+    (a request's tokens are contiguous and in position order): numpy runs per read, not per
+    request, except for a request with a window of positions."""
     out: Results = {}
     budget: list[int] = []  # XMIX_MAX_RESULT_BYTES, read once per drain when a request needs it
     for app, key, ch, cap, op in plan:
         idx = np.flatnonzero(valid[:, ch])
-        if not len(idx):
+        n = len(idx)
+        if not n:
             continue
         shape = read_shape(op)
-        # tokens of one request are contiguous: split the hits at row changes
         r = rows[idx]
-        cuts = np.flatnonzero(np.diff(r)) + 1
-        bounds = [0, *cuts.tolist(), len(idx)]
+        p_all = pos[idx]
+        pl = p_all.tolist()
+        bounds = [0, *(np.flatnonzero(r[1:] != r[:-1]) + 1).tolist(), n]
         firsts = r[bounds[:-1]].tolist()
-        picks: list[tuple[SlotState, Arr]] = []
+        rk = (app, key)
+        # per request: (state, a, b) a range of idx, or (state, -1, sel) the window's tokens
+        picks: list[tuple[SlotState, int, Any]] = []
+        whole = True  # every hit reported, in order: idx itself is the step's selection
         for j, row in enumerate(firsts):
             st = state_of_row(row)
+            a, b = bounds[j], bounds[j + 1]
             if st is None:
+                whole = False
                 continue
-            sel = idx[bounds[j] : bounds[j + 1]]
-            p = pos[sel]
             # A preempted request recomputes positions it already reported (with the
             # same values): report each position once.
-            done = st.reported.get((app, key), -1)
-            if p[0] <= done:
-                keep = p > done
-                sel, p = sel[keep], p[keep]
-                if not len(sel):
+            done = st.reported.get(rk, -1)
+            if pl[a] <= done:
+                a = bisect_right(pl, done, a, b)
+                whole = False
+                if a == b:
                     continue
-            st.reported[(app, key)] = int(p[-1])
-            sel = st.admit(sel, p, shape, app, out, budget)
-            if len(sel):
-                picks.append((st, sel))
+            st.reported[rk] = pl[b - 1]
+            if st.options.window is not None and not st.truncated:
+                sel = st.admit(idx[a:b], p_all[a:b], shape, app, out, budget)
+                whole = False
+                if len(sel):
+                    picks.append((st, -1, sel))
+                continue
+            k = st.fit(b - a, shape, out, budget)
+            if k != b - a:
+                whole = False
+            if k:
+                picks.append((st, a, a + k))
         if not picks:
             continue
         if cap is not None and len(cap) == 3 and cap[2] is not None:
-            picks = copied_only(picks, cap[2], app, key)
-        if not picks:
-            continue
-        every = picks[0][1] if len(picks) == 1 else np.concatenate([sel for _, sel in picks])
+            kept = copied_only(
+                [(st, idx[a:b] if a >= 0 else b) for st, a, b in picks], cap[2], app, key
+            )
+            picks = [(st, -1, sel) for st, sel in kept]
+            whole = False
+            if not picks:
+                continue
+        if whole:
+            every, positions = idx, p_all
+        else:
+            parts = [idx[a:b] if a >= 0 else b for _, a, b in picks]
+            every = parts[0] if len(parts) == 1 else np.concatenate(parts)
+            positions = pos[every]
         values, ids = gather(
             op, shape, res, ch, every, captured(cap, every) if cap is not None else None
         )
-        positions = pos[every]
         stored: dict[str, Arr] = {}  # values in each storage dtype the step's requests ask for
         at = 0
-        for st, sel in picks:
-            k = len(sel)
+        for st, a, b in picks:
+            k = b - a if a >= 0 else len(b)
             dtype = st.options.dtype
             v = stored.get(dtype)
             if v is None:

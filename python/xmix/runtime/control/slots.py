@@ -77,15 +77,29 @@ class SlotState:
         server_cap: list[int] | None = None,
     ) -> Index:
         """The tokens of ``sel`` (positions ``pos``) this request reports: those in its window,
-        up to its byte budget. Past the budget nothing more is reported, and the step's
-        results carry the marker. ``server_cap``: where the server's cap, once read, is kept
-        for the rest of the drain (read here when empty)."""
+        up to its byte budget (``fit``)."""
         if self.truncated:
             return sel[:0]
         win = self.options.window
         if win is not None:
             keep = win.mask(pos, self.prompt_len)
-            sel, pos = sel[keep], pos[keep]
+            sel = sel[keep]
+        k = self.fit(len(sel), shape, out, server_cap)
+        return sel if k == len(sel) else sel[:k]
+
+    def fit(
+        self,
+        n: int,
+        shape: Any,
+        out: dict[str, dict[str, Any]],
+        server_cap: list[int] | None = None,
+    ) -> int:
+        """How many of the next ``n`` positions of a read fit in this request's byte budget
+        (accounted here). Past the budget nothing more is reported, and the step's results
+        carry the marker. ``server_cap``: where the server's cap, once read, is kept for the
+        rest of the drain (read here when empty)."""
+        if self.truncated:
+            return 0
         budget = self.options.max_bytes
         if budget is None:
             if server_cap is None:
@@ -96,15 +110,15 @@ class SlotState:
                 budget = server_cap[0]
         per = position_bytes(shape, self.options)
         fit = (budget - self.spent) // per
-        if len(sel) > fit:
-            sel = sel[: max(fit, 0)]
+        if n > fit:
+            n = max(fit, 0)
             self.truncated = True
             out.setdefault(self.req_id, {})[TRUNCATED_KEY] = (
                 f"truncated at {budget} bytes: this sequence's read results reached its cap "
                 f"(max_result_bytes / XMIX_MAX_RESULT_BYTES); later results were dropped"
             )
-        self.spent += len(sel) * per
-        return sel
+        self.spent += n * per
+        return n
 
 
 class Slots:
