@@ -298,7 +298,10 @@ class ReadResult(Mapping):
         pos = np.frombuffer(d["p"], dtype=np.int32)
         val = np.frombuffer(d["v"], dtype=store).reshape(len(pos), *d["s"])
         ids = np.frombuffer(d["i"], dtype=np.int32).reshape(val.shape) if "i" in d else None
-        return cls.of(d["k"], pos, val, ids, dtype, d.get("f", ()))
+        r = cls.__new__(cls)  # the arrays are already in their stored types
+        r.kind, r.dtype, r.features = d["k"], dtype, tuple(d.get("f", ()))
+        r._parts = [(pos, val, ids)] if len(pos) else []
+        return r
 
 
 # ---------------------------------------------------------------------- a request's results

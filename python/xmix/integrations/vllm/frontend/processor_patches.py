@@ -198,7 +198,11 @@ def _take_engine_results(processor, eco, failed: list[str]) -> None:
     if TRUNCATED_KEY in res:
         _count_truncated(st)
     if res:
-        merge_results(st.__dict__.setdefault("_xmix_new", {}), res)
+        have = st.__dict__.get("_xmix_new")
+        if have is None:
+            st.__dict__["_xmix_new"] = res  # decoded here: moved, not copied
+        else:
+            merge_results(have, res)
     if err is not None:
         # A worker could not serve this request: it ends here with an error (the
         # OpenAI server answers 500 / an error event); the engine core drops it.

@@ -61,7 +61,13 @@ def patch_scheduler(cls) -> None:
         stopped: list = []
         if new:
             for rid, apps in new.items():
-                merge_results(store.setdefault(rid, {}), apps)
+                have = store.get(rid)
+                if have is None:
+                    # the step's output is the worker's to give (decoded from the wire, or
+                    # handed over by take_results): its objects are moved, not copied
+                    store[rid] = apps
+                else:
+                    merge_results(have, apps)
             stops = [rid for rid, apps in new.items() if STOPPED_KEY in apps]
             if stops:
                 stopped = _stop(self, orig_finish, stops, store, model_runner_output)
