@@ -42,10 +42,16 @@ from output-len x [1 - R, 1 + R], the same lengths for both servers), with or wi
 Poisson `--request-rate`, where no structure can last. `--trace DIR` records every server's
 scheduling events (bench/sched_trace; `python bench/sched_trace/report.py DIR` reads them).
 
+Both servers run with vLLM's prefix cache off (`--prefix-caching` turns it on): every run of
+a round sends the same random prompts (vLLM's client, seed 0), so with the cache on a
+configuration that ran after another on the same server found its prompts cached (an "unused"
+run after a probe: a probe skips reading the cache but fills it), while vanilla, one run per
+server, never did.
+
     python bench/serve_overhead.py [--rounds 5] [--num-prompts 96] [--input-len 128]
         [--output-len 64] [--output-range 0] [--concurrency 8] [--mixed-concurrency 64]
         [--request-rate inf] [--model llama-8x512|tiny-llama|PATH] [--configs unused,steer,...]
-        [--results FILE.md] [--plot FILE.png] [--profile DIR] [--trace DIR]
+        [--results FILE.md] [--plot FILE.png] [--profile DIR] [--trace DIR] [--prefix-caching]
 """
 
 from __future__ import annotations
@@ -622,6 +628,11 @@ def main() -> None:
         help="extra `vllm serve` argument for both servers (repeat; e.g. --server-arg=--max-num-seqs=64)",
     )
     ap.add_argument(
+        "--prefix-caching",
+        action="store_true",
+        help="leave vLLM's prefix cache on (off by default: every run repeats the same prompts)",
+    )
+    ap.add_argument(
         "--results", type=Path, help="write the table, machine, date and command here (markdown)"
     )
     ap.add_argument("--plot", type=Path, help="write the ITL distributions here (PNG)")
@@ -643,6 +654,8 @@ def main() -> None:
     if bad:
         ap.error(f"unknown configuration(s) {bad}; known: {', '.join(CONFIGS)}")
 
+    if not args.prefix_caching:
+        args.server_arg = [*args.server_arg, "--no-enable-prefix-caching"]
     model = bench_model(args.model)
     work = args.raw or Path(tempfile.mkdtemp(prefix="serve_overhead-"))
     work.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,7 @@
 """Read the scheduling traces bench/serve_overhead.py --trace wrote (one folder per server):
 per client run, how the engine core's steps took new requests (lockstep: all in one step per
-wave) and where each request's admission time went, API server to engine core to first step.
+wave), where each request's admission time went, API server to engine core to first step,
+and how long the worker's forward and the engine core's update took per kind of step.
 
     python bench/sched_trace/report.py TRACE_DIR
 """
@@ -117,6 +118,18 @@ def report_run(events: list[dict], run: dict) -> str:
         if len(ts) > 1:
             spread.append(max(ts) - min(ts))
     out.append(f"  arrival spread within one step's new requests: {ms(spread)}")
+    # the legs of a step, by the tokens it ran: the worker's forward and the engine core's
+    # update (what a slower step is split by)
+    for leg, name in (("exec", "worker execute_model"), ("update", "engine core update")):
+        kinds: dict[str, list[float]] = {}
+        for e in ev:
+            if e["ev"] == leg and e.get("tokens") is not None:
+                t = e["tokens"]
+                kind = "decode, 8" if t == 8 else "decode, < 8" if t < 8 else "prefill"
+                kinds.setdefault(kind, []).append(e["dt"])
+        for kind in ("decode, 8", "decode, < 8", "prefill"):
+            if kind in kinds:
+                out.append(f"  {name}, {kind} tokens ({len(kinds[kind])}): {ms(kinds[kind])}")
     return "\n".join(out)
 
 

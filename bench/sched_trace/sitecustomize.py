@@ -109,6 +109,28 @@ def _install() -> None:
 
     wrap(output_processor.OutputProcessor, "process_outputs", before=before_out)
 
+    # the legs of a step: the worker's forward (execute_model) and sampling, the engine core's
+    # update from the worker's output (which splits a slower step between them)
+    from vllm.v1.worker import gpu_model_runner
+
+    def timed(cls, name, ev):
+        orig = getattr(cls, name)
+
+        def f(self, *a, **kw):
+            t0 = time.time()
+            r = orig(self, *a, **kw)
+            tokens = getattr(a[0], "total_num_scheduled_tokens", None) if a else None
+            _log(ev, t0=t0, dt=time.time() - t0, tokens=tokens)
+            return r
+
+        f = functools.wraps(orig)(f)
+        f._sched_trace = True
+        setattr(cls, name, f)
+
+    timed(gpu_model_runner.GPUModelRunner, "execute_model", "exec")
+    timed(gpu_model_runner.GPUModelRunner, "sample_tokens", "sample")
+    timed(scheduler.Scheduler, "update_from_output", "update")
+
 
 if _DIR:
     os.makedirs(_DIR, exist_ok=True)
