@@ -23,12 +23,18 @@ from xmix import _C
 from xmix.integrations.vllm.result_keys import CARRIER
 from xmix.integrations.vllm.worker.worker import WorkerXmix, patch_model_runner_v2
 from xmix.lang.lowering import lower
+from xmix.lang.results_codec import unpack_results
 from xmix.lang.sites import ModelShape, site_id
 from xmix.runtime.control import ControlBlock
 
 D = 8
 F32 = _C.constants()["DT_F32"]
 SHAPE = ModelShape(n_layers=2, hidden_size=D, vocab_size=32)
+
+
+def carried(out) -> dict:
+    """The step's results as the worker hands them to the engine core (packed), decoded."""
+    return {rid: unpack_results(apps) for rid, apps in getattr(out, CARRIER).items()}
 
 
 class FakeRunnerV2:
@@ -139,7 +145,7 @@ def test_v2_adapter_maps_and_results():
     assert torch.all(h[:3] == 2.0) and torch.all(h[3:] == 0.0)  # only a's prompt rows
     runner.execute_model(sched)
     out = runner.sample_tokens()
-    res = getattr(out, CARRIER)
+    res = carried(out)
     assert res == {"a": {"k": {"p": {"positions": [2], "values": [0.5]}}}}
     # preemption in V2: the request is dropped (its slot freed, its record kept) and added
     # again when it resumes; positions it reported are not reported twice
@@ -243,10 +249,10 @@ def test_v2_async_output_gets_reads_without_a_host_wait_in_the_step():
     sig = torch.sigmoid
     mro = outs[0].get_output()
     assert dev.host_waits == 1  # get_output waited, as vLLM's own copy event does
-    assert getattr(mro, CARRIER) == {
+    assert carried(mro) == {
         "a": {"k": {"p": {"positions": [0, 1], "values": sig(torch.tensor([1.0, 2.0])).tolist()}}}
     }
     mro = outs[1].get_output()
-    assert getattr(mro, CARRIER) == {
+    assert carried(mro) == {
         "a": {"k": {"p": {"positions": [2], "values": [sig(torch.tensor(6.0)).item()]}}}
     }

@@ -21,10 +21,12 @@ never mutated; no connector reads an output's ``kv_transfer_params`` (they read 
 ``OutputProcessor.process_outputs`` before vLLM builds the RequestOutput, so the P/D proxy
 and API clients see exactly the connector's dict (or None). No connector shipped with vLLM
 0.32 uses a key starting with "_xmix" (tests/engine/test_kv_connector.py scans their source); a
-third-party connector that did would be logged and left alone. They stay arrays (``ReadResult``) all the way: on
-the output each read is packed as raw bytes with its dtype and shape
+third-party connector that did would be logged and left alone. The results travel as bytes:
+each read is packed as raw bytes with its dtype and shape
 (``results_codec.pack_results``), which vLLM's msgpack encoder carries as binary, where a bare
-numpy array in an untyped field would not survive decoding.
+numpy array in an untyped field would not survive decoding. The worker packs them (pickling a
+step's bytes to the engine core costs a tenth of pickling its arrays and objects) and the
+engine core passes them on unless two steps' results of a request meet before it emits one.
 
 Monitors that stop a request (``App.stop``): a step's results carry the stop under
 ``STOPPED_KEY``. The request is finished with ``FINISHED_STOPPED`` before vLLM's own
@@ -44,7 +46,7 @@ import logging
 from xmix.integrations.vllm import fence
 from xmix.integrations.vllm.result_keys import CARRIER
 from xmix.integrations.vllm.worker.worker import merge_results
-from xmix.lang.results_codec import STOPPED_KEY, pack_results
+from xmix.lang.results_codec import STOPPED_KEY, pack_results, unpack_results
 
 logger = logging.getLogger("vllm.xmix")
 
@@ -62,12 +64,10 @@ def patch_scheduler(cls) -> None:
         if new:
             for rid, apps in new.items():
                 have = store.get(rid)
-                if have is None:
-                    # the step's output is the worker's to give (decoded from the wire, or
-                    # handed over by take_results): its objects are moved, not copied
-                    store[rid] = apps
-                else:
-                    merge_results(have, apps)
+                # Packed by the worker (_attach_results). A request's results usually go out
+                # with the step that made them, as they came; steps that emit no output for
+                # it (prefill chunks) are merged here.
+                store[rid] = apps if have is None else _merged(have, apps)
             stops = [rid for rid, apps in new.items() if STOPPED_KEY in apps]
             if stops:
                 stopped = _stop(self, orig_finish, stops, store, model_runner_output)
@@ -88,7 +88,7 @@ def patch_scheduler(cls) -> None:
                                 o.request_id,
                             )
                             continue
-                        o.kv_transfer_params = {**(kvp or {}), CARRIER: pack_results(res)}
+                        o.kv_transfer_params = {**(kvp or {}), CARRIER: res}
             for rid in scheduler_output.finished_req_ids:
                 store.pop(rid, None)
         return outs
@@ -107,6 +107,11 @@ def patch_scheduler(cls) -> None:
 
     fence.replace(cls, "update_from_output", update_from_output, by="engine_core")
     fence.replace(cls, "finish_requests", finish_requests, by="engine_core")
+
+
+def _merged(have: dict, new: dict) -> dict:
+    """Two steps' packed results of one request as one, in step order."""
+    return pack_results(merge_results(unpack_results(have), unpack_results(new)))
 
 
 def _stop(sched, orig_finish, req_ids: list[str], store: dict, model_runner_output) -> list:
@@ -140,7 +145,7 @@ def _stopped_outputs(outs: dict, stopped: list) -> None:
             finish_reason=req.get_finished_reason(),
             stop_reason=None,
             events=req.take_events(),
-            kv_transfer_params={CARRIER: pack_results(res)} if res else None,
+            kv_transfer_params={CARRIER: res} if res else None,
             trace_headers=req.trace_headers,
             num_nans_in_logits=req.num_nans_in_logits,
         )

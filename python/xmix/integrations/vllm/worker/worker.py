@@ -26,7 +26,13 @@ from xmix.integrations.vllm.result_keys import CARRIER
 from xmix.integrations.vllm.worker.model_wrap import place_sites
 from xmix.lang import deploy_work, program_codec
 from xmix.lang.architectures import Family, architecture_of, require_family
-from xmix.lang.results_codec import DROPPED_KEY, ERROR_KEY, ResultOptions, merge_results  # noqa: F401 (re-exported)
+from xmix.lang.results_codec import (  # noqa: F401 (merge_results re-exported)
+    DROPPED_KEY,
+    ERROR_KEY,
+    ResultOptions,
+    merge_results,
+    pack_results,
+)
 from xmix.lang.sites import ModelShape, n_sites
 from xmix.runtime import ops
 from xmix.runtime.control import Capacity, ControlBlock, PendingReads
@@ -508,7 +514,14 @@ def _attach_results(self, out):
     x = _runner_xmix(self)
     if x is None or out is None or not x.has_results():
         return out
-    results = x.take_results()
+    taken = x.take_results()
+
+    def results() -> dict:
+        # Packed here, in the worker: the output crosses to the engine core by pickle
+        # (vLLM's shm MessageQueue), where a request's bytes cost a fraction of its
+        # ReadResult objects and numpy arrays, and the engine core passes them on as they are.
+        return {rid: pack_results(apps) for rid, apps in taken().items()}
+
     if hasattr(out, "get_output") and not hasattr(out, "req_ids"):
         orig_get = out.get_output
 
