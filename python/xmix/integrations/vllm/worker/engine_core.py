@@ -25,7 +25,7 @@ third-party connector that did would be logged and left alone. The results trave
 each read is packed as raw bytes with its dtype and shape
 (``results_codec.pack_results``), which vLLM's msgpack encoder carries as binary, where a bare
 numpy array in an untyped field would not survive decoding. The worker packs them (pickling a
-step's bytes to the engine core costs a tenth of pickling its arrays and objects) and the
+step's bytes to the engine core costs a fifth of pickling its arrays and objects) and the
 engine core passes them on unless two steps' results of a request meet before it emits one.
 
 Monitors that stop a request (``App.stop``): a step's results carry the stop under
