@@ -220,11 +220,16 @@ def test_serve_paired_runs_end_to_end(tmp_path):
     ]
     for name, figs in waves.items():
         assert len(figs) == 2
+        c = int(name.split("@")[1])  # a wave is c requests
         for f in figs:  # a request's latency covers its first token and the gaps after it
             # <=: a wave whose every output came in its first chunk ends with that chunk
             assert 0 < f["ttft"] <= f["e2e"]
             if not math.isnan(f["itl"]):  # NaN: every request of the wave came in one chunk
-                assert 0 < f["itl"] <= f["p99_itl"] < f["e2e"]
+                # Every gap is shorter than its own request's latency, and so than the wave's
+                # longest, which is at most c times the mean. Not the mean itself: one stall in
+                # one request can outlast the wave's mean latency (CI saw a P99 gap of 272 ms
+                # beside a mean E2E of 238 ms).
+                assert 0 < f["itl"] < c * f["e2e"] and 0 < f["p99_itl"] < c * f["e2e"]
             else:
                 assert math.isnan(f["p99_itl"])
             assert f["instance"] == 0
