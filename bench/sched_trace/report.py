@@ -120,16 +120,36 @@ def report_run(events: list[dict], run: dict) -> str:
     out.append(f"  arrival spread within one step's new requests: {ms(spread)}")
     # the legs of a step, by the tokens it ran: the worker's forward and the engine core's
     # update (what a slower step is split by)
-    for leg, name in (("exec", "worker execute_model"), ("update", "engine core update")):
-        kinds: dict[str, list[float]] = {}
+    # (the forward, inside execute_model: the compiled model alone; the rest of execute_model
+    # is the runner's host work, xmix's per-step calls among it). The worker's legs also
+    # give the process's CPU time and the thread's run-queue wait: a longer leg for the same
+    # tokens is more work or a core taken by the machine's other processes.
+    for leg, name in (
+        ("exec", "worker execute_model"),
+        ("fwd", "worker model forward"),
+        ("update", "engine core update"),
+    ):
+        kinds: dict[str, list[dict]] = {}
         for e in ev:
             if e["ev"] == leg and e.get("tokens") is not None:
                 t = e["tokens"]
-                kind = "decode, 8" if t == 8 else "decode, < 8" if t < 8 else "prefill"
-                kinds.setdefault(kind, []).append(e["dt"])
-        for kind in ("decode, 8", "decode, < 8", "prefill"):
+                kind = (
+                    "decode, 8"
+                    if t == 8
+                    else "decode, < 8"
+                    if t < 8
+                    else "> 8 (prefill, more decodes)"
+                )
+                kinds.setdefault(kind, []).append(e)
+        for kind in ("decode, 8", "decode, < 8", "> 8 (prefill, more decodes)"):
             if kind in kinds:
-                out.append(f"  {name}, {kind} tokens ({len(kinds[kind])}): {ms(kinds[kind])}")
+                es = kinds[kind]
+                line = f"  {name}, {kind} tokens ({len(es)}): {ms([e['dt'] for e in es])}"
+                if all("cpu" in e for e in es):
+                    cpu = statistics.median(e["cpu"] for e in es) * 1e3
+                    wait = statistics.median(e["wait"] for e in es) * 1e3
+                    line += f"; CPU {cpu:.2f} ms, run-queue wait {wait:.2f} ms"
+                out.append(line)
     return "\n".join(out)
 
 

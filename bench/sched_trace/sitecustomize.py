@@ -28,6 +28,15 @@ def _flush() -> None:
     _lines.clear()
 
 
+def _run_delay() -> float:
+    """Seconds this thread has waited on a run queue (Linux's schedstat; 0 where absent)."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) * 1e-9
+    except OSError:
+        return 0.0
+
+
 def _install() -> None:
     from vllm.v1.core.sched import scheduler
     from vllm.v1.engine import async_llm, core, core_client, output_processor
@@ -117,10 +126,24 @@ def _install() -> None:
         orig = getattr(cls, name)
 
         def f(self, *a, **kw):
-            t0 = time.time()
+            t0, c0, w0 = time.time(), time.process_time(), _run_delay()
             r = orig(self, *a, **kw)
-            tokens = getattr(a[0], "total_num_scheduled_tokens", None) if a else None
-            _log(ev, t0=t0, dt=time.time() - t0, tokens=tokens)
+            first = a[0] if a else kw.get("scheduler_output", kw.get("input_ids"))
+            tokens = getattr(first, "total_num_scheduled_tokens", None)
+            if tokens is None and hasattr(first, "shape"):  # the forward's input ids
+                tokens = int(first.shape[0])
+            # cpu: the process's CPU time in the leg (all its threads); wait: the time this
+            # thread was runnable but not running (the kernel's run delay). A leg that is
+            # longer on one server for the same work is either more work (cpu) or the
+            # machine's other processes taking the cores (wait).
+            _log(
+                ev,
+                t0=t0,
+                dt=time.time() - t0,
+                cpu=time.process_time() - c0,
+                wait=_run_delay() - w0,
+                tokens=tokens,
+            )
             return r
 
         f = functools.wraps(orig)(f)
@@ -128,6 +151,9 @@ def _install() -> None:
         setattr(cls, name, f)
 
     timed(gpu_model_runner.GPUModelRunner, "execute_model", "exec")
+    # the model's forward alone (the compiled graph, with xmix's sites where xmix serves),
+    # inside execute_model: the rest of execute_model is the runner's own host work
+    timed(gpu_model_runner.GPUModelRunner, "_model_forward", "fwd")
     timed(gpu_model_runner.GPUModelRunner, "sample_tokens", "sample")
     timed(scheduler.Scheduler, "update_from_output", "update")
 
