@@ -332,6 +332,18 @@ class Server:
                         out[role] = ch.pid
         return out
 
+    def xmix_counters(self) -> dict[str, float]:
+        """Worker 0's engine steps and xmix's host seconds so far (bookkeeping: begin, drain,
+        step end; site programs: the active sites' work), from the status route."""
+        r = httpx.get(
+            f"{self.base}/xmix/v1/status",
+            headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+            timeout=30,
+        )
+        r.raise_for_status()
+        st = r.json()["workers"][0]["stats"]
+        return {k: float(st[k]) for k in ("steps", "host_seconds_step", "host_seconds_sites")}
+
     def stop(self) -> None:
         # SIGTERM to the API server alone: it shuts its engine down in order. A SIGTERM to the
         # whole group kills the engine core under it, and the server then logs EngineDeadError.
@@ -449,6 +461,25 @@ def summarize(res: dict) -> dict:
 
 
 # ---------------------------------------------------------------------------- report
+def host_table(host: dict[str, list[tuple[float, float]]]) -> str:
+    """xmix's own host work per engine step by configuration: median over rounds (min..max)
+    of the worker's counters. Not in it: the calls into inactive sites from the compiled graph
+    (about 1.5 us each, bench/step_host.py), which cost every xmix configuration alike."""
+    rows = [
+        "xmix's own host work per engine step, from the worker's counters (ms; median over "
+        "rounds, min..max)",
+        "",
+        "| configuration | bookkeeping | site programs | both |",
+        "|---|---|---|---|",
+    ]
+    for name, per in host.items():
+        cells = []
+        for xs in ([a for a, _ in per], [b for _, b in per], [a + b for a, b in per]):
+            cells.append(f"{statistics.median(xs):.3f} ({min(xs):.3f}..{max(xs):.3f})")
+        rows.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
 def ratio_table(rounds: list[dict], configs: list[str], conc: dict[str, int]) -> str:
     """Markdown table: per configuration and metric, the median over rounds of the ratio to
     the same round's vanilla (same concurrency) and its min..max."""
@@ -669,6 +700,10 @@ def main() -> None:
     rounds: list[dict] = []
     raw_itls: dict[str, list[float]] = {}
     starts: dict[str, list[float]] = {"vanilla": [], "xmix": []}
+    # per xmix configuration, per round: xmix's own host ms per engine step (bookkeeping,
+    # site programs), from the worker's counters: what the configuration costs in the engine,
+    # whatever the server's speed that round
+    host: dict[str, list[tuple[float, float]]] = {}
     for rnd in range(args.rounds):
         order = ["vanilla", "xmix"] if rnd % 2 == 0 else ["xmix", "vanilla"]
         shift = rnd % len(configs)
@@ -689,10 +724,20 @@ def main() -> None:
                         if kind == "vanilla"
                         else (name, conc[name])
                     )
+                    before = server.xmix_counters() if kind == "xmix" else None
                     t0 = time.time()
                     res = run_client(
                         server, model, cfg, c, args, work, f"r{rnd}-{name.replace('@', '-c')}"
                     )
+                    if before is not None:
+                        after = server.xmix_counters()
+                        n = max(after["steps"] - before["steps"], 1.0)
+                        host.setdefault(name, []).append(
+                            tuple(
+                                1e3 * (after[k] - before[k]) / n
+                                for k in ("host_seconds_step", "host_seconds_sites")
+                            )
+                        )
                     if trace is not None:
                         with open(trace / "runs.jsonl", "a") as f:
                             f.write(json.dumps({"run": name, "t0": t0, "t1": time.time()}) + "\n")
@@ -736,6 +781,7 @@ def main() -> None:
     text = (
         header + "\nratio to the same round's vanilla: median over rounds (min..max); "
         "vanilla rows: medians in ms (throughput in output tokens/s)\n\n" + table + "\n"
+        "\n" + host_table(host) + "\n"
     )
     per_round = "\n".join(
         f"round {i + 1}: "

@@ -80,6 +80,21 @@ def test_serve_overhead_runs_end_to_end(tmp_path):
             # one round: min, median and max are one ratio. It may print as 0.000: at 6
             # tokens a run's P99 ITL can be a thousandth of the other server's (one stall)
             assert abs(float(lo) - float(med)) < 0.006 and abs(float(hi) - float(med)) < 0.006
+    # xmix's own host work per engine step, from the worker's counters: an unused deployment
+    # runs no site program (0 exactly), the mixed requests' apps do
+    host = {
+        l.split(" | ")[0][2:]: l.split(" | ")[1:]
+        for l in rows
+        if l.startswith("| unused |") or l.startswith("| mixed |")
+    }
+    assert sorted(host) == ["mixed", "unused"], rows
+    for cells in host.values():
+        figs = [
+            re.fullmatch(r"(\d+\.\d+) \((\d+\.\d+)\.\.(\d+\.\d+)\)", c.strip(" |")) for c in cells
+        ]
+        assert all(figs) and len(figs) == 3, cells
+    assert host["unused"][1].startswith("0.000 (0.000..0.000)")
+    assert float(host["mixed"][1].split()[0]) > 0 and float(host["mixed"][0].split()[0]) > 0
     text = results.read_text()
     assert (
         "machine:" in text and "date:" in text and "command: python bench/serve_overhead.py" in text
