@@ -333,16 +333,14 @@ class Server:
         return out
 
     def xmix_counters(self) -> dict[str, float]:
-        """Worker 0's engine steps and xmix's host seconds so far (bookkeeping: begin, drain,
-        step end; site programs: the active sites' work), from the status route."""
+        """Worker 0's counters so far (worker_stats), from the status route."""
         r = httpx.get(
-            f"{self.base}/xmix/v1/status",
+            f"{self.base}{XMIX_STATUS}",
             headers={"Authorization": f"Bearer {ADMIN_KEY}"},
             timeout=30,
         )
         r.raise_for_status()
-        st = r.json()["workers"][0]["stats"]
-        return {k: float(st[k]) for k in ("steps", "host_seconds_step", "host_seconds_sites")}
+        return worker_stats(r.json())
 
     def stop(self) -> None:
         # SIGTERM to the API server alone: it shuts its engine down in order. A SIGTERM to the
@@ -461,6 +459,25 @@ def summarize(res: dict) -> dict:
 
 
 # ---------------------------------------------------------------------------- report
+XMIX_STATUS = "/xmix/v1/status"  # the admin key reads it
+
+
+def worker_stats(status: dict) -> dict[str, float]:
+    """Worker 0's engine steps and xmix's host seconds so far (bookkeeping: begin, drain,
+    step end; site programs: the active sites' work), from the status route's body."""
+    st = status["workers"][0]["stats"]
+    return {k: float(st[k]) for k in ("steps", "host_seconds_step", "host_seconds_sites")}
+
+
+def host_per_step(before: dict, after: dict) -> dict[str, float]:
+    """xmix's host ms per engine step between two worker_stats: bookkeeping, site programs."""
+    n = max(after["steps"] - before["steps"], 1.0)
+    return {
+        "host_step_ms": 1e3 * (after["host_seconds_step"] - before["host_seconds_step"]) / n,
+        "host_sites_ms": 1e3 * (after["host_seconds_sites"] - before["host_seconds_sites"]) / n,
+    }
+
+
 def host_table(host: dict[str, list[tuple[float, float]]]) -> str:
     """xmix's own host work per engine step by configuration: median over rounds (min..max)
     of the worker's counters. Not in it: the calls into inactive sites from the compiled graph
@@ -730,14 +747,8 @@ def main() -> None:
                         server, model, cfg, c, args, work, f"r{rnd}-{name.replace('@', '-c')}"
                     )
                     if before is not None:
-                        after = server.xmix_counters()
-                        n = max(after["steps"] - before["steps"], 1.0)
-                        host.setdefault(name, []).append(
-                            tuple(
-                                1e3 * (after[k] - before[k]) / n
-                                for k in ("host_seconds_step", "host_seconds_sites")
-                            )
-                        )
+                        h = host_per_step(before, server.xmix_counters())
+                        host.setdefault(name, []).append((h["host_step_ms"], h["host_sites_ms"]))
                     if trace is not None:
                         with open(trace / "runs.jsonl", "a") as f:
                             f.write(json.dumps({"run": name, "t0": t0, "t1": time.time()}) + "\n")

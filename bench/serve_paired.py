@@ -109,20 +109,15 @@ def median_ms(waves: list[dict], k: str) -> str:
 async def worker_counters(session, base: str) -> dict[str, float]:
     """Worker 0's step count and xmix host seconds (the status route, admin key)."""
     async with session.get(
-        f"{base}/xmix/v1/status", headers={"Authorization": f"Bearer {so.ADMIN_KEY}"}
+        f"{base}{so.XMIX_STATUS}", headers={"Authorization": f"Bearer {so.ADMIN_KEY}"}
     ) as r:
-        st = (await r.json())["workers"][0]["stats"]
-    return {k: float(st[k]) for k in ("steps", "host_seconds_step", "host_seconds_sites")}
+        return so.worker_stats(await r.json())
 
 
 def host_figures(before: dict, after: dict, wall: float) -> dict[str, float]:
     """Per engine step of one wave, ms: xmix's bookkeeping, its site programs, the step."""
     n = max(after["steps"] - before["steps"], 1.0)
-    return {
-        "host_step_ms": 1e3 * (after["host_seconds_step"] - before["host_seconds_step"]) / n,
-        "host_sites_ms": 1e3 * (after["host_seconds_sites"] - before["host_seconds_sites"]) / n,
-        "step_ms": 1e3 * wall / n,
-    }
+    return {**so.host_per_step(before, after), "step_ms": 1e3 * wall / n}
 
 
 async def run_waves(
