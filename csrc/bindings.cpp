@@ -22,6 +22,7 @@ using namespace xmix;
 
 void register_graph_bindings(py::module_& m);  // csrc/graph/graph_bindings.cpp
 void register_step_bindings(py::module_& m);   // csrc/step_bindings.cpp
+void register_drain_bindings(py::module_& m);  // csrc/drain_bindings.cpp
 
 namespace {
 
@@ -369,6 +370,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("op_field_sizes", &op_field_sizes);
   register_graph_bindings(m);
   register_step_bindings(m);
+  register_drain_bindings(m);
 
   using G = py::call_guard<py::gil_scoped_release>;
   // None, or [(app index, message)] of the ops that failed (the rest of the site ran).

@@ -244,6 +244,51 @@ WINDOWS = {  # a window and the same window as a hand-written test on a position
 }
 
 
+def test_read_hits_and_its_numpy_twin_find_what_a_per_token_walk_finds():
+    """_C.read_hits (an unstaged step's buffers, one pass) and drain.numpy_hits (the staged
+    read-back's arrays) against a walk over the step's tokens: which tokens hold a result in
+    the channel, their values and positions, each request's first row and where its run of
+    hits starts (None when each request has one hit)."""
+    from xmix.runtime.control.drain import numpy_hits
+
+    rng = np.random.default_rng(11)
+    R_ = 5
+    for trial in range(60):
+        n_req = int(rng.integers(1, 9))
+        per = [int(rng.integers(1, 4)) if trial % 3 else 1 for _ in range(n_req)]  # decode: 1
+        rows = np.repeat(np.arange(n_req), per).astype(np.int32)
+        n_tok = len(rows)
+        pos = rng.integers(0, 1000, n_tok).astype(np.int32)
+        res = rng.standard_normal((n_tok, R_)).astype(np.float32)
+        valid = (rng.random((n_tok, R_)) < (0.7 if trial % 2 else 1.0)).astype(np.uint8)
+        for ch in range(R_):
+            toks = [t for t in range(n_tok) if valid[t, ch]]
+            firsts, starts = [], []
+            for k, t in enumerate(toks):
+                if k == 0 or rows[t] != rows[toks[k - 1]]:
+                    firsts.append(int(rows[t]))
+                    starts.append(k)
+            want_bounds = None if len(firsts) == len(toks) else [*starts, len(toks)]
+            got_c = _C.read_hits(
+                res.ctypes.data,
+                valid.ctypes.data,
+                pos.ctypes.data,
+                rows.ctypes.data,
+                n_tok,
+                R_,
+                ch,
+            )
+            got_np = numpy_hits(valid, rows, pos, ch)
+            for idx, vals, p, pl, f, b in (got_c, got_np):
+                assert idx.tolist() == toks
+                assert p.tolist() == pl == [int(pos[t]) for t in toks]
+                assert f == firsts and b == want_bounds
+                if vals is not None:  # read_hits: the channel's values, as stored
+                    assert vals.tolist() == [float(res[t, ch]) for t in toks]
+    with pytest.raises(IndexError, match="channel 5 of 5"):
+        _C.read_hits(0, 0, 0, 0, 0, 5, 5)
+
+
 def test_collect_reports_what_a_per_token_walk_reports():
     """drain.collect over random steps (requests missing, preempted requests recomputing
     positions they reported, windows, byte caps) against a walk over the step's tokens one
@@ -257,7 +302,7 @@ def test_collect_reports_what_a_per_token_walk_reports():
     op = lower(app, SHAPE).reads["p"]
     shape = read_shape(op)
     per = position_bytes(shape, parse_options({}))
-    plan = [PlannedRead("k", "p", 2, None, op)]
+    plan = [PlannedRead("k", "p", 2, None, op, shape)]
     rng = np.random.default_rng(7)
     for trial in range(40):
         n_req = int(rng.integers(1, 7))
@@ -302,7 +347,7 @@ def test_collect_reports_what_a_per_token_walk_reports():
                 valid,
                 np.asarray(pos, dtype=np.int32),
                 np.asarray(rows, dtype=np.int64),
-                lambda row, gone=gone, states=states: None if row in gone else states[row],
+                [None if row in gone else st for row, st in enumerate(states)],
                 plan,
                 lambda cap, idx: None,
             )

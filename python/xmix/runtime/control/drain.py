@@ -13,14 +13,24 @@ import logging
 import threading
 from bisect import bisect_right
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
 
+import xmix._C as _C
 from xmix.lang.lowering import LoweredOp
-from xmix.lang.results_codec import STOPPED_KEY, SWITCHED_KEY, ReadResult, read_shape, to_dtype
+from xmix.lang.results_codec import (
+    STOPPED_KEY,
+    SWITCHED_KEY,
+    ReadResult,
+    ReadShape,
+    max_result_bytes,
+    position_bytes,
+    read_shape,
+    to_dtype,
+)
 from xmix.runtime.control.layout import GATHER_ROWS, Capacity, K
 from xmix.runtime.device_queue import DeviceQueue, PinnedRing, PinnedSet
 
@@ -47,6 +57,7 @@ class PlannedRead(NamedTuple):
     channel: int
     capture: tuple[Any, ...] | None
     op: LoweredOp
+    shape: ReadShape  # read_shape(op), made once with the plan
 
 
 def read_plan(apps: Iterable[InstalledApp], step_active: int) -> list[PlannedRead]:
@@ -68,7 +79,7 @@ def read_plan(apps: Iterable[InstalledApp], step_active: int) -> list[PlannedRea
                 cap = (lo.capture_offset, 2 * op.top_k)
             else:
                 cap = None
-            plan.append(PlannedRead(inst.name, key, ch, cap, op))
+            plan.append(PlannedRead(inst.name, key, ch, cap, op, read_shape(op)))
     return plan
 
 
@@ -147,65 +158,106 @@ def collect_monitors(
     return out
 
 
+# A read's hits in a step: (token indices, the channel's values at them or None, positions,
+# positions as a list, the row of each request's first hit, bounds: offsets into the indices
+# where each request's hits start, and their end; None when each request has one hit)
+Hits = tuple[Arr, Arr | None, Arr, list[int], list[int], list[int] | None]
+
+
+def numpy_hits(valid: Arr, rows: Arr, pos: Arr, ch: int) -> Hits:
+    """A read's hits from the step's arrays (the staged engines' read-back sets; the twin of
+    ``xmix._C.read_hits``, which reads an unstaged engine's buffers in one pass)."""
+    idx = np.flatnonzero(valid[:, ch])
+    n = len(idx)
+    r = rows[idx]
+    p = pos[idx]
+    breaks = np.flatnonzero(r[1:] != r[:-1])
+    if len(breaks) == n - 1 or not n:
+        return idx, None, p, p.tolist(), r.tolist(), None
+    bounds = [0, *(breaks + 1).tolist(), n]
+    return idx, None, p, p.tolist(), r[bounds[:-1]].tolist(), bounds
+
+
 def collect(
     res: Arr,
     valid: Arr,
     pos: Arr,
     rows: Arr,
-    state_of_row: Callable[[int], SlotState | None],
+    states: Sequence[SlotState | None],
     plan: list[PlannedRead],
     captured: Callable[[tuple[Any, ...], Arr], Arr],
+    hits: Callable[[int], Hits] | None = None,
 ) -> Results:
     """Per request, the hits of each planned read as arrays: ``res`` and ``valid`` the
-    step's result channels and their flags, ``captured(cap, idx)`` the capture-buffer rows
-    of the tokens idx (only those are copied). Each request's window and byte budget
-    apply here, so nothing it does not report leaves the worker.
+    step's result channels and their flags, ``states`` each row's request (None: none),
+    ``captured(cap, idx)`` the capture-buffer rows of the tokens idx (only those are copied).
+    Each request's window and byte budget apply here, so nothing it does not report leaves
+    the worker. ``hits(channel)``: a read's hits (numpy_hits over valid, rows and pos when
+    None).
 
     Each read keeps one array of positions and one of values for the step (every request's
-    reported tokens, in batch order); each request's ReadResult holds views of them. The
-    work per request is integer arithmetic on one list of the step's rows and positions
-    (a request's tokens are contiguous and in position order): numpy runs per read, not per
-    request, except for a request with a window of positions."""
+    reported tokens, in batch order); each request's ReadResult holds views of them. Numpy
+    runs per read, not per request (except for a request with a window of positions); the
+    work per request is a few integer comparisons on lists, because this loop runs on every
+    step of every request with a read, where the engine's step waits for it (a request's
+    tokens are contiguous and in position order)."""
     out: Results = {}
-    budget: list[int] = []  # XMIX_MAX_RESULT_BYTES, read once per drain when a request needs it
-    for app, key, ch, cap, op in plan:
-        idx = np.flatnonzero(valid[:, ch])
+    server_cap: list[int] = []  # XMIX_MAX_RESULT_BYTES, read once per drain when a request needs it
+    per_of: dict[tuple[int, int], int] = {}  # (read shape, request options) -> bytes a position
+    for app, key, ch, cap, op, shape in plan:
+        idx, chvals, p_all, pl, firsts, some = (
+            numpy_hits(valid, rows, pos, ch) if hits is None else hits(ch)
+        )
         n = len(idx)
         if not n:
             continue
-        shape = read_shape(op)
-        r = rows[idx]
-        p_all = pos[idx]
-        pl = p_all.tolist()
-        bounds = [0, *(np.flatnonzero(r[1:] != r[:-1]) + 1).tolist(), n]
-        firsts = r[bounds[:-1]].tolist()
+        # one token per request (decode steps): request j is [j, j + 1)
+        bounds: Sequence[int] = range(n + 1) if some is None else some
         rk = (app, key)
         # per request: (state, a, b) a range of idx, or (state, -1, sel) the window's tokens
         picks: list[tuple[SlotState, int, Any]] = []
         whole = True  # every hit reported, in order: idx itself is the step's selection
         for j, row in enumerate(firsts):
-            st = state_of_row(row)
-            a, b = bounds[j], bounds[j + 1]
+            st = states[row]
             if st is None:
                 whole = False
                 continue
+            a, b = bounds[j], bounds[j + 1]
             # A preempted request recomputes positions it already reported (with the
             # same values): report each position once.
-            done = st.reported.get(rk, -1)
+            reported = st.reported
+            done = reported.get(rk, -1)
             if pl[a] <= done:
                 a = bisect_right(pl, done, a, b)
                 whole = False
                 if a == b:
                     continue
-            st.reported[rk] = pl[b - 1]
-            if st.options.window is not None and not st.truncated:
-                sel = st.admit(idx[a:b], p_all[a:b], shape, app, out, budget)
+            reported[rk] = pl[b - 1]
+            opts = st.options
+            if st.truncated:
+                whole = False
+                continue
+            if opts.window is not None:
+                sel = st.admit(idx[a:b], p_all[a:b], shape, app, out, server_cap)
                 whole = False
                 if len(sel):
                     picks.append((st, -1, sel))
                 continue
-            k = st.fit(b - a, shape, out, budget)
-            if k != b - a:
+            # st.fit, without the call while the budget holds (it does the truncation)
+            pk = (id(shape), id(opts))
+            per = per_of.get(pk)
+            if per is None:
+                per = per_of[pk] = position_bytes(shape, opts)
+            budget = opts.max_bytes
+            if budget is None:
+                if not server_cap:
+                    server_cap.append(max_result_bytes())
+                budget = server_cap[0]
+            k = b - a
+            if k * per <= budget - st.spent:
+                st.spent += k * per
+            else:
+                k = st.fit(k, shape, out, server_cap)
                 whole = False
             if k:
                 picks.append((st, a, a + k))
@@ -225,10 +277,14 @@ def collect(
             parts = [idx[a:b] if a >= 0 else b for _, a, b in picks]
             every = parts[0] if len(parts) == 1 else np.concatenate(parts)
             positions = pos[every]
-        values, ids = gather(
-            op, shape, res, ch, every, captured(cap, every) if cap is not None else None
-        )
+        if whole and chvals is not None and shape.kind == "scalar":
+            values, ids = chvals, None
+        else:
+            values, ids = gather(
+                op, shape, res, ch, every, captured(cap, every) if cap is not None else None
+            )
         stored: dict[str, Arr] = {}  # values in each storage dtype the step's requests ask for
+        kind, features = shape.kind, op.features
         at = 0
         for st, a, b in picks:
             k = b - a if a >= 0 else len(b)
@@ -237,15 +293,23 @@ def collect(
             if v is None:
                 v = stored[dtype] = to_dtype(values, dtype)
             rr = ReadResult.views(
-                shape.kind,
+                kind,
                 positions[at : at + k],
                 v[at : at + k],
                 None if ids is None else ids[at : at + k],
                 dtype,
-                op.features,
+                features,
             )
             at += k
-            out.setdefault(st.req_id, {}).setdefault(app, {})[key] = rr
+            mine = out.get(st.req_id)
+            if mine is None:
+                out[st.req_id] = {app: {key: rr}}
+            else:
+                got = mine.get(app)
+                if got is None:
+                    mine[app] = {key: rr}
+                else:
+                    got[key] = rr
     return out
 
 
@@ -469,7 +533,7 @@ class ReadBack:
                     return rows_out
 
                 head.out = collect(
-                    res, valid, head.pos, head.rows, head.states.__getitem__, head.plan, captured
+                    res, valid, head.pos, head.rows, head.states, head.plan, captured
                 )
                 if head.monitors is not None:
                     mplan, slots = head.monitors
@@ -495,6 +559,7 @@ class Drain:
         self.mem, self.slots, self.step, self.reports = mem, slots, step, reports
         self._mplan: tuple[tuple[int, int], MonitorPlan] | None = None
         self._rplan: tuple[tuple[int, int], list[PlannedRead]] | None = None
+        self._views: tuple[Any, ...] | None = None  # _host_views, made on the first drain
 
     def drain(self) -> Results:
         """Read results of this step: {req_id: {app: {read: ReadResult}}} (arrays; each
@@ -514,18 +579,19 @@ class Drain:
             return p.result() if p is not None else {}
         assert step.rows is not None
         slots, n_req = step.rows
-        out: Results = self._drain_reads() if step.reads else {}
+        get = self.slots.slot_req.get
+        states = [get(x) for x in slots[:n_req].tolist()]  # each row's request
+        out: Results = self._drain_reads(states) if step.reads else {}
         if step.monitors:
             keys, bits = m.host["row_stop"][:n_req], m.host["row_switched"][:n_req]
             if (keys != -1).any() or bits.any():  # most steps: nothing fired
-                slot_req = self.slots.slot_req
                 mon = collect_monitors(
                     self._monitor_plan(),
                     keys,
                     bits,
                     m.host["slot_sticky"],
                     slots[:n_req],
-                    [slot_req.get(int(x)) for x in slots[:n_req]],
+                    states,
                 )
                 for rid, got in mon.items():
                     out.setdefault(rid, {}).update(got)
@@ -545,29 +611,37 @@ class Drain:
             self._mplan = (key, monitor_plan(self.mem.apps.values(), self.step.active))
         return self._mplan[1]
 
-    def _drain_reads(self) -> Results:
-        m = self.mem
-        n_tok = self.step.tokens
-        R, T = m.cap.max_channels, m.cap.max_tokens
-        res = m.host["results"][: n_tok * R].reshape(n_tok, R)
-        valid = m.host["result_valid"][: n_tok * R].reshape(n_tok, R)
-        assert self.step.rows is not None
-        slots = self.step.rows[0]
-        capture = m.host["capture"]
-        slot_req = self.slots.slot_req
+    def _drain_reads(self, states: list[SlotState | None]) -> Results:
+        v = self._views
+        if v is None:
+            v = self._views = self._host_views()
+        res, valid, pos, rows, capture, addrs = v
+        n_tok, R = self.step.tokens, self.mem.cap.max_channels
 
         def captured(cap: tuple[Any, ...], idx: Arr) -> Arr:
             base, w = cap
-            return capture[base : base + T * w].reshape(-1, w)[idx]
+            return capture[base : base + len(pos) * w].reshape(-1, w)[idx]
 
-        return collect(
-            res,
-            valid,
-            m.host["tok_pos"][:n_tok],
-            m.host["tok_row"][:n_tok],
-            lambda row: slot_req.get(int(slots[row])),
-            self._read_plan(),
-            captured,
+        def hits(ch: int) -> Hits:
+            return _C.read_hits(*addrs, n_tok, R, ch)  # type: ignore[no-any-return]
+
+        # The buffers at their capacity, not cut to the step's tokens: every index the
+        # drain uses comes from read_hits, below n_tok.
+        return collect(res, valid, pos, rows, states, self._read_plan(), captured, hits)
+
+    def _host_views(self) -> tuple[Any, ...]:
+        """The unstaged engine's result buffers as the drain reads them (allocated once with
+        the block): results and flags (tokens x channels), positions, rows, capture rows,
+        and the addresses read_hits reads."""
+        h, T, R = self.mem.host, self.mem.cap.max_tokens, self.mem.cap.max_channels
+        names = ("results", "result_valid", "tok_pos", "tok_row")
+        return (
+            h["results"].reshape(T, R),
+            h["result_valid"].reshape(T, R),
+            h["tok_pos"],
+            h["tok_row"],
+            h["capture"],
+            tuple(h[k].ctypes.data for k in names),
         )
 
     def drain_async(self) -> PendingReads | None:

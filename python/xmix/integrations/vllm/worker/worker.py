@@ -291,13 +291,16 @@ class WorkerXmix:
                 if p is not None:
                     self.pending_reads.append(p)
             else:
-                pending = self.pending
-                for rid, apps in cb.drain().items():
-                    have = pending.get(rid)
-                    if have is None:
-                        pending[rid] = apps  # the drain's own objects: moved, not copied
-                    else:
-                        merge_results(have, apps)
+                pending, drained = self.pending, cb.drain()
+                if not pending:  # taken every step (sample_tokens): the drain's dict, moved
+                    self.pending = drained
+                else:
+                    for rid, apps in drained.items():
+                        have = pending.get(rid)
+                        if have is None:
+                            pending[rid] = apps  # the drain's own objects: moved, not copied
+                        else:
+                            merge_results(have, apps)
         if sites.failed:
             # An app failed inside a site program: its requests of this step end with the
             # error (the frontend finishes them); the step and every other request go on.
