@@ -620,7 +620,8 @@ class Drain:
 
         def captured(cap: tuple[Any, ...], idx: Arr) -> Arr:
             base, w = cap
-            return capture[base : base + len(pos) * w].reshape(-1, w)[idx]
+            got: Arr = capture[base : base + len(pos) * w].reshape(-1, w)[idx]
+            return got
 
         def hits(ch: int) -> Hits:
             return _C.read_hits(*addrs, n_tok, R, ch)  # type: ignore[no-any-return]
