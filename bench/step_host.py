@@ -1,6 +1,7 @@
 """xmix's host work per engine step on the CPU engine, without vLLM: the worker's per-step
 path (``WorkerXmix.begin``: slots, step maps, prologue; every hook site's
-``torch.ops.xmix.site`` call; ``after_forward``: drain and step end) for one decode step of 8
+``torch.ops.xmix.site`` call; ``after_forward`` and ``take_results``: drain, each request's
+results packed as they leave the worker, and step end) for one decode step of 8
 requests, each using the configuration's app, timed hot (the same step repeated) and cold
 (a pass over a buffer larger than the caches and a matmul before every step, as the model's
 forward leaves the caches in a real step).

@@ -293,8 +293,9 @@ def test_collect_reports_what_a_per_token_walk_reports():
     """drain.collect over random steps (requests missing, preempted requests recomputing
     positions they reported, windows, byte caps) against a walk over the step's tokens one
     at a time, in plain Python: each request reports a position once, inside its window,
-    while its bytes fit, and the step it runs out carries the marker."""
-    from xmix.lang.results_codec import read_shape
+    while its bytes fit, and the step it runs out carries the marker. Every other trial
+    packed (the engine worker's form)."""
+    from xmix.lang.results_codec import read_shape, unpack_results
     from xmix.runtime.control.drain import PlannedRead, collect
     from xmix.runtime.control.slots import SlotState
 
@@ -350,7 +351,10 @@ def test_collect_reports_what_a_per_token_walk_reports():
                 [None if row in gone else st for row, st in enumerate(states)],
                 plan,
                 lambda cap, idx: None,
+                packed=trial % 2 == 1,  # the engine worker's form: bytes, unpacked here
             )
+            if trial % 2:
+                out = {rid: unpack_results(apps) for rid, apps in out.items()}
             for rid, apps in out.items():
                 g = got_all.setdefault(rid, {"p": [], "v": [], "marks": 0})
                 if "k" in apps:

@@ -349,6 +349,12 @@ def pack_results(res: dict) -> dict:
     }
 
 
+def merge_packed(have: dict, new: dict) -> dict:
+    """Two steps' packed results of one request as one packed result, in step order (neither
+    is changed)."""
+    return pack_results(merge_results(unpack_results(have), unpack_results(new)))
+
+
 def unpack_results(d: dict) -> dict:
     return {
         app: (reads if app in SPECIAL_KEYS else {k: ReadResult.unpack(r) for k, r in reads.items()})

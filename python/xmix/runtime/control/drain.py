@@ -27,6 +27,7 @@ from xmix.lang.results_codec import (
     ReadResult,
     ReadShape,
     max_result_bytes,
+    pack_results,
     position_bytes,
     read_shape,
     to_dtype,
@@ -187,13 +188,15 @@ def collect(
     plan: list[PlannedRead],
     captured: Callable[[tuple[Any, ...], Arr], Arr],
     hits: Callable[[int], Hits] | None = None,
+    packed: bool = False,
 ) -> Results:
     """Per request, the hits of each planned read as arrays: ``res`` and ``valid`` the
     step's result channels and their flags, ``states`` each row's request (None: none),
     ``captured(cap, idx)`` the capture-buffer rows of the tokens idx (only those are copied).
     Each request's window and byte budget apply here, so nothing it does not report leaves
     the worker. ``hits(channel)``: a read's hits (numpy_hits over valid, rows and pos when
-    None).
+    None). ``packed``: each request's results in ``ReadResult.pack``'s form (bytes cut from
+    the step's, for the engine's worker, which sends them on as bytes) instead of views.
 
     Each read keeps one array of positions and one of values for the step (every request's
     reported tokens, in batch order); each request's ReadResult holds views of them. Numpy
@@ -285,21 +288,47 @@ def collect(
             )
         stored: dict[str, Arr] = {}  # values in each storage dtype the step's requests ask for
         kind, features = shape.kind, op.features
+        if packed:
+            # ReadResult.pack's form, each request's part cut from the step's bytes
+            pb = np.ascontiguousarray(positions, dtype=np.int32).tobytes()
+            ib = b"" if ids is None else np.ascontiguousarray(ids, dtype=np.int32).tobytes()
+            iw = 0 if ids is None else 4 * int(np.prod(ids.shape[1:]))
+            tail = list(values.shape[1:])
+            vbytes: dict[str, tuple[bytes, int]] = {}
         at = 0
         for st, a, b in picks:
             k = b - a if a >= 0 else len(b)
             dtype = st.options.dtype
-            v = stored.get(dtype)
-            if v is None:
-                v = stored[dtype] = to_dtype(values, dtype)
-            rr = ReadResult.views(
-                kind,
-                positions[at : at + k],
-                v[at : at + k],
-                None if ids is None else ids[at : at + k],
-                dtype,
-                features,
-            )
+            rr: Any
+            if packed:
+                vb = vbytes.get(dtype)
+                if vb is None:
+                    sv = to_dtype(values, dtype)
+                    vb = vbytes[dtype] = (sv.tobytes(), sv.nbytes // len(sv))
+                data, w = vb
+                rr = {
+                    "k": kind,
+                    "dt": dtype,
+                    "p": pb[4 * at : 4 * (at + k)],
+                    "v": data[w * at : w * (at + k)],
+                    "s": list(tail),
+                }
+                if ids is not None:
+                    rr["i"] = ib[iw * at : iw * (at + k)]
+                if features:
+                    rr["f"] = list(features)
+            else:
+                v = stored.get(dtype)
+                if v is None:
+                    v = stored[dtype] = to_dtype(values, dtype)
+                rr = ReadResult.views(
+                    kind,
+                    positions[at : at + k],
+                    v[at : at + k],
+                    None if ids is None else ids[at : at + k],
+                    dtype,
+                    features,
+                )
             at += k
             mine = out.get(st.req_id)
             if mine is None:
@@ -561,9 +590,10 @@ class Drain:
         self._rplan: tuple[tuple[int, int], list[PlannedRead]] | None = None
         self._views: tuple[Any, ...] | None = None  # _host_views, made on the first drain
 
-    def drain(self) -> Results:
+    def drain(self, packed: bool = False) -> Results:
         """Read results of this step: {req_id: {app: {read: ReadResult}}} (arrays; each
-        ReadResult reads as {positions, values} in the default shape), and a request's
+        ReadResult reads as {positions, values} in the default shape; ``packed``: in
+        ``ReadResult.pack``'s form, on an unstaged engine), and a request's
         ``TRUNCATED_KEY`` marker in the step its byte cap was reached.
 
         Only rank 0 drains (hidden states are replicated across tensor-parallel ranks). Staged
@@ -576,12 +606,13 @@ class Drain:
         m = self.mem
         if m.staged:
             p = self.drain_async()
-            return p.result() if p is not None else {}
+            got = p.result() if p is not None else {}
+            return {rid: pack_results(r) for rid, r in got.items()} if packed else got
         assert step.rows is not None
         slots, n_req = step.rows
         get = self.slots.slot_req.get
         states = [get(x) for x in slots[:n_req].tolist()]  # each row's request
-        out: Results = self._drain_reads(states) if step.reads else {}
+        out: Results = self._drain_reads(states, packed) if step.reads else {}
         if step.monitors:
             keys, bits = m.host["row_stop"][:n_req], m.host["row_switched"][:n_req]
             if (keys != -1).any() or bits.any():  # most steps: nothing fired
@@ -611,7 +642,7 @@ class Drain:
             self._mplan = (key, monitor_plan(self.mem.apps.values(), self.step.active))
         return self._mplan[1]
 
-    def _drain_reads(self, states: list[SlotState | None]) -> Results:
+    def _drain_reads(self, states: list[SlotState | None], packed: bool) -> Results:
         v = self._views
         if v is None:
             v = self._views = self._host_views()
@@ -628,7 +659,7 @@ class Drain:
 
         # The buffers at their capacity, not cut to the step's tokens: every index the
         # drain uses comes from read_hits, below n_tok.
-        return collect(res, valid, pos, rows, states, self._read_plan(), captured, hits)
+        return collect(res, valid, pos, rows, states, self._read_plan(), captured, hits, packed)
 
     def _host_views(self) -> tuple[Any, ...]:
         """The unstaged engine's result buffers as the drain reads them (allocated once with

@@ -45,8 +45,7 @@ import logging
 
 from xmix.integrations.vllm import fence
 from xmix.integrations.vllm.result_keys import CARRIER
-from xmix.integrations.vllm.worker.worker import merge_results
-from xmix.lang.results_codec import STOPPED_KEY, pack_results, unpack_results
+from xmix.lang.results_codec import STOPPED_KEY, merge_packed
 
 logger = logging.getLogger("vllm.xmix")
 
@@ -67,7 +66,7 @@ def patch_scheduler(cls) -> None:
                 # Packed by the worker (_attach_results). A request's results usually go out
                 # with the step that made them, as they came; steps that emit no output for
                 # it (prefill chunks) are merged here.
-                store[rid] = apps if have is None else _merged(have, apps)
+                store[rid] = apps if have is None else merge_packed(have, apps)
             stops = [rid for rid, apps in new.items() if STOPPED_KEY in apps]
             if stops:
                 stopped = _stop(self, orig_finish, stops, store, model_runner_output)
@@ -107,11 +106,6 @@ def patch_scheduler(cls) -> None:
 
     fence.replace(cls, "update_from_output", update_from_output, by="engine_core")
     fence.replace(cls, "finish_requests", finish_requests, by="engine_core")
-
-
-def _merged(have: dict, new: dict) -> dict:
-    """Two steps' packed results of one request as one, in step order."""
-    return pack_results(merge_results(unpack_results(have), unpack_results(new)))
 
 
 def _stop(sched, orig_finish, req_ids: list[str], store: dict, model_runner_output) -> list:

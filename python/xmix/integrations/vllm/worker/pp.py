@@ -176,7 +176,7 @@ class StageLink:
     def take_inbox(self, intermediate_tensors) -> tuple[dict | None, dict | None]:
         """Pop xmix's keys off the received tensors (vLLM's runner copies every key into
         buffers of its own model's keys, so none of ours may stay); returns (gate data,
-        reads of earlier stages)."""
+        packed reads of earlier stages)."""
         self._inbox = None
         if intermediate_tensors is None:
             return None, None
@@ -188,11 +188,8 @@ class StageLink:
             gates = {k: t.pop(k) for k in (KEY_CHANNELS, KEY_VALUES, KEY_STATE)}
             self.stats["gate_steps_received"] += 1
         reads = None
-        if KEY_READS in t:
-            from xmix.lang.results_codec import unpack_results
-
-            raw = msgspec.msgpack.decode(t.pop(KEY_READS).cpu().numpy().tobytes())
-            reads = {rid: unpack_results(apps) for rid, apps in raw.items()}
+        if KEY_READS in t:  # packed, as they leave the last stage's worker
+            reads = msgspec.msgpack.decode(t.pop(KEY_READS).cpu().numpy().tobytes())
         self._inbox = gates
         return gates, reads
 
@@ -243,10 +240,8 @@ class StageLink:
             out[KEY_VALUES] = res[:n_tok].index_select(1, ch).contiguous()
             out[KEY_STATE] = rs[idx][:, ch].contiguous()
             self.stats["gate_steps_sent"] += 1
-        if reads:
-            from xmix.lang.results_codec import pack_results
-
-            data = msgspec.msgpack.encode({rid: pack_results(apps) for rid, apps in reads.items()})
+        if reads:  # packed (the worker's take_results)
+            data = msgspec.msgpack.encode(reads)
             out[KEY_READS] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
             self.stats["read_bytes_sent"] += len(data)
         return out

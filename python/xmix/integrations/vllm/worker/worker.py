@@ -30,6 +30,7 @@ from xmix.lang.results_codec import (  # noqa: F401 (merge_results re-exported)
     DROPPED_KEY,
     ERROR_KEY,
     ResultOptions,
+    merge_packed,
     merge_results,
     pack_results,
 )
@@ -38,6 +39,15 @@ from xmix.runtime import ops
 from xmix.runtime.control import Capacity, ControlBlock, PendingReads
 
 logger = logging.getLogger("vllm.xmix")  # vLLM's handlers and format apply
+
+
+def merge_packed_into(into: dict[str, dict], new: dict[str, dict]) -> None:
+    """Packed results of later steps after those ``into`` holds, by request (a request's
+    first ones moved, not copied)."""
+    for rid, apps in new.items():
+        have = into.get(rid)
+        into[rid] = apps if have is None else merge_packed(have, apps)
+
 
 K_STOP_BITS = _C.constants()["STOP_POSITION_BITS"]
 # ERROR_KEY in a request's results: the worker could not serve it; the frontend ends it
@@ -103,7 +113,9 @@ class WorkerXmix:
         self.cb = cb
         ops.set_control(cb)
         self.rank0 = rank0
-        self.pending: dict[str, dict] = {}  # reads drained on the host (CPU engine)
+        # reads drained on the host (CPU engine), packed (results_codec.pack_results: the form
+        # they leave the worker in), by request
+        self.pending: dict[str, dict] = {}
         self.pending_reads: list[PendingReads] = []  # reads still on their way (GPU)
         self.sched = None
         self.stats = {"steps": 0, "steps_with_apps": 0, "admit_errors": 0, "restarts": 0}
@@ -291,16 +303,11 @@ class WorkerXmix:
                 if p is not None:
                     self.pending_reads.append(p)
             else:
-                pending, drained = self.pending, cb.drain()
+                pending, drained = self.pending, cb.drain(packed=True)
                 if not pending:  # taken every step (sample_tokens): the drain's dict, moved
                     self.pending = drained
                 else:
-                    for rid, apps in drained.items():
-                        have = pending.get(rid)
-                        if have is None:
-                            pending[rid] = apps  # the drain's own objects: moved, not copied
-                        else:
-                            merge_results(have, apps)
+                    merge_packed_into(pending, drained)
         if sites.failed:
             # An app failed inside a site program: its requests of this step end with the
             # error (the frontend finishes them); the step and every other request go on.
@@ -315,16 +322,17 @@ class WorkerXmix:
         return bool(self.pending or self.pending_reads)
 
     def take_results(self):
-        """A function returning the reads of the steps since the last call:
-        {req_id: {app: {read: ReadResult}}}. Calling it waits for reads still on their way
-        to the host."""
+        """A function returning the reads of the steps since the last call, packed:
+        {req_id: {app: {read: packed ReadResult}}}. Calling it waits for reads still on their
+        way to the host."""
         direct, reads = self.pending, self.pending_reads
         self.pending, self.pending_reads = {}, []
 
         def resolve() -> dict[str, dict]:
             for p in reads:
-                for rid, apps in p.result().items():
-                    merge_results(direct.setdefault(rid, {}), apps)
+                merge_packed_into(
+                    direct, {rid: pack_results(apps) for rid, apps in p.result().items()}
+                )
             return direct
 
         return resolve
@@ -492,8 +500,7 @@ def _execute_stage(runner, x: WorkerXmix, orig_execute, scheduler_output, args, 
     it = args[0] if args else kwargs.get("intermediate_tensors")
     _, reads = x.pp.take_inbox(it)
     if reads:
-        for rid, apps in reads.items():
-            merge_results(x.pending.setdefault(rid, {}), apps)
+        merge_packed_into(x.pending, reads)
     out = orig_execute(runner, scheduler_output, *args, **kwargs)
     from vllm.sequence import IntermediateTensors
 
@@ -520,10 +527,10 @@ def _attach_results(self, out):
     taken = x.take_results()
 
     def results() -> dict:
-        # Packed here, in the worker: the output crosses to the engine core by pickle
-        # (vLLM's shm MessageQueue), where a request's bytes cost a fraction of its
+        # Packed (by the drain, in the worker): the output crosses to the engine core by
+        # pickle (vLLM's shm MessageQueue), where a request's bytes cost a fraction of its
         # ReadResult objects and numpy arrays, and the engine core passes them on as they are.
-        return {rid: pack_results(apps) for rid, apps in taken().items()}
+        return taken()  # type: ignore[no-any-return]
 
     if hasattr(out, "get_output") and not hasattr(out, "req_ids"):
         orig_get = out.get_output
