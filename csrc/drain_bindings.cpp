@@ -27,8 +27,7 @@ py::tuple read_hits(uint64_t results, uint64_t valid, uint64_t tok_pos, uint64_t
                     int32_t n_tok, int32_t n_channels, int32_t ch) {
   if (n_tok < 0 || n_channels <= 0 || ch < 0 || ch >= n_channels) {
     throw std::out_of_range("xmix: read_hits: channel " + std::to_string(ch) + " of " +
-                            std::to_string(n_channels) + ", " + std::to_string(n_tok) +
-                            " tokens");
+                            std::to_string(n_channels) + ", " + std::to_string(n_tok) + " tokens");
   }
   const auto* res = at<float>(results);
   const auto* ok = at<uint8_t>(valid);
