@@ -5,7 +5,7 @@ turn, whose figures drift by 10 % between rounds on a shared 2-core machine, mor
 costs it is after. This script measures the part that needs no second server, the cost of an
 app over "apps deployed, unused", without that drift: one xmix server, waves of
 --concurrency requests sent at once (128 random prompt tokens, 64 output tokens,
-ignore_eos), the configurations taking turns wave by wave (the order rotating), and each
+ignore_eos), the configurations taking turns wave by wave (a new order every turn), and each
 wave's figures divided by those of the unused wave next to it. Each request is sent and
 timed by vLLM's own client code (`vllm.benchmarks.lib.endpoint_request_func`, what `vllm bench
 serve` runs per request: TTFT, the gaps between stream chunks, latency).
@@ -37,7 +37,9 @@ wave's first second ran beside that spin: mean TTFT came in steps of ~0.5 s (0.3
 1.46 s; one server alone: 0.39-0.47 s); with 1.5 s it is 0.37-0.56 s on every server.
 --instances repeats the whole run with fresh servers (started in alternating order), since a
 server process can be faster or slower than another for its whole life; the table then also
-gives each instance's median.
+gives each instance's median. With a vanilla server, a last table gives each median over
+vanilla with a 95 % bootstrap interval of the median (fixed seed): the interquartile range
+says how much single waves differ, the interval how finely the run's waves resolve the median.
 
     python bench/serve_paired.py [--waves 30] [--concurrency 8] [--mixed-concurrency 64]
         [--model llama-8x512] [--configs steer,ablate,probe,cast,monitor,mixed-same,mixed]
@@ -140,14 +142,20 @@ async def run_waves(
     # (uvicorn: 5 s) closes them: between the long waves at --mixed-concurrency the short
     # waves' connections sit idle, and one the server had just closed failed a request.
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=2)
+    # A new order every turn (a fixed seed): rotating one order kept each configuration's
+    # neighbours, so the same one always came first after a switch of server (and its pause)
+    # and the same one last before it (2026-12-05, 3 x 64 waves: steer first, unused last).
+    order_rng = random.Random(1)
     last = None
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         for w in range(args.waves + 1):
-            k = w % len(plan)
-            for cfg, c in plan[k:] + plan[:k]:
+            order = list(plan)
+            order_rng.shuffle(order)
+            for cfg, c in order:
                 bodies = request_bodies(cfg)
                 base = bases.get(cfg, bases["xmix"])
-                if last not in (None, base):
+                switched = last not in (None, base)
+                if switched:
                     # the server that just ran a wave is still spinning (see the top)
                     await asyncio.sleep(args.switch_gap)
                 last = base
@@ -173,6 +181,7 @@ async def run_waves(
                 after = await worker_counters(session, base) if counted else None
                 if w:
                     figs = wave_figures(outs)
+                    figs["after_switch"] = float(switched)
                     if counted:
                         figs.update(host_figures(before, after, wall))
                     got[(cfg, c)].append(figs)
@@ -255,12 +264,45 @@ def table(got: dict[tuple[str, int], list[dict]], configs: list[tuple[str, int]]
     return "\n".join(lines)
 
 
+def median_interval(xs: list[float], draws: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """A 95 % bootstrap interval of the median of xs (percentile method, fixed seed, so a run's
+    file gives the same interval every time it is read)."""
+    rng = random.Random(seed)
+    meds = sorted(statistics.median(rng.choices(xs, k=len(xs))) for _ in range(draws))
+    return meds[int(0.025 * draws)], meds[int(0.975 * draws) - 1]
+
+
+def interval_table(got: dict[tuple[str, int], list[dict]]) -> str:
+    """Over vanilla, each median with the 95 % bootstrap interval of the median: how finely the
+    run's waves resolve it (the interquartile range says how much single waves differ)."""
+    keys = (("mean TTFT", "ttft"), ("mean ITL", "itl"), ("mean E2E", "e2e"))
+    lines = [
+        "over vanilla: median over waves [95 % bootstrap interval of the median]",
+        "",
+        "| configuration | " + " | ".join(m for m, _ in keys) + " |",
+        "|" + "---|" * (len(keys) + 1),
+    ]
+    for c in sorted({c for cfg, c in got if cfg == "vanilla"}):
+        van = got[("vanilla", c)]
+        for cfg, cc in got:
+            if cc != c or cfg == "vanilla":
+                continue
+            cells = []
+            for _, k in keys:
+                xs = ratios(got[(cfg, cc)], van, k)
+                if not xs:
+                    cells.append("n/a")
+                    continue
+                lo, hi = median_interval(xs)
+                cells.append(f"{statistics.median(xs):.3f} [{lo:.3f}, {hi:.3f}]")
+            lines.append(f"| {cfg} (concurrency {c}) | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def instance_table(got: dict[tuple[str, int], list[dict]]) -> str:
     """Per server instance, the median paired ratio to vanilla (a server process can be faster
     or slower than another for its whole life; the instances show how much)."""
-    pairs = [
-        (cfg, c) for cfg, c in got if cfg in ("unused", "vanilla-again") and ("vanilla", c) in got
-    ]
+    pairs = [(cfg, c) for cfg, c in got if cfg != "vanilla" and ("vanilla", c) in got]
     n = max(w["instance"] for w in got[pairs[0]]) + 1
     head = "| over vanilla | " + " | ".join(f"instance {i + 1}" for i in range(n)) + " |"
     lines = [
@@ -343,6 +385,7 @@ def main() -> None:
         print(table(got, configs))
         if any(cfg == "vanilla" for cfg, _ in got):
             print("\n" + instance_table(got))
+            print("\n" + interval_table(got))
         print("\n" + host_table(got, list(got)))
         return
     if args.waves < 1 or args.instances < 1:
@@ -410,7 +453,7 @@ def main() -> None:
         'vanilla wave next to it ("over vanilla"): median over waves (interquartile range); '
         "vanilla and unused rows: medians in ms\n\n"
         + table(got, configs)
-        + (f"\n\n{instance_table(got)}" if vanillas else "")
+        + (f"\n\n{instance_table(got)}\n\n{interval_table(got)}" if vanillas else "")
         + "\n\nxmix's host time in the worker per engine step (the worker's counters; "
         "medians over waves; step: the wave's wall time over its engine steps)\n\n"
         + host_table(got, plan)
