@@ -299,6 +299,32 @@ def interval_table(got: dict[tuple[str, int], list[dict]]) -> str:
     return "\n".join(lines)
 
 
+def position_table(got: dict[tuple[str, int], list[dict]]) -> str:
+    """Over vanilla, each xmix configuration's waves split by whether the wave came first after
+    a switch from another server (as almost every vanilla wave does): the like-for-like
+    comparison is the "after a switch" column."""
+    lines = [
+        "over vanilla, by the xmix wave's place: median (waves) after a switch of server / "
+        "without one (mean ITL, mean E2E)",
+        "",
+        "| configuration | after a switch: ITL | E2E | without: ITL | E2E |",
+        "|---|---|---|---|---|",
+    ]
+    for c in sorted({c for cfg, c in got if cfg == "vanilla"}):
+        van = got[("vanilla", c)]
+        for cfg, cc in got:
+            if cc != c or cfg in VANILLA or "after_switch" not in got[(cfg, cc)][0]:
+                continue
+            cells = []
+            for flag in (1.0, 0.0):
+                pairs = [(m, b) for m, b in zip(got[(cfg, cc)], van) if m["after_switch"] == flag]
+                for k in ("itl", "e2e"):
+                    xs = ratios([m for m, _ in pairs], [b for _, b in pairs], k)
+                    cells.append(f"{statistics.median(xs):.3f} ({len(xs)})" if xs else "n/a")
+            lines.append(f"| {cfg} (concurrency {c}) | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def instance_table(got: dict[tuple[str, int], list[dict]]) -> str:
     """Per server instance, the median paired ratio to vanilla (a server process can be faster
     or slower than another for its whole life; the instances show how much)."""
@@ -386,6 +412,8 @@ def main() -> None:
         if any(cfg == "vanilla" for cfg, _ in got):
             print("\n" + instance_table(got))
             print("\n" + interval_table(got))
+            if any("after_switch" in w for ws in got.values() for w in ws[:1]):
+                print("\n" + position_table(got))
         print("\n" + host_table(got, list(got)))
         return
     if args.waves < 1 or args.instances < 1:
@@ -453,7 +481,11 @@ def main() -> None:
         'vanilla wave next to it ("over vanilla"): median over waves (interquartile range); '
         "vanilla and unused rows: medians in ms\n\n"
         + table(got, configs)
-        + (f"\n\n{instance_table(got)}\n\n{interval_table(got)}" if vanillas else "")
+        + (
+            f"\n\n{instance_table(got)}\n\n{interval_table(got)}\n\n{position_table(got)}"
+            if vanillas
+            else ""
+        )
         + "\n\nxmix's host time in the worker per engine step (the worker's counters; "
         "medians over waves; step: the wave's wall time over its engine steps)\n\n"
         + host_table(got, plan)
