@@ -28,7 +28,10 @@ paired wave by wave, with none of serve_overhead's server-to-server drift (serve
 turn, each run's regime, lockstep or staggered, set by chance; two such vanilla servers differ
 by 10 %). An idle server takes almost nothing (its worker polls: ~1 % of a core). --control
 adds a second, identical vanilla server ("vanilla-again"): "vanilla-again over vanilla" is the
-method's own floor, what two servers that differ in nothing show. A wave on one server
+method's own floor, what two servers that differ in nothing show. --nosites adds an xmix
+server with no hook site placed and no app (`{"xmix": {"sites": []}}`), sent the unused
+requests: unused over it is what the 33 sites cost a server where no app runs (their calls
+and what they change in the compiled graph), it over vanilla what the rest of xmix costs. A wave on one server
 waits --switch-gap seconds after a wave on another: the worker that just stepped keeps
 polling vLLM's shared-memory queue with sched_yield for 1 s after its last read
 (`shm_broadcast.SpinCondition`, busy_loop_s), on the core the next server's worker is bound
@@ -71,6 +74,10 @@ import serve_overhead as so
 EXTRA = ("mixed-same",)
 # configurations that run on a vanilla server of their own (--vanilla, --control)
 VANILLA = ("vanilla", "vanilla-again")
+# --nosites: an xmix server with no hook site placed (additional_config {"xmix": {"sites": []}})
+# and no app, sent the unused requests: what xmix costs besides its sites
+NOSITES = "xmix-nosites"
+NOSITES_CONFIG = '{"xmix": {"sites": []}}'
 
 METRICS = (("mean TTFT", "ttft"), ("mean ITL", "itl"), ("P99 ITL", "p99_itl"), ("mean E2E", "e2e"))
 
@@ -191,7 +198,7 @@ async def run_waves(
 
 
 def request_bodies(config: str) -> list[dict]:
-    if config in VANILLA:
+    if config in (*VANILLA, NOSITES):
         return [{}]
     if config == "mixed-same":
         return [{"vllm_xargs": {"xmix_apps": apps}} for apps in so.MIXED_COMBOS]
@@ -219,10 +226,11 @@ def vanilla_rows(got: dict[tuple[str, int], list[dict]]) -> list[str]:
         labels = [
             ("unused", f"unused over vanilla: xmix deployed, no app used (concurrency {c})"),
             ("vanilla-again", f"control: vanilla-again over vanilla (concurrency {c})"),
+            (NOSITES, f"xmix without hook sites, no app over vanilla (concurrency {c})"),
         ] + [
             (cfg, f"{cfg} over vanilla (concurrency {c})")
             for cfg, cc in got
-            if cc == c and cfg not in ("unused", *VANILLA)
+            if cc == c and cfg not in ("unused", NOSITES, *VANILLA)
         ]
         for cfg, label in labels:
             if (cfg, c) in got:
@@ -390,6 +398,11 @@ def main() -> None:
     ap.add_argument(
         "--control", action="store_true", help="and a second vanilla server (implies --vanilla)"
     )
+    ap.add_argument(
+        "--nosites",
+        action="store_true",
+        help="and an xmix server with no hook site and no app (implies --vanilla)",
+    )
     ap.add_argument("--instances", type=int, default=1, help="fresh servers this many times")
     ap.add_argument(
         "--switch-gap",
@@ -407,7 +420,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.from_json:
         got = load_waves(args.from_json)
-        configs = [k for k in got if k[0] not in ("unused", *VANILLA)]
+        configs = [k for k in got if k[0] not in ("unused", NOSITES, *VANILLA)]
         print(table(got, configs))
         if any(cfg == "vanilla" for cfg, _ in got):
             print("\n" + instance_table(got))
@@ -426,8 +439,9 @@ def main() -> None:
     configs = [
         (c, args.mixed_concurrency if c.startswith("mixed") else args.concurrency) for c in names
     ]
-    args.vanilla |= args.control
+    args.vanilla |= args.control or args.nosites
     vanillas = ["vanilla", "vanilla-again"][: int(args.vanilla) + int(args.control)]
+    vanillas += [NOSITES] if args.nosites else []
     sizes = sorted({c for _, c in configs} | ({args.concurrency} if vanillas else set()))
     plan = [("unused", c) for c in sizes] + [(v, args.concurrency) for v in vanillas] + configs
 
@@ -447,9 +461,13 @@ def main() -> None:
         servers: dict[str, so.Server] = {}
         try:
             for name in kinds:
-                kind = "xmix" if name == "xmix" else "vanilla"
+                kind = "vanilla" if name in VANILLA else "xmix"
                 log = work / f"{name}-{i}.log"
-                servers[name] = so.Server(kind, model, apps, log, args.server_arg)
+                if name == NOSITES:
+                    extra = [*args.server_arg, "--additional-config", NOSITES_CONFIG]
+                    servers[name] = so.Server(kind, model, [], log, extra)
+                else:
+                    servers[name] = so.Server(kind, model, apps, log, args.server_arg)
                 starts.append(f"{name} {servers[name].wait_ready():.0f}")
             bases = {name: srv.base for name, srv in servers.items()}
             for key, waves in asyncio.run(run_waves(bases, model, vocab, plan, args)).items():
