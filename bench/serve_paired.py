@@ -336,7 +336,11 @@ def position_table(got: dict[tuple[str, int], list[dict]]) -> str:
 def instance_table(got: dict[tuple[str, int], list[dict]]) -> str:
     """Per server instance, the median paired ratio to vanilla (a server process can be faster
     or slower than another for its whole life; the instances show how much)."""
-    pairs = [(cfg, c) for cfg, c in got if cfg != "vanilla" and ("vanilla", c) in got]
+    first = ("unused", "vanilla-again", NOSITES)  # the servers' own rows, then the apps
+    pairs = sorted(
+        ((cfg, c) for cfg, c in got if cfg != "vanilla" and ("vanilla", c) in got),
+        key=lambda p: (p[1], first.index(p[0]) if p[0] in first else len(first)),
+    )
     n = max(w["instance"] for w in got[pairs[0]]) + 1
     head = "| over vanilla | " + " | ".join(f"instance {i + 1}" for i in range(n)) + " |"
     lines = [

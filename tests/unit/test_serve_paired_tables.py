@@ -74,3 +74,30 @@ def test_the_full_table_puts_vanilla_first_and_the_over_vanilla_rows_next():
     # vanilla's medians in ms: waves at 1.0, 1.1, 0.9, 1.0 of the base -> median 1.0
     vanilla = serve_paired.table(got, []).splitlines()[2]
     assert vanilla == "| vanilla, concurrency 8 (ms) | 300.0 | 20.0 | 30.0 | 1500.0 |"
+
+
+def test_every_configuration_has_its_instances_medians_after_the_servers_own_rows():
+    lines = serve_paired.instance_table(figures()).splitlines()
+    assert lines[6] == "| steer (concurrency 8) | 1.050 / 1.050 | 1.050 / 1.050 |"
+
+
+def test_the_interval_of_a_median_holds_the_median_and_is_a_point_when_waves_agree():
+    got = figures()
+    text = serve_paired.interval_table(got)
+    # steer is +5 % on every wave: every bootstrap median is 1.05
+    assert "| steer (concurrency 8) | " + " | ".join(["1.050 [1.050, 1.050]"] * 3) + " |" in text
+    # unused: ratios 1.01, 1.01, 1.03, 1.03; a resampled median lies in [1.01, 1.03]
+    lo, hi = serve_paired.median_interval([1.01, 1.01, 1.03, 1.03])
+    assert 1.01 <= lo <= 1.02 <= hi <= 1.03
+
+
+def test_the_split_by_place_pairs_each_wave_with_the_vanilla_wave_of_its_turn():
+    got = figures()
+    # unused's waves 1 and 2 came first after a switch of server (ratios 1.01), 3 and 4 not
+    # (1.03); steer's waves are not marked and get no row
+    for w, flag in zip(got[("unused", 8)], (1.0, 1.0, 0.0, 0.0)):
+        w["after_switch"] = flag
+    lines = serve_paired.position_table(got).splitlines()
+    row = next(line for line in lines if line.startswith("| unused"))
+    assert row == "| unused (concurrency 8) | 1.010 (2) | 1.010 (2) | 1.030 (2) | 1.030 (2) |"
+    assert not any(line.startswith("| steer") for line in lines)
