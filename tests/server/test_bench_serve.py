@@ -162,7 +162,7 @@ def test_serve_paired_runs_end_to_end(tmp_path):
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
     blocks = [b.splitlines() for b in r.stdout.split("\n\n")]
-    rows, per_instance, host = [b for b in blocks if b and b[0].startswith("| ")]
+    rows, per_instance, intervals, places, host = [b for b in blocks if b and b[0].startswith("| ")]
     assert rows[0] == "| configuration | mean TTFT | mean ITL | P99 ITL | mean E2E |"
     names = [l.split(" | ")[0] for l in rows[2:]]
     assert names == [
@@ -190,6 +190,19 @@ def test_serve_paired_runs_end_to_end(tmp_path):
     assert re.fullmatch(
         r"\| unused \(concurrency 2\) \| (\d+\.\d+|n/a) / \d+\.\d+ \|", per_instance[2]
     )
+    # over vanilla, each configuration's median with its bootstrap interval, and its waves
+    # split by whether they came first after a switch of server
+    interval = r"\d+\.\d+ \[\d+\.\d+, \d+\.\d+\]"
+    assert intervals[0] == "| configuration | mean TTFT | mean ITL | mean E2E |"
+    assert [l.split(" | ")[0] for l in intervals[2:]] == [
+        f"| {c} (concurrency 2)" for c in ("unused", "probe", "monitor")
+    ]
+    for row in intervals[2:]:
+        cells = row.strip("| ").split(" | ")[1:]
+        assert all(re.fullmatch(interval, c) or c == "n/a" for c in cells), row
+    assert [l.split(" | ")[0] for l in places[2:]] == [
+        f"| {c} (concurrency 2)" for c in ("unused", "probe", "monitor")
+    ]
     # where the worker's time went, from its own counters: a row per configuration; unused
     # waves run no site program, the probe's do
     host_rows = {l.split(" | ")[0][2:]: l.split(" | ")[1:] for l in host[2:]}
@@ -222,7 +235,13 @@ def test_serve_paired_runs_end_to_end(tmp_path):
     )
     assert again.returncode == 0, again.stderr[-3000:]
     blocks = [b.splitlines() for b in again.stdout.split("\n\n")]
-    assert [b for b in blocks if b and b[0].startswith("| ")] == [rows, per_instance, host]
+    assert [b for b in blocks if b and b[0].startswith("| ")] == [
+        rows,
+        per_instance,
+        intervals,
+        places,
+        host,
+    ]
     waves = json.loads(results.with_suffix(".json").read_text())
     assert sorted(waves) == [
         "mixed-same@4",
