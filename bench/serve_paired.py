@@ -30,10 +30,10 @@ by 10 %). An idle server takes almost nothing (its worker polls: ~1 % of a core)
 adds a second, identical vanilla server ("vanilla-again"): "vanilla-again over vanilla" is the
 method's own floor, what two servers that differ in nothing show. --nosites adds an xmix
 server with no hook site placed and no app (`{"xmix": {"sites": []}}`), sent the unused
-requests: unused over it is what the 33 sites cost a server where no app runs (their calls
-and what they change in the compiled graph), it over vanilla what the rest of xmix costs. A wave on one server
-waits --switch-gap seconds after a wave on another: the worker that just stepped keeps
-polling vLLM's shared-memory queue with sched_yield for 1 s after its last read
+requests: unused over it is what the hook sites (41 on the 8-layer Llama) cost a server where
+no app runs (their calls and what they change in the compiled graph), it over vanilla what the
+rest of xmix costs. A wave on one server waits --switch-gap seconds after a wave on another:
+the worker that just stepped keeps polling vLLM's shared-memory queue with sched_yield for 1 s after its last read
 (`shm_broadcast.SpinCondition`, busy_loop_s), on the core the next server's worker is bound
 to as well (vLLM's CPU worker binds core 0 on a 2-core machine). Without the gap the next
 wave's first second ran beside that spin: mean TTFT came in steps of ~0.5 s (0.39 to
