@@ -123,6 +123,25 @@ async def worker_counters(session, base: str) -> dict[str, float]:
         return so.worker_stats(await r.json())
 
 
+ROLES = (("api_server", "cpu_api"), ("engine_core", "cpu_core"), ("worker", "cpu_worker"))
+
+
+def cpu_seconds(procs: dict) -> dict[str, float]:
+    """User + system CPU seconds so far of each of a server's processes (psutil.Process)."""
+    out = {}
+    for role, proc in procs.items():
+        t = proc.cpu_times()
+        out[role] = t.user + t.system
+    return out
+
+
+def cpu_figures(before: dict, after: dict) -> dict[str, float]:
+    """CPU ms of one wave per process role, vLLM's spinning waits included (the engine core's
+    and the worker's: they track the wave's wall time; the API server's asyncio loop sleeps
+    in epoll, so its figure is its work)."""
+    return {key: 1e3 * (after[role] - before[role]) for role, key in ROLES if role in after}
+
+
 def host_figures(before: dict, after: dict, wall: float) -> dict[str, float]:
     """Per engine step of one wave, ms: xmix's bookkeeping, its site programs, the step."""
     n = max(after["steps"] - before["steps"], 1.0)
@@ -130,10 +149,16 @@ def host_figures(before: dict, after: dict, wall: float) -> dict[str, float]:
 
 
 async def run_waves(
-    bases: dict[str, str], model: Path, vocab: int, plan: list[tuple[str, int]], args
+    bases: dict[str, str],
+    model: Path,
+    vocab: int,
+    plan: list[tuple[str, int]],
+    args,
+    procs: dict[str, dict] | None = None,
 ):
     """Per (config, concurrency): one dict of figures per wave (the first wave is warm-up).
-    `bases`: the xmix server's URL under "xmix", each vanilla configuration's under its name."""
+    `bases`: the xmix server's URL under "xmix", each vanilla configuration's under its name;
+    `procs`: per URL, the server's processes by role (psutil), for each wave's CPU time."""
     import time
 
     import aiohttp
@@ -180,15 +205,19 @@ async def run_waves(
                 ]
                 counted = cfg not in VANILLA  # a vanilla server has no xmix counters
                 before = await worker_counters(session, base) if counted else None
+                mine = (procs or {}).get(base, {})
+                cpu0 = cpu_seconds(mine)
                 t0 = time.perf_counter()
                 outs = await asyncio.gather(
                     *(async_request_openai_completions(x, session) for x in inputs)
                 )
                 wall = time.perf_counter() - t0
+                cpu1 = cpu_seconds(mine)
                 after = await worker_counters(session, base) if counted else None
                 if w:
                     figs = wave_figures(outs)
                     figs["after_switch"] = float(switched)
+                    figs.update(cpu_figures(cpu0, cpu1))
                     if counted:
                         figs.update(host_figures(before, after, wall))
                     got[(cfg, c)].append(figs)
@@ -363,6 +392,39 @@ def instance_table(got: dict[tuple[str, int], list[dict]]) -> str:
     return "\n".join(lines)
 
 
+def server_processes(srv) -> dict:
+    """A started server's API server, engine core and worker processes (psutil)."""
+    import psutil
+
+    return {role: psutil.Process(pid) for role, pid in srv.engine_pids().items()}
+
+
+def cpu_table(got: dict[tuple[str, int], list[dict]]) -> str:
+    """Each server process's CPU per wave: medians (ms), and over vanilla the median of the
+    wave-by-wave ratios (the vanilla wave of the same turn and concurrency)."""
+    keys = [k for _, k in ROLES]
+    lines = [
+        "| configuration | API server ms | engine core ms | worker ms "
+        "| API server over vanilla | engine core over vanilla | worker over vanilla |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for (cfg, c), waves in got.items():
+        if not waves or not all(k in w for w in waves for k in keys):
+            continue
+        meds = [f"{statistics.median(w[k] for w in waves):.0f}" for k in keys]
+        van = got.get(("vanilla", c), [])
+        if cfg == "vanilla" or not van or not all(k in w for w in van for k in keys):
+            over = ["-"] * len(keys)
+        else:
+            # psutil counts in clock ticks (10 ms): a short wave can read 0
+            over = []
+            for k in keys:
+                xs = [m[k] / b[k] for m, b in zip(waves, van) if b[k] > 0]
+                over.append(f"{statistics.median(xs):.3f}" if xs else "n/a")
+        lines.append(f"| {cfg} (concurrency {c}) | " + " | ".join(meds + over) + " |")
+    return "\n".join(lines)
+
+
 def host_table(got: dict[tuple[str, int], list[dict]], plan: list[tuple[str, int]]) -> str:
     lines = [
         "| configuration | step (ms) | xmix bookkeeping (ms) | xmix site programs (ms) "
@@ -432,6 +494,8 @@ def main() -> None:
             if any("after_switch" in w for ws in got.values() for w in ws[:1]):
                 print("\n" + position_table(got))
         print("\n" + host_table(got, list(got)))
+        if any("cpu_api" in ws[0] for ws in got.values() if ws):
+            print("\n" + cpu_table(got))
         return
     if args.waves < 1 or args.instances < 1:
         ap.error(f"--waves and --instances must be at least 1 (got {args.waves}, {args.instances})")
@@ -474,7 +538,9 @@ def main() -> None:
                     servers[name] = so.Server(kind, model, apps, log, args.server_arg)
                 starts.append(f"{name} {servers[name].wait_ready():.0f}")
             bases = {name: srv.base for name, srv in servers.items()}
-            for key, waves in asyncio.run(run_waves(bases, model, vocab, plan, args)).items():
+            procs = {srv.base: server_processes(srv) for srv in servers.values()}
+            waves_of = asyncio.run(run_waves(bases, model, vocab, plan, args, procs))
+            for key, waves in waves_of.items():
                 got[key] += [{**w, "instance": i} for w in waves]
         finally:
             for srv in servers.values():
@@ -511,7 +577,9 @@ def main() -> None:
         + "\n\nxmix's host time in the worker per engine step (the worker's counters; "
         "medians over waves; step: the wave's wall time over its engine steps)\n\n"
         + host_table(got, plan)
-        + "\n"
+        + "\n\nCPU time of each server process per wave (user + system, psutil; the engine "
+        "core and the worker spin while they wait, so theirs follow the wave's wall time; the "
+        "API server's is its work)\n\n" + cpu_table(got) + "\n"
     )
     print(text)
     if args.results:

@@ -162,7 +162,9 @@ def test_serve_paired_runs_end_to_end(tmp_path):
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
     blocks = [b.splitlines() for b in r.stdout.split("\n\n")]
-    rows, per_instance, intervals, places, host = [b for b in blocks if b and b[0].startswith("| ")]
+    rows, per_instance, intervals, places, host, cpu = [
+        b for b in blocks if b and b[0].startswith("| ")
+    ]
     assert rows[0] == "| configuration | mean TTFT | mean ITL | P99 ITL | mean E2E |"
     names = [l.split(" | ")[0] for l in rows[2:]]
     assert names == [
@@ -219,6 +221,19 @@ def test_serve_paired_runs_end_to_end(tmp_path):
     assert float(host_rows["monitor (concurrency 2)"][2]) > 0.0
     for cells in host_rows.values():
         assert float(cells[0]) > 0 and float(cells[1]) >= 0
+    # each server process's CPU per wave: every configuration, vanilla's without a ratio (psutil
+    # counts clock ticks of 10 ms, so these tiny waves may read 0 and their ratio n/a)
+    cpu_rows = {l.split(" | ")[0][2:]: l.strip("| ").split(" | ")[1:] for l in cpu[2:]}
+    assert sorted(cpu_rows) == sorted(
+        f"{c} (concurrency {n})"
+        for c, n in [("unused", 2), ("unused", 4), ("vanilla", 2), ("probe", 2), ("monitor", 2)]
+        + [("mixed-same", 4), ("mixed", 4)]
+    )
+    assert cpu_rows["vanilla (concurrency 2)"][3:] == ["-", "-", "-"]
+    for cells in cpu_rows.values():
+        assert all(int(x) >= 0 for x in cells[:3])
+    assert all(re.fullmatch(r"\d+\.\d+|n/a", x) for x in cpu_rows["unused (concurrency 2)"][3:])
+    assert cpu_rows["unused (concurrency 4)"][3:] == ["-", "-", "-"]  # no vanilla at 4
     text = results.read_text()
     assert "machine:" in text and "command: python bench/serve_paired.py" in text
     # the saved per-wave figures print the same tables again, without servers
@@ -241,6 +256,7 @@ def test_serve_paired_runs_end_to_end(tmp_path):
         intervals,
         places,
         host,
+        cpu,
     ]
     waves = json.loads(results.with_suffix(".json").read_text())
     assert sorted(waves) == [

@@ -101,3 +101,39 @@ def test_the_split_by_place_pairs_each_wave_with_the_vanilla_wave_of_its_turn():
     row = next(line for line in lines if line.startswith("| unused"))
     assert row == "| unused (concurrency 8) | 1.010 (2) | 1.010 (2) | 1.030 (2) | 1.030 (2) |"
     assert not any(line.startswith("| steer") for line in lines)
+
+
+def test_cpu_table_gives_each_process_its_median_and_its_ratio_to_vanilla():
+    got = figures()
+    # CPU ms per wave: vanilla's API server 100, 110, 90, 100; unused's 20 % more, wave by
+    # wave; the engine core and the worker equal to vanilla's
+    for (cfg, _), ws in got.items():
+        for w, f in zip(ws, (1.0, 1.1, 0.9, 1.0)):
+            api = 100 * f * (1.2 if cfg == "unused" else 1.0)
+            w.update(cpu_api=api, cpu_core=50 * f, cpu_worker=400 * f)
+    del got[("steer", 8)][0]["cpu_worker"]  # a wave without the figure leaves its row out
+    lines = serve_paired.cpu_table(got).splitlines()
+    assert lines[2] == "| vanilla (concurrency 8) | 100 | 50 | 400 | - | - | - |"
+    assert lines[3] == "| unused (concurrency 8) | 120 | 50 | 400 | 1.200 | 1.000 | 1.000 |"
+    assert lines[4] == "| vanilla-again (concurrency 8) | 100 | 50 | 400 | 1.000 | 1.000 | 1.000 |"
+    assert len(lines) == 5
+
+
+def test_cpu_figures_are_the_differences_in_ms_per_role():
+    before = {"api_server": 1.0, "engine_core": 2.0, "worker": 3.0}
+    after = {"api_server": 1.25, "engine_core": 2.5, "worker": 4.0}
+    assert serve_paired.cpu_figures(before, after) == {
+        "cpu_api": 250.0,
+        "cpu_core": 500.0,
+        "cpu_worker": 1000.0,
+    }
+
+
+def test_cpu_ratios_leave_out_vanilla_waves_that_read_zero():
+    got = {
+        ("vanilla", 8): [{"cpu_api": a, "cpu_core": 0.0, "cpu_worker": 10.0} for a in (0.0, 10.0)],
+        ("unused", 8): [{"cpu_api": a, "cpu_core": 0.0, "cpu_worker": 10.0} for a in (10.0, 20.0)],
+    }
+    assert serve_paired.cpu_table(got).splitlines()[3] == (
+        "| unused (concurrency 8) | 15 | 0 | 10 | 2.000 | n/a | 1.000 |"
+    )
