@@ -148,7 +148,11 @@ def _process_outputs(orig_process):
     def process_outputs(self, engine_core_outputs, *args, **kwargs):
         failed: list[str] = []
         for eco in engine_core_outputs:
-            _take_engine_results(self, eco, failed)
+            # the carrier's check inline: most outputs carry no results, and a call per
+            # output per token is the API server's largest cost of xmix (bench/api_calls.py)
+            kvp = eco.kv_transfer_params
+            if kvp and CARRIER in kvp:
+                _take_engine_results(self, eco, failed)
         out = orig_process(self, engine_core_outputs, *args, **kwargs)
         if failed:
             out.reqs_to_abort.extend(r for r in failed if r not in out.reqs_to_abort)
@@ -256,13 +260,18 @@ def _make_request_output(orig_make):
         # state's sequence finishes, once (its ``changed`` covers the whole run); outputs
         # before that carry none (the server sends it in the chunk that finishes a choice).
         applied = self.__dict__.get("_xmix_applied")
-        if applied is not None and (
-            getattr(out, "finished", False)
-            or any(
-                getattr(c, "finish_reason", None) is not None
-                for c in getattr(out, "outputs", None) or ()
-            )
-        ):
+        done = False
+        if applied is not None:
+            # a loop, not any(<genexpr>): this runs for every streamed token of every request
+            # xmix admitted, and a generator is two more Python frames per token
+            # (bench/api_calls.py)
+            done = getattr(out, "finished", False)
+            if not done:
+                for c in getattr(out, "outputs", None) or ():
+                    if getattr(c, "finish_reason", None) is not None:
+                        done = True
+                        break
+        if done:
             prov = self.__dict__.get("_xmix_prov")
             if prov is None:
                 prov = self.__dict__["_xmix_prov"] = {
