@@ -25,7 +25,6 @@ import json
 import os
 import platform
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -190,15 +189,11 @@ def main() -> None:
                 print(f"{cfg}: {sum(runs[cfg].values())} frame entries", flush=True)
         finally:
             server.stop()
-    rev = subprocess.run(
-        ["git", "-C", str(Path(__file__).parent), "describe", "--always", "--dirty"],
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
+    rev = so.code_rev()
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     text = (
         f"# API server frame entries per streamed token ({args.model}, {when}, "
-        f"{platform.node()}, {os.cpu_count()} cores, code {rev or '?'})\n\n"
+        f"{platform.node()}, {os.cpu_count()} cores, code {rev})\n\n"
         f"`python bench/api_calls.py {' '.join(sys.argv[1:])}`: {sent} requests of "
         f"{args.output_len} streamed tokens at concurrency {args.concurrency} per "
         "configuration (vllm bench serve's warm-ups included), counted in the API server "

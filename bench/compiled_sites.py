@@ -32,7 +32,7 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_overhead import bench_model  # noqa: E402
+from serve_overhead import bench_model, code_rev  # noqa: E402
 
 CONFIGS = ("vanilla", "nosites", "xmix")
 
@@ -150,17 +150,13 @@ def main() -> None:
             seqs[config] = call_sequence(code)
             print(f"{config}: {len(seqs[config])} calls, {tokens[config]}", flush=True)
     rows = {c: counts(s) for c, s in seqs.items()}
-    rev = subprocess.run(
-        ["git", "-C", str(Path(__file__).parent), "describe", "--always", "--dirty"],
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
+    rev = code_rev()
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
         f"# Compiled forward per configuration ({args.model}, {when}, {platform.node()}, "
         f"{os.cpu_count()} cores)",
         "",
-        "`python bench/compiled_sites.py " + " ".join(sys.argv[1:]) + "`, code " + (rev or "?"),
+        "`python bench/compiled_sites.py " + " ".join(sys.argv[1:]) + "`, code " + rev,
         "",
         table(rows),
         "",

@@ -132,6 +132,17 @@ def _vllm_cli(argv: list[str]) -> None:
     main()
 
 
+def code_rev() -> str:
+    """The checkout's commit as `git describe` gives it ("-dirty" with uncommitted changes),
+    for a results file's header; "unknown" outside a git checkout."""
+    r = subprocess.run(
+        ["git", "-C", str(Path(__file__).parent), "describe", "--always", "--dirty"],
+        capture_output=True,
+        text=True,
+    )
+    return r.stdout.strip() or "unknown"
+
+
 # ---------------------------------------------------------------------------- the model
 def bench_model(name: str) -> Path:
     """`llama-LxD`: a Llama of L layers and width D with the tiny Llama's tokenizer and random
@@ -768,14 +779,7 @@ def main() -> None:
 
     table = ratio_table(rounds, configs, conc)
     cmd = "python bench/serve_overhead.py " + " ".join(sys.argv[1:])
-    rev = (
-        subprocess.run(
-            ["git", "-C", str(Path(__file__).parent), "describe", "--always", "--dirty"],
-            capture_output=True,
-            text=True,
-        ).stdout.strip()
-        or "unknown"
-    )
+    rev = code_rev()
     header = (
         f"machine: {platform.machine()} {platform.processor() or ''}, {os.cpu_count()} cores, "
         f"no GPU; torch {torch.__version__}, vLLM {vllm.__version__}\n"

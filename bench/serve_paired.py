@@ -61,7 +61,6 @@ import os
 import platform
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -549,17 +548,13 @@ def main() -> None:
     import torch
     import vllm
 
-    rev = subprocess.run(
-        ["git", "-C", str(Path(__file__).parent), "describe", "--always", "--dirty"],
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
+    rev = so.code_rev()
     text = (
         f"machine: {platform.machine()}, {os.cpu_count()} cores, no GPU; "
         f"torch {torch.__version__}, vLLM {vllm.__version__}\n"
         f"date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC\n"
         f"command: python bench/serve_paired.py {' '.join(sys.argv[1:])}\n"
-        f"code: {rev or 'unknown'}\n"
+        f"code: {rev}\n"
         f"model: {args.model}, float32; {args.input_len} random prompt tokens, "
         f"{args.output_len} output tokens (ignore_eos); {args.waves} waves per configuration "
         f"and instance after one warm-up wave, {args.instances} server instance(s); "
