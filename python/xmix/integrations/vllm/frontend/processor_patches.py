@@ -162,11 +162,10 @@ def _process_outputs(orig_process):
 
 
 def _take_engine_results(processor, eco, failed: list[str]) -> None:
-    """One EngineCoreOutput: its results, monitors, dropped versions and a worker's error onto
-    the request's state (``failed`` gets the request if the error finishes it)."""
+    """One EngineCoreOutput whose kv_transfer_params hold the carrier (the caller checks):
+    its results, monitors, dropped versions and a worker's error onto the request's state
+    (``failed`` gets the request if the error finishes it)."""
     kvp = eco.kv_transfer_params
-    if not kvp or CARRIER not in kvp:
-        return
     from vllm.v1.engine import FinishReason
 
     from xmix.integrations.vllm.worker.worker import ERROR_KEY, merge_results
