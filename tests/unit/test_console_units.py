@@ -164,6 +164,21 @@ class Clock:
         return self.t
 
 
+def _step(req_id: str, results, new_tokens: int, finished: bool) -> list:
+    """One engine step's output for one request, as the output processor gets it: results
+    ride kv_transfer_params under the carrier key."""
+    from xmix.integrations.vllm.result_keys import CARRIER
+
+    return [
+        SimpleNamespace(
+            request_id=req_id,
+            kv_transfer_params={CARRIER: results} if results is not None else None,
+            new_token_ids=list(range(new_tokens)),
+            finish_reason="stop" if finished else None,
+        )
+    ]
+
+
 def _registry(apps: dict):
     deployed = {}
     for name, (app, mode) in apps.items():
@@ -189,27 +204,27 @@ def test_usage_counts_gates_and_latency_per_app_and_live_reads_them_back():
     # request 1 names "a" with theta 0.8; "plain" (mode all) applies too
     u.admitted("r1", {"apps": ["a"], "params": {"a": {"theta": 0.8}}})
     clock.t = 100.5
-    u.output("r1", {"a": {"g": {"positions": [0, 1, 2, 3], "values": G[:4]}}}, 1, False)
+    u.outputs(_step("r1", {"a": {"g": {"positions": [0, 1, 2, 3], "values": G[:4]}}}, 1, False))
     clock.t = 100.7
-    u.output("r1", {"a": {"g": {"positions": [4], "values": [0.95]}}}, 1, False)
+    u.outputs(_step("r1", {"a": {"g": {"positions": [4], "values": [0.95]}}}, 1, False))
     clock.t = 100.9
-    u.output("r1", {"a": {"g": {"positions": [5], "values": [None]}}}, 1, True)
+    u.outputs(_step("r1", {"a": {"g": {"positions": [5], "values": [None]}}}, 1, True))
     # request 2: no control; only "plain" (mode all) applies
     clock.t = 200.0
     u.admitted("r2", None)
     clock.t = 200.2
-    u.output("r2", None, 1, False)
+    u.outputs(_step("r2", None, 1, False))
     clock.t = 200.3
-    u.output("r2", None, 1, True)
+    u.outputs(_step("r2", None, 1, True))
     assert u.records == {}
     # reg without "all" apps: a request that uses no app is the baseline
     reg.apps["plain"].mode = "request"
     clock.t = 300.0
     u.admitted("r3", {})
     clock.t = 300.1
-    u.output("r3", None, 2, False)
+    u.outputs(_step("r3", None, 2, False))
     clock.t = 300.4
-    u.output("r3", None, 1, True)
+    u.outputs(_step("r3", None, 1, True))
     # an aborted request leaves no record behind
     u.admitted("r4", {"apps": ["a"]})
     u.dropped(["r4"])
@@ -257,13 +272,13 @@ def test_usage_counts_monitors_per_app_and_read_and_live_shows_them():
     sw = {"app": "a", "read": "g", "position": 2, "condition": "since(g > 0.5)"}
     tok = {"app": "a", "read": None, "position": 0, "condition": "since(last_token)"}
     u.admitted("r1", {"apps": ["a"]})
-    u.output("r1", {SWITCHED_KEY: [sw]}, 1, False)
-    u.output("r1", {STOPPED_KEY: stop}, 0, True)
+    u.outputs(_step("r1", {SWITCHED_KEY: [sw]}, 1, False))
+    u.outputs(_step("r1", {STOPPED_KEY: stop}, 0, True))
     u.admitted("r2", {"apps": ["a"]})
-    u.output("r2", {SWITCHED_KEY: [sw, tok]}, 1, False)
-    u.output("r2", None, 1, True)
+    u.outputs(_step("r2", {SWITCHED_KEY: [sw, tok]}, 1, False))
+    u.outputs(_step("r2", None, 1, True))
     u.admitted("r3", {"apps": ["a"]})
-    u.output("r3", {STOPPED_KEY: {**stop, "read": None}}, 0, True)
+    u.outputs(_step("r3", {STOPPED_KEY: {**stop, "read": None}}, 0, True))
     snap = live.snapshot(m, "m", [{"name": "a", "mode": "request"}])
     assert snap["apps"][0]["monitors"] == [
         {"action": "stopped", "read": "", "requests": 1.0},
@@ -299,8 +314,10 @@ def test_app_names_hidden_on_metrics_and_named_again_for_those_who_may_see_them(
     u = Usage(reg, m, Clock())
     admit(reg, {"apps": ["a"]})
     u.admitted("r1", {"apps": ["a"], "params": {"a": {"theta": 0.8}}})
-    u.output("r1", {"a": {"g": {"positions": [0, 1, 2, 3], "values": G[:4]}}}, 1, False)
-    u.output("r1", {"!stopped": {"app": "a", "read": "g", "position": 3, "value": 0.9}}, 0, True)
+    u.outputs(_step("r1", {"a": {"g": {"positions": [0, 1, 2, 3], "values": G[:4]}}}, 1, False))
+    u.outputs(
+        _step("r1", {"!stopped": {"app": "a", "read": "g", "position": 3, "value": 0.9}}, 0, True)
+    )
     text = generate_latest(m["app_requests"]).decode() + "".join(
         generate_latest(m[k]).decode() for k in ("gate_tokens", "gate_fired", "app_ttft", "stopped")
     )

@@ -317,6 +317,7 @@ def test_gate_counters_read_the_packed_results_the_engine_core_sends():
 
     from xmix.integrations.vllm.frontend import metrics
     from xmix.integrations.vllm.frontend.usage import Usage
+    from xmix.integrations.vllm.result_keys import CARRIER
     from xmix.lang.lowering import lower
     from xmix.lang.sites import ModelShape
 
@@ -336,7 +337,16 @@ def test_gate_counters_read_the_packed_results_the_engine_core_sends():
     u.admitted("r", {"apps": ["a"]})
     vals = np.array([0.2, 0.9, np.nan, 0.7], dtype=np.float32)
     packed = pack_results({"a": {"p": ReadResult.of("scalar", [0, 1, 2, 3], vals)}})
-    u.output("r", packed, 1, True)
+    u.outputs(
+        [
+            SimpleNamespace(
+                request_id="r",
+                kv_transfer_params={CARRIER: packed},
+                new_token_ids=[7],
+                finish_reason="stop",
+            )
+        ]
+    )
     ran = m["gate_tokens"].labels(model_name="m", app="a", gate="p >= 0.5")._value.get()
     held = m["gate_fired"].labels(model_name="m", app="a", gate="p >= 0.5")._value.get()
     assert (ran, held) == (4, 2)

@@ -145,7 +145,35 @@ class Usage:
         with self.lock:
             self.records[req_id] = _Record(apps, gates, self.clock())
 
-    def output(self, req_id: str, results: Any, new_tokens: int, finished: bool) -> None:
+    def outputs(self, engine_core_outputs) -> None:
+        """One engine step's outputs, as the output processor receives them. One call a step,
+        not one per output: most outputs carry no results and do not finish, and for those
+        only the request's token times move (a Python call per output per token was a
+        measurable part of the API server's work, bench/api_calls.py)."""
+        records = self.records
+        now = None
+        for eco in engine_core_outputs:
+            try:
+                kvp = eco.kv_transfer_params
+                res = kvp.get(CARRIER) if isinstance(kvp, dict) else None
+                n = len(eco.new_token_ids or ())
+                if res is None and eco.finish_reason is None:
+                    # no lock: the record is only read and updated here, and a single dict
+                    # lookup is atomic (the lock orders admission's insert against the pop)
+                    rec = records.get(eco.request_id)
+                    if rec is not None and n:
+                        if now is None:
+                            now = self.clock()
+                        if rec.t_first is None:
+                            rec.t_first = now
+                        rec.t_last = now
+                        rec.tokens += n
+                    continue
+                self._output(eco.request_id, res, n, eco.finish_reason is not None)
+            except Exception:  # counting must never fail a request
+                logger.debug("xmix: usage not counted", exc_info=True)
+
+    def _output(self, req_id: str, results: Any, new_tokens: int, finished: bool) -> None:
         with self.lock:
             rec = self.records.pop(req_id, None) if finished else self.records.get(req_id)
         if rec is None:
@@ -244,15 +272,7 @@ def install(registry, output_processor_cls=None) -> Usage | None:
             logger.debug("xmix: usage not recorded", exc_info=True)
 
     def process_outputs(self, engine_core_outputs, *args, **kwargs):
-        for eco in engine_core_outputs:
-            try:
-                kvp = eco.kv_transfer_params
-                res = kvp.get(CARRIER) if isinstance(kvp, dict) else None
-                _usage.output(
-                    eco.request_id, res, len(eco.new_token_ids or ()), eco.finish_reason is not None
-                )
-            except Exception:
-                logger.debug("xmix: usage not counted", exc_info=True)
+        _usage.outputs(engine_core_outputs)
         return orig_process(self, engine_core_outputs, *args, **kwargs)
 
     def abort_requests(self, request_ids, *args, **kwargs):
