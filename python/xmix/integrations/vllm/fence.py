@@ -174,6 +174,13 @@ PATCHES: tuple[Patch, ...] = (
     Patch(_REQOUT, "add", ("self", "next_output", "aggregate"), "processor_patches", _RESULTS),
     Patch(
         _OUTP,
+        "abort_requests",
+        ("self", "request_ids", "internal"),
+        "processor_patches",
+        _RESULTS,
+    ),
+    Patch(
+        _OUTP,
         "add_request",
         ("self", "request", "prompt", "parent_req", "request_index", "queue"),
         "usage",
@@ -433,6 +440,29 @@ def replace(cls: type, method: str, new: Any, *, by: str) -> bool:
     setattr(cls, method, new)
     _applied.add((cls, method, by))
     return True
+
+
+def per_instance(cls: type, methods: dict[str, Any], *, by: str) -> type:
+    """Declared patches that leave the class alone: the subclass returned overrides
+    ``methods``, ``by`` moves the instances that need them into it (``arm``), and every other
+    instance runs vLLM's methods with no Python layer of xmix's in between. For methods vLLM
+    calls per token on every request (``RequestState.make_request_output``), where a
+    class-wide wrapper costs each token a Python call that only some requests need. A
+    subclass, not an instance attribute: a bound method kept on its own instance is a
+    reference cycle per request, and the subclass adds no state (same layout, same
+    ``isinstance``)."""
+    for method in methods:
+        entry(cls, method, by)
+        _originals.setdefault((cls, method), inspect.getattr_static(cls, method))
+        _applied.add((cls, method, by))
+    return type(cls.__name__, (cls,), {**methods, "__module__": __name__, "__slots__": ()})
+
+
+def arm(obj: Any, armed: type) -> None:
+    """Move one instance into the subclass ``per_instance`` made (once: arming an armed
+    instance changes nothing)."""
+    if obj.__class__ is not armed:
+        obj.__class__ = armed
 
 
 def add(cls: type, method: str, new: Any, *, by: str) -> bool:

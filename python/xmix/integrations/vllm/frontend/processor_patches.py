@@ -96,7 +96,14 @@ def patch_output_processor(out_cls, state_cls, request_output_cls) -> None:
     """Results live on each CompletionOutput (``.xmix``: one sequence's reads, so ``n > 1``
     keeps its sequences apart) and on the RequestOutput (``.xmix``: those of ``outputs[0]``,
     the only sequence when ``n == 1``). One replacement per patched method, each made from
-    vLLM's own by the function of the same name below."""
+    vLLM's own by the function of the same name below.
+
+    ``RequestState.make_request_output`` and ``_new_completion_output`` run per token of every
+    request; xmix's layer is needed only by a request whose results, error or monitors came
+    back, and by any admitted request's finishing output (its provenance). So they are armed
+    per request state (``fence.per_instance``): when the first result, error or monitor
+    arrives, when an engine output finishes the request, when it is aborted, and from the
+    start for a request with stop strings (the output processor finishes those itself)."""
     found = fence.to_wrap(
         "processor_patches",
         (out_cls, "process_outputs"),
@@ -104,11 +111,21 @@ def patch_output_processor(out_cls, state_cls, request_output_cls) -> None:
         (state_cls, "_new_completion_output"),
         (request_output_cls, "add"),
         (state_cls, "from_new_request"),
+        (out_cls, "abort_requests"),
     )
     if found is None:
         return
-    orig_process, orig_make, orig_new_completion, orig_add, from_new = found
+    orig_process, orig_make, orig_new_completion, orig_add, from_new, orig_abort = found
     by = "processor_patches"
+    global _Armed
+    _Armed = fence.per_instance(
+        state_cls,
+        {
+            "make_request_output": _make_request_output(orig_make),
+            "_new_completion_output": _new_completion_output(orig_new_completion),
+        },
+        by=by,
+    )
     fence.replace(out_cls, "process_outputs", _process_outputs(orig_process), by=by)
     fence.replace(
         state_cls,
@@ -116,11 +133,18 @@ def patch_output_processor(out_cls, state_cls, request_output_cls) -> None:
         classmethod(_from_new_request(from_new.__func__)),
         by=by,
     )
-    fence.replace(state_cls, "make_request_output", _make_request_output(orig_make), by=by)
-    fence.replace(
-        state_cls, "_new_completion_output", _new_completion_output(orig_new_completion), by=by
-    )
     fence.replace(request_output_cls, "add", _add(orig_add), by=by)
+    fence.replace(out_cls, "abort_requests", _abort_requests(orig_abort), by=by)
+
+
+# RequestState with xmix's two per-token wrappers (fence.per_instance), made when the patch
+# is applied; a state moves into it when it first needs them (``_arm``)
+_Armed: type | None = None
+
+
+def _arm(st) -> None:
+    assert _Armed is not None  # made by the patch that installs every caller of this
+    fence.arm(st, _Armed)
 
 
 def _from_new_request(orig_from_new):
@@ -128,13 +152,12 @@ def _from_new_request(orig_from_new):
 
     def from_new_request(cls, tokenizer, request, *args, **kwargs):
         st = orig_from_new(cls, tokenizer, request, *args, **kwargs)
-        ctl = (
-            (getattr(request.sampling_params, "extra_args", None) or {}).get(CONTROL_KEY)
-            if getattr(request, "sampling_params", None) is not None
-            else None
-        )
+        sp = getattr(request, "sampling_params", None)
+        ctl = (getattr(sp, "extra_args", None) or {}).get(CONTROL_KEY) if sp is not None else None
         if isinstance(ctl, dict) and "applied" in ctl:
             st.__dict__["_xmix_applied"] = ctl["applied"]
+            if sp.stop:  # a stop string finishes it in this process, unseen by the engine
+                _arm(st)
         return st
 
     return from_new_request
@@ -153,12 +176,32 @@ def _process_outputs(orig_process):
             kvp = eco.kv_transfer_params
             if kvp and CARRIER in kvp:
                 _take_engine_results(self, eco, failed)
+            if eco.finish_reason is not None:
+                st = self.request_states.get(eco.request_id)
+                if st is not None and "_xmix_applied" in st.__dict__:
+                    _arm(st)
         out = orig_process(self, engine_core_outputs, *args, **kwargs)
         if failed:
             out.reqs_to_abort.extend(r for r in failed if r not in out.reqs_to_abort)
         return out
 
     return process_outputs
+
+
+def _abort_requests(orig_abort):
+    """OutputProcessor.abort_requests: an aborted request's final output carries its
+    provenance like any finishing one (ids internal or external, as vLLM takes them)."""
+
+    def abort_requests(self, request_ids, *args, **kwargs):
+        ids = set(request_ids)
+        for st in self.request_states.values():
+            if "_xmix_applied" in st.__dict__ and (
+                st.request_id in ids or st.external_req_id in ids
+            ):
+                _arm(st)
+        return orig_abort(self, request_ids, *args, **kwargs)
+
+    return abort_requests
 
 
 def _take_engine_results(processor, eco, failed: list[str]) -> None:
@@ -182,6 +225,7 @@ def _take_engine_results(processor, eco, failed: list[str]) -> None:
         return
     if stopped is not None or switched:
         # monitors: named in the request's provenance when it finishes
+        _arm(st)
         mon = st.__dict__.setdefault("_xmix_monitors", {})
         if stopped is not None:
             mon.setdefault("stopped", stopped)
@@ -198,6 +242,7 @@ def _take_engine_results(processor, eco, failed: list[str]) -> None:
     if not res and err is None:
         return
     st.__dict__["_xmix_seen"] = True
+    _arm(st)
     if TRUNCATED_KEY in res:
         _count_truncated(st)
     if res:
