@@ -97,6 +97,12 @@ def test_an_aborted_request_gets_the_provenance_in_its_final_output(tok):
     out = q.get_nowait()
     assert out.finished and out.outputs[0].finish_reason == "abort"
     assert out.xmix_applied == NO_APP
+    # by the engine's own id, as a cancelled stream aborts it
+    q2 = RequestOutputCollector(RequestOutputKind.DELTA, "ext-d")
+    op.add_request(_request("d"), None, queue=q2)
+    op.abort_requests(["d"], internal=True)
+    out = q2.get_nowait()
+    assert out.finished and out.xmix_applied == NO_APP
 
 
 def test_results_ride_every_output_once_the_first_arrives(tok):

@@ -193,12 +193,14 @@ def _abort_requests(orig_abort):
     provenance like any finishing one (ids internal or external, as vLLM takes them)."""
 
     def abort_requests(self, request_ids, *args, **kwargs):
-        ids = set(request_ids)
-        for st in self.request_states.values():
-            if "_xmix_applied" in st.__dict__ and (
-                st.request_id in ids or st.external_req_id in ids
-            ):
-                _arm(st)
+        states = self.request_states
+        for rid in request_ids:
+            # an id is a state's own or a client's, which names all of its states; a
+            # parent's children are aborted through this method again
+            for iid in (rid, *self.external_req_ids.get(rid, ())):
+                st = states.get(iid)
+                if st is not None and "_xmix_applied" in st.__dict__:
+                    _arm(st)
         return orig_abort(self, request_ids, *args, **kwargs)
 
     return abort_requests
