@@ -154,36 +154,31 @@ class Usage:
         now = None
         for eco in engine_core_outputs:
             try:
+                # no lock: a single dict lookup is atomic, and the record is only updated
+                # here (the lock orders admission's insert against the finishing pop)
+                rec = records.get(eco.request_id)
+                if rec is None:
+                    continue
+                if eco.new_token_ids:
+                    if now is None:
+                        now = self.clock()
+                    if rec.t_first is None:
+                        rec.t_first = now
+                    rec.t_last = now
+                    rec.tokens += len(eco.new_token_ids)
                 kvp = eco.kv_transfer_params
                 res = kvp.get(CARRIER) if isinstance(kvp, dict) else None
-                n = len(eco.new_token_ids or ())
-                if res is None and eco.finish_reason is None:
-                    # no lock: the record is only read and updated here, and a single dict
-                    # lookup is atomic (the lock orders admission's insert against the pop)
-                    rec = records.get(eco.request_id)
-                    if rec is not None and n:
-                        if now is None:
-                            now = self.clock()
-                        if rec.t_first is None:
-                            rec.t_first = now
-                        rec.t_last = now
-                        rec.tokens += n
-                    continue
-                self._output(eco.request_id, res, n, eco.finish_reason is not None)
+                if res is not None or eco.finish_reason is not None:
+                    self._output(eco.request_id, rec, res, eco.finish_reason is not None)
             except Exception:  # counting must never fail a request
                 logger.debug("xmix: usage not counted", exc_info=True)
 
-    def _output(self, req_id: str, results: Any, new_tokens: int, finished: bool) -> None:
-        with self.lock:
-            rec = self.records.pop(req_id, None) if finished else self.records.get(req_id)
-        if rec is None:
-            return
-        now = self.clock()
-        if new_tokens:
-            if rec.t_first is None:
-                rec.t_first = now
-            rec.t_last = now
-            rec.tokens += new_tokens
+    def _output(self, req_id: str, rec: _Record, results: Any, finished: bool) -> None:
+        """An output with results, or the one that finishes the request."""
+        if finished:
+            with self.lock:
+                if self.records.pop(req_id, None) is None:
+                    return  # dropped meanwhile
         if isinstance(results, dict):
             stop = results.get(STOPPED_KEY)
             if isinstance(stop, dict):
