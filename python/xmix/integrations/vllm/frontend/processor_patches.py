@@ -308,9 +308,8 @@ def _make_request_output(orig_make):
         applied = self.__dict__.get("_xmix_applied")
         done = False
         if applied is not None:
-            # a loop, not any(<genexpr>): this runs for every streamed token of every request
-            # xmix admitted, and a generator is two more Python frames per token
-            # (bench/api_calls.py)
+            # a loop, not any(<genexpr>): this runs for every token of a request with reads,
+            # and a generator is two more Python frames per token (bench/api_calls.py)
             done = getattr(out, "finished", False)
             if not done:
                 for c in getattr(out, "outputs", None) or ():
