@@ -798,7 +798,11 @@ def test_a_link_cut_longer_than_the_timeout_fails_the_change_and_leaves_nothing_
     assert took < RPC_TIMEOUT_S + 15, took
     assert res["rank0_during"][0] == 200
     assert res["list_during"][0] == 200 and "extra" not in res["list_during"][1]
-    assert res["list_s"] < 5
+    # The 200 is what shows the list does not wait for engine 1: a read that asked it would
+    # have ended 503 (EngineUnreachable, SLOW_RPC_S once engine 1 missed the deploy's
+    # deadline). The time only bounds the wait below a deadline: under 0.1 s on a quiet
+    # machine, 5.1 s once in CI beside another engine test (2026-12-05).
+    assert res["list_s"] < RPC_TIMEOUT_S
     assert res["cut_s"] > RPC_TIMEOUT_S
     ws = res["after"]["workers"]
     for w in ws:  # the deploy reached host 1 after the link came back, then its rollback
