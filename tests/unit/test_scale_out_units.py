@@ -486,7 +486,9 @@ def test_fan_out_names_an_engine_that_does_not_answer_and_does_not_wait_on_it_ag
     from xmix.integrations.vllm.errors import EngineUnreachable
     from xmix.integrations.vllm.frontend import engine_rpc as S
 
-    monkeypatch.setenv("XMIX_RPC_TIMEOUT_S", "0.5")
+    # a deadline well apart from the shortened one, so a loaded machine's pauses (CI runs this
+    # beside engine tests) do not blur which one an RPC waited for
+    monkeypatch.setenv("XMIX_RPC_TIMEOUT_S", "2")
     monkeypatch.setattr(S, "SLOW_RPC_S", 0.1)
     c = Client()
 
@@ -507,22 +509,22 @@ def test_fan_out_names_an_engine_that_does_not_answer_and_does_not_wait_on_it_ag
         c.calls.clear()
         out["read"] = await S.fan_out(c, "xmix_call", ("xmix_ledger", ("since", "me", 0)))
         out["read_calls"] = list(c.calls)
-        t0 = time.monotonic()
         out["write"] = await S.fan_out(c, "xmix_call", ("xmix_ledger", ("append", "me", 0, {})))
-        out["write_s"] = time.monotonic() - t0
         c.hung = False
         out["back"] = await S.fan_out(c, "xmix_call", ("xmix_describe", ()))
         return out
 
     out = asyncio.run(go())
     assert out["both"] == [("ok", {"engine": 0}), ("ok", {"engine": 1})]
-    assert 0.4 < out["first"] < 2.0 and "xmix_patch" in out["msg"] and "0.5 s" in out["msg"]
-    assert out["again"] < 0.4  # marked slow: not the full timeout once per RPC
+    assert 1.9 < out["first"] < 8.0 and "xmix_patch" in out["msg"] and "2 s" in out["msg"]
+    assert out["again"] < 1.5  # marked slow: not the full timeout once per RPC
     assert out["partial"][0] == ("ok", {"engine": 0})
     assert out["partial"][1]["engine"] == 1 and "did not answer" in out["partial"][1]["error"]
     assert [i for i, _ in out["read_calls"]] == [0]  # a ledger read: the first engine only
     assert out["read"] == [("ok", {"engine": 0})]
-    assert out["write"] == [("ok", {"engine": 0})] and out["write_s"] < 0.1
+    # a ledger write waits for the first engine only: had it waited for the hung one, it
+    # would have raised EngineUnreachable after SLOW_RPC_S instead of answering
+    assert out["write"] == [("ok", {"engine": 0})]
     assert out["back"] == out["both"]
 
 
