@@ -339,6 +339,53 @@ def test_a_change_answers_only_once_every_other_server_has_it(fleet):
         t.join()
 
 
+def test_reads_on_a_server_do_not_wait_for_its_change_in_progress(fleet):
+    """A change through a server waits for every engine (up to XMIX_RPC_TIMEOUT_S for one out
+    of reach). Seen on namespace hosts: meanwhile that server's app list and its requests
+    naming an app it did not know waited for the change as well, behind the controller's
+    lock. They now read the registry as it is while the change holds the lease: the state
+    before the change, which no other server can have moved (it holds the lease)."""
+    import threading
+
+    engines, s1, s2 = fleet
+    s1.deploy(app("a"))
+    entered, release = threading.Event(), threading.Event()
+    call = engines[1].call
+
+    def slow(method, args):  # engine 1 answers the PATCH only when the test lets it
+        if args[0] == "xmix_patch":
+            entered.set()
+            assert release.wait(30), "never released"
+        return call(method, args)
+
+    engines[1].call = slow
+    done: dict = {}
+    changer = threading.Thread(target=lambda: done.update(patch=s1.patch("a", mode="off")))
+    changer.start()
+    try:
+        assert entered.wait(10), "the PATCH never reached engine 1"
+        reads: dict = {}
+
+        def read():
+            reads["list"] = s1.apps()
+            reads["rev"] = s1.registry.sync()  # what a request naming an unknown app runs
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        reader.join(10)
+        assert not reader.is_alive(), "the app list waited for the change in progress"
+        assert changer.is_alive() and "patch" not in done  # the change still waits
+        assert [(a["name"], a["mode"]) for a in reads["list"]] == [("a", "request")]
+        assert s1.registry.pending == {"a": "off"}  # admission sees the change as pending
+        assert [(a["name"], a["mode"]) for a in s2.apps()] == [("a", "request")]
+    finally:
+        release.set()
+        changer.join(30)
+    assert done["patch"]["mode"] == "off"
+    assert [(a["name"], a["mode"]) for a in s1.apps()] == [("a", "off")]
+    assert [(a["name"], a["mode"]) for a in s2.apps()] == [("a", "off")]
+
+
 def test_a_server_not_heard_from_is_not_waited_for_and_syncs_before_admitting(fleet, monkeypatch):
     """A server whose reads stopped (stuck, or gone) holds a change up for at most
     ledger.LIVE_S; until it reads again it does not admit against what it holds."""

@@ -94,8 +94,19 @@ class Controller:
     # ------------------------------------------------------------------ the ledger
     def sync(self) -> int:
         """Bring the registry up to the engines' ledger: apply, in the ledger's order, every
-        change made through any API server since the last sync. Returns the ledger revision."""
-        with self.lock:
+        change made through any API server since the last sync. Returns the ledger revision.
+
+        While a change through this server holds the lease, another thread's sync reads the
+        registry as it is instead of waiting for the change: no other server can have changed
+        anything since the change's own sync, and the change itself is announced as pending
+        (``_announced``). Waiting would hold an app list, or a request naming an app this
+        server does not know, for as long as the change waits for an engine, up to
+        XMIX_RPC_TIMEOUT_S when a host is out of reach."""
+        if not self.lock.acquire(blocking=False):
+            if time.monotonic() < self.registry.held_until:
+                return self.ledger_rev
+            self.lock.acquire()  # a change still taking the lease, or another sync
+        try:
             t0 = time.monotonic()
             self._fetch_keys()
             got = self._rpc("xmix_ledger", ("since", self._owner, self.ledger_rev))[0]
@@ -106,6 +117,8 @@ class Controller:
             self.ledger_rev = got["rev"]
             self.registry.synced_at = t0
             return self.ledger_rev
+        finally:
+            self.lock.release()
 
     def _fetch_keys(self) -> None:
         """The deployment's secret from the first worker of the first engine, once: every API
