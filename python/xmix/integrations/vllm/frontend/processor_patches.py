@@ -147,6 +147,13 @@ def _arm(st) -> None:
     fence.arm(st, _Armed)
 
 
+def _arm_if_admitted(st) -> None:
+    """A state that is finishing (or may be): its final output carries the provenance if
+    xmix admitted the request; a state xmix did not admit keeps vLLM's own methods."""
+    if st is not None and "_xmix_applied" in st.__dict__:
+        _arm(st)
+
+
 def _from_new_request(orig_from_new):
     """RequestState.from_new_request: the state keeps what admission applied (provenance)."""
 
@@ -177,9 +184,7 @@ def _process_outputs(orig_process):
             if kvp and CARRIER in kvp:
                 _take_engine_results(self, eco, failed)
             if eco.finish_reason is not None:
-                st = self.request_states.get(eco.request_id)
-                if st is not None and "_xmix_applied" in st.__dict__:
-                    _arm(st)
+                _arm_if_admitted(self.request_states.get(eco.request_id))
         out = orig_process(self, engine_core_outputs, *args, **kwargs)
         if failed:
             out.reqs_to_abort.extend(r for r in failed if r not in out.reqs_to_abort)
@@ -198,9 +203,7 @@ def _abort_requests(orig_abort):
             # an id is a state's own or a client's, which names all of its states; a
             # parent's children are aborted through this method again
             for iid in (rid, *self.external_req_ids.get(rid, ())):
-                st = states.get(iid)
-                if st is not None and "_xmix_applied" in st.__dict__:
-                    _arm(st)
+                _arm_if_admitted(states.get(iid))
         return orig_abort(self, request_ids, *args, **kwargs)
 
     return abort_requests
